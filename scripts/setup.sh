@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install the project. torch==2.13.0 first: it is the CPU build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[test]"
