@@ -1,0 +1,132 @@
+"""The ``"swarm"`` accelerator: one local device per peer, and the throughput that the peer announces."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators.registry import _AcceleratorRegistry
+from lightning.fabric.utilities.types import _DEVICE
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from torch import nn
+from typing_extensions import override
+
+
+class SwarmAccelerator(Accelerator):
+    """Accelerator for swarm peers: picks CUDA when present, else the CPU, and measures the peer's throughput.
+
+    ``Trainer(accelerator="swarm", devices=N)`` runs N peers; on a GPU machine each takes one GPU (round robin when
+    there are more peers than GPUs), on a CPU machine they share the CPU.
+    """
+
+    @override
+    def setup_device(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+
+    @override
+    def get_device_stats(self, device: _DEVICE) -> dict[str, Any]:
+        if torch.device(device).type == "cuda":
+            return CUDAAccelerator().get_device_stats(device)
+        return CPUAccelerator().get_device_stats(device)
+
+    @override
+    def teardown(self) -> None:
+        pass
+
+    @staticmethod
+    @override
+    def parse_devices(devices: int | str | list[int]) -> int:
+        if isinstance(devices, list):
+            return len(devices)
+        if devices in ("auto", -1, "-1"):
+            return SwarmAccelerator.auto_device_count()
+        try:
+            count = int(devices)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"`devices={devices!r}` is not understood by the SwarmAccelerator; pass the number of peers to run "
+                "on this machine, e.g. `devices=4`."
+            ) from None
+        if count < 1:
+            raise ValueError(
+                f"The SwarmAccelerator needs `devices >= 1` (peers on this machine), got {count}."
+            )
+        return count
+
+    @staticmethod
+    @override
+    def get_parallel_devices(devices: int | str | list[int]) -> list[torch.device]:
+        count = SwarmAccelerator.parse_devices(devices)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus:
+            return [torch.device("cuda", i % gpus) for i in range(count)]
+        return [torch.device("cpu")] * count
+
+    @staticmethod
+    @override
+    def auto_device_count() -> int:
+        return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+
+    @staticmethod
+    @override
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    @override
+    def name() -> str:
+        return "swarm"
+
+    @staticmethod
+    def measure_flops(device: torch.device, size: int = 512, repeats: int = 3) -> float:
+        """Floating-point operations per second of a square fp32 matmul on ``device`` (best of ``repeats``)."""
+        a = torch.randn(size, size, device=device)
+        best = float("inf")
+        for i in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            a @ a
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                best = min(best, time.perf_counter() - start)
+        return 2 * size**3 / max(best, 1e-9)
+
+    @staticmethod
+    def estimate_throughput(module: nn.Module, device: torch.device) -> float:
+        """A first guess of the samples per second ``module`` trains at (forward + backward ~ 6 FLOPs per
+        parameter per sample), announced until the server has measured real calls."""
+        params = sum(p.numel() for p in module.parameters()) or 1
+        return SwarmAccelerator.measure_flops(device) / (6 * params)
+
+    @staticmethod
+    def measure_throughput(
+        module: nn.Module, example: torch.Tensor, device: torch.device | None = None, repeats: int = 3
+    ) -> float:
+        """Samples per second that ``module`` processes forward and backward on ``example`` (its first dimension
+        is the batch), after one warm-up call. This is the figure a server announces before it has real traffic.
+        """
+        device = device or example.device
+        example = example.to(device).detach().requires_grad_(example.is_floating_point())
+        best = float("inf")
+        for i in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            out = module(example)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            out.float().sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:  # the first call warms up
+                best = min(best, time.perf_counter() - start)
+        module.zero_grad(set_to_none=True)
+        return example.shape[0] / max(best, 1e-9)
+
+    @classmethod
+    @override
+    def register_accelerators(cls, accelerator_registry: _AcceleratorRegistry) -> None:
+        accelerator_registry.register(cls.name(), cls, description=cls.__name__)

@@ -1,0 +1,273 @@
+"""``SwarmStrategy``: SWARM parallelism for Lightning (stochastic pipelines of hivemind peers)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from contextlib import nullcontext
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import ReduceOp
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_swarm.swarm.peer import SwarmPeer, SwarmSettings
+
+log = logging.getLogger(__name__)
+
+Role = Literal["both", "trainer", "server"]
+Compression = Literal["8bit", "fp16", "none"]
+
+
+class SwarmStrategy(ParallelStrategy):
+    """SWARM parallelism: the model's pipeline of blocks is cut into stages, each served by a swarm of hivemind
+    peers; every microbatch takes a throughput-weighted random path through one peer per stage.
+
+    Every process that runs ``Trainer(strategy=...).fit(...)`` is a peer. ``Trainer(strategy="swarm",
+    accelerator="cpu", devices=N)`` starts N peers on this machine (peer 0 bootstraps the DHT); on several machines,
+    give each process ``initial_peers`` or set ``LIGHTNING_SWARM_INITIAL_PEERS``.
+
+    Args:
+        pipeline: attribute path (from the LightningModule) of the ``nn.Sequential`` or ``nn.ModuleList`` of blocks
+            to run in the swarm, e.g. ``"model.layers"``. ``None`` picks the Sequential/ModuleList with the most
+            parameters.
+        num_stages: number of contiguous stages the blocks are cut into.
+        role: ``"both"`` (feed data and serve a stage), ``"trainer"`` (feed data only) or ``"server"`` (serve a
+            stage only; the peer's training loop runs no steps and ends when the trainers are done).
+        stage: stage this peer serves; ``None`` picks one: peer ``i`` of a local swarm serves ``i % num_stages``,
+            a peer joining from elsewhere takes the stage with the least announced throughput.
+        num_trainers: in a local swarm (``devices=N``), how many of the N peers feed data (the first ones); the
+            others serve only. ``None`` means all of them.
+        initial_peers: multiaddrs of peers already in the swarm. Empty: take ``LIGHTNING_SWARM_INITIAL_PEERS``
+            (comma-separated), else this peer bootstraps a new swarm.
+        host_maddrs: multiaddrs this peer listens on; default loopback only (``/ip4/127.0.0.1/tcp/0``). Use
+            ``/ip4/0.0.0.0/tcp/<port>`` to accept peers from other machines.
+        run_id: name of the swarm; peers with the same ``run_id`` train together.
+        compression: codec for activations and gradients crossing stage boundaries: ``"8bit"`` (blockwise
+            quantization, 1/4 of fp32 bytes), ``"fp16"`` or ``"none"``.
+        target_batch_size: samples a stage's swarm (and the trainers, for their local parameters) accumulates
+            before its peers average gradients and step together.
+        request_timeout: seconds before a call to a peer counts as failed and is retried on another peer.
+        no_peers_timeout: seconds to wait for a stage that has no live peers before raising an error.
+        matchmaking_time: seconds peers of a stage spend finding each other before averaging gradients.
+        averaging_timeout: seconds an averaging round may take before it is abandoned.
+        linger_timeout: at the end of a run, seconds a peer keeps serving while other peers still train.
+    """
+
+    strategy_name = "swarm"
+
+    def __init__(
+        self,
+        pipeline: str | None = None,
+        num_stages: int = 2,
+        role: Role = "both",
+        stage: int | None = None,
+        num_trainers: int | None = None,
+        initial_peers: list[str] | None = None,
+        host_maddrs: list[str] | None = None,
+        run_id: str = "lightning_swarm",
+        compression: Compression = "8bit",
+        target_batch_size: int = 256,
+        request_timeout: float = 30.0,
+        no_peers_timeout: float = 60.0,
+        matchmaking_time: float = 3.0,
+        averaging_timeout: float = 30.0,
+        linger_timeout: float = 300.0,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.settings = SwarmSettings(
+            pipeline=pipeline,
+            num_stages=num_stages,
+            role=role,
+            stage=stage,
+            num_trainers=num_trainers,
+            initial_peers=list(initial_peers or []),
+            host_maddrs=list(host_maddrs or []),
+            run_id=run_id,
+            compression=compression,
+            target_batch_size=target_batch_size,
+            request_timeout=request_timeout,
+            no_peers_timeout=no_peers_timeout,
+            matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout,
+            linger_timeout=linger_timeout,
+        )
+        self.settings.validate()
+        self.num_nodes = 1
+        self._peer: SwarmPeer | None = None
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Several local peers split the data like DDP ranks do; collectives stay local (see `reduce`).
+        return self.world_size > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        trainers = self.settings.num_trainers or self.world_size
+        return {
+            "num_replicas": max(1, min(trainers, self.world_size)),
+            "rank": self.global_rank % max(1, trainers),
+        }
+
+    @property
+    def peer(self) -> SwarmPeer:
+        """The running swarm peer (DHT, stage server, client); available between setup and teardown."""
+        if self._peer is None:
+            raise RuntimeError(
+                "The SwarmStrategy's peer runs only between `setup_environment` and `teardown`."
+            )
+        return self._peer
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally and self.num_processes > 1:
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        local_swarm = self.world_size if self.world_size > 1 else None
+        rendezvous = None
+        if local_swarm is not None:
+            port = os.environ.get("MASTER_PORT", "0")
+            rendezvous = os.path.join(_tempdir(), f"lightning_swarm_{port}_{self.settings.run_id}")
+        self._peer = SwarmPeer(
+            self.settings,
+            peer_index=self.global_rank,
+            local_swarm_size=local_swarm,
+            rendezvous_path=rendezvous,
+            device=self.root_device,
+        )
+        self._peer.start_dht()
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        optimizer = self.optimizers[0] if fitting and self.optimizers else None
+        self.peer.join(self.lightning_module, optimizer=optimizer, training=fitting)
+        if fitting:
+            self.optimizers = self.peer.trainer_optimizers(self.optimizers)
+        self.setup_precision_plugin()
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def on_train_start(self) -> None:
+        if self.settings.role == "server":
+            self.peer.serve_until_trainers_finish()
+            assert self.lightning_module is not None
+            self.lightning_module.trainer.should_stop = True
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if args:
+            self.peer.note_batch_size(extract_batch_size(args[0]))
+        output = super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        for name, value in self.peer.stats().items():
+            self.lightning_module.log(name, value, on_step=True, on_epoch=False, reduce_fx="max")
+        return output
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        return super().optimizer_step(
+            optimizer, closure, model, **self.peer.optimizer_step_kwargs(), **kwargs
+        )
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Any:
+        """Peers of a swarm never wait for each other, so values are not reduced across peers: each peer logs its
+        own figures."""
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """No-op: swarm peers run asynchronously."""
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return tensor.unsqueeze(0)
+
+    def block_backward_sync(self) -> Any:
+        return nullcontext()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model, with every stage's current parameters gathered from the swarm."""
+        assert self.lightning_module is not None
+        if self._peer is None or not self._peer.joined:
+            return self.lightning_module.state_dict()
+        return self._peer.full_state_dict(self.lightning_module)
+
+    @override
+    def teardown(self) -> None:
+        if self._peer is not None:
+            self._peer.leave(self.lightning_module)
+            self._peer = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+
+
+def _tempdir() -> str:
+    return tempfile.gettempdir()

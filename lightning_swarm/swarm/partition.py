@@ -1,0 +1,276 @@
+"""Stage partitioning: cut a user's ``nn.Sequential`` / ``nn.ModuleList`` of blocks into contiguous stages and
+stand proxies in its place.
+
+A *stage* is a group of consecutive blocks served by a swarm of peers. The trainer keeps everything outside the
+pipeline; the container itself is swapped for a proxy with the same calling interface, whose calls go through
+``call_stage(stage, *args, **kwargs)`` (the :class:`~lightning_swarm.swarm.client.SwarmClient`, or anything with
+that signature). The original container is kept aside (not registered as a submodule, so its parameters are not
+the trainer's) so it can be put back with the trained weights when the swarm run ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+CallStage = Callable[..., Any]
+
+
+def resolve_attribute(root: nn.Module, path: str) -> tuple[nn.Module, str, nn.Module]:
+    """Find ``root.<path>`` and return ``(parent, attribute_name, container)``.
+
+    Raises:
+        ValueError: if the path does not exist or does not name an ``nn.Sequential`` / ``nn.ModuleList``.
+    """
+    if not path or not isinstance(path, str):
+        raise ValueError(f"`pipeline` must be an attribute path such as 'model.layers', got {path!r}.")
+    parts = path.split(".")
+    parent = root
+    for i, name in enumerate(parts[:-1]):
+        if not hasattr(parent, name):
+            raise ValueError(
+                f"`pipeline={path!r}`: {type(parent).__name__} has no attribute {name!r} "
+                f"(resolved so far: {'.'.join(parts[:i]) or '<module>'}). Point `pipeline` at the attribute "
+                "that holds the nn.Sequential or nn.ModuleList of blocks."
+            )
+        parent = getattr(parent, name)
+    name = parts[-1]
+    container = getattr(parent, name, None)
+    if container is None:
+        raise ValueError(
+            f"`pipeline={path!r}`: {type(parent).__name__} has no attribute {name!r}. Point `pipeline` at the "
+            "attribute that holds the nn.Sequential or nn.ModuleList of blocks."
+        )
+    if isinstance(container, (SwarmSequential, SwarmModuleList)):
+        raise ValueError(f"`pipeline={path!r}` is already partitioned into a swarm; call `restore` first.")
+    if not isinstance(container, (nn.Sequential, nn.ModuleList)):
+        raise ValueError(
+            f"`pipeline={path!r}` is a {type(container).__name__}; it must be an nn.Sequential or nn.ModuleList "
+            "of blocks."
+        )
+    return parent, name, container
+
+
+def split_stages(num_blocks: int, num_stages: int) -> list[range]:
+    """Contiguous, as-even-as-possible ranges of block indices, one per stage (earlier stages get the extra)."""
+    if num_stages < 1:
+        raise ValueError(f"`num_stages` must be at least 1, got {num_stages}.")
+    if num_blocks < num_stages:
+        raise ValueError(
+            f"Cannot split {num_blocks} blocks into {num_stages} stages: every stage needs at least one block. "
+            f"Use `num_stages <= {num_blocks}`."
+        )
+    base, extra = divmod(num_blocks, num_stages)
+    ranges, start = [], 0
+    for k in range(num_stages):
+        size = base + (1 if k < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+class StageBlocks(nn.Module):
+    """The module a server runs for one stage of a ModuleList pipeline.
+
+    Every block is called with the same extra ``*args, **kwargs`` that the parent passes to each block; a block's
+    output (its first element, if it returns a tuple) replaces the first positional argument for the next block,
+    and the last block's output is returned as it is.
+    """
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not args:
+            raise TypeError("A swarm stage needs the hidden state as its first positional argument.")
+        out: Any = None
+        for block in self.blocks:
+            out = block(*args, **kwargs)
+            hidden = out[0] if isinstance(out, (tuple, list)) else out
+            args = (hidden, *args[1:])
+        return out
+
+
+def build_stage_module(container: nn.Module, blocks: range) -> nn.Module:
+    """The module that serves stage ``blocks`` of ``container`` (shares parameters with the container)."""
+    chosen = [container[i] for i in blocks]
+    if isinstance(container, nn.Sequential):
+        return nn.Sequential(*chosen)
+    return StageBlocks(chosen)
+
+
+def stage_state_keys(container: nn.Module, blocks: range) -> dict[str, str]:
+    """Map a stage module's ``state_dict`` keys to the container's keys (``'0.weight'`` -> ``'3.weight'``)."""
+    stage = build_stage_module(container, blocks)
+    prefix = "blocks." if isinstance(stage, StageBlocks) else ""
+    mapping = {}
+    for key in stage.state_dict():
+        local = key[len(prefix) :]
+        index, rest = local.split(".", 1)
+        mapping[key] = f"{blocks[int(index)]}.{rest}"
+    return mapping
+
+
+class RemoteStage(nn.Module):
+    """Stands for one stage: calling it runs the stage's blocks on a peer of that stage's swarm.
+
+    Attribute reads that the proxy does not have fall through to the stage's first block (kept on the trainer
+    only as a description, off the parameter list), so parents that inspect their blocks keep working.
+    """
+
+    def __init__(self, stage: int, blocks: list[nn.Module], call_stage: CallStage) -> None:
+        super().__init__()
+        self.stage = stage
+        object.__setattr__(self, "_blocks", list(blocks))
+        object.__setattr__(self, "_call_stage", call_stage)
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call_stage(self.stage, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            blocks = self.__dict__.get("_blocks")
+            if blocks:
+                return getattr(blocks[0], name)
+            raise
+
+    def extra_repr(self) -> str:
+        return f"stage={self.stage}, blocks={len(self._blocks)}"
+
+
+class SwarmModuleList(nn.Module):
+    """Stands for a ModuleList pipeline: a list of :class:`RemoteStage` proxies, one per stage.
+
+    ``len(proxy)`` and iteration are over stages (a parent's ``for block in self.layers`` runs one remote call per
+    stage); ``proxy.num_blocks`` and ``proxy.blocks`` describe the original blocks.
+    """
+
+    def __init__(self, stages: list[RemoteStage], original: nn.Module) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        object.__setattr__(self, "_original", original)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._original)
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return list(self._original)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def __iter__(self) -> Iterator[RemoteStage]:
+        return iter(self.stages)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self.stages[index]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("A ModuleList pipeline is not callable; iterate over it and call each stage.")
+
+
+class SwarmSequential(nn.Module):
+    """Stands for an nn.Sequential pipeline: calling it runs every stage in turn through the swarm."""
+
+    def __init__(self, num_stages: int, original: nn.Module, call_stage: CallStage) -> None:
+        super().__init__()
+        self.num_stages = num_stages
+        object.__setattr__(self, "_original", original)
+        object.__setattr__(self, "_call_stage", call_stage)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._original)
+
+    def __len__(self) -> int:
+        return len(self._original)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self._original[index]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._original)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        for stage in range(self.num_stages):
+            x = self._call_stage(stage, x)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"stages={self.num_stages}, blocks={len(self._original)}"
+
+
+class Partition:
+    """The stages of one pipeline inside a module, and the swap between the container and its proxy.
+
+    Args:
+        root: the module that holds the pipeline (e.g. the LightningModule).
+        path: attribute path of the ``nn.Sequential`` / ``nn.ModuleList`` (e.g. ``"model.layers"``).
+        num_stages: number of contiguous stages to cut it into.
+    """
+
+    def __init__(self, root: nn.Module, path: str, num_stages: int) -> None:
+        self.root = root
+        self.path = path
+        self.parent, self.name, self.container = resolve_attribute(root, path)
+        self.stages = split_stages(len(self.container), num_stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def is_sequential(self) -> bool:
+        return isinstance(self.container, nn.Sequential)
+
+    def stage_module(self, stage: int) -> nn.Module:
+        return build_stage_module(self.container, self.stages[stage])
+
+    def install_proxy(self, call_stage: CallStage) -> nn.Module:
+        """Replace the container with its proxy inside ``root``; the container's parameters leave ``root``."""
+        if self.is_sequential:
+            proxy: nn.Module = SwarmSequential(self.num_stages, self.container, call_stage)
+        else:
+            remote = [
+                RemoteStage(k, [self.container[i] for i in blocks], call_stage)
+                for k, blocks in enumerate(self.stages)
+            ]
+            proxy = SwarmModuleList(remote, self.container)
+        setattr(self.parent, self.name, proxy)
+        return proxy
+
+    def restore(self, stage_states: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
+        """Put the original container back, loading the given per-stage ``state_dict``s into it first."""
+        for stage, state in (stage_states or {}).items():
+            self.container.load_state_dict(self.to_container_state(stage, state), strict=False)
+        setattr(self.parent, self.name, self.container)
+
+    def to_container_state(self, stage: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        mapping = stage_state_keys(self.container, self.stages[stage])
+        unknown = set(state) - set(mapping)
+        if unknown:
+            raise ValueError(f"Stage {stage} sent unexpected state keys {sorted(unknown)[:5]}.")
+        return {mapping[key]: value for key, value in state.items()}
+
+    def full_state_keys(self, stage_states: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Stage states as entries of ``root.state_dict()`` (``'<path>.<block>.<param>'``)."""
+        out = {}
+        for stage, state in stage_states.items():
+            for key, value in self.to_container_state(stage, state).items():
+                out[f"{self.path}.{key}"] = value
+        return out
