@@ -1,0 +1,199 @@
+"""Batched, autograd-aware collectives for D-SLIDE model parallelism, with byte accounting.
+
+D-SLIDE shards wide layers by neurons across ranks. A training step then needs only a few collectives over
+small per-batch tensors (hidden activations ``[B, H]``, per-sample softmax max and sum ``[B]``, the gradient
+with respect to the hidden activations ``[B, H]``), never one per sample and never a weight-sized one. This
+module holds those collectives as autograd functions (their backward is the adjoint collective), and a
+:class:`CommStats` that counts every byte they move so that the strategy can log it and tests can compare it
+with the analytic count.
+
+Byte convention: a collective is counted by the size of its logical payload, the tensor every rank ends up
+holding: ``all_reduce`` of ``x`` counts ``x.numel() * x.element_size()``, ``all_gather`` counts the size of the
+gathered result. The wire traffic of gloo's ring algorithms is within a factor ``2 (n - 1) / n`` of that.
+
+The engine does not import Lightning.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class CommStats:
+    """Counts the collectives of one process: bytes and calls, per kind, since the last :meth:`reset`.
+
+    Args:
+        bytes_by_kind: logical payload bytes per collective kind (e.g. ``"hidden_all_gather"``).
+        calls_by_kind: number of calls per collective kind.
+    """
+
+    bytes_by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls_by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, kind: str, tensor: Tensor) -> None:
+        """Record one collective of ``kind`` whose logical payload is ``tensor``."""
+        self.bytes_by_kind[kind] += tensor.numel() * tensor.element_size()
+        self.calls_by_kind[kind] += 1
+
+    @property
+    def total_bytes(self) -> int:
+        """All bytes counted since the last reset."""
+        return sum(self.bytes_by_kind.values())
+
+    @property
+    def total_calls(self) -> int:
+        """All collective calls counted since the last reset."""
+        return sum(self.calls_by_kind.values())
+
+    def reset(self) -> None:
+        """Forget everything counted so far."""
+        self.bytes_by_kind = defaultdict(int)
+        self.calls_by_kind = defaultdict(int)
+
+    def snapshot(self) -> dict[str, int]:
+        """A plain copy of the per-kind byte counts (for logging and tests)."""
+        return dict(self.bytes_by_kind)
+
+
+@dataclass
+class ShardGroup:
+    """The process group a sharded layer talks over, with its rank, size and byte counter.
+
+    Args:
+        group: a ``torch.distributed`` process group, or ``None`` for the default (WORLD) group.
+        stats: where the bytes of every collective are counted.
+    """
+
+    group: Any = None
+    stats: CommStats = field(default_factory=CommStats)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    def all_reduce_(
+        self, tensor: Tensor, kind: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> Tensor:
+        """In-place all-reduce of ``tensor`` (counted under ``kind``); returns ``tensor``."""
+        if self.world_size > 1:
+            self.stats.add(kind, tensor)
+            dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def all_gather_cat(self, tensor: Tensor, kind: str, dim: int = 0) -> Tensor:
+        """All-gather ``tensor`` from every rank (shapes may differ along ``dim`` only) and concatenate."""
+        if self.world_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        sizes = shard_sizes_along(tensor, dim, self)
+        parts = []
+        for size in sizes:
+            shape = list(tensor.shape)
+            shape[dim] = size
+            parts.append(tensor.new_empty(shape))
+        dist.all_gather(parts, tensor, group=self.group)
+        out = torch.cat(parts, dim=dim)
+        self.stats.add(kind, out)
+        return out
+
+
+def shard_sizes_along(tensor: Tensor, dim: int, shard_group: ShardGroup) -> list[int]:
+    """The extent of ``tensor`` along ``dim`` on every rank.
+
+    Sharded layers know these sizes statically (:func:`shard_range`), so the hot path never calls this; it
+    is only used where a caller cannot know them. It costs one tiny all-gather (not counted: bookkeeping).
+    """
+    size = torch.tensor([tensor.shape[dim]], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(shard_group.world_size)]
+    dist.all_gather(sizes, size, group=shard_group.group)
+    return [int(s.item()) for s in sizes]
+
+
+def shard_range(total: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The contiguous range ``[lo, hi)`` of ``total`` items that ``rank`` owns out of ``world_size``.
+
+    The first ``total % world_size`` ranks own one item more, so sizes differ by at most one.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"shard_range: rank {rank} is not in a group of {world_size} ranks.")
+    if total < world_size:
+        raise ValueError(
+            f"Cannot shard {total} neurons over {world_size} ranks: every rank needs at least one. "
+            "Use fewer ranks or a wider layer."
+        )
+    base, extra = divmod(total, world_size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+class _AllGatherColumns(torch.autograd.Function):
+    """``[B, h_r]`` on each rank -> ``[B, sum h_r]`` on every rank; backward: all-reduce, keep own columns."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, sizes: list[int], shard_group: ShardGroup) -> Tensor:
+        ctx.sizes = sizes
+        ctx.shard_group = shard_group
+        parts = [local.new_empty(local.shape[0], size) for size in sizes]
+        dist.all_gather(parts, local.contiguous(), group=shard_group.group)
+        out = torch.cat(parts, dim=1)
+        shard_group.stats.add("hidden_all_gather", out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        shard_group: ShardGroup = ctx.shard_group
+        # Every rank's loss depends on every hidden column: the total gradient of a column is the sum of
+        # the ranks' partial gradients.
+        grad = grad.contiguous().clone()
+        shard_group.all_reduce_(grad, "hidden_grad_all_reduce")
+        lo = sum(ctx.sizes[: shard_group.rank])
+        return grad[:, lo : lo + ctx.sizes[shard_group.rank]], None, None
+
+
+def all_gather_columns(local: Tensor, sizes: list[int], shard_group: ShardGroup) -> Tensor:
+    """Assemble the full hidden activations ``[B, H]`` from every rank's column slice ``[B, H_r]``.
+
+    Args:
+        local: this rank's slice, ``[B, sizes[rank]]``.
+        sizes: the width of every rank's slice, in rank order.
+        shard_group: the group and byte counter.
+
+    Returns:
+        ``[B, sum(sizes)]`` on every rank. Its backward all-reduces the gradient ``[B, H]`` and returns this
+        rank's columns, so the sharded parameters get the gradient of the sum of all ranks' losses.
+    """
+    if shard_group.world_size == 1:
+        return local
+    return _AllGatherColumns.apply(local, sizes, shard_group)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks; the adjoint (backward) is again a sum over ranks."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, shard_group: ShardGroup, kind: str) -> Tensor:
+        ctx.shard_group = shard_group
+        ctx.kind = kind
+        return shard_group.all_reduce_(tensor.clone(), kind)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return ctx.shard_group.all_reduce_(grad.contiguous().clone(), ctx.kind + "_grad"), None, None
+
+
+def all_reduce_sum(tensor: Tensor, shard_group: ShardGroup, kind: str) -> Tensor:
+    """Differentiable sum over ranks: every rank gets the sum and its backward sums the gradients."""
+    if shard_group.world_size == 1:
+        return tensor
+    return _AllReduceSum.apply(tensor, shard_group, kind)
