@@ -1,0 +1,1 @@
+"""Extreme classification on Amazon-670K (or data shaped like it) with SparseLSHLinear."""

@@ -1,0 +1,206 @@
+"""The extreme-classification example: repository-format reader/writer, synthetic generator,
+batching, and end-to-end training through LightningCLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from examples.amazon670k.data import (
+    XCData,
+    XCDataModule,
+    collate_sparse,
+    iter_xc_file,
+    make_synthetic,
+    popularity_p_at_1,
+    read_header,
+    read_xc_file,
+    write_xc_file,
+)
+
+SAMPLE_DIR = Path(__file__).resolve().parents[1] / "examples" / "amazon670k" / "sample_data"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reader / writer
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sample_file_parses_to_known_values() -> None:
+    points = list(iter_xc_file(SAMPLE_DIR / "train.txt"))
+    assert points == [
+        ([0, 3], [0, 2, 7], [0.5, 1.25, 0.1]),
+        ([1], [1, 9], [1.0, 0.25]),
+        ([], [3, 4], [0.75, 0.5]),  # line starting with a space: no labels
+        ([2, 4], [0, 5], [1.0, 2.5]),
+        ([4], [8], [0.125]),
+        ([], [6], [1.5]),  # line starting directly with a feature: no labels
+    ]
+    assert read_header(SAMPLE_DIR / "train.txt") == (6, 10, 5)
+    data = read_xc_file(SAMPLE_DIR / "train.txt")
+    assert (len(data), data.num_features, data.num_labels) == (6, 10, 5)
+    assert data.label_indptr.tolist() == [0, 2, 3, 3, 5, 6, 6]
+    assert data.labels.tolist() == [0, 3, 1, 2, 4, 4]
+    assert data.feature_indptr.tolist() == [0, 3, 5, 7, 9, 10, 11]
+    assert data.feature_ids.tolist() == [0, 2, 7, 1, 9, 3, 4, 0, 5, 8, 6]
+    np.testing.assert_array_equal(
+        data.feature_values, np.float32([0.5, 1.25, 0.1, 1, 0.25, 0.75, 0.5, 1, 2.5, 0.125, 1.5])
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "what"),
+    [
+        ("3 10\n0 1:1\n", 1, "bad header"),
+        ("two 10 5\n0 1:1\n", 1, "bad header"),
+        ("2 10 5\n0 1:1\n1 2-1\n", 3, "bad feature '2-1'"),
+        ("2 10 5\n0 1:1\n1 2:x\n", 3, "bad feature '2:x'"),
+        ("2 10 5\n0 1:1\n1 2:1 :3\n", 3, "bad feature ':3'"),
+        ("2 10 5\n0 1:1\n1,5 2:1\n", 3, "label 5 out of range"),
+        ("2 10 5\n0 1:1\n1,,2 2:1\n", 3, "bad label list"),
+        ("2 10 5\n0 10:1\n1 2:1\n", 2, "feature 10 out of range"),
+        ("2 10 5\n0 -1:1\n1 2:1\n", 2, "feature -1 out of range"),
+        ("2 10 5\n0 1:1\n\n", 3, "empty line"),
+        ("3 10 5\n0 1:1\n1 2:1\n", 4, "file ends after 2 points"),
+        ("1 10 5\n0 1:1\n1 2:1\n", 3, "more points than"),
+    ],
+)
+def test_malformed_input_names_file_and_line(tmp_path: Path, text: str, line: int, what: str) -> None:
+    path = tmp_path / "bad.txt"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        read_xc_file(path)
+    assert f"bad.txt:{line}:" in str(err.value)
+    assert what in str(err.value)
+
+
+def test_writer_reader_round_trip(tmp_path: Path) -> None:
+    data = make_synthetic(300, num_features=500, num_labels=200, seed=3)
+    # Drop the labels of point 0: a point without labels must survive the round trip too.
+    n0 = int(data.label_indptr[1])
+    label_indptr = np.concatenate([[0], data.label_indptr[1:] - n0])
+    data = XCData(
+        label_indptr, data.labels[n0:], data.feature_indptr, data.feature_ids, data.feature_values, 500, 200
+    )
+    assert len(data.row(0)[0]) == 0
+    path = tmp_path / "train.txt"
+    write_xc_file(path, data)
+    back = read_xc_file(path)
+    for name in ("label_indptr", "labels", "feature_indptr", "feature_ids", "feature_values"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(data, name), err_msg=name)
+    assert (back.num_features, back.num_labels) == (500, 200)
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic generator
+# ---------------------------------------------------------------------------------------------
+
+
+def _csr_equal(a: XCData, b: XCData) -> bool:
+    names = ("label_indptr", "labels", "feature_indptr", "feature_ids", "feature_values")
+    return all(np.array_equal(getattr(a, n), getattr(b, n)) for n in names)
+
+
+def test_synthetic_is_deterministic_in_the_seed() -> None:
+    a = make_synthetic(2000, num_features=3000, num_labels=4000, seed=5)
+    b = make_synthetic(2000, num_features=3000, num_labels=4000, seed=5)
+    c = make_synthetic(2000, num_features=3000, num_labels=4000, seed=6)
+    assert _csr_equal(a, b)
+    assert not _csr_equal(a, c)
+
+
+def test_synthetic_shape_and_validity() -> None:
+    data = make_synthetic(3000, num_features=2000, num_labels=5000, seed=0)
+    labels_per_point = np.diff(data.label_indptr)
+    assert labels_per_point.min() >= 1 and labels_per_point.max() <= 5
+    assert np.diff(data.feature_indptr).min() >= 1
+    assert data.labels.min() >= 0 and data.labels.max() < 5000
+    assert data.feature_ids.min() >= 0 and data.feature_ids.max() < 2000
+    assert (data.feature_values > 0).all()
+    rows = np.repeat(np.arange(len(data)), np.diff(data.feature_indptr))
+    norms = np.sqrt(np.bincount(rows, weights=data.feature_values.astype(np.float64) ** 2))
+    np.testing.assert_allclose(norms, 1.0, rtol=1e-5)
+    for i in range(0, len(data), 97):  # ids within a point are sorted and distinct
+        labels, ids, _ = data.row(i)
+        assert (np.diff(labels) > 0).all() and (np.diff(ids) > 0).all()
+
+
+def test_synthetic_label_frequencies_are_skewed() -> None:
+    data = make_synthetic(20_000, num_features=20_000, num_labels=20_000, seed=0)
+    counts = np.sort(np.bincount(data.labels, minlength=data.num_labels))[::-1]
+    top_share = counts[: data.num_labels // 100].sum() / counts.sum()
+    assert top_share > 0.3  # the top 1% of labels cover over 30% of occurrences (uniform: 1%)
+    assert (counts == 0).sum() > 0.2 * data.num_labels  # a long tail never seen in 20k points
+
+
+def test_synthetic_is_learnable_by_a_centroid_classifier() -> None:
+    # Train/test from the same distribution: same structure seed, different point seeds.
+    train = make_synthetic(4000, num_features=3000, num_labels=3000, seed=1, sample_seed=10)
+    test = make_synthetic(500, num_features=3000, num_labels=3000, seed=1, sample_seed=11)
+
+    def dense(d: XCData) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.zeros(len(d), d.num_features)
+        x[torch.from_numpy(np.repeat(np.arange(len(d)), np.diff(d.feature_indptr))), d.feature_ids] = (
+            torch.from_numpy(d.feature_values)
+        )
+        y = torch.zeros(len(d), d.num_labels)
+        y[torch.from_numpy(np.repeat(np.arange(len(d)), np.diff(d.label_indptr))), d.labels] = 1.0
+        return x, y
+
+    x_train, y_train = dense(train)
+    x_test, y_test = dense(test)
+    centroids = torch.nn.functional.normalize(y_train.T @ x_train, dim=1)
+    top1 = (x_test @ centroids.T).argmax(dim=1)
+    p_at_1 = y_test[torch.arange(len(test)), top1].mean().item()
+    chance = popularity_p_at_1(train, test)
+    assert chance < 0.1
+    assert p_at_1 > 0.5 and p_at_1 > 5 * chance
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching and the DataModule
+# ---------------------------------------------------------------------------------------------
+
+
+def test_collate_builds_embedding_bag_inputs_and_padded_labels() -> None:
+    data = read_xc_file(SAMPLE_DIR / "train.txt")
+    indices, offsets, values, labels = collate_sparse([data.row(i) for i in (0, 2, 3)])
+    assert indices.dtype == torch.long and offsets.dtype == torch.long and values.dtype == torch.float32
+    assert indices.tolist() == [0, 2, 7, 3, 4, 0, 5]
+    assert offsets.tolist() == [0, 3, 5]
+    assert values.tolist() == pytest.approx([0.5, 1.25, 0.1, 0.75, 0.5, 1.0, 2.5])
+    assert labels.tolist() == [[0, 3], [-1, -1], [2, 4]]
+    _, _, _, only_empty = collate_sparse([data.row(2)])
+    assert only_empty.tolist() == [[-1]]
+
+
+def test_datamodule_reads_real_files_and_takes_shape_from_the_header() -> None:
+    dm = XCDataModule(data_dir=str(SAMPLE_DIR), batch_size=4)
+    assert (dm.num_features, dm.num_labels) == (10, 5)
+    dm.setup("fit")
+    assert len(dm.train_data) == 6 and len(dm.test_data) == 3
+    seen = []
+    for indices, offsets, values, labels in dm.train_dataloader():
+        assert len(offsets) == labels.shape[0] and len(indices) == len(values)
+        seen += [sorted(int(y) for y in row if y >= 0) for row in labels]
+    assert sorted(seen) == sorted([[0, 3], [1], [], [2, 4], [4], []])
+    with pytest.raises(ValueError, match="num_labels=7 but the files"):
+        _ = XCDataModule(data_dir=str(SAMPLE_DIR), num_labels=7).num_labels
+    with pytest.raises(FileNotFoundError, match="train_file"):
+        _ = XCDataModule(data_dir=str(SAMPLE_DIR), train_file="trn.txt").num_labels
+
+
+def test_datamodule_synthetic_shuffles_training_data() -> None:
+    dm = XCDataModule(
+        synthetic_samples=500, synthetic_test_samples=100, num_features=800, num_labels=600, batch_size=50
+    )
+    dm.setup("fit")
+    assert (len(dm.train_data), len(dm.test_data)) == (500, 100)
+    torch.manual_seed(0)
+    first = next(iter(dm.train_dataloader()))[3]
+    in_order = collate_sparse([dm.train_data.row(i) for i in range(50)])[3]
+    assert first.shape[0] == 50 and not torch.equal(first, in_order)
+    assert not _csr_equal(dm.train_data.select(slice(0, 100)), dm.test_data)
