@@ -1,0 +1,70 @@
+"""One background asyncio event loop per process, shared by every SWARM component.
+
+hivemind's ``P2P`` objects are bound to the event loop they were created in, so the stage servers and the
+swarm client of a process all live on one loop running in a daemon thread. Sync code (the trainer, the
+server's compute thread) submits coroutines to it with :func:`run_coroutine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None
+_pid: int | None = None
+
+
+def get_loop() -> asyncio.AbstractEventLoop:
+    """Return this process's background event loop, starting its thread on first use (and after a fork)."""
+    global _loop, _thread, _pid
+    with _lock:
+        if _loop is None or _pid != os.getpid() or _thread is None or not _thread.is_alive():
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def _run() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
+
+            thread = threading.Thread(target=_run, name="lightning-swarm-loop", daemon=True)
+            thread.start()
+            ready.wait()
+            _loop, _thread, _pid = loop, thread, os.getpid()
+        return _loop
+
+
+def in_loop_thread() -> bool:
+    """True when called from the background loop's own thread (where blocking on it would deadlock)."""
+    return _thread is not None and threading.current_thread() is _thread
+
+
+def run_coroutine(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    """Run ``coro`` on the background loop and wait for its result.
+
+    Args:
+        coro: the coroutine to run.
+        timeout: seconds to wait; ``None`` waits forever. On timeout the coroutine is cancelled and
+            ``TimeoutError`` is raised.
+    """
+    if in_loop_thread():
+        coro.close()
+        raise RuntimeError(
+            "run_coroutine() was called from the swarm event-loop thread; await the coroutine instead"
+        )
+    future = asyncio.run_coroutine_threadsafe(coro, get_loop())
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        if future.done() and not future.cancelled():
+            raise  # the coroutine itself raised TimeoutError
+        future.cancel()
+        raise TimeoutError(f"swarm operation did not finish within {timeout} s") from None

@@ -1,0 +1,176 @@
+"""Stochastic wiring: which peer of a stage gets the next microbatch.
+
+SWARM routes each microbatch to one peer per stage in proportion to the peers' measured throughput, using
+interleaved weighted round robin: every peer has an *expected busy time* (virtual seconds of work already
+assigned to it); the peer with the smallest one gets the task and its busy time grows by
+``task_size / throughput``. Peers that join (or come back from a ban) enter at the current minimum, so they
+are probed right away without being flooded. Failing peers are banned with exponential backoff.
+
+:class:`StageRouter` handles one stage and is a pure function of the announced peers, the reported failures
+and the clock, so it is unit-tested without a network. The :class:`~.client.SwarmClient` keeps one per stage.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+from hivemind.p2p import PeerID
+
+from .records import PeerInfo
+
+__all__ = ["NoPeersError", "StageRouter"]
+
+_MIN_THROUGHPUT = 1e-6
+
+
+class NoPeersError(RuntimeError):
+    """No live peer serves a stage (all unknown, banned or excluded)."""
+
+
+@dataclass
+class _Ban:
+    failures: int = 0
+    until: float = 0.0
+
+
+class StageRouter:
+    """Interleaved weighted round robin over the peers of one stage, with bans.
+
+    Args:
+        stage: the stage index (used in error messages).
+        run_id: the swarm's run id (used in error messages).
+        ban_base_s: the first ban of a peer lasts this many seconds; every further consecutive failure
+            doubles it.
+        ban_max_s: bans never last longer than this many seconds.
+    """
+
+    def __init__(self, stage: int, *, run_id: str = "", ban_base_s: float = 15.0, ban_max_s: float = 600.0):
+        if ban_base_s < 0 or ban_max_s < ban_base_s:
+            raise ValueError(f"Need 0 <= ban_base_s <= ban_max_s, got {ban_base_s} and {ban_max_s}")
+        self.stage, self.run_id = stage, run_id
+        self.ban_base_s, self.ban_max_s = ban_base_s, ban_max_s
+        self._throughput: dict[PeerID, float] = {}
+        self._busy: dict[PeerID, float] = {}  # peers in the heap (not banned) -> current busy time
+        # lazy min-heap of (busy, 0 for a newcomer to probe first on ties else 1, insertion order, peer);
+        # stale entries (the peer was charged again, left or was banned) are skipped when popped
+        self._heap: list[tuple[float, int, int, PeerID]] = []
+        self._counter = itertools.count()
+        self._bans: dict[PeerID, _Ban] = {}
+
+    @property
+    def peers(self) -> dict[PeerID, float]:
+        """Known peers and their throughputs (samples/s), banned ones included."""
+        return dict(self._throughput)
+
+    def update_peers(self, peers: Iterable[PeerInfo]) -> None:
+        """Replace the known peers with ``peers`` (the latest DHT listing); ban history is kept."""
+        new = {}
+        for info in peers:
+            throughput = info.throughput if math.isfinite(info.throughput) else _MIN_THROUGHPUT
+            new[info.peer_id] = max(throughput, _MIN_THROUGHPUT)
+        for peer_id in list(self._busy):
+            if peer_id not in new:
+                del self._busy[peer_id]
+        self._throughput = new
+
+    def is_banned(self, peer_id: PeerID, now: float | None = None) -> bool:
+        """Whether ``peer_id`` is banned at time ``now``."""
+        ban = self._bans.get(peer_id)
+        return ban is not None and ban.until > (time.monotonic() if now is None else now)
+
+    def choose(self, task_size: float, now: float | None = None, exclude: Collection[PeerID] = ()) -> PeerID:
+        """Pick the peer for a task of ``task_size`` samples and charge it ``task_size / throughput``.
+
+        Args:
+            task_size: the amount of work (e.g. microbatch size), positive.
+            now: the current ``time.monotonic()`` (for bans); defaults to the clock.
+            exclude: peers not to pick (e.g. those that already failed this call).
+
+        Raises:
+            NoPeersError: no known peer is live (all banned or excluded, or none announced).
+        """
+        now = time.monotonic() if now is None else now
+        self._admit_new_peers(now)
+        skipped: list[tuple[float, int, int, PeerID]] = []
+        chosen = None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            busy, _, _, peer_id = entry
+            if self._busy.get(peer_id) != busy:
+                continue
+            if peer_id in exclude or self.is_banned(peer_id, now):
+                skipped.append(entry)
+                continue
+            chosen = peer_id
+            break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        if chosen is None:
+            raise NoPeersError(self._no_peers_message(now, exclude))
+        self._set_busy(chosen, self._busy[chosen] + max(task_size, 0.0) / self._throughput[chosen])
+        return chosen
+
+    def ban(self, peer_id: PeerID, now: float | None = None) -> float:
+        """Ban ``peer_id`` after a failed call; returns the ban duration in seconds.
+
+        The ban lasts ``ban_base_s * 2 ** (consecutive_failures - 1)``, capped at ``ban_max_s``.
+        """
+        now = time.monotonic() if now is None else now
+        ban = self._bans.setdefault(peer_id, _Ban())
+        ban.failures += 1
+        duration = min(self.ban_base_s * 2 ** min(ban.failures - 1, 60), self.ban_max_s)
+        ban.until = now + duration
+        self._busy.pop(peer_id, None)  # re-enters at the current minimum when the ban ends
+        return duration
+
+    def report_success(self, peer_id: PeerID) -> None:
+        """Forget the failures of ``peer_id`` (its next ban starts again at ``ban_base_s``)."""
+        self._bans.pop(peer_id, None)
+
+    def num_live(self, now: float | None = None) -> int:
+        """How many known peers are not banned."""
+        now = time.monotonic() if now is None else now
+        return sum(not self.is_banned(peer_id, now) for peer_id in self._throughput)
+
+    def _admit_new_peers(self, now: float) -> None:
+        newcomers = [p for p in self._throughput if p not in self._busy and not self.is_banned(p, now)]
+        if not newcomers:
+            return
+        start = min(self._busy.values(), default=0.0)
+        for peer_id in newcomers:
+            self._set_busy(peer_id, start, probe=True)
+
+    def _set_busy(self, peer_id: PeerID, busy: float, probe: bool = False) -> None:
+        self._busy[peer_id] = busy
+        heapq.heappush(self._heap, (busy, 0 if probe else 1, next(self._counter), peer_id))
+        if len(self._heap) > 4 * len(self._busy) + 16:  # drop stale entries now and then
+            self._heap = [entry for entry in self._heap if self._busy.get(entry[3]) == entry[0]]
+            heapq.heapify(self._heap)
+
+    def _no_peers_message(self, now: float, exclude: Collection[PeerID]) -> str:
+        known = len(self._throughput)
+        banned = [p for p in self._throughput if self.is_banned(p, now)]
+        excluded = [p for p in self._throughput if p in exclude and p not in banned]
+        where = f"stage {self.stage}" + (f" of run '{self.run_id}'" if self.run_id else "")
+        message = (
+            f"No live peers serve {where}: {known} known, {len(banned)} banned, {len(excluded)} excluded."
+        )
+        if banned:
+            next_unban = min(self._bans[p].until for p in banned) - now
+            message += f" The next ban ends in {next_unban:.1f} s."
+        if known == 0:
+            message += (
+                f" Start a server for stage {self.stage} (e.g. a peer with role='server'), and check that this "
+                f"peer joined the same DHT (same initial_peers and run_id)."
+            )
+        else:
+            message += (
+                f" The peers of stage {self.stage} are failing or unreachable: check their logs, and check that "
+                f"peers behind NAT or firewalls can reach each other (announce public addresses or use relays)."
+            )
+        return message

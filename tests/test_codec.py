@@ -1,0 +1,171 @@
+"""Boundary codec: round trips, compression ratios, error bounds, call signatures, malformed input."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from lightning_swarm.swarm.codec import (
+    COMPRESSIONS,
+    CodecError,
+    decode_tensor,
+    encode_tensor,
+    nbytes,
+    pack,
+    unpack,
+)
+
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+OTHER_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
+
+
+def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((approx.double() - exact.double()).norm() / exact.double().norm()).item()
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_float_round_trip(compression: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(33, 97, 5).to(dtype)  # not a multiple of the block size
+    y = decode_tensor(encode_tensor(x, compression))
+    assert y.dtype == dtype and y.shape == x.shape
+    bound = {"none": 0.0, "fp16": 1e-3, "8bit": 0.02}[compression]
+    if dtype == torch.float16 or dtype == torch.bfloat16:
+        bound = max(bound, 0.0) if compression != "8bit" else 0.025
+    assert _rel_err(y, x) <= bound
+    if compression == "none":
+        assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+@pytest.mark.parametrize("dtype", OTHER_DTYPES)
+def test_non_float_lossless(compression: str, dtype: torch.dtype) -> None:
+    x = (torch.arange(-1000, 2000) % 7).to(dtype)
+    if dtype == torch.complex64:
+        x = torch.randn(3000, dtype=dtype)
+    y = decode_tensor(encode_tensor(x.view(30, 100), compression))
+    assert y.dtype == dtype and torch.equal(y, x.view(30, 100))
+
+
+def test_scalar_empty_noncontiguous_and_tiny() -> None:
+    for x in (torch.tensor(3.5), torch.empty(0, 4), torch.randn(64, 32).t(), torch.randn(10)):
+        for compression in COMPRESSIONS:
+            y = decode_tensor(encode_tensor(x, compression))
+            assert y.shape == x.shape
+            if x.numel() < 1024:  # tiny tensors travel losslessly
+                assert torch.equal(y, x)
+    # the decoded tensor is usable in place (the buffer is ours)
+    y = decode_tensor(encode_tensor(torch.ones(3), "none"))
+    y.add_(1)
+    assert torch.equal(y, torch.full((3,), 2.0))
+
+
+def test_8bit_size_and_error_bounds() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 4096)  # 1 MiB of fp32
+    msg = encode_tensor(x, "8bit")
+    assert nbytes([msg]) <= 0.27 * x.numel() * 4
+    assert nbytes([encode_tensor(x, "fp16")]) <= 0.51 * x.numel() * 4
+    assert nbytes([encode_tensor(x, "none")]) >= x.numel() * 4
+    err = _rel_err(decode_tensor(msg), x)
+    assert err < 0.015, err  # measured ~0.012 with blocksize 1024
+
+    # 1% of entries scaled x100: blockwise absmax keeps the error local to the blocks with outliers
+    outliers = torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) < 0.01
+    xo = torch.where(outliers, x * 100, x)
+    yo = decode_tensor(encode_tensor(xo, "8bit"))
+    assert _rel_err(yo, xo) < 0.015, _rel_err(yo, xo)  # measured ~0.009 (dominated by the outliers)
+    assert _rel_err(yo[~outliers], xo[~outliers]) < 0.06  # the normal entries, measured ~0.043
+
+
+def test_requires_grad_flag_and_device_handling() -> None:
+    x = torch.randn(2048, requires_grad=True)
+    msg = encode_tensor(x, "8bit")
+    assert msg.requires_grad
+    args, _ = unpack(*pack((x, torch.arange(3)), {}, "none"))
+    assert args[0].requires_grad and args[0].is_leaf and not args[1].requires_grad
+    assert torch.equal(args[0].detach(), x.detach())
+
+
+def test_pack_nested_structures() -> None:
+    torch.manual_seed(0)
+    h = torch.randn(4, 300)
+    mask = torch.rand(4, 300) > 0.5
+    args = (h, None, 3, 2.5, True, "causal", b"raw", [h, (mask, {"deep": [1, None]})])
+    kwargs = {"attention_mask": mask, "cache": {"k": torch.arange(5), 7: "seven"}, "empty": (), "lst": []}
+    tensors, metadata = pack(args, kwargs, "none")
+    assert len(tensors) == 5 and isinstance(metadata, bytes)
+    out_args, out_kwargs = unpack(tensors, metadata)
+    assert isinstance(out_args, tuple) and len(out_args) == len(args)
+    assert torch.equal(out_args[0], h) and out_args[1] is None and out_args[2] == 3 and out_args[3] == 2.5
+    assert out_args[4] is True and out_args[5] == "causal" and out_args[6] == b"raw"
+    assert isinstance(out_args[7], list) and isinstance(out_args[7][1], tuple)
+    assert torch.equal(out_args[7][1][0], mask) and out_args[7][1][1] == {"deep": [1, None]}
+    assert torch.equal(out_kwargs["cache"]["k"], torch.arange(5)) and out_kwargs["cache"][7] == "seven"
+    assert out_kwargs["empty"] == () and out_kwargs["lst"] == []
+
+
+def test_pack_rejects_unsupported_objects() -> None:
+    with pytest.raises(CodecError, match="Cannot send a object"):
+        pack((object(),), {}, "8bit")
+    with pytest.raises(ValueError, match="Unknown boundary compression"):
+        pack((), {}, "4bit")
+
+
+def test_malformed_tensors_raise_codec_error() -> None:
+    x = torch.randn(64, 64)
+    good = {c: encode_tensor(x, c) for c in COMPRESSIONS}
+    cases = []
+    for msg in good.values():
+        truncated = runtime_pb2.Tensor()
+        truncated.CopyFrom(msg)
+        truncated.buffer = msg.buffer[:-7]
+        cases.append(truncated)
+        wrong_shape = runtime_pb2.Tensor()
+        wrong_shape.CopyFrom(msg)
+        wrong_shape.size[:] = [64, 65]
+        cases.append(wrong_shape)
+    bad_block = runtime_pb2.Tensor()
+    bad_block.CopyFrom(good["8bit"])
+    bad_block.buffer = (12345).to_bytes(4, "little") + good["8bit"].buffer[4:]
+    cases.append(bad_block)
+    cases.append(runtime_pb2.Tensor(buffer=b"", size=[10], dtype="float32", compression=5))
+    cases.append(runtime_pb2.Tensor(buffer=b"\0" * 40, size=[10], dtype="float128"))
+    cases.append(runtime_pb2.Tensor(buffer=b"\0" * 40, size=[10], dtype="int32", compression=5))
+    cases.append(runtime_pb2.Tensor(buffer=b"\0" * 40, size=[10], dtype="float32", compression=3))
+    cases.append(runtime_pb2.Tensor(buffer=b"\0" * 40, size=[2**31, 2**31, 2**31], dtype="float32"))
+    for msg in cases:
+        with pytest.raises(CodecError):
+            decode_tensor(msg)
+
+
+def test_malformed_metadata_raises_codec_error() -> None:
+    tensors, metadata = pack((torch.randn(3),), {"a": 1}, "none")
+    garbage = [
+        b"",
+        b"\xc1\xc1\xc1",
+        metadata[:-2],
+        msgpack.packb([["t", ["T", 5]], ["d"], 1]),  # tensor index out of range
+        msgpack.packb([["t"], ["d"], 2]),  # tensor count mismatch
+        msgpack.packb([["l"], ["d"], 1]),  # args not a tuple
+        msgpack.packb([["t"], ["d", 1, 2], 1]),  # non-string kwarg
+        msgpack.packb([["t"], ["d", ["l"], 2], 1]),  # unhashable key
+        msgpack.packb([["?", 1], ["d"], 1]),  # unknown tag
+        msgpack.packb([["t", {"a": 1}], ["d"], 1]),  # raw map where a node is expected
+        msgpack.packb({"x": 1}),
+        msgpack.packb([["t", ["T"]], ["d"], 1]),  # tensor reference without index
+        msgpack.packb(_deep(200)),
+    ]
+    for metadata_bytes in garbage:
+        with pytest.raises(CodecError):
+            unpack(tensors, metadata_bytes)
+
+
+def _deep(depth: int) -> list:
+    node: list = ["l"]
+    for _ in range(depth):
+        node = ["l", node]
+    return [["t", node], ["d"], 1]

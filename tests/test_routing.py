@@ -1,0 +1,105 @@
+"""Stochastic wiring: proportional routing, probing of newcomers, bans with backoff, clear errors."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hivemind.p2p import PeerID
+
+from lightning_swarm.swarm.records import PeerInfo
+from lightning_swarm.swarm.routing import NoPeersError, StageRouter
+
+
+def _peer(i: int) -> PeerID:
+    return PeerID(f"peer-{i}".encode())
+
+
+def _info(i: int, throughput: float) -> PeerInfo:
+    return PeerInfo(peer_id=_peer(i), stage=1, throughput=throughput, expiration=float("inf"))
+
+
+def test_selection_frequencies_follow_throughput() -> None:
+    router = StageRouter(stage=1)
+    router.update_peers([_info(0, 1.0), _info(1, 2.0), _info(2, 5.0)])
+    counts = Counter(router.choose(task_size=8, now=0.0) for _ in range(800))
+    assert sum(counts.values()) == 800
+    # weighted round robin is deterministic: shares match 1:2:5 up to one task per peer
+    assert abs(counts[_peer(0)] - 100) <= 1
+    assert abs(counts[_peer(1)] - 200) <= 1
+    assert abs(counts[_peer(2)] - 500) <= 1
+
+
+def test_interleaving_is_smooth() -> None:
+    router = StageRouter(stage=0)
+    router.update_peers([_info(0, 1.0), _info(1, 1.0)])
+    picks = [router.choose(task_size=1, now=0.0) for _ in range(10)]
+    assert all(a != b for a, b in zip(picks, picks[1:], strict=False))  # equal peers alternate
+
+
+def test_new_peer_is_probed_soon_without_being_flooded() -> None:
+    router = StageRouter(stage=0)
+    router.update_peers([_info(0, 1.0), _info(1, 1.0)])
+    for _ in range(100):
+        router.choose(task_size=1, now=0.0)
+    router.update_peers([_info(0, 1.0), _info(1, 1.0), _info(2, 1.0)])
+    picks = [router.choose(task_size=1, now=0.0) for _ in range(6)]
+    assert _peer(2) in picks[:2]  # enters at the current minimum busy time
+    assert picks.count(_peer(2)) == 2  # ...and then gets only its fair share
+
+
+def test_departed_peer_is_not_chosen() -> None:
+    router = StageRouter(stage=0)
+    router.update_peers([_info(0, 1.0), _info(1, 1.0)])
+    router.update_peers([_info(1, 1.0)])
+    assert {router.choose(task_size=1, now=0.0) for _ in range(5)} == {_peer(1)}
+
+
+def test_ban_with_exponential_backoff_and_reset() -> None:
+    router = StageRouter(stage=2, ban_base_s=15.0, ban_max_s=100.0)
+    router.update_peers([_info(0, 100.0), _info(1, 1.0)])
+    assert router.ban(_peer(0), now=0.0) == 15.0
+    assert all(router.choose(task_size=1, now=t) == _peer(1) for t in (0.0, 5.0, 14.9))
+    assert router.is_banned(_peer(0), now=14.9) and not router.is_banned(_peer(0), now=15.0)
+    assert router.choose(task_size=1, now=15.0) == _peer(0)  # back, and probed first
+    assert router.ban(_peer(0), now=20.0) == 30.0  # second consecutive failure: doubled
+    assert router.is_banned(_peer(0), now=49.9)
+    assert router.ban(_peer(0), now=60.0) == 60.0
+    assert router.ban(_peer(0), now=130.0) == 100.0  # capped
+    router.report_success(_peer(0))
+    assert router.ban(_peer(0), now=300.0) == 15.0  # success resets the backoff
+
+
+def test_exclude_skips_peers_for_one_call() -> None:
+    router = StageRouter(stage=0)
+    router.update_peers([_info(0, 10.0), _info(1, 1.0)])
+    assert router.choose(task_size=1, now=0.0, exclude={_peer(0)}) == _peer(1)
+    assert router.choose(task_size=1, now=0.0) == _peer(0)
+
+
+def test_ban_survives_reannouncement() -> None:
+    router = StageRouter(stage=0)
+    router.update_peers([_info(0, 1.0), _info(1, 1.0)])
+    router.ban(_peer(0), now=0.0)
+    router.update_peers([_info(0, 1.0), _info(1, 1.0)])
+    assert {router.choose(task_size=1, now=1.0) for _ in range(4)} == {_peer(1)}
+
+
+def test_no_peers_error_messages() -> None:
+    router = StageRouter(stage=3, run_id="myrun")
+    with pytest.raises(NoPeersError, match=r"stage 3 of run 'myrun': 0 known.*Start a server for stage 3"):
+        router.choose(task_size=1, now=0.0)
+    router.update_peers([_info(0, 1.0), _info(1, 1.0)])
+    router.ban(_peer(0), now=0.0)
+    with pytest.raises(NoPeersError, match=r"2 known, 1 banned, 1 excluded\. The next ban ends in 15\.0 s"):
+        router.choose(task_size=1, now=0.0, exclude={_peer(1)})
+    assert router.num_live(now=0.0) == 1
+
+
+def test_invalid_settings_and_throughputs() -> None:
+    with pytest.raises(ValueError, match="ban_base_s"):
+        StageRouter(stage=0, ban_base_s=10.0, ban_max_s=1.0)
+    router = StageRouter(stage=0)
+    router.update_peers([_info(0, 0.0), _info(1, float("nan")), _info(2, 1.0)])
+    counts = Counter(router.choose(task_size=1, now=0.0) for _ in range(50))
+    assert counts[_peer(2)] >= 48  # zero/NaN throughput peers are probed once, then starve
