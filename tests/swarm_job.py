@@ -1,0 +1,124 @@
+"""A swarm training job run by the end-to-end tests as a real multi-process program.
+
+``python tests/swarm_job.py '<json>'``: every peer process re-runs this script (Lightning's launcher); peer 0
+writes the results (final state dict, per-step losses, swarm stats) to ``out`` when the run ends.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_swarm  # noqa: E402,F401
+from examples.lm.data import PydocTextDataModule  # noqa: E402
+from examples.lm.model import TinyTransformerLM  # noqa: E402
+
+
+class SeqModel(LightningModule):
+    """Embedding-free regression model whose blocks are an nn.Sequential."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)))
+        self.out = nn.Linear(16, 1)
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.out(self.layers(self.inp(x))), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class ArgBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, memory, *, scale: float, mask: torch.Tensor):
+        return torch.tanh(self.lin(x) + memory * scale) * mask
+
+
+class ListModel(SeqModel):
+    """Blocks in an nn.ModuleList; the parent passes a memory tensor (needing grad), a float and a mask."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__(lr)
+        self.layers = nn.ModuleList(ArgBlock() for _ in range(4))
+        self.mem = nn.Linear(6, 16)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h, memory = self.inp(x), self.mem(x)
+        mask = (torch.arange(16) % 5 != 0).float().expand_as(h)
+        for layer in self.layers:
+            h = layer(h, memory, scale=0.5, mask=mask)
+        loss = nn.functional.mse_loss(self.out(h), y)
+        self.log("train_loss", loss)
+        return loss
+
+
+def regression_data(n: int = 64) -> DataLoader:
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(n, 6, generator=g)
+    y = x[:, :1] * 2 - x[:, 1:2]
+    return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False)
+
+
+class RecordLoss(Callback):
+    def __init__(self) -> None:
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+
+def build(cfg: dict):
+    seed_everything(cfg.get("seed", 0))
+    if cfg["model"] == "lm":
+        return TinyTransformerLM(**cfg.get("model_args", {})), PydocTextDataModule(**cfg.get("data_args", {}))
+    model = SeqModel() if cfg["model"] == "seq" else ListModel()
+    return model, regression_data()
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    model, data = build(cfg)
+    strategy = lightning_swarm.SwarmStrategy(**cfg["strategy"]) if cfg.get("strategy") is not None else "auto"
+    record = RecordLoss()
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=cfg.get("devices", 1),
+        max_steps=cfg["max_steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[record],
+    )
+    if isinstance(data, DataLoader):
+        trainer.fit(model, data)
+    else:
+        trainer.fit(model, datamodule=data)
+    if trainer.global_rank == 0:
+        stats = {}
+        result = {"losses": record.losses, "stats": stats}
+        torch.save({"state": model.state_dict(), **result}, cfg["out"])
+
+
+if __name__ == "__main__":
+    main()

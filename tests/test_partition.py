@@ -1,0 +1,120 @@
+"""Stage partitioning and proxies (no network: the proxies call stages through a local function)."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_swarm.swarm.partition import Partition, StageBlocks, split_stages
+from lightning_swarm.swarm.peer import SwarmSettings, find_pipeline
+
+
+class Scale(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.width = d
+
+    def forward(self, x, memory, *, gate: float = 1.0, mask=None):
+        out = torch.tanh(self.lin(x)) * gate + memory
+        return out if mask is None else out.masked_fill(~mask, 0.0)
+
+
+class Parent(nn.Module):
+    def __init__(self, container: str) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 8)
+        if container == "seq":
+            self.body = nn.Module()
+            self.body.layers = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(5)))
+        else:
+            self.body = nn.Module()
+            self.body.layers = nn.ModuleList(Scale(8) for _ in range(5))
+
+
+def test_split_stages_is_contiguous_and_even():
+    assert [list(r) for r in split_stages(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert [len(r) for r in split_stages(7, 3)] == [3, 2, 2]
+    with pytest.raises(ValueError, match="at least one block"):
+        split_stages(2, 3)
+    with pytest.raises(ValueError, match="at least 1"):
+        split_stages(2, 0)
+
+
+def test_bad_pipeline_paths_have_clear_errors():
+    model = Parent("seq")
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        Partition(model, "body.nope", 2)
+    with pytest.raises(ValueError, match="must be an nn.Sequential or nn.ModuleList"):
+        Partition(model, "embed", 2)
+    assert find_pipeline(model) == "body.layers"
+    with pytest.raises(ValueError, match="no nn.Sequential or nn.ModuleList"):
+        find_pipeline(nn.Linear(2, 2))
+
+
+def test_sequential_proxy_runs_every_stage_and_restores():
+    torch.manual_seed(0)
+    model = Parent("seq")
+    x = torch.randn(4, 8)
+    expected = model.body.layers(x)
+    part = Partition(model, "body.layers", 2)
+    calls = []
+
+    def call_stage(k, *args, **kwargs):
+        calls.append(k)
+        return part.stage_module(k)(*args, **kwargs)
+
+    proxy = part.install_proxy(call_stage)
+    assert model.body.layers is proxy and len(proxy) == 5 and isinstance(proxy[0], nn.Sequential)
+    assert not any(n.startswith("body.layers") for n, _ in model.named_parameters())
+    torch.testing.assert_close(model.body.layers(x), expected)
+    assert calls == [0, 1]
+    # a stage's state maps back to the container's keys
+    state = {k: v + 1 for k, v in part.stage_module(1).state_dict().items()}
+    full = part.full_state_keys({1: state})
+    assert set(full) == {f"body.layers.{i}.0.{p}" for i in (3, 4) for p in ("weight", "bias")}
+    part.restore({1: state})
+    assert isinstance(model.body.layers, nn.Sequential)
+    torch.testing.assert_close(model.body.layers[3][0].weight, state["0.0.weight"])
+
+
+def test_module_list_proxy_passes_args_and_kwargs_and_keeps_block_surface():
+    torch.manual_seed(0)
+    model = Parent("list")
+    x, memory = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    mask = torch.rand(4, 8) > 0.2
+
+    def run(layers):
+        h = x
+        for layer in layers:
+            h = layer(h, memory, gate=0.5, mask=mask)
+        return h
+
+    expected = run(model.body.layers)
+    part = Partition(model, "body.layers", 2)
+    proxy = part.install_proxy(lambda k, *a, **kw: part.stage_module(k)(*a, **kw))
+    assert len(proxy) == 2 and proxy.num_blocks == 5 and len(proxy[0]) == 3 and len(proxy[1]) == 2
+    assert proxy[0].width == 8  # attribute reads fall through to the stage's first block
+    got = run(proxy)
+    torch.testing.assert_close(got, expected)
+    got.sum().backward()
+    assert x.grad is not None and memory.grad is not None
+
+
+def test_stage_blocks_chain_tuple_outputs():
+    class Pair(nn.Module):
+        def forward(self, x, bias):
+            return x + bias, x.sum()
+
+    out = StageBlocks([Pair(), Pair()])(torch.zeros(2), torch.ones(2))
+    torch.testing.assert_close(out[0], torch.full((2,), 2.0))
+
+
+def test_settings_validation_messages():
+    with pytest.raises(ValueError, match="role='boss'"):
+        SwarmSettings(role="boss").validate()
+    with pytest.raises(ValueError, match="compression='4bit'"):
+        SwarmSettings(compression="4bit").validate()
+    with pytest.raises(ValueError, match="stage=3"):
+        SwarmSettings(num_stages=2, stage=3).validate()
+    with pytest.raises(ValueError, match="run_id"):
+        SwarmSettings(run_id="a.b").validate()
