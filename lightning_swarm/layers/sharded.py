@@ -1,0 +1,357 @@
+"""D-SLIDE shards of the wide layers: each rank owns a contiguous range of neurons and its own hash tables.
+
+- :class:`ShardedSparseInputLinear` owns hidden units ``[lo, hi)`` of a :class:`SparseInputLinear` (columns
+  of its ``[in, H]`` weight). It computes its slice ``[B, H_r]`` of the hidden pre-activations for the whole
+  batch and all-gathers the full ``[B, H]``; the backward all-reduces the ``[B, H]`` gradient.
+- :class:`ShardedSparseLSHLinear` owns output neurons ``[lo, hi)`` of a :class:`SparseLSHLinear` (rows of
+  its weight), with tables over its own rows. The active set is the single-process one: each shard ranks its
+  own candidates (:meth:`SparseLSHLinear.candidate_priorities`), one all-gather of the ``[R, k]`` local top
+  priorities gives every shard the global k-th priority, and a shard keeps its candidates above it. The
+  softmax over the active set is normalised globally with two all-reduces of ``[B]`` (max and sum).
+
+How the sharded training forward keeps the model's loss code unchanged: it returns, per row, the logits of
+the shard's active neurons, one column per label owned by another shard (logit ``LSE - K``, ``K`` =
+:data:`LABEL_MARGIN`, detached: negligible mass, no gradient) and one "rest" column holding the other shards'
+softmax mass (detached). :func:`~lightning_swarm.layers.active_set_loss` on these columns gives the shard's
+share of the loss: its logsumexp is the global one, so the gradient of each local logit is exactly the
+single-process ``p - t``; the sum of the shares over ranks is the single-process loss plus
+``(world_size - 1) * K`` (see :attr:`ShardedSparseLSHLinear.loss_offset`).
+
+Free of Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_swarm.layers.distributed import ShardGroup, all_gather_columns, shard_range
+from lightning_swarm.layers.sparse_input import SparseInputLinear
+from lightning_swarm.layers.sparse_linear import (
+    SparseLSHLinear,
+    _distinct_labels,
+    gather_rows,
+    top_priorities,
+)
+
+LABEL_MARGIN = 60.0  # e^-60 ~ 1e-26: the mass of a foreign label's column next to the softmax sum
+_FAR = 1.0e4  # logits this far below the max have zero mass in float32 (padding columns)
+_FOREIGN_PAD = -(1 << 40)  # ids of padding label columns: distinct from -2 (rest) and -3 - j (local padding)
+
+
+class ShardedLayer(nn.Module):
+    """What the strategy needs from a sharded layer: how each parameter is split, and full state I/O.
+
+    Attributes:
+        shard_dims: parameter name -> dimension along which the full parameter is split.
+        full_shapes: parameter name -> shape of the full (unsharded) parameter.
+        shard_slices: parameter name -> ``(lo, hi)`` of this rank along its shard dimension.
+    """
+
+    shard_group: ShardGroup
+    shard_dims: dict[str, int]
+    full_shapes: dict[str, tuple[int, ...]]
+    shard_slices: dict[str, tuple[int, int]]
+
+    def _init_shard(
+        self, shard_group: ShardGroup, lo: int, hi: int, full: nn.Module, dims: dict[str, int]
+    ) -> None:
+        self.shard_group = shard_group
+        self.shard_dims = {name: dim for name, dim in dims.items() if getattr(full, name, None) is not None}
+        self.full_shapes = {name: tuple(getattr(full, name).shape) for name in self.shard_dims}
+        self.shard_slices = dict.fromkeys(self.shard_dims, (lo, hi))
+
+    @torch.no_grad()
+    def _receive_from_rank0(self, full: nn.Module) -> None:
+        """Take this rank's slices of rank 0's full parameters (the only weight-sized transfer, at setup)."""
+        group, world = self.shard_group, self.shard_group.world_size
+        for name, dim in self.shard_dims.items():
+            mine = getattr(self, name)
+            if world == 1:
+                mine.copy_(getattr(full, name))
+                continue
+            if group.rank == 0:
+                source = getattr(full, name).detach()
+                for peer in range(1, world):
+                    lo, hi = _slice_of(self.full_shapes[name][dim], peer, world)
+                    dist.send(
+                        source.narrow(dim, lo, hi - lo).contiguous(),
+                        dst=_global(group, peer),
+                        group=group.group,
+                    )
+                lo, hi = self.shard_slices[name]
+                mine.copy_(source.narrow(dim, lo, hi - lo))
+            else:
+                buffer = torch.empty_like(mine)
+                dist.recv(buffer, src=_global(group, 0), group=group.group)
+                mine.copy_(buffer)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The state dict of the unsharded layer (collective: every rank must call it)."""
+        state = self.state_dict()
+        for name, dim in self.shard_dims.items():
+            state[name] = self._gather(state[name], name, dim)
+        return state
+
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the unsharded layer's state dict, keeping this rank's slices."""
+        mine = dict(state_dict)
+        for name, dim in self.shard_dims.items():
+            if name not in mine:
+                continue
+            if tuple(mine[name].shape) != self.full_shapes[name]:
+                raise ValueError(
+                    f"{type(self).__name__}: checkpoint tensor {name!r} has shape {tuple(mine[name].shape)}, "
+                    f"the full layer has {self.full_shapes[name]}. Load a checkpoint of the same model."
+                )
+            lo, hi = self.shard_slices[name]
+            mine[name] = mine[name].narrow(dim, lo, hi - lo).clone()
+        self.load_state_dict(mine)
+
+    def _gather(self, tensor: Tensor, name: str, dim: int) -> Tensor:
+        world = self.shard_group.world_size
+        if world == 1:
+            return tensor.detach().clone()
+        full = self.full_shapes[name][dim]
+        parts = []
+        for rank in range(world):
+            lo, hi = _slice_of(full, rank, world)
+            shape = list(tensor.shape)
+            shape[dim] = hi - lo
+            parts.append(tensor.new_empty(shape))
+        dist.all_gather(parts, tensor.detach().contiguous(), group=self.shard_group.group)
+        out = torch.cat(parts, dim=dim)
+        self.shard_group.stats.add("checkpoint_gather", out)
+        return out
+
+
+def _slice_of(total: int, rank: int, world: int) -> tuple[int, int]:
+    return shard_range(total, rank, world)
+
+
+def _global(group: ShardGroup, rank: int) -> int:
+    return rank if group.group is None else dist.get_global_rank(group.group, rank)
+
+
+class ShardedSparseInputLinear(SparseInputLinear, ShardedLayer):
+    """Hidden units ``[lo, hi)`` of a :class:`SparseInputLinear`; ``forward`` returns the full ``[B, H]``.
+
+    Args:
+        full: the unsharded layer (rank 0's weights are taken).
+        shard_group: the ranks sharing the layer.
+    """
+
+    def __init__(self, full: SparseInputLinear, shard_group: ShardGroup) -> None:
+        lo, hi = shard_range(full.out_features, shard_group.rank, shard_group.world_size)
+        SparseInputLinear.__init__(self, full.in_features, hi - lo, bias=full.bias is not None)
+        self._init_shard(shard_group, lo, hi, full, {"weight": 1, "bias": 0})
+        self.full_out_features = full.out_features
+        self.hidden_sizes = [
+            b - a
+            for a, b in (
+                shard_range(full.out_features, r, shard_group.world_size)
+                for r in range(shard_group.world_size)
+            )
+        ]
+        self._receive_from_rank0(full)
+
+    def extra_repr(self) -> str:
+        lo, hi = self.shard_slices["weight"]
+        return f"{super().extra_repr()}, hidden units [{lo}, {hi}) of {self.full_out_features}"
+
+    def forward(self, indices: Tensor, offsets: Tensor, values: Tensor) -> Tensor:
+        local = super().forward(indices, offsets, values)
+        return all_gather_columns(local, self.hidden_sizes, self.shard_group)
+
+
+class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
+    """Output neurons ``[lo, hi)`` of a :class:`SparseLSHLinear`, with tables over its own rows.
+
+    Training ``forward(x, labels)`` returns the shard's columns for
+    :func:`~lightning_swarm.layers.active_set_loss` (see the module docstring); eval ``topk`` merges every
+    shard's top-k with one all-gather, so every rank gets the global top-k.
+
+    Args:
+        full: the unsharded layer (its settings and rank 0's weights are taken).
+        shard_group: the ranks sharing the layer.
+    """
+
+    def __init__(self, full: SparseLSHLinear, shard_group: ShardGroup) -> None:
+        if full.row_offset != 0 or full.total_out != full.out_features:
+            raise ValueError("ShardedSparseLSHLinear: shard a whole SparseLSHLinear, not a shard of one.")
+        lo, hi = shard_range(full.out_features, shard_group.rank, shard_group.world_size)
+        SparseLSHLinear.__init__(
+            self,
+            full.in_features,
+            hi - lo,
+            num_active=full.num_active,
+            hash_family=full.hash_family,
+            num_bits=full.num_bits,
+            num_tables=full.num_tables,
+            bucket_cap=full.bucket_cap,
+            rebuild_every=full.rebuild_every,
+            rebuild_growth=full.rebuild_growth,
+            reseed_every=full.reseed_every,
+            eval_topk=full.eval_topk,
+            seed=full.seed,
+            active_set=full.active_set,
+            row_offset=lo,
+            total_out=full.out_features,
+        )
+        self._init_shard(shard_group, lo, hi, full, {"weight": 0, "bias": 0})
+        self.num_steps.copy_(full.num_steps)
+        self._period = full._period
+        self.num_rebuilds = full.num_rebuilds
+        self.loss_offset = 0.0
+        self._receive_from_rank0(full)
+
+    # ------------------------------------------------------------ training
+    def forward(self, x: Tensor, labels: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Training: ``(ids [B, c], logits [B, c])`` columns of this shard for ``active_set_loss``.
+
+        Eval (``labels is None`` or not training): ``(ids, scores)`` of the global top ``num_active``.
+        """
+        self._check_input(x, labels)
+        if not self.training or labels is None:
+            scores, ids = self.topk(x, self.num_active)
+            return ids, scores
+        self.maybe_rebuild()
+        mine, keep = self.select_active_shard(x, labels)
+        group = self.shard_group
+        batch = x.size(0)
+        if mine.size(0) == 1:  # one active set for the batch
+            local_ids = mine[0][keep[0]]
+            logits = (
+                self.active_logits(x, local_ids.unsqueeze(0)) if local_ids.numel() else x.new_zeros(batch, 0)
+            )
+            ids = local_ids.unsqueeze(0).expand(batch, -1)
+        else:  # per sample: pad every row to the longest local part
+            width = int(keep.sum(dim=1).max()) if keep.numel() else 0
+            order = keep.long().argsort(dim=1, descending=True, stable=True)[:, :width]
+            valid = keep.gather(1, order)
+            pads = -3 - torch.arange(width).expand(batch, -1)
+            ids = torch.where(valid, mine.gather(1, order), pads)
+            logits = self._padded_logits(x, ids, valid)
+        with torch.no_grad():
+            local_max = logits.max(dim=1).values if logits.size(1) else x.new_full((batch,), -math.inf)
+            glob_max = group.all_reduce_(local_max.clone(), "softmax_max_all_reduce", op=dist.ReduceOp.MAX)
+            local_sum = (logits - glob_max.unsqueeze(1)).exp().sum(dim=1)
+            glob_sum = group.all_reduce_(local_sum.clone(), "softmax_sum_all_reduce")
+            lse = glob_max + glob_sum.log()
+            rest = glob_max + (glob_sum - local_sum).clamp(min=0).log()
+            rest = torch.maximum(rest, glob_max - _FAR)
+            foreign_ids, foreign_cols = self._foreign_label_columns(labels, mine.size(0) == 1)
+            foreign_logits = (lse - LABEL_MARGIN).unsqueeze(1).expand(batch, foreign_cols)
+        rest_id = torch.full((1,), -2, dtype=torch.long)
+        if mine.size(0) == 1:
+            out_ids = torch.cat([local_ids, foreign_ids[0], rest_id]).unsqueeze(0).expand(batch, -1)
+        else:
+            out_ids = torch.cat([ids, foreign_ids, rest_id.expand(batch, 1)], dim=1)
+        out_logits = torch.cat(
+            [logits, foreign_logits.to(logits.dtype), rest.unsqueeze(1).to(logits.dtype)], dim=1
+        )
+        has_labels = bool((labels >= 0).any())
+        self.loss_offset = (group.world_size - 1) * LABEL_MARGIN if has_labels else 0.0
+        self.num_steps += 1
+        return out_ids, out_logits
+
+    def _padded_logits(self, x: Tensor, ids: Tensor, valid: Tensor) -> Tensor:
+        """Logits ``[B, w]`` of the valid entries of ``ids``; padding gets ``-_FAR`` and touches no row.
+
+        (Gathering a stand-in row for the padding would hand the optimizer a zero gradient for it, and a lazy
+        Adam would still move that row by its momentum.)
+        """
+        rows, cols = valid.nonzero(as_tuple=True)
+        local = ids[rows, cols] - self.row_offset
+        values = (gather_rows(self.weight, local) * x[rows]).sum(dim=1) + gather_rows(self.bias, local)
+        return x.new_full(ids.shape, -_FAR).index_put((rows, cols), values)
+
+    @torch.no_grad()
+    def select_active_shard(self, x: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """This shard's part of the single-process active set.
+
+        Returns:
+            ``(ids [R, k], keep [R, k])``: the shard's top-k candidates (global ids) and which of them are in
+            the global top-k; ``R`` is 1 for a shared active set, ``B`` per sample.
+        """
+        per_sample = self.active_set == "per_sample"
+        k, num_rows = self.num_active, x.size(0) if per_sample else 1
+        distinct = _distinct_labels(labels if per_sample else labels.reshape(1, -1))
+        if distinct.numel() and int(distinct.max()) > k:
+            raise ValueError(
+                f"ShardedSparseLSHLinear: {int(distinct.max())} distinct labels but num_active={k}; labels must "
+                "all be in the active set: increase num_active or use a smaller batch."
+            )
+        ids, prio = top_priorities(*self.candidate_priorities(x, labels), num_rows, k)
+        return ids, self._in_global_top(prio, k)
+
+    def _in_global_top(self, prio: Tensor, k: int) -> Tensor:
+        """Which of this shard's ``[R, k]`` top priorities are in the top k over all shards.
+
+        One all-gather of the ``[R, k]`` priorities (float64); priorities are distinct across shards (ties are
+        broken by per-neuron noise), so comparing with the global k-th is exact. ``-inf`` is padding.
+        """
+        everyone = self.shard_group.all_gather_cat(prio, "active_set_all_gather", dim=1)
+        kth = everyone.topk(k, dim=1).values[:, -1:]
+        return (prio >= kth) & (prio > -math.inf)
+
+    def _foreign_label_columns(self, labels: Tensor, shared: bool) -> tuple[Tensor, int]:
+        """Ids ``[R, m]`` of the labels owned by other shards (one column each; padding: distinct ids < -2)."""
+        lo, hi = self.row_offset, self.row_offset + self.out_features
+        foreign = (labels >= 0) & ((labels < lo) | (labels >= hi))
+        if shared:
+            ids = torch.unique(labels[foreign]).unsqueeze(0)
+            return ids, ids.size(1)
+        pads = _FOREIGN_PAD - torch.arange(labels.size(1)).expand_as(labels)
+        return torch.where(foreign, labels, pads), labels.size(1)
+
+    # ---------------------------------------------------------------- eval
+    @torch.no_grad()
+    def topk(self, x: Tensor, k: int, mode: str | None = None) -> tuple[Tensor, Tensor]:
+        """Global top-``k`` per sample: local top-k on every shard, then one all-gather and a merge."""
+        mode = self.eval_topk if mode is None else mode
+        self._check_input(x, None)
+        if not 1 <= k <= self.total_out:
+            raise ValueError(f"ShardedSparseLSHLinear.topk: k must be in [1, {self.total_out}], got {k}.")
+        if mode == "lsh":
+            width = min(self.total_out, max(k, self.num_active))
+            cand, prio = top_priorities(*self.candidate_priorities(x, None, True, width), x.size(0), width)
+            keep = self._in_global_top(prio, width)
+            scores = self.active_logits(x, cand.clamp(min=self.row_offset)).masked_fill(~keep, -math.inf)
+            ids = cand.masked_fill(~keep, -1)
+        elif mode == "exact":
+            scores, ids = self._exact_topk(x, min(k, self.out_features))
+        else:
+            raise ValueError(f"ShardedSparseLSHLinear.topk: unknown mode {mode!r}; choose 'exact' or 'lsh'.")
+        local_k = min(k, scores.size(1))
+        scores, pick = scores.topk(local_k, dim=1)
+        ids = ids.gather(1, pick)
+        if local_k < k:  # a shard narrower than k: pad so that every rank sends [B, k]
+            scores = torch.cat([scores, scores.new_full((x.size(0), k - local_k), -math.inf)], dim=1)
+            ids = torch.cat([ids, ids.new_full((x.size(0), k - local_k), -1)], dim=1)
+        all_scores = self.shard_group.all_gather_cat(scores, "topk_all_gather", dim=1)
+        all_ids = self.shard_group.all_gather_cat(ids, "topk_all_gather", dim=1)
+        best, pick = all_scores.topk(k, dim=1)
+        return best, all_ids.gather(1, pick)
+
+
+def sharded_types() -> tuple[type[nn.Module], ...]:
+    """The layer types that D-SLIDE shards."""
+    return (SparseInputLinear, SparseLSHLinear)
+
+
+def make_sharded(module: nn.Module, shard_group: ShardGroup) -> ShardedLayer:
+    """The sharded replacement of ``module`` for this rank (collective: every rank must call it)."""
+    if isinstance(module, ShardedLayer):
+        return module
+    if isinstance(module, SparseLSHLinear):
+        return ShardedSparseLSHLinear(module, shard_group)
+    if isinstance(module, SparseInputLinear):
+        return ShardedSparseInputLinear(module, shard_group)
+    raise TypeError(
+        f"D-SLIDE cannot shard a {type(module).__name__}; it shards {[t.__name__ for t in sharded_types()]}."
+    )

@@ -1,0 +1,281 @@
+"""Pieces of the DSlideStrategy that do not need the Trainer: which layers get sharded, how the replicated rest
+is kept in sync, how full checkpoints are gathered and split again, and the lock-step data loader."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Module, Parameter
+from torch.optim import Optimizer
+
+from lightning_swarm.layers.distributed import ShardGroup
+from lightning_swarm.layers.sharded import ShardedLayer, make_sharded, sharded_types
+
+
+@dataclass
+class ShardPlan:
+    """The sharded layers of one module tree and the replicated parameters around them.
+
+    Args:
+        root: the module whose layers were replaced (the LightningModule).
+        shard_group: the group the shards talk over.
+        sharded: qualified name -> sharded layer that replaced the plain one.
+    """
+
+    root: Module
+    shard_group: ShardGroup
+    sharded: dict[str, ShardedLayer] = field(default_factory=dict)
+
+    def is_applied_to(self, root: Module) -> bool:
+        """Whether ``root`` still holds this plan's sharded layers (a second ``fit`` reuses them)."""
+        return root is self.root and all(
+            root.get_submodule(name) is layer for name, layer in self.sharded.items()
+        )
+
+    def replicated_parameters(self) -> list[Parameter]:
+        inside = {id(p) for layer in self.sharded.values() for p in layer.parameters()}
+        return [p for p in self.root.parameters() if id(p) not in inside]
+
+    def replicated_buffers(self) -> list[Tensor]:
+        inside = {id(b) for layer in self.sharded.values() for b in layer.buffers()}
+        return [b for b in self.root.buffers() if id(b) not in inside]
+
+    def sync_replicated(self) -> None:
+        """Make every replicated parameter and buffer equal to rank 0's (once, at setup)."""
+        if self.shard_group.world_size == 1:
+            return
+        for tensor in [*self.replicated_parameters(), *self.replicated_buffers()]:
+            dist.broadcast(tensor.data, src=0, group=self.shard_group.group)
+
+    def all_reduce_replicated_grads(self) -> None:
+        """Sum the replicated parameters' gradients over ranks, in one flat all-reduce.
+
+        Each rank's loss is its share of the global loss, so the sum of the ranks' gradients is the gradient
+        of the whole network.
+        """
+        grads = [p.grad for p in self.replicated_parameters() if p.grad is not None]
+        if not grads or self.shard_group.world_size == 1:
+            return
+        if any(g.is_sparse for g in grads):
+            grads = [g.to_dense() if g.is_sparse else g for g in grads]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.shard_group.all_reduce_(flat, "replicated_grad_all_reduce")
+        params = [p for p in self.replicated_parameters() if p.grad is not None]
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+
+    def loss_offset(self) -> float:
+        """What the sum of the ranks' losses exceeds the network's loss by, this step (see ``sharded.py``)."""
+        return float(sum(getattr(layer, "loss_offset", 0.0) for layer in self.sharded.values()))
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The state dict the unsharded module would have (collective: all ranks must call it)."""
+        state = self.root.state_dict()
+        full: dict[str, Any] = {}
+        for key, value in state.items():
+            owner = self._owner(key)
+            if owner is None:
+                full[key] = value
+        for name, layer in self.sharded.items():
+            for key, value in layer.full_state_dict().items():
+                full[f"{name}.{key}"] = value
+        return full
+
+    def load_full_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load an unsharded state dict: each sharded layer keeps its own rows, the rest loads as is."""
+        rest = {k: v for k, v in state_dict.items() if self._owner(k) is None}
+        for name, layer in self.sharded.items():
+            prefix = f"{name}."
+            layer.load_full_state_dict(
+                {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+            )
+        missing, unexpected = self.root.load_state_dict(rest, strict=False)
+        missing = [k for k in missing if self._owner(k) is None]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"DSlideStrategy: the checkpoint does not match the module: missing keys {missing}, "
+                f"unexpected keys {unexpected}. Load a checkpoint of the same LightningModule class."
+            )
+
+    def param_owner(self, param: Tensor) -> tuple[ShardedLayer, str] | None:
+        """The sharded layer and parameter name of ``param``, or ``None`` for a replicated parameter."""
+        for layer in self.sharded.values():
+            for pname, p in layer.named_parameters(recurse=False):
+                if p is param:
+                    return layer, pname
+        return None
+
+    def _owner(self, key: str) -> str | None:
+        for name in self.sharded:
+            if key.startswith(f"{name}."):
+                return name
+        return None
+
+
+def shard_lightning_module(root: Module, shard_group: ShardGroup) -> ShardPlan:
+    """Replace every shardable layer of ``root`` by its sharded version; rank 0's weights are scattered.
+
+    Raises:
+        ValueError: if ``root`` has no ``SparseLSHLinear`` (there would be nothing to shard by output, and the
+            per-rank losses would no longer add up to the loss of the network).
+    """
+    plan = ShardPlan(root=root, shard_group=shard_group)
+    targets = [(name, m) for name, m in root.named_modules() if isinstance(m, sharded_types())]
+    if not any(type(m).__name__ == "SparseLSHLinear" for _, m in targets):
+        raise ValueError(
+            f"The DSlideStrategy shards `SparseLSHLinear` layers, but {type(root).__name__} has none. "
+            "Build the wide output layer with `lightning_swarm.layers.SparseLSHLinear`, or use strategy='ddp'."
+        )
+    for name, module in targets:
+        sharded = make_sharded(module, shard_group)
+        parent_name, _, attr = name.rpartition(".")
+        parent = root.get_submodule(parent_name) if parent_name else root
+        setattr(parent, attr, sharded)
+        plan.sharded[name] = sharded
+    return plan
+
+
+def _shard_dim_of(layer: ShardedLayer, pname: str) -> int:
+    return layer.shard_dims[pname]
+
+
+def gather_optimizer_state(optimizer: Optimizer, plan: ShardPlan) -> dict[str, Any]:
+    """The optimizer state dict an unsharded run would have: sharded rows are all-gathered (collective)."""
+    if hasattr(optimizer, "_optimizer"):  # LightningOptimizer
+        optimizer = optimizer._optimizer
+    state_dict = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = copy.copy(state_dict["state"])
+    for index, param in enumerate(params):
+        owner = plan.param_owner(param)
+        if owner is None or index not in state:
+            continue
+        layer, pname = owner
+        dim = _shard_dim_of(layer, pname)
+        state[index] = {
+            key: plan.shard_group.all_gather_cat(value, "checkpoint_gather", dim=dim)
+            if _is_row_state(value, param.shape, dim)
+            else value
+            for key, value in state[index].items()
+        }
+    return {**state_dict, "state": state}
+
+
+def shard_optimizer_state(
+    state_dict: dict[str, Any], optimizer: Optimizer, plan: ShardPlan
+) -> dict[str, Any]:
+    """Cut an unsharded optimizer state dict down to this rank's rows."""
+    if hasattr(optimizer, "_optimizer"):
+        optimizer = optimizer._optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = copy.copy(state_dict["state"])
+    for index, param in enumerate(params):
+        owner = plan.param_owner(param)
+        if owner is None or index not in state:
+            continue
+        layer, pname = owner
+        dim = _shard_dim_of(layer, pname)
+        full_shape = layer.full_shapes[pname]
+        lo, hi = layer.shard_slices[pname]
+        state[index] = {
+            key: value.narrow(dim, lo, hi - lo).clone() if _is_row_state(value, full_shape, dim) else value
+            for key, value in state[index].items()
+        }
+    return {**state_dict, "state": state}
+
+
+def _is_row_state(value: Any, param_shape: torch.Size | tuple[int, ...], dim: int) -> bool:
+    """Whether an optimizer state tensor is laid out like the parameter along its shard dim."""
+    if not isinstance(value, Tensor) or value.dim() == 0:
+        return False
+    if tuple(value.shape) == tuple(param_shape):
+        return True
+    # Per-row statistics (e.g. a lazy optimizer's per-row step counts) of a row-sharded parameter.
+    return dim == 0 and value.dim() == 1 and value.shape[0] == param_shape[0]
+
+
+class LockStepLoader:
+    """Wraps a data loader so that all ranks take the same number of batches, and checks they are the same.
+
+    Before each batch the ranks all-reduce three integers (have-a-batch, and the min and max of a fingerprint
+    of the batch). When any rank runs out, every rank stops; if the fingerprints differ the ranks were given
+    different batches, which D-SLIDE cannot train on, and the loader raises.
+
+    Args:
+        dataloader: the loader Lightning prepared (already without a ``DistributedSampler`` split).
+        shard_group: the group of the ranks.
+    """
+
+    def __init__(self, dataloader: Any, shard_group: ShardGroup) -> None:
+        self.dataloader = dataloader
+        self.shard_group = shard_group
+        self._warned = False
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __getattr__(self, name: str) -> Any:
+        # Lightning reads `sampler`, `batch_size`, `dataset`... of the wrapped loader.
+        if name == "dataloader":
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.shard_group.world_size == 1:
+            yield from self.dataloader
+            return
+        iterator = iter(self.dataloader)
+        while True:
+            try:
+                batch = next(iterator)
+                fingerprint = batch_fingerprint(batch)
+                flags = torch.tensor([1, fingerprint, -fingerprint], dtype=torch.int64)
+            except StopIteration:
+                batch = None
+                flags = torch.tensor([0, 0, 0], dtype=torch.int64)
+            self.shard_group.all_reduce_(flags, "lockstep_all_reduce", op=dist.ReduceOp.MIN)
+            if int(flags[0]) == 0:
+                if batch is not None and not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        "DSlideStrategy: the ranks have different numbers of batches; every rank stopped at "
+                        "the shortest. Give every rank the same data (D-SLIDE is model parallel).",
+                        stacklevel=2,
+                    )
+                return
+            if int(flags[1]) != -int(flags[2]):
+                raise RuntimeError(
+                    "DSlideStrategy: the ranks were given different batches, but D-SLIDE needs the same batch on "
+                    "every rank (it shards the model, not the data). Do not use your own DistributedSampler or "
+                    "rank-dependent data; keep `Trainer(use_distributed_sampler=True)` (the default)."
+                )
+            yield batch
+
+
+def batch_fingerprint(batch: Any) -> int:
+    """A cheap integer summary of every tensor in ``batch`` (equal batches give equal fingerprints)."""
+    total = 0.0
+    count = 0
+    stack = [batch]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Tensor):
+            flat = item.detach().reshape(-1)
+            if flat.numel():
+                weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64) % 97 + 1
+                total += float((flat.to(torch.float64) * weights).sum())
+            count += flat.numel()
+        elif isinstance(item, dict):
+            stack.extend(item[k] for k in sorted(item, key=str))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return (int(round(total * 1024)) * 1_000_003 + count) % (1 << 61)

@@ -1,0 +1,253 @@
+"""D-SLIDE model parallelism on CPU clusters as a Lightning strategy.
+
+Every rank runs the same batches. The wide sparse layers of the LightningModule (``SparseInputLinear`` by
+hidden units, ``SparseLSHLinear`` by output neurons) are replaced by sharded versions: each rank owns a
+contiguous range of neurons, with its own hash tables. Per step the ranks exchange only small per-batch
+tensors: the hidden activations (all-gather), the per-sample softmax max and sum (all-reduce), and the
+gradient with respect to the hidden activations (all-reduce). Parameters outside the sharded layers are
+replicated and their gradients are summed over ranks after backward.
+
+Data: every rank loads the same batch (no ``DistributedSampler`` split: ``distributed_sampler_kwargs`` asks
+Lightning for one replica), because the input layer is sharded by hidden units and each rank computes its
+hidden slice ``[B, H / n]`` for the whole batch. Each batch is checked across ranks (one all-reduce of three
+integers: "have a batch" and a fingerprint of its contents): when one rank runs out of data all ranks end the
+epoch together, and ranks that were given different batches stop with an error instead of training garbage.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_swarm.layers.distributed import CommStats, ShardGroup
+from lightning_swarm.strategy._dslide_shard import (
+    LockStepLoader,
+    ShardPlan,
+    gather_optimizer_state,
+    shard_lightning_module,
+    shard_optimizer_state,
+)
+
+log = logging.getLogger(__name__)
+
+
+class DSlideStrategy(DDPStrategy):
+    """D-SLIDE: shard the wide sparse layers by neurons across CPU processes, exchange only per-batch tensors.
+
+    Processes are started like DDP's (Lightning's launchers; ``devices``, ``num_nodes``, ``MASTER_ADDR`` /
+    ``MASTER_PORT`` or ``torchrun``), and talk over ``torch.distributed`` with gloo. Bytes moved per training
+    step are counted and logged as ``dslide/bytes_per_step``.
+
+    Args:
+        accelerator: the accelerator; D-SLIDE is meant for CPUs.
+        parallel_devices: the devices of this node (one process each); set by the Trainer.
+        cluster_environment: how ranks and the main address are found; set by the Trainer.
+        checkpoint_io: how checkpoints are written; ``trainer.save_checkpoint`` writes one ordinary checkpoint
+            with the full (gathered) layers, loadable without this strategy.
+        precision_plugin: the precision plugin; only 32-bit precision is tested.
+        process_group_backend: ``torch.distributed`` backend; ``"gloo"`` (the only one tested on CPU).
+        timeout: how long a collective may wait for the other ranks before failing.
+        start_method: ``"popen"`` runs the script once per process (like ``strategy="ddp"``); ``"spawn"``,
+            ``"fork"`` or ``"forkserver"`` start processes from the calling one (like ``"ddp_spawn"``).
+        log_bytes: log the bytes sent per step (``dslide/bytes_per_step``) through ``LightningModule.log``.
+    """
+
+    strategy_name = "dslide"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str = "gloo",
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        log_bytes: bool = True,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._log_bytes = log_bytes
+        self._shard_group = ShardGroup()
+        self._plan: ShardPlan | None = None
+        self._last_step_bytes: dict[str, int] = {}
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Model parallel: every rank must see the whole batch, so Lightning's sampler gets one replica.
+        return {"num_replicas": 1, "rank": 0}
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """The byte counter of this rank's collectives (since the start of the current step)."""
+        return self._shard_group.stats
+
+    @property
+    def last_step_bytes(self) -> dict[str, int]:
+        """Bytes of the last finished training step, per kind of collective (logical payload sizes)."""
+        return dict(self._last_step_bytes)
+
+    @property
+    def shard_plan(self) -> ShardPlan | None:
+        """Which layers are sharded and how; ``None`` before ``setup``."""
+        return self._plan
+
+    @override
+    def setup_environment(self) -> None:
+        if self.root_device.type != "cpu":
+            raise ValueError(
+                f"The DSlideStrategy runs on CPUs (gloo), got device {self.root_device}. "
+                "Use `Trainer(strategy='dslide', accelerator='cpu')`."
+            )
+        if self._process_group_backend not in (None, "gloo"):
+            raise ValueError(
+                f"The DSlideStrategy supports the 'gloo' backend only, got {self._process_group_backend!r}. "
+                "Use `DSlideStrategy(process_group_backend='gloo')`."
+            )
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
+            raise ValueError(
+                "When using the DSlideStrategy, gradient clipping by norm is not supported (each rank holds a "
+                "shard of the gradients). Use `Trainer(gradient_clip_algorithm='value')` or no clipping."
+            )
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        assert self.lightning_module is not None
+        if self._plan is None or not self._plan.is_applied_to(self.lightning_module):
+            self._plan = shard_lightning_module(self.lightning_module, self._shard_group)
+        self._plan.sync_replicated()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def _setup_model(self, model: Module) -> Module:
+        # No DistributedDataParallel: sharded layers talk through their own collectives and the replicated
+        # parameters are reduced in `post_backward`.
+        return model
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return LockStepLoader(dataloader, self._shard_group)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        stats = self._shard_group.stats
+        if stats.total_calls:
+            self._last_step_bytes = stats.snapshot()
+        stats.reset()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        output = super().training_step(*args, **kwargs)
+        if self._log_bytes and self._last_step_bytes and self.lightning_module is not None:
+            self.lightning_module.log(
+                "dslide/bytes_per_step",
+                float(sum(self._last_step_bytes.values())),
+                on_step=True,
+                batch_size=1,
+            )
+        # Each rank's loss covers the labels it owns; the sum over ranks is the loss of the whole network.
+        # Report that sum on every rank while backpropagating only the local part.
+        if isinstance(output, Tensor):
+            return self._global_loss(output)
+        if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+            return {**output, "loss": self._global_loss(output["loss"])}
+        return output
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        assert self._plan is not None
+        self._plan.all_reduce_replicated_grads()
+
+    @override
+    def teardown(self) -> None:
+        self._last_step_bytes = {}
+        super().teardown()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        if self._plan is None:
+            return self.lightning_module.state_dict()
+        # Collective: every rank takes part, the full tensors end up on every rank.
+        return self._plan.full_state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        if self._plan is None:
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        else:
+            self._plan.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self._plan is not None
+        return gather_optimizer_state(optimizer, self._plan)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        assert self._plan is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            optimizer.load_state_dict(shard_optimizer_state(state, optimizer, self._plan))
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="D-SLIDE: sparse layers sharded by neurons across CPU processes (gloo)",
+        )
+        strategy_registry.register(
+            "dslide_spawn",
+            cls,
+            description="D-SLIDE with processes started by `torch.multiprocessing` spawn",
+            start_method="spawn",
+        )
+
+    def _global_loss(self, loss: Tensor) -> Tensor:
+        if self._shard_group.world_size == 1:
+            return loss
+        assert self._plan is not None
+        total = (
+            self._shard_group.all_reduce_(loss.detach().clone(), "loss_all_reduce") - self._plan.loss_offset()
+        )
+        return loss + (total - loss.detach())
