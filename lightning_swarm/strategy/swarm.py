@@ -204,7 +204,7 @@ class SwarmStrategy(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        if self.settings.role == "server":
+        if not self.peer.is_trainer:
             self.peer.serve_until_trainers_finish()
             assert self.lightning_module is not None
             self.lightning_module.trainer.should_stop = True

@@ -1,0 +1,129 @@
+"""SwarmStrategy end to end: real peer processes on 127.0.0.1 started by Lightning's launcher."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_swarm
+from lightning_swarm import SwarmStrategy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "swarm_job.py")
+
+
+def run_job(cfg: dict, timeout: float) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run(
+        [sys.executable, JOB, json.dumps(cfg)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"swarm job failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return torch.load(cfg["out"], weights_only=False)
+
+
+def test_registered_names_and_defaults():
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "swarm" in StrategyRegistry and "swarm" in AcceleratorRegistry
+    trainer = Trainer(strategy="swarm", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, SwarmStrategy)
+    assert trainer.strategy.settings.compression == "8bit"
+    trainer = Trainer(strategy="swarm", accelerator="swarm", devices=1, logger=False)
+    assert isinstance(trainer.accelerator, lightning_swarm.SwarmAccelerator)
+
+
+def test_bad_arguments_fail_early_with_the_fix():
+    with pytest.raises(ValueError, match="compression='zip'"):
+        SwarmStrategy(compression="zip")
+    with pytest.raises(ValueError, match="num_stages"):
+        SwarmStrategy(num_stages=0)
+
+
+def test_lightning_cli_yaml_builds_the_strategy(tmp_path):
+    from examples.lm.data import PydocTextDataModule
+    from examples.lm.model import TinyTransformerLM
+
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "strategy": {
+                "class_path": "lightning_swarm.SwarmStrategy",
+                "init_args": {"pipeline": "layers", "num_stages": 2, "compression": "fp16", "run_id": "cli"},
+            },
+        }
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = LightningCLI(TinyTransformerLM, PydocTextDataModule, run=False, args=["--config", str(path)])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, SwarmStrategy)
+    assert (strategy.settings.compression, strategy.settings.run_id, strategy.settings.pipeline) == (
+        "fp16",
+        "cli",
+        "layers",
+    )
+
+
+def reference_state(model_kind: str, steps: int) -> dict:
+    """The same job in plain single-process Lightning."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import swarm_job
+
+    model, data = swarm_job.build({"model": model_kind})
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, data)
+    return model.state_dict()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model_kind", ["seq", "list"])
+def test_one_step_through_a_two_stage_swarm_equals_plain_lightning(tmp_path, model_kind):
+    cfg = {
+        "model": model_kind,
+        "devices": 2,
+        "max_steps": 1,
+        "out": str(tmp_path / "out.pt"),
+        "strategy": {
+            "pipeline": "layers",
+            "num_stages": 2,
+            "num_trainers": 1,
+            "compression": "none",
+            "target_batch_size": 16,
+            "run_id": f"eq_{model_kind}",
+        },
+    }
+    swarm = run_job(cfg, timeout=280)["state"]
+    expected = reference_state(model_kind, steps=1)
+    assert set(swarm) == set(expected)
+    initial = swarm_initial_state(model_kind)
+    changed = 0
+    for key, value in expected.items():
+        torch.testing.assert_close(swarm[key], value, atol=1e-5, rtol=0, msg=f"{key} differs")
+        changed += int(not torch.equal(value, initial[key]))
+    assert changed == len(expected)  # every parameter moved, in the swarm as in the reference
+
+
+def swarm_initial_state(model_kind: str) -> dict:
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import swarm_job
+
+    model, _ = swarm_job.build({"model": model_kind})
+    return model.state_dict()
