@@ -91,21 +91,34 @@ class ShardGroup:
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
-    def all_gather_cat(self, tensor: Tensor, kind: str, dim: int = 0) -> Tensor:
-        """All-gather ``tensor`` from every rank (shapes may differ along ``dim`` only) and concatenate."""
+    def all_gather_cat(
+        self, tensor: Tensor, kind: str, dim: int = 0, sizes: list[int] | None = None
+    ) -> Tensor:
+        """All-gather ``tensor`` from every rank and concatenate along ``dim``.
+
+        Args:
+            tensor: this rank's part.
+            kind: the name the bytes are counted under.
+            dim: the dimension along which parts may differ in size (gloo needs equal sizes on the wire, so
+                parts are padded to the largest; the padded payload is what is counted).
+            sizes: every rank's extent along ``dim`` when the caller knows them (saves one tiny all-gather).
+        """
         if self.world_size == 1:
             return tensor
+        sizes = shard_sizes_along(tensor, dim, self) if sizes is None else sizes
+        widest = max(sizes)
         tensor = tensor.contiguous()
-        sizes = shard_sizes_along(tensor, dim, self)
-        parts = []
-        for size in sizes:
-            shape = list(tensor.shape)
-            shape[dim] = size
-            parts.append(tensor.new_empty(shape))
+        if tensor.shape[dim] < widest:
+            pad_shape = list(tensor.shape)
+            pad_shape[dim] = widest - tensor.shape[dim]
+            tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
+        parts = [torch.empty_like(tensor) for _ in sizes]
         dist.all_gather(parts, tensor, group=self.group)
-        out = torch.cat(parts, dim=dim)
-        self.stats.add(kind, out)
-        return out
+        for part in parts:
+            self.stats.add(kind, part)
+        return torch.cat(
+            [part.narrow(dim, 0, size) for part, size in zip(parts, sizes, strict=True)], dim=dim
+        )
 
 
 def shard_sizes_along(tensor: Tensor, dim: int, shard_group: ShardGroup) -> list[int]:
@@ -144,11 +157,7 @@ class _AllGatherColumns(torch.autograd.Function):
     def forward(ctx: Any, local: Tensor, sizes: list[int], shard_group: ShardGroup) -> Tensor:
         ctx.sizes = sizes
         ctx.shard_group = shard_group
-        parts = [local.new_empty(local.shape[0], size) for size in sizes]
-        dist.all_gather(parts, local.contiguous(), group=shard_group.group)
-        out = torch.cat(parts, dim=1)
-        shard_group.stats.add("hidden_all_gather", out)
-        return out
+        return shard_group.all_gather_cat(local, "hidden_all_gather", dim=1, sizes=sizes)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:

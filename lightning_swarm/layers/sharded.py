@@ -117,16 +117,8 @@ class ShardedLayer(nn.Module):
         if world == 1:
             return tensor.detach().clone()
         full = self.full_shapes[name][dim]
-        parts = []
-        for rank in range(world):
-            lo, hi = _slice_of(full, rank, world)
-            shape = list(tensor.shape)
-            shape[dim] = hi - lo
-            parts.append(tensor.new_empty(shape))
-        dist.all_gather(parts, tensor.detach().contiguous(), group=self.shard_group.group)
-        out = torch.cat(parts, dim=dim)
-        self.shard_group.stats.add("checkpoint_gather", out)
-        return out
+        sizes = [hi - lo for lo, hi in (_slice_of(full, rank, world) for rank in range(world))]
+        return self.shard_group.all_gather_cat(tensor.detach(), "checkpoint_gather", dim=dim, sizes=sizes)
 
 
 def _slice_of(total: int, rank: int, world: int) -> tuple[int, int]:
