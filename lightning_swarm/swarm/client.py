@@ -1,0 +1,454 @@
+"""Swarm client: how a trainer runs a pipeline stage somewhere in the swarm.
+
+:meth:`SwarmClient.call_stage` is differentiable. Its forward picks one peer of the stage with the
+:class:`~.routing.StageRouter` (stochastic wiring), sends the stage inputs there and returns the outputs; its
+backward sends the saved stage *inputs* plus the output gradients to *any* live peer of the stage, which
+recomputes the forward, accumulates its parameter gradients and returns the input gradients. A failed or
+timed-out call is retried on another peer of the stage and the failing peer is banned with exponential
+backoff. When a stage has no live peer the client polls the DHT for up to ``no_peers_timeout`` seconds, then
+raises :class:`~.routing.NoPeersError`.
+
+Calls whose chosen peer is this very process (libp2p cannot dial itself) go straight to the local
+:class:`~.server.StageServer` object, without serialisation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import hivemind
+import msgpack
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
+from hivemind.proto import runtime_pb2
+from hivemind.utils.mpfuture import MPFuture
+
+from . import _wire
+from ._loop import run_coroutine
+from .codec import CodecError, check_compression, flatten_tensors, nbytes, pack, rebuild_tensors, unpack
+from .records import PeerInfo, parse_stage_peers, stage_key
+from .routing import NoPeersError, StageRouter
+from .server import StageServer, backward_metadata, batch_size_of, check_run_id, stage_uid
+
+__all__ = ["SwarmClient"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_RESPONSE_TOO_LARGE = "response size exceeds message size limit"
+# makes every stage call part of the autograd graph, so that stages whose inputs need no grad still train
+_DUMMY = torch.empty(0, requires_grad=True)
+
+
+class SwarmClient:
+    """Runs pipeline stages on the peers of a swarm, with routing, retries and traffic counters.
+
+    Args:
+        dht: this peer's running hivemind DHT.
+        run_id: the swarm's run id.
+        num_stages: number of pipeline stages.
+        compression: boundary compression of the activations and gradients this client sends:
+            "8bit", "fp16" or "none".
+        local_servers: stage servers living in this process, by stage; calls routed to this peer use them
+            directly.
+        request_timeout: seconds before a call to a peer counts as failed (it is retried elsewhere).
+        no_peers_timeout: seconds to wait for a live peer of a stage before raising ``NoPeersError``.
+        ban_base_s: first ban of a failing peer in seconds, doubled on each consecutive failure.
+        refresh_period: seconds between DHT lookups of a stage's peers.
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        num_stages: int,
+        *,
+        compression: str = "8bit",
+        local_servers: dict[int, StageServer] | None = None,
+        request_timeout: float = 30.0,
+        no_peers_timeout: float = 60.0,
+        ban_base_s: float = 15.0,
+        refresh_period: float = 2.0,
+    ):
+        if num_stages <= 0:
+            raise ValueError(f"SwarmClient: num_stages must be positive, got {num_stages}")
+        self.dht, self.num_stages = dht, num_stages
+        self.run_id = check_run_id(run_id, "SwarmClient")
+        self.compression = check_compression(compression)
+        self.local_servers = dict(local_servers or {})
+        self.request_timeout, self.no_peers_timeout = request_timeout, no_peers_timeout
+        self.refresh_period = refresh_period
+        self.peer_id: PeerID = dht.peer_id
+        self.routers = [StageRouter(k, run_id=run_id, ban_base_s=ban_base_s) for k in range(num_stages)]
+        self._last_refresh = [-float("inf")] * num_stages
+        self._pending: list[MPFuture | None] = [None] * num_stages
+        self._stream_stages: set[int] = set()  # stages whose responses exceeded the unary limit
+        self._stubs: dict[tuple[PeerID, int], Any] = {}
+        self._p2p: P2P | None = None
+        self._lock = threading.Lock()
+        self._router_lock = threading.Lock()
+        self._counters: dict[str, float] = defaultdict(float)
+
+    # ---- public API ----
+
+    def call_stage(self, stage: int, *args: Any, **kwargs: Any) -> Any:
+        """Run stage ``stage`` on ``(*args, **kwargs)`` somewhere in the swarm; differentiable.
+
+        Every floating tensor argument that requires grad receives its gradient; the stage's parameters are
+        trained on the servers. Outputs have the structure the stage module returns.
+        """
+        self._check_stage(stage)
+        tensors, skeleton = flatten_tensors((args, kwargs))
+        if not torch.is_grad_enabled():
+            outputs = self._forward(stage, args, kwargs)[0]
+            out_tensors, out_skeleton = flatten_tensors(outputs)
+            device = _device_of(tensors)
+            return rebuild_tensors(out_skeleton, [t.to(device) for t in out_tensors])
+        marks = [t.requires_grad and t.is_floating_point() for t in tensors]
+        call = _StageCall(self, stage, skeleton, tensors, marks)
+        diff_inputs = [t for t, mark in zip(tensors, marks, strict=True) if mark]
+        flat_outputs = _StageFunction.apply(call, _DUMMY, *diff_inputs)
+        return rebuild_tensors(call.output_skeleton, list(flat_outputs))
+
+    def peers(self, stage: int) -> list[PeerInfo]:
+        """The live peers of ``stage`` (one fresh DHT lookup)."""
+        self._check_stage(stage)
+        found = self.dht.get(stage_key(self.run_id, stage), latest=True)
+        peers = parse_stage_peers(found, stage)
+        with self._router_lock:
+            self.routers[stage].update_peers(peers)
+        self._last_refresh[stage] = time.monotonic()
+        return peers
+
+    def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
+        """The current ``state_dict`` of stage ``stage``, from any live peer of it (or the local server)."""
+        self._check_stage(stage)
+
+        def attempt(peer_id: PeerID) -> dict[str, torch.Tensor]:
+            if self._is_local(peer_id, stage):
+                return self.local_servers[stage].state_dict_local()
+            request = runtime_pb2.ExpertUID(uid=stage_uid(self.run_id, stage))
+            responses = self._run(self._call_stream(peer_id, stage, "rpc_state", [request]))
+            tensors, metadata, _ = _wire.combine(responses)
+            self._count(stage, "state", 0, nbytes(tensors) + len(metadata))
+            _, state = unpack(tensors, metadata)
+            return state
+
+        return self._with_retries(stage, 1.0, attempt)
+
+    def stage_info(self, stage: int) -> list[dict[str, Any]]:
+        """``rpc_info`` of every live peer of ``stage`` (peers that fail to answer are skipped)."""
+        infos = []
+        for info in self.peers(stage):
+            if self._is_local(info.peer_id, stage):
+                infos.append(self.local_servers[stage].info())
+                continue
+            try:
+                request = runtime_pb2.ExpertUID(uid=stage_uid(self.run_id, stage))
+                stub = self._stub(info.peer_id, stage)
+                reply = self._run(stub.rpc_info(request, timeout=self.request_timeout))
+                infos.append(msgpack.unpackb(reply.serialized_info))
+            except Exception as e:
+                logger.debug(f"Peer {info.peer_id} of stage {stage} did not answer rpc_info: {e!r}")
+        return infos
+
+    def stats(self) -> dict[str, float]:
+        """Traffic and failure counters, e.g. ``swarm/bytes_sent`` and ``swarm/stage0/forward_bytes_recv``."""
+        with self._lock:
+            return dict(self._counters)
+
+    def shutdown(self) -> None:
+        """Close this client's P2P connection (idempotent)."""
+        p2p, self._p2p = self._p2p, None
+        self._stubs.clear()
+        if p2p is not None:
+            try:
+                run_coroutine(p2p.shutdown(), timeout=10)
+            except Exception as e:
+                logger.debug(f"SwarmClient: error while closing P2P: {e!r}")
+
+    # ---- forward / backward with retries ----
+
+    def _forward(self, stage: int, args: tuple, kwargs: dict) -> tuple[Any, _Encoded | None]:
+        """Run the stage forward; returns the outputs and the encoded request (None if it ran locally)."""
+        encoded: list[_Encoded | None] = [None]
+
+        def attempt(peer_id: PeerID) -> Any:
+            if self._is_local(peer_id, stage):
+                return self.local_servers[stage].forward_local(args, kwargs)
+            if encoded[0] is None:
+                encoded[0] = _Encoded(*pack(args, kwargs, self.compression))
+            request = encoded[0]
+            reply_tensors, reply_metadata = self._request(
+                peer_id, stage, "forward", request.tensors, request.metadata
+            )
+            (outputs,), _ = unpack(reply_tensors, reply_metadata)
+            return outputs
+
+        outputs = self._with_retries(stage, batch_size_of(args, kwargs), attempt)
+        return outputs, encoded[0]
+
+    def _backward(
+        self, call: _StageCall, grad_outputs: list[torch.Tensor | None], expected: list[torch.Size]
+    ) -> list[torch.Tensor]:
+        """Input gradients (shapes ``expected``) of a stage call, computed by any live peer of the stage."""
+        stage = call.stage
+        args, kwargs = call.inputs()
+        grads_encoded: list[_Encoded | None] = [None]
+
+        def attempt(peer_id: PeerID) -> list[torch.Tensor]:
+            if self._is_local(peer_id, stage):
+                grad_inputs = self.local_servers[stage].backward_local(args, kwargs, grad_outputs)
+                _check_grads(stage, grad_inputs, expected)
+                return grad_inputs
+            if call.encoded is None:
+                call.encoded = _Encoded(*pack(args, kwargs, self.compression))
+            if grads_encoded[0] is None:
+                grads_encoded[0] = _Encoded(*pack(tuple(grad_outputs), {}, self.compression))
+            inputs, grads = call.encoded, grads_encoded[0]
+            metadata = backward_metadata(inputs.metadata, len(inputs.tensors), grads.metadata)
+            reply_tensors, reply_metadata = self._request(
+                peer_id, stage, "backward", inputs.tensors + grads.tensors, metadata
+            )
+            grad_inputs, _ = unpack(reply_tensors, reply_metadata)
+            _check_grads(stage, grad_inputs, expected)
+            return list(grad_inputs)
+
+        grads = self._with_retries(stage, batch_size_of(args, kwargs), attempt)
+        return grads
+
+    def _with_retries(self, stage: int, task_size: float, attempt: Callable[[PeerID], T]) -> T:
+        router = self.routers[stage]
+        deadline = time.monotonic() + self.no_peers_timeout
+        failed: set[PeerID] = set()
+        last_error: BaseException | None = None
+        while True:
+            self._maybe_refresh(stage)
+            try:
+                with self._router_lock:
+                    peer_id = router.choose(task_size, exclude=failed)
+            except NoPeersError as e:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    message = f"{e} Waited {self.no_peers_timeout:.1f} s (no_peers_timeout)."
+                    if last_error is not None:
+                        message += f" Last error from a peer: {last_error!r}"
+                    raise NoPeersError(message) from last_error
+                failed.clear()  # everyone failed once: after a refresh, allow retrying unbanned peers
+                self._maybe_refresh(stage, block=True, max_wait=min(self.refresh_period, remaining))
+                continue
+            try:
+                result = attempt(peer_id)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as e:
+                if (
+                    isinstance(e, P2PHandlerError)
+                    and _RESPONSE_TOO_LARGE in str(e)
+                    and stage not in self._stream_stages
+                ):
+                    self._stream_stages.add(stage)  # retry the same peer, streaming
+                    continue
+                last_error = e
+                with self._router_lock:
+                    duration = router.ban(peer_id)
+                failed.add(peer_id)
+                self._count_failure(stage)
+                logger.warning(
+                    f"Stage {stage} call to peer {peer_id} failed ({e!r}); banned it for {duration:.0f} s and retrying"
+                )
+                continue
+            with self._router_lock:
+                router.report_success(peer_id)
+            return result
+
+    # ---- transport ----
+
+    def _request(
+        self, peer_id: PeerID, stage: int, kind: str, tensors: list[runtime_pb2.Tensor], metadata: bytes
+    ) -> tuple[list[runtime_pb2.Tensor], bytes]:
+        uid = stage_uid(self.run_id, stage)
+        size = _wire.payload_size(tensors, metadata)
+        if size > _wire.MAX_UNARY_PAYLOAD_SIZE or stage in self._stream_stages:
+            requests = _wire.split(runtime_pb2.ExpertRequest, tensors, metadata, uid=uid)
+            responses = self._run(self._call_stream(peer_id, stage, f"rpc_{kind}_stream", requests))
+            reply_tensors, reply_metadata, _ = _wire.combine(responses)
+        else:
+            request = runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=metadata)
+            stub = self._stub(peer_id, stage)
+            reply = self._run(getattr(stub, f"rpc_{kind}")(request))
+            reply_tensors, reply_metadata = reply.tensors, reply.metadata
+        self._count(stage, kind, size, nbytes(reply_tensors) + len(reply_metadata))
+        return list(reply_tensors), reply_metadata
+
+    async def _call_stream(self, peer_id: PeerID, stage: int, method: str, requests: Any) -> list[Any]:
+        stub = self._stub(peer_id, stage)
+
+        async def _requests() -> Any:
+            for request in requests:
+                yield request
+
+        stream = await getattr(stub, method)(_requests())
+        return [response async for response in stream]
+
+    def _run(self, coro: Any) -> Any:
+        return run_coroutine(asyncio.wait_for(coro, self.request_timeout), timeout=self.request_timeout + 5)
+
+    def _stub(self, peer_id: PeerID, stage: int) -> Any:
+        key = (peer_id, stage)
+        stub = self._stubs.get(key)
+        if stub is None:
+            if self._p2p is None:
+                self._p2p = run_coroutine(self.dht.replicate_p2p(), timeout=60)
+            stub = self._stubs[key] = StageServer.get_stub(
+                self._p2p, peer_id, namespace=stage_uid(self.run_id, stage)
+            )
+        return stub
+
+    def _is_local(self, peer_id: PeerID, stage: int) -> bool:
+        return peer_id == self.peer_id and stage in self.local_servers
+
+    # ---- peer discovery ----
+
+    def _maybe_refresh(self, stage: int, block: bool = False, max_wait: float = 0.0) -> None:
+        """Start a DHT lookup when the listing is stale and apply finished ones.
+
+        With ``block``, always look up, wait for the answer, and if the stage still has no live peer, sleep out
+        the rest of ``max_wait`` seconds (this paces the polling while waiting for peers).
+        """
+        start = time.monotonic()
+        pending = self._pending[stage]
+        if pending is None and (block or start - self._last_refresh[stage] >= self.refresh_period):
+            pending = self._pending[stage] = self.dht.get(
+                stage_key(self.run_id, stage), latest=True, return_future=True
+            )
+            self._last_refresh[stage] = start
+        if pending is not None and block:
+            try:
+                pending.result(timeout=max(max_wait, 0.01))
+            except Exception:
+                pass  # handled below
+        if pending is not None and pending.done():
+            self._pending[stage] = None
+            try:
+                peers = parse_stage_peers(pending.result(), stage)
+                with self._router_lock:
+                    self.routers[stage].update_peers(peers)
+            except Exception as e:
+                logger.debug(f"DHT lookup of stage {stage} failed: {e!r}")
+        if block and self.routers[stage].num_live() == 0:
+            time.sleep(max(0.0, max_wait - (time.monotonic() - start)))
+
+    # ---- counters ----
+
+    def _count(self, stage: int, kind: str, sent: int, recv: int) -> None:
+        with self._lock:
+            c = self._counters
+            c["swarm/bytes_sent"] += sent
+            c["swarm/bytes_recv"] += recv
+            c[f"swarm/stage{stage}/bytes_sent"] += sent
+            c[f"swarm/stage{stage}/bytes_recv"] += recv
+            c[f"swarm/stage{stage}/{kind}_bytes_sent"] += sent
+            c[f"swarm/stage{stage}/{kind}_bytes_recv"] += recv
+            c[f"swarm/stage{stage}/{kind}_calls"] += 1
+
+    def _count_failure(self, stage: int) -> None:
+        with self._lock:
+            self._counters["swarm/retries"] += 1
+            self._counters["swarm/bans"] += 1
+            self._counters[f"swarm/stage{stage}/retries"] += 1
+
+    def _check_stage(self, stage: int) -> None:
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"SwarmClient: stage must be in [0, {self.num_stages}), got {stage}")
+
+
+class _Encoded:
+    """A packed request: tensor messages and metadata."""
+
+    __slots__ = ("tensors", "metadata")
+
+    def __init__(self, tensors: list[runtime_pb2.Tensor], metadata: bytes):
+        self.tensors, self.metadata = tensors, metadata
+
+
+class _StageCall:
+    """What one differentiable stage call keeps between its forward and backward."""
+
+    def __init__(
+        self, client: SwarmClient, stage: int, skeleton: Any, tensors: list[torch.Tensor], marks: list[bool]
+    ):
+        self.client, self.stage, self.skeleton, self.marks = client, stage, skeleton, marks
+        self.tensors = tensors
+        self.encoded: _Encoded | None = None
+        self.output_skeleton: Any = None
+        self.diff_devices: list[tuple[torch.device, torch.dtype]] = []
+
+    def inputs(self) -> tuple[tuple, dict]:
+        """The stage inputs as detached tensors, marked ``requires_grad`` where gradients are wanted."""
+        leaves = []
+        for t, mark in zip(self.tensors, self.marks, strict=True):
+            leaf = t.detach()
+            if mark:
+                leaf.requires_grad_(True)
+            leaves.append(leaf)
+        args, kwargs = rebuild_tensors(self.skeleton, leaves)
+        return tuple(args), dict(kwargs)
+
+
+class _StageFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: _StageCall, dummy: torch.Tensor, *diff_inputs: torch.Tensor) -> tuple:
+        args, kwargs = call.inputs()
+        outputs, call.encoded = call.client._forward(call.stage, args, kwargs)
+        out_tensors, call.output_skeleton = flatten_tensors(outputs)
+        device = _device_of(call.tensors)
+        out_tensors = [t.to(device) for t in out_tensors]
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        ctx.input_meta = [(t.device, t.dtype, t.shape) for t in diff_inputs]
+        non_diff = [t for t in out_tensors if not t.is_floating_point()]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(out_tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple:
+        call: _StageCall = ctx.call
+        grads_in: list[torch.Tensor | None]
+        if all(g is None for g in grad_outputs):
+            grads_in = [None] * len(ctx.input_meta)
+        else:
+            grads = call.client._backward(
+                call,
+                [None if g is None else g.detach() for g in grad_outputs],
+                [m[2] for m in ctx.input_meta],
+            )
+            grads_in = [
+                grad.to(device=device, dtype=dtype)
+                for grad, (device, dtype, _) in zip(grads, ctx.input_meta, strict=True)
+            ]
+        return (None, None, *grads_in)
+
+
+def _device_of(tensors: list[torch.Tensor]) -> torch.device:
+    """Where a call's outputs should live: the device of its first tensor argument (CPU if none)."""
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _check_grads(stage: int, grads: Any, expected: list[torch.Size]) -> None:
+    if not isinstance(grads, (tuple, list)) or len(grads) != len(expected):
+        count = len(grads) if isinstance(grads, (tuple, list)) else type(grads).__name__
+        raise CodecError(f"Stage {stage} returned {count} input gradients, expected {len(expected)}")
+    for grad, shape in zip(grads, expected, strict=True):
+        if not isinstance(grad, torch.Tensor) or grad.shape != shape or not grad.is_floating_point():
+            raise CodecError(
+                f"Stage {stage} returned a malformed input gradient (expected shape {list(shape)})"
+            )
