@@ -246,6 +246,9 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         out_logits = torch.cat(
             [logits, foreign_logits.to(logits.dtype), rest.unsqueeze(1).to(logits.dtype)], dim=1
         )
+        self.mark_active(
+            local_ids if mine.size(0) == 1 else ids[valid]
+        )  # rows to re-hash at the next rebuild
         has_labels = bool((labels >= 0).any())
         self.loss_offset = (group.world_size - 1) * LABEL_MARGIN if has_labels else 0.0
         self.num_steps += 1

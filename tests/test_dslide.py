@@ -1,0 +1,291 @@
+"""DSlideStrategy and the sharded layers, on real gloo process groups over 127.0.0.1.
+
+- engine: 2 and 3 ranks train the same network as one process (same seeds, same active sets) and end with
+  the same parameters, losses and eval top-k; the bytes of every step equal the analytic count;
+- the lock-step loader stops all ranks at the shortest data and refuses different batches;
+- Trainer: ``strategy="dslide"`` on 2 ranks (Lightning's launcher) matches a plain single-process run, writes a
+  checkpoint that the plain LightningModule loads, and 3 ranks resume from it like a plain run does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from lightning.fabric.strategies import _StrategyRegistry
+
+from lightning_swarm.layers import LazyAdam, SparseInputLinear, SparseLSHLinear, active_set_loss
+from lightning_swarm.layers.distributed import ShardGroup
+from lightning_swarm.layers.sharded import ShardedSparseInputLinear, ShardedSparseLSHLinear
+from lightning_swarm.strategy._dslide_shard import LockStepLoader, shard_lightning_module
+from lightning_swarm.strategy.dslide import DSlideStrategy
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "_dslide_worker.py"
+NET = {"F": 400, "H": 24, "Y": 300, "B": 16, "ymax": 3, "k": 40, "steps": 5}
+
+
+# --------------------------------------------------------------------------- helpers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batches(net: dict[str, int]) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(net["steps"] + 1):
+        nnz = torch.randint(1, 8, (net["B"],), generator=g)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), nnz.cumsum(0)[:-1]])
+        indices = torch.randint(0, net["F"], (int(nnz.sum()),), generator=g)
+        values = torch.rand(int(nnz.sum()), generator=g)
+        labels = torch.randint(0, net["Y"], (net["B"], net["ymax"]), generator=g)
+        labels[torch.rand(net["B"], net["ymax"], generator=g) < 0.3] = -1
+        out.append((indices, offsets, values, labels))
+    return out
+
+
+def _train(active_set: str, shard: bool) -> dict[str, Any]:
+    """A few LazyAdam steps of sparse input -> ReLU -> SparseLSHLinear; sharded when ``shard``."""
+    torch.manual_seed(0)
+    inp = SparseInputLinear(NET["F"], NET["H"])
+    out = SparseLSHLinear(
+        NET["H"], NET["Y"], num_active=NET["k"], num_bits=4, num_tables=6, bucket_cap=None, rebuild_every=2,
+        active_set=active_set,
+    )  # fmt: skip
+    group = ShardGroup()
+    if shard:
+        inp, out = ShardedSparseInputLinear(inp, group), ShardedSparseLSHLinear(out, group)
+    opt = LazyAdam([*inp.parameters(), *out.parameters()], lr=1e-2)
+    losses, step_bytes = [], []
+    batches = _batches(NET)
+    for indices, offsets, values, labels in batches[:-1]:
+        group.stats.reset()
+        ids, logits = out(F.relu(inp(indices, offsets, values)), labels)
+        loss = active_set_loss(ids, logits, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total = loss.detach().double()
+        if shard and group.world_size > 1:
+            dist.all_reduce(total)
+            total -= out.loss_offset
+        losses.append(float(total))
+        step_bytes.append(group.stats.snapshot())
+    indices, offsets, values, _ = batches[-1]
+    out.eval()
+    with torch.no_grad():
+        scores, top = out.topk(F.relu(inp(indices, offsets, values)), 5)
+    return {
+        "input_weight": inp.weight.detach(),
+        "input_bias": inp.bias.detach(),
+        "output_weight": out.weight.detach(),
+        "output_bias": out.bias.detach(),
+        "losses": losses,
+        "bytes": step_bytes,
+        "scores": scores,
+        "top": top,
+    }
+
+
+def _lockstep_checks(rank: int) -> dict[str, Any]:
+    group = ShardGroup()
+    uneven = [torch.tensor([i]) for i in range(5 if rank == 0 else 3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seen = [int(b) for b in LockStepLoader(uneven, group)]
+    different = [torch.tensor([rank])]
+    try:
+        list(LockStepLoader(different, group))
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    return {
+        "seen": seen,
+        "warned": any("different numbers of batches" in str(w.message) for w in caught),
+        "error": error,
+    }
+
+
+def _rank_main(rank: int, world: int, port: int, active_set: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = _train(active_set, shard=True)
+        result["lockstep"] = _lockstep_checks(rank)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(world: int, active_set: str, out_dir: Path) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, active_set, str(out_dir))) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=150)
+        assert [p.exitcode for p in procs] == [0] * world, "a rank failed (see its stderr above)"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+
+
+# --------------------------------------------------------------------------- engine
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("world", "active_set"), [(2, "shared"), (3, "per_sample")])
+def test_sharded_layers_match_single_process(world: int, active_set: str, tmp_path: Path) -> None:
+    reference = _train(active_set, shard=False)
+    ranks = _run_ranks(world, active_set, tmp_path)
+
+    full = {
+        "input_weight": torch.cat([r["input_weight"] for r in ranks], dim=1),  # sharded by hidden unit
+        "input_bias": torch.cat([r["input_bias"] for r in ranks]),
+        "output_weight": torch.cat([r["output_weight"] for r in ranks]),  # sharded by output neuron
+        "output_bias": torch.cat([r["output_bias"] for r in ranks]),
+    }
+    for name, tensor in full.items():
+        assert tensor.shape == reference[name].shape
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-5, atol=1e-6, msg=name)
+    for r in ranks:
+        assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        assert torch.equal(r["top"], reference["top"])
+        torch.testing.assert_close(r["scores"], reference["scores"], rtol=1e-5, atol=1e-6)
+
+    # Bytes per step: batch x hidden floats for the hidden all-gather and the hidden-gradient all-reduce,
+    # batch floats for the softmax max and sum, rows x k float64 priorities per rank for the active set.
+    b, h, k = NET["B"], NET["H"], NET["k"]
+    rows = 1 if active_set == "shared" else b
+    expected = {
+        "hidden_all_gather": world * math.ceil(h / world) * b * 4,  # parts padded to the widest shard
+        "hidden_grad_all_reduce": b * h * 4,
+        "softmax_max_all_reduce": b * 4,
+        "softmax_sum_all_reduce": b * 4,
+        "active_set_all_gather": world * rows * k * 8,
+    }
+    weight_bytes = min(NET["F"] * h, NET["Y"] * h) * 4
+    for r in ranks:
+        for step in r["bytes"]:
+            assert step == expected
+            assert max(step.values()) < weight_bytes  # no weight-sized transfer (even in this tiny network)
+
+    for rank, r in enumerate(ranks):
+        assert r["lockstep"]["seen"] == [0, 1, 2], "every rank stops at the shortest data"
+        assert r["lockstep"]["warned"] == (rank == 0)
+        assert "different batches" in r["lockstep"]["error"]
+
+
+# --------------------------------------------------------------------------- strategy units
+def test_register_strategies_and_defaults() -> None:
+    registry = _StrategyRegistry()
+    DSlideStrategy.register_strategies(registry)
+    assert "dslide" in registry and "dslide_spawn" in registry
+    strategy = registry.get("dslide")
+    assert isinstance(strategy, DSlideStrategy)
+    assert strategy.is_distributed
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+    assert registry.get("dslide_spawn")._start_method == "spawn"
+
+
+def test_module_without_sparse_output_layer_is_refused() -> None:
+    root = torch.nn.Sequential(SparseInputLinear(10, 4), torch.nn.Linear(4, 3))
+    with pytest.raises(ValueError, match="DSlideStrategy shards `SparseLSHLinear`.*strategy='ddp'"):
+        shard_lightning_module(root, ShardGroup())
+
+
+# --------------------------------------------------------------------------- Trainer
+def _launch(
+    out: Path, devices: int, steps: int, resume: Path | None = None, strategy: str = "dslide"
+) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable,
+        str(WORKER),
+        "--devices",
+        str(devices),
+        "--strategy",
+        strategy,
+        "--steps",
+        str(steps),
+    ]
+    cmd += ["--out", str(out)] + (["--resume", str(resume)] if resume else [])
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
+    root = tmp_path_factory.mktemp("dslide")
+    plain = _launch(root / "plain", devices=1, steps=6, strategy="auto")
+    sharded = _launch(root / "dslide2", devices=2, steps=6)
+    return root, plain, sharded
+
+
+@pytest.mark.timeout(300)
+def test_trainer_two_ranks_match_plain_run(two_rank_run: tuple[Path, dict, dict]) -> None:
+    root, plain, sharded = two_rank_run
+    assert sharded["world_size"] == 2 and sharded["global_step"] == plain["global_step"] == 6
+    assert sharded["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert sharded["ids"] == plain["ids"]
+    plain_state = torch.load(root / "plain" / "model.ckpt", weights_only=False)["state_dict"]
+    sharded_ckpt = torch.load(root / "dslide2" / "model.ckpt", weights_only=False)
+    for name, tensor in plain_state.items():
+        torch.testing.assert_close(sharded_ckpt["state_dict"][name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+    # Per step (after the first): one lock-step check, the model's collectives and the loss all-reduce.
+    b, h, k = 16, 16, 48
+    expected = {
+        "lockstep_all_reduce": 3 * 8,
+        "hidden_all_gather": b * h * 4,
+        "hidden_grad_all_reduce": b * h * 4,
+        "softmax_max_all_reduce": b * 4,
+        "softmax_sum_all_reduce": b * 4,
+        "active_set_all_gather": 2 * k * 8,
+        "loss_all_reduce": 4,
+    }
+    assert sharded["bytes"][1:] == [expected] * 5
+    weight_bytes = 300 * h * 4
+    assert sum(expected.values()) < weight_bytes / 5
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_loads_unsharded_and_resumes_on_three_ranks(two_rank_run: tuple[Path, dict, dict]) -> None:
+    sys.path.insert(0, str(REPO))
+    from examples.amazon670k.model import XCModel
+    from tests._dslide_worker import predictions
+
+    root, _, sharded = two_rank_run
+    ckpt = root / "dslide2" / "model.ckpt"
+    model = XCModel.load_from_checkpoint(ckpt)
+    assert isinstance(model.output_layer, SparseLSHLinear) and model.output_layer.out_features == 400
+    scores, ids = predictions(model)
+    assert ids.tolist() == sharded["ids"]
+    torch.testing.assert_close(scores, torch.tensor(sharded["scores"]), rtol=1e-5, atol=1e-6)
+
+    resumed = _launch(root / "dslide3", devices=3, steps=10, resume=ckpt)
+    plain_resumed = _launch(root / "plain_resumed", devices=1, steps=10, resume=ckpt, strategy="auto")
+    assert resumed["world_size"] == 3 and resumed["global_step"] == 10
+    assert len(resumed["losses"]) == 4
+    assert resumed["losses"] == pytest.approx(plain_resumed["losses"], rel=1e-5)
+    assert resumed["ids"] == plain_resumed["ids"]
