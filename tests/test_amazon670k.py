@@ -204,3 +204,100 @@ def test_datamodule_synthetic_shuffles_training_data() -> None:
     in_order = collate_sparse([dm.train_data.row(i) for i in range(50)])[3]
     assert first.shape[0] == 50 and not torch.equal(first, in_order)
     assert not _csr_equal(dm.train_data.select(slice(0, 100)), dm.test_data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and training through LightningCLI
+# ---------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL_CONFIG = REPO / "examples" / "amazon670k" / "configs" / "small.yaml"
+
+
+def _cli(tmp_path: Path, *args: str):
+    from examples.amazon670k.train import main
+
+    common = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
+    common += ["--trainer.default_root_dir", str(tmp_path)]
+    return main(["fit", "--config", str(SMALL_CONFIG), *common, *args])
+
+
+def test_full_softmax_loss_equals_active_set_loss_over_all_labels() -> None:
+    from examples.amazon670k.model import full_softmax_loss
+    from lightning_swarm.layers import active_set_loss
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 40, generator=gen, requires_grad=True)
+    labels = torch.tensor([[3, 7, -1], [0, -1, -1], [-1, -1, -1], [39, 1, 2], [5, -1, -1], [8, 9, -1]])
+    ids = torch.arange(40).expand(6, -1)
+    dense = full_softmax_loss(logits, labels)
+    sparse = active_set_loss(ids, logits, labels)
+    assert dense.item() == pytest.approx(sparse.item(), rel=1e-6)
+    dense.backward()
+    assert logits.grad[2].abs().sum() == 0  # the label-less row contributes nothing
+
+
+@pytest.mark.parametrize("output", ["sparse", "dense"])
+def test_cli_trains_and_p_at_1_is_clearly_above_chance(tmp_path: Path, output: str) -> None:
+    size = ["--data.num_features", "2000", "--data.num_labels", "2000"]
+    size += ["--data.synthetic_samples", "4000", "--data.synthetic_test_samples", "500"]
+    cli = _cli(
+        tmp_path,
+        *size,
+        "--model.output",
+        output,
+        "--model.num_active",
+        "512",
+        "--model.num_bits",
+        "6",
+        "--trainer.max_epochs",
+        "3",
+    )
+    # The model's shape came from the data module through the CLI's argument links.
+    assert cli.model.input_layer.in_features == 2000
+    assert cli.model.output_layer.out_features == 2000
+    layer_type = "SparseLSHLinear" if output == "sparse" else "Linear"
+    assert type(cli.model.output_layer).__name__ == layer_type
+    p_at_1 = float(cli.trainer.callback_metrics["val/p@1"])
+    chance = popularity_p_at_1(cli.datamodule.train_data, cli.datamodule.test_data)
+    assert p_at_1 > 0.3 and p_at_1 > 5 * chance, (p_at_1, chance)
+    assert float(cli.trainer.callback_metrics["val/p@5"]) <= p_at_1
+
+
+def test_cli_reads_real_format_files_with_fast_dev_run(tmp_path: Path) -> None:
+    cli = _cli(
+        tmp_path,
+        "--data.data_dir",
+        str(SAMPLE_DIR),
+        "--data.num_features",
+        "null",
+        "--data.num_labels",
+        "null",
+        "--data.batch_size",
+        "4",
+        "--trainer.fast_dev_run",
+        "2",
+    )
+    assert cli.model.input_layer.in_features == 10 and cli.model.output_layer.out_features == 5
+    assert cli.model.output_layer.num_steps.item() == 2  # two training steps through the LSH layer
+    assert "val/p@1" in cli.trainer.callback_metrics
+
+
+@pytest.mark.timeout(180)
+def test_train_script_runs_from_the_repository_root(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "examples/amazon670k/train.py", "fit", "--config", str(SMALL_CONFIG)]
+    cmd += [
+        "--data.synthetic_samples",
+        "300",
+        "--data.synthetic_test_samples",
+        "100",
+        "--trainer.fast_dev_run",
+        "2",
+    ]
+    cmd += ["--trainer.default_root_dir", str(tmp_path)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fast_dev_run" in result.stdout + result.stderr
