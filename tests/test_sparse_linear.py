@@ -258,3 +258,21 @@ def test_state_dict_round_trip_rebuilds_tables() -> None:
     x, labels = torch.randn(4, 8), torch.tensor([[5], [6], [7], [8]])
     assert torch.equal(layer.select_active(x, labels), other.select_active(x, labels))
     assert math.isfinite(float(active_set_loss(*other(x, labels), labels)))
+
+
+def test_incremental_rebuild_equals_full_rebuild_after_training() -> None:
+    gen = torch.Generator().manual_seed(6)
+    layer = SparseLSHLinear(16, 1500, num_active=64, num_bits=6, num_tables=4, rebuild_every=3)
+    opt = LazyAdam(layer.parameters(), lr=0.05)
+    for _ in range(7):
+        x = torch.randn(8, 16, generator=gen)
+        labels = _labels(8, 1500, 2, gen)
+        opt.zero_grad()
+        active_set_loss(*layer(x, labels), labels).backward()
+        opt.step()
+    layer.num_steps += 2  # make the schedule rebuild now (step 9 = 6 + 3)
+    assert layer.maybe_rebuild()
+    incremental = layer._tables.neurons.clone()
+    layer.invalidate_tables()
+    layer.maybe_rebuild()
+    assert torch.equal(layer._tables.neurons, incremental)

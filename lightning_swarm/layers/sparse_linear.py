@@ -115,7 +115,8 @@ class SparseLSHLinear(nn.Module):
         num_tables: number of hash tables (``L``).
         bucket_cap: at most this many neurons of a bucket become candidates (a random
             subset, re-drawn at every rebuild); ``None`` for no cap.
-        rebuild_every: training steps between table rebuilds from the current weights.
+        rebuild_every: training steps between table rebuilds from the current weights (a
+            rebuild re-hashes the rows that were active since the previous one).
         rebuild_growth: the rebuild period is multiplied by this after every rebuild (>= 1).
         reseed_every: training steps between new hash functions.
         eval_topk: eval top-k: ``"exact"`` (all neurons, chunked matmul) or ``"lsh"``.
@@ -196,6 +197,8 @@ class SparseLSHLinear(nn.Module):
         self._hash_version = -1
         self._tables = LSHTables(num_tables, 1 << num_bits)
         self._built_at: int | None = None
+        self._codes: Tensor | None = None  # [n, L] bucket codes of the rows at the last rebuild
+        self._dirty = torch.zeros(out_features, dtype=torch.bool)  # rows active since the last rebuild
         self._period = float(rebuild_every)
         self.num_rebuilds = 0
         self.register_load_state_dict_post_hook(lambda module, _: module.invalidate_tables())
@@ -208,8 +211,19 @@ class SparseLSHLinear(nn.Module):
 
     # ----------------------------------------------------------------- tables
     def invalidate_tables(self) -> None:
-        """Force a table rebuild at the next use (after loading weights, for instance)."""
+        """Force a full table rebuild (all rows re-hashed) at the next use, e.g. after changing weights."""
         self._built_at = None
+        self._codes = None
+
+    def mark_active(self, ids: Tensor) -> None:
+        """Record that rows ``ids`` (global) were active, so the next rebuild re-hashes them.
+
+        The training forward calls it; a D-SLIDE shard calls it with its part of the active set.
+        Rebuilds re-hash only these rows (a sparse optimizer changes no others); a new hash
+        function or :meth:`invalidate_tables` re-hashes all rows.
+        """
+        local = ids.reshape(-1) - self.row_offset
+        self._dirty[local[(local >= 0) & (local < self.out_features)]] = True
 
     @torch.no_grad()
     def maybe_rebuild(self) -> bool:
@@ -226,12 +240,19 @@ class SparseLSHLinear(nn.Module):
                 self.hash_family, self.in_features, self.num_bits, self.num_tables, hash_seed
             )
             self._hash_version = version
-            self._built_at = None
+            self.invalidate_tables()
         if self._built_at is not None and step - self._built_at < self._period:
             return False
         if self._built_at is not None:
             self._period *= self.rebuild_growth
-        codes = self._hash.codes(self.weight.detach())
+        weight = self.weight.detach()
+        if self._codes is None:
+            self._codes = self._hash.codes(weight)
+        else:  # only rows that were active since the last rebuild can have changed
+            rows = self._dirty.nonzero().squeeze(1)
+            self._codes[rows] = self._hash.codes(weight.index_select(0, rows))
+        self._dirty.zero_()
+        codes = self._codes
         global_ids = torch.arange(self.out_features) + self.row_offset
         order_key = pseudo_uniform(global_ids, self.seed, step, _SALT_BUCKET)
         self._tables.build(codes, order_key)
@@ -375,6 +396,7 @@ class SparseLSHLinear(nn.Module):
         self.maybe_rebuild()
         ids = self.select_active(x, labels)
         logits = self.active_logits(x, ids)
+        self.mark_active(ids)
         self.num_steps += 1
         return ids.expand(x.size(0), -1), logits
 
@@ -402,8 +424,9 @@ class SparseLSHLinear(nn.Module):
             raise ValueError(f"SparseLSHLinear.topk: unknown mode {mode!r}; choose 'exact' or 'lsh'.")
         width = min(self.out_features, max(k, self.num_active))
         scores, ids = [], []
-        for lo in range(0, x.size(0), 64):  # bounds the [b, width, in] gather
-            xs = x[lo : lo + 64]
+        chunk = max(1, (1 << 24) // (width * self.in_features))  # bounds the [b, width, in] gather
+        for lo in range(0, x.size(0), chunk):
+            xs = x[lo : lo + chunk]
             cand, _ = top_priorities(*self.candidate_priorities(xs, None, True, width), xs.size(0), width)
             s = self.active_logits(xs, cand)
             top_s, top_i = s.topk(k, dim=1)

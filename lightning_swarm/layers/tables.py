@@ -84,7 +84,10 @@ class LSHTables:
         perm = order_key.argsort() if order_key is not None else torch.arange(n)
         table_base = torch.arange(self.num_tables).unsqueeze(1) * self.code_space
         keys = codes.index_select(0, perm).t() + table_base  # [L, n], neurons in key order
+        if self.num_tables * self.code_space < 1 << 31:
+            keys = keys.int()  # int32 sorts faster
         sorted_keys, idx = keys.reshape(-1).sort(stable=True)
+        sorted_keys = sorted_keys.long()
         self.neurons = perm.repeat(self.num_tables).index_select(0, idx)
         self.num_neurons = n
         if self.num_tables * self.code_space <= _DENSE_OFFSETS_MAX:
