@@ -66,11 +66,13 @@ class Recorder(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.bytes: list[dict[str, int]] = []
+        self.label_widths: list[int] = []
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.losses.append(float(outputs["loss"]))
+        self.label_widths.append(int(batch[3].shape[1]))
         if isinstance(trainer.strategy, DSlideStrategy):
             self.bytes.append(trainer.strategy.last_step_bytes)
 
@@ -116,6 +118,8 @@ def main() -> None:
         result = {
             "losses": recorder.losses,
             "bytes": recorder.bytes,
+            "label_widths": recorder.label_widths,
+            "logged_loss": float(trainer.callback_metrics["train/loss"]),
             "scores": scores.tolist(),
             "ids": ids.tolist(),
             "global_step": trainer.global_step,

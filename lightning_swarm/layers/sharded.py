@@ -10,12 +10,12 @@
   softmax over the active set is normalised globally with two all-reduces of ``[B]`` (max and sum).
 
 How the sharded training forward keeps the model's loss code unchanged: it returns, per row, the logits of
-the shard's active neurons, one column per label owned by another shard (logit ``LSE - K``, ``K`` =
-:data:`LABEL_MARGIN`, detached: negligible mass, no gradient) and one "rest" column holding the other shards'
-softmax mass (detached). :func:`~lightning_swarm.layers.active_set_loss` on these columns gives the shard's
-share of the loss: its logsumexp is the global one, so the gradient of each local logit is exactly the
-single-process ``p - t``; the sum of the shares over ranks is the single-process loss plus
-``(world_size - 1) * K`` (see :attr:`ShardedSparseLSHLinear.loss_offset`).
+the shard's active neurons, one column per label owned by another shard (holding that label's true logit,
+sent by its owner) and one "rest" column holding the rest of the other shards' softmax mass; these extra
+columns are constants (detached). :func:`~lightning_swarm.layers.active_set_loss` on these columns then
+computes, on every rank, the value of the single-process loss (same logsumexp, same label logits), while its
+gradient reaches only the shard's own logits, each getting exactly its single-process ``p - t``. Summed over
+ranks (the all-reduce of the hidden gradient) this is the single-process gradient.
 
 Free of Lightning.
 """
@@ -38,7 +38,6 @@ from lightning_swarm.layers.sparse_linear import (
     top_priorities,
 )
 
-LABEL_MARGIN = 60.0  # e^-60 ~ 1e-26: the mass of a foreign label's column next to the softmax sum
 _FAR = 1.0e4  # logits this far below the max have zero mass in float32 (padding columns)
 _FOREIGN_PAD = -(1 << 40)  # ids of padding label columns: distinct from -2 (rest) and -3 - j (local padding)
 
@@ -198,7 +197,6 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         self.num_steps.copy_(full.num_steps)
         self._period = full._period
         self.num_rebuilds = full.num_rebuilds
-        self.loss_offset = 0.0
         self._receive_from_rank0(full)
 
     # ------------------------------------------------------------ training
@@ -213,46 +211,65 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
             return ids, scores
         self.maybe_rebuild()
         mine, keep = self.select_active_shard(x, labels)
-        group = self.shard_group
-        batch = x.size(0)
-        if mine.size(0) == 1:  # one active set for the batch
+        batch, shared = x.size(0), mine.size(0) == 1
+        if shared:  # one active set for the batch
             local_ids = mine[0][keep[0]]
             logits = (
                 self.active_logits(x, local_ids.unsqueeze(0)) if local_ids.numel() else x.new_zeros(batch, 0)
             )
             ids = local_ids.unsqueeze(0).expand(batch, -1)
+            self.mark_active(local_ids)  # rows to re-hash at the next rebuild
         else:  # per sample: pad every row to the longest local part
             width = int(keep.sum(dim=1).max()) if keep.numel() else 0
             order = keep.long().argsort(dim=1, descending=True, stable=True)[:, :width]
             valid = keep.gather(1, order)
-            pads = -3 - torch.arange(width).expand(batch, -1)
-            ids = torch.where(valid, mine.gather(1, order), pads)
+            ids = torch.where(valid, mine.gather(1, order), -3 - torch.arange(width).expand(batch, -1))
             logits = self._padded_logits(x, ids, valid)
-        with torch.no_grad():
-            local_max = logits.max(dim=1).values if logits.size(1) else x.new_full((batch,), -math.inf)
-            glob_max = group.all_reduce_(local_max.clone(), "softmax_max_all_reduce", op=dist.ReduceOp.MAX)
-            local_sum = (logits - glob_max.unsqueeze(1)).exp().sum(dim=1)
-            glob_sum = group.all_reduce_(local_sum.clone(), "softmax_sum_all_reduce")
-            lse = glob_max + glob_sum.log()
-            rest = glob_max + (glob_sum - local_sum).clamp(min=0).log()
-            rest = torch.maximum(rest, glob_max - _FAR)
-            foreign_ids, foreign_cols = self._foreign_label_columns(labels, mine.size(0) == 1)
-            foreign_logits = (lse - LABEL_MARGIN).unsqueeze(1).expand(batch, foreign_cols)
-        rest_id = torch.full((1,), -2, dtype=torch.long)
-        if mine.size(0) == 1:
-            out_ids = torch.cat([local_ids, foreign_ids[0], rest_id]).unsqueeze(0).expand(batch, -1)
-        else:
-            out_ids = torch.cat([ids, foreign_ids, rest_id.expand(batch, 1)], dim=1)
-        out_logits = torch.cat(
-            [logits, foreign_logits.to(logits.dtype), rest.unsqueeze(1).to(logits.dtype)], dim=1
-        )
-        self.mark_active(
-            local_ids if mine.size(0) == 1 else ids[valid]
-        )  # rows to re-hash at the next rebuild
-        has_labels = bool((labels >= 0).any())
-        self.loss_offset = (group.world_size - 1) * LABEL_MARGIN if has_labels else 0.0
+            self.mark_active(ids[valid])
+        foreign_ids, foreign_logits, rest = self._global_normaliser(ids, logits.detach(), labels, shared)
+        out_ids = torch.cat([ids, foreign_ids, torch.full((batch, 1), -2, dtype=torch.long)], dim=1)
+        out_logits = torch.cat([logits, foreign_logits, rest.unsqueeze(1)], dim=1)
         self.num_steps += 1
         return out_ids, out_logits
+
+    @torch.no_grad()
+    def _global_normaliser(
+        self, ids: Tensor, logits: Tensor, labels: Tensor, shared: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The extra columns that make this shard's softmax the global one (see the module docstring).
+
+        Two collectives: an all-reduce (max) of the per-row max ``[B]``, then one all-reduce (sum) of the
+        per-row sum of exponentials together with the labels' logits ``[B, 1 + Ymax]`` (each label's logit
+        comes from the shard that owns it).
+
+        Returns:
+            ``(foreign_ids [B, m], foreign_logits [B, m], rest [B])``.
+        """
+        group, batch = self.shard_group, logits.size(0)
+        lo, hi = self.row_offset, self.row_offset + self.out_features
+        valid = labels >= 0
+        own = valid & (labels >= lo) & (labels < hi)
+        foreign = valid & ~own
+        local_max = logits.max(dim=1).values if logits.size(1) else logits.new_full((batch,), -math.inf)
+        glob_max = group.all_reduce_(local_max, "softmax_max_all_reduce", op=dist.ReduceOp.MAX)
+        shifted = logits - glob_max.unsqueeze(1)
+        label_logits = _lookup(ids, logits, labels, own).masked_fill(~own, 0.0)
+        packed = torch.cat([shifted.exp().sum(dim=1, keepdim=True), label_logits], dim=1)
+        group.all_reduce_(packed, "softmax_sum_all_reduce")
+        glob_sum, label_logits = packed[:, 0], packed[:, 1:]
+        floor = (glob_max - _FAR).unsqueeze(1)
+        foreign_mass = ((label_logits - glob_max.unsqueeze(1)).exp() * foreign).sum(dim=1)
+        other = (glob_sum - shifted.exp().sum(dim=1) - foreign_mass).clamp(min=0)
+        rest = torch.maximum(glob_max + other.log(), floor.squeeze(1))
+        if shared:  # one column per foreign label of the batch, shared ids; the row's own labels get values
+            foreign_ids = torch.unique(labels[foreign])
+            values = floor.expand(batch, foreign_ids.numel()).clone()
+            rows, cols = foreign.nonzero(as_tuple=True)
+            where = torch.searchsorted(foreign_ids, labels[rows, cols])
+            values[rows, where] = label_logits[rows, cols]
+            return foreign_ids.unsqueeze(0).expand(batch, -1), values, rest
+        pads = _FOREIGN_PAD - torch.arange(labels.size(1)).expand_as(labels)
+        return torch.where(foreign, labels, pads), torch.where(foreign, label_logits, floor), rest
 
     def _padded_logits(self, x: Tensor, ids: Tensor, valid: Tensor) -> Tensor:
         """Logits ``[B, w]`` of the valid entries of ``ids``; padding gets ``-_FAR`` and touches no row.
@@ -294,16 +311,6 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         kth = everyone.topk(k, dim=1).values[:, -1:]
         return (prio >= kth) & (prio > -math.inf)
 
-    def _foreign_label_columns(self, labels: Tensor, shared: bool) -> tuple[Tensor, int]:
-        """Ids ``[R, m]`` of the labels owned by other shards (one column each; padding: distinct ids < -2)."""
-        lo, hi = self.row_offset, self.row_offset + self.out_features
-        foreign = (labels >= 0) & ((labels < lo) | (labels >= hi))
-        if shared:
-            ids = torch.unique(labels[foreign]).unsqueeze(0)
-            return ids, ids.size(1)
-        pads = _FOREIGN_PAD - torch.arange(labels.size(1)).expand_as(labels)
-        return torch.where(foreign, labels, pads), labels.size(1)
-
     # ---------------------------------------------------------------- eval
     @torch.no_grad()
     def topk(self, x: Tensor, k: int, mode: str | None = None) -> tuple[Tensor, Tensor]:
@@ -332,6 +339,19 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         all_ids = self.shard_group.all_gather_cat(ids, "topk_all_gather", dim=1)
         best, pick = all_scores.topk(k, dim=1)
         return best, all_ids.gather(1, pick)
+
+
+def _lookup(ids: Tensor, values: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
+    """``values[i, j]`` where ``ids[i, j] == labels[i, l]``, as ``[B, Ymax]``; entries outside ``mask`` are junk."""
+    if values.size(1) == 0:
+        return values.new_zeros(labels.shape)
+    if ids.size(0) > 1 and ids.stride(0) == 0:  # one set of ids for the batch
+        sorted_ids, perm = ids[0].sort()
+        pos = torch.searchsorted(sorted_ids, labels.clamp(min=0)).clamp_(max=ids.size(1) - 1)
+        return values.gather(1, perm[pos].masked_fill(~mask, 0))
+    sorted_ids, perm = ids.sort(dim=1)
+    pos = torch.searchsorted(sorted_ids, labels.clamp(min=0).contiguous()).clamp_(max=ids.size(1) - 1)
+    return values.gather(1, perm.gather(1, pos).masked_fill(~mask, 0))
 
 
 def sharded_types() -> tuple[type[nn.Module], ...]:

@@ -73,10 +73,6 @@ class ShardPlan:
             p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
             offset += g.numel()
 
-    def loss_offset(self) -> float:
-        """What the sum of the ranks' losses exceeds the network's loss by, this step (see ``sharded.py``)."""
-        return float(sum(getattr(layer, "loss_offset", 0.0) for layer in self.sharded.values()))
-
     def full_state_dict(self) -> dict[str, Any]:
         """The state dict the unsharded module would have (collective: all ranks must call it)."""
         state = self.root.state_dict()

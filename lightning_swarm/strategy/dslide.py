@@ -183,23 +183,12 @@ class DSlideStrategy(DDPStrategy):
                 on_step=True,
                 batch_size=1,
             )
-        # Each rank's loss covers the labels it owns; the sum over ranks is the loss of the whole network.
-        # Report that sum on every rank while backpropagating only the local part.
-        if isinstance(output, Tensor):
-            return self._global_loss(output)
-        if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-            return {**output, "loss": self._global_loss(output["loss"])}
         return output
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         assert self._plan is not None
         self._plan.all_reduce_replicated_grads()
-
-    @override
-    def teardown(self) -> None:
-        self._last_step_bytes = {}
-        super().teardown()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -242,12 +231,3 @@ class DSlideStrategy(DDPStrategy):
             description="D-SLIDE with processes started by `torch.multiprocessing` spawn",
             start_method="spawn",
         )
-
-    def _global_loss(self, loss: Tensor) -> Tensor:
-        if self._shard_group.world_size == 1:
-            return loss
-        assert self._plan is not None
-        total = (
-            self._shard_group.all_reduce_(loss.detach().clone(), "loss_all_reduce") - self._plan.loss_offset()
-        )
-        return loss + (total - loss.detach())
