@@ -301,3 +301,10 @@ def test_train_script_runs_from_the_repository_root(tmp_path: Path) -> None:
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fast_dev_run" in result.stdout + result.stderr
+
+
+def test_model_rejects_an_unknown_output_kind() -> None:
+    from examples.amazon670k.model import XCModel
+
+    with pytest.raises(ValueError, match="output must be 'sparse' or 'dense'"):
+        XCModel(num_features=10, num_labels=5, output="softmax")  # type: ignore[arg-type]

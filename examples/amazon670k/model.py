@@ -11,6 +11,8 @@ full softmax over all labels and the same targets, for comparison.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -51,17 +53,17 @@ class XCModel(L.LightningModule):
         num_features: int = 135_909,
         num_labels: int = 670_091,
         hidden: int = 128,
-        output: str = "sparse",
-        num_active: int = 4096,
-        hash_family: str = "simhash",
-        num_bits: int = 9,
-        num_tables: int = 50,
+        output: Literal["sparse", "dense"] = "sparse",
+        num_active: int = 8192,
+        hash_family: Literal["simhash", "dwta"] = "simhash",
+        num_bits: int = 14,
+        num_tables: int = 16,
         bucket_cap: int | None = 128,
         rebuild_every: int = 50,
         rebuild_growth: float = 1.0,
         reseed_every: int = 1000,
-        eval_topk: str = "exact",
-        active_set: str = "shared",
+        eval_topk: Literal["exact", "lsh"] = "exact",
+        active_set: Literal["shared", "per_sample"] = "shared",
         lr: float = 1e-3,
         seed: int = 0,
     ) -> None:
