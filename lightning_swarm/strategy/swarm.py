@@ -118,6 +118,7 @@ class SwarmStrategy(ParallelStrategy):
         self.settings.validate()
         self.num_nodes = 1
         self._peer: SwarmPeer | None = None
+        self._failed = False
 
     @property
     @override
@@ -131,17 +132,18 @@ class SwarmStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        # Several local peers split the data like DDP ranks do; collectives stay local (see `reduce`).
-        return self.world_size > 1
+        # Several local trainers split the data like DDP ranks do; collectives stay local (see `reduce`).
+        return self._local_trainers > 1
+
+    @property
+    def _local_trainers(self) -> int:
+        return min(self.settings.num_trainers or self.world_size, self.world_size)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        trainers = self.settings.num_trainers or self.world_size
-        return {
-            "num_replicas": max(1, min(trainers, self.world_size)),
-            "rank": self.global_rank % max(1, trainers),
-        }
+        trainers = self._local_trainers
+        return {"num_replicas": trainers, "rank": min(self.global_rank, trainers - 1)}
 
     @property
     def peer(self) -> SwarmPeer:
@@ -257,10 +259,15 @@ class SwarmStrategy(ParallelStrategy):
         return self._peer.full_state_dict(self.lightning_module)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+
+    @override
     def teardown(self) -> None:
         if self._peer is not None:
-            self._peer.leave(self.lightning_module)
+            self._peer.leave(self.lightning_module, failed=self._failed)
             self._peer = None
+        self._failed = False
         super().teardown()
 
     @classmethod

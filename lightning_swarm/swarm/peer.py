@@ -7,6 +7,7 @@ This is the glue between the pieces of the engine (DHT, :class:`StageServer`, :c
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -297,10 +298,17 @@ class SwarmPeer:
         self.presence.set_phase(FINISHED)
         self.presence.wait_for(FINISHED, self.local_swarm_size, timeout=float("inf"))
 
-    def leave(self, module: nn.Module | None) -> None:
+    def leave(self, module: nn.Module | None, failed: bool = False) -> None:
         """End of a run: keep serving until the others are done, put the trained pipeline back into ``module``,
-        then shut everything down."""
+        then shut everything down. After a failure, restore the container and leave at once."""
         s = self.settings
+        if failed:
+            try:
+                if self.partition is not None and self.joined:
+                    self.partition.restore()
+            finally:
+                self.shutdown()
+            return
         try:
             if self.presence is not None:
                 self.presence.set_phase(FINISHED)
@@ -344,11 +352,15 @@ def optimizer_factory(
 ) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
     """A factory that builds the same kind of optimizer, with the same hyper-parameters, for a stage's
     parameters (the stage servers step with the module's own ``configure_optimizers`` choice)."""
-    cls, defaults = type(optimizer), dict(optimizer.defaults)
     if isinstance(optimizer, hivemind.Optimizer):
         raise TypeError(
             "configure_optimizers must return a torch optimizer; the SwarmStrategy wraps it itself."
         )
+    cls = type(optimizer)
+    # `defaults` may hold entries the constructor does not take (AdamW's `decoupled_weight_decay`)
+    accepted = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
 
     def make(params: Any) -> torch.optim.Optimizer:
         return cls(params, **defaults)
