@@ -8,9 +8,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import lightning_swarm  # noqa: E402,F401  (registers "swarm")
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
+import lightning_swarm  # noqa: E402,F401  (registers "swarm")
 from examples.lm.data import PydocTextDataModule  # noqa: E402
 from examples.lm.model import TinyTransformerLM  # noqa: E402
 
