@@ -9,7 +9,8 @@ per "node" (``num_nodes=ranks``, ``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``),
 
 The same network (135,909 sparse features -> 128 ReLU -> 670,091 labels, ~103M parameters, batch 256) is
 trained with ``strategy="dslide"`` (SparseLSHLinear output, sharded) and with Lightning's ``"ddp"`` (gloo,
-dense ``nn.Linear`` output, the gradients of all parameters all-reduced every step). Step time is the mean
+dense ``nn.Linear`` output, the gradients of all parameters all-reduced every step), with the same global
+batch per optimizer step (every D-SLIDE rank works on the whole batch; each DDP rank on ``batch / ranks``). Step time is the mean
 interval between consecutive batches after the warm-up steps; bytes per step are the logical payload of the
 collectives (the strategy's own count for D-SLIDE; every gradient's size for DDP) and, measured, the bytes
 each rank sent on its veth (``/sys/class/net/eth0/statistics/tx_bytes``) per step.
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-HIDDEN, BATCH = 128, 256
+HIDDEN = 128
 
 
 # ----------------------------------------------------------------------------------- worker (one rank)
@@ -81,9 +82,7 @@ def worker(args: argparse.Namespace) -> None:
         dense_input = DenseGradInputLinear(model.input_layer.in_features, HIDDEN)
         dense_input.load_state_dict(model.input_layer.state_dict())
         model.input_layer = dense_input
-    data = XCDataModule(
-        synthetic_samples=BATCH * (args.steps + 1), synthetic_test_samples=16, batch_size=BATCH
-    )
+    data = XCDataModule(data_dir=args.data_dir, batch_size=args.batch)
     clock = StepClock()
     strategy = DSlideStrategy() if dslide else "ddp"
     trainer = Trainer(
@@ -122,11 +121,33 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------------- harness
-def run_one(net: Any, strategy: str, ranks: int, steps: int, warmup: int, out: Path, timeout: float) -> dict:
+def make_data(directory: Path, num_samples: int) -> None:
+    """Amazon-670K-shaped synthetic points, written once in the repository format for every rank to read."""
+    sys.path.insert(0, str(REPO))
+    from examples.amazon670k.data import make_synthetic, write_xc_file
+
+    write_xc_file(directory / "train.txt", make_synthetic(num_samples, sample_seed=0))
+    write_xc_file(directory / "test.txt", make_synthetic(16, sample_seed=1))
+
+
+def run_one(
+    net: Any,
+    strategy: str,
+    ranks: int,
+    steps: int,
+    warmup: int,
+    batch: int,
+    data_dir: Path,
+    out: Path,
+    timeout: float,
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // ranks)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--strategy", strategy]
     cmd += ["--ranks", str(ranks), "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
+    # Same global batch for both: D-SLIDE ranks all work on the whole batch, DDP ranks on 1/ranks of it each.
+    per_rank_batch = batch if strategy == "dslide" else batch // ranks
+    cmd += ["--batch", str(per_rank_batch), "--data-dir", str(data_dir)]
     procs = []
     logs = []
     try:
@@ -177,12 +198,14 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (under 5 minutes)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0, help="link rate of the limited runs")
+    parser.add_argument("--batch", type=int, default=None, help="batch size (default 256; 128 with --quick)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="dslide", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--data-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -192,22 +215,25 @@ def main() -> None:
     from _netns import VirtualCluster
 
     if args.quick:
-        settings = [(4, args.rate_mbit), (2, args.rate_mbit), (4, None)]
-        steps = {"dslide": (12, 2), "ddp": (3, 1)}
+        settings = [(4, args.rate_mbit), (4, None)]
+        steps = {"dslide": (8, 2), "ddp": (3, 1)}
     else:
         settings = [(4, args.rate_mbit), (2, args.rate_mbit), (4, None), (2, None)]
         steps = {"dslide": (40, 3), "ddp": (6, 2)}
+    batch = args.batch or (128 if args.quick else 256)
     runs = []
     with tempfile.TemporaryDirectory(prefix="dslide_vs_ddp_") as tmp:
+        data_dir = Path(tmp) / "data"
+        data_dir.mkdir()
+        make_data(data_dir, batch * (max(n for n, _ in steps.values()) + 1))
         for index, (ranks, rate) in enumerate(settings):
             with VirtualCluster(ranks, rate_mbit=rate, net=index) as net:
                 row: dict[str, Any] = {"ranks": ranks, "link_mbit": rate}
                 for strategy in ("dslide", "ddp"):
                     n, warm = steps[strategy]
                     started = time.monotonic()
-                    res = run_one(
-                        net, strategy, ranks, n, warm, Path(tmp) / f"{index}-{strategy}", timeout=900
-                    )
+                    out = Path(tmp) / f"{index}-{strategy}"
+                    res = run_one(net, strategy, ranks, n, warm, batch, data_dir, out, timeout=900)
                     print(
                         f"[{ranks} ranks, {rate or 'unlimited'} Mbit/s] {strategy}: {res['step_ms']:.0f} ms/step, "
                         f"{res['payload_bytes_per_step']:,} B/step payload, "
@@ -225,7 +251,8 @@ def main() -> None:
                 row["comm_reduction_measured"] = round(1 - tx_d / tx_p, 6) if tx_d and tx_p else None
                 runs.append(row)
     headline = next(r for r in runs if r["ranks"] == 4 and r["link_mbit"] == args.rate_mbit)
-    print(json.dumps({**headline, "cpu_cores": os.cpu_count(), "quick": args.quick, "runs": runs}))
+    summary = {**headline, "batch": batch, "cpu_cores": os.cpu_count(), "quick": args.quick, "runs": runs}
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
