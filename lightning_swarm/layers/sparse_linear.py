@@ -15,6 +15,20 @@ active set (see :meth:`SparseLSHLinear.candidate_priorities`):
   for position ``p`` in a fill sequence drawn from ``(seed, step)`` over all outputs;
 - ``u = pseudo_uniform(seed, step, row, neuron)`` in ``[0, 1)`` breaks ties identically in
   every process; hash functions depend only on ``(seed, reseed count)``.
+
+A shard's training step (``R = 1`` for a shared active set, ``B`` per sample)::
+
+    shard = SparseLSHLinear(in_f, hi - lo, row_offset=lo, total_out=N, <same settings and seed>)
+    shard.maybe_rebuild()                                  # same schedule on every shard
+    ids, prio = top_priorities(*shard.candidate_priorities(x, labels), R, k)   # [R, k] each
+    ids, prio = all_gather(ids), all_gather(prio)          # concatenated along dim 1
+    rows = torch.arange(R).unsqueeze(1).expand_as(ids)
+    active, _ = top_priorities(rows.flatten(), ids.flatten(), prio.flatten(), R, k)  # = single process
+    # logits of the own part: shard.active_logits(x, active[:, mine]) ...; then
+    shard.mark_active(active); shard.num_steps += 1
+
+The result equals the single-process active set when ``bucket_cap`` is ``None`` (with a
+cap, each shard caps its own part of a bucket, so shards see slightly more candidates).
 """
 
 from __future__ import annotations
@@ -28,7 +42,7 @@ from lightning_swarm.layers.hashing import DWTAHash, SimHash, make_hash
 from lightning_swarm.layers.tables import LSHTables, pseudo_uniform
 
 _LABEL_PRIORITY = float(2**40)
-_DEFAULT_ACTIVE = 8192  # about 1.2% of Amazon-670K's outputs, measured in benchmarks/sparse_vs_dense.py
+_DEFAULT_ACTIVE = 4096  # 0.6% of Amazon-670K's outputs, chosen with benchmarks/sparse_vs_dense.py
 _SALT_TIE, _SALT_FILL, _SALT_BUCKET, _SALT_HASH = 1, 2, 3, 4
 _PERM_FILL_MAX = 1 << 16  # rows * outputs up to this: random fill is a permutation (exact, no repeats)
 
@@ -109,7 +123,7 @@ class SparseLSHLinear(nn.Module):
         in_features: input size.
         out_features: number of neurons (classes) of the whole layer.
         num_active: active neurons per sample in training (``k``), at most ``out_features``;
-            default ``min(8192, out_features)``.
+            default ``min(4096, out_features)``.
         hash_family: ``"simhash"`` (signed random projections) or ``"dwta"`` (densified WTA).
         num_bits: bits per bucket code (``K``); DWTA needs a multiple of 3.
         num_tables: number of hash tables (``L``).
@@ -134,7 +148,7 @@ class SparseLSHLinear(nn.Module):
         num_active: int | None = None,
         hash_family: str = "simhash",
         num_bits: int = 14,
-        num_tables: int = 16,
+        num_tables: int = 8,
         bucket_cap: int | None = 128,
         rebuild_every: int = 50,
         rebuild_growth: float = 1.0,
