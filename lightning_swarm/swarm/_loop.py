@@ -68,3 +68,18 @@ def run_coroutine(coro: Coroutine[Any, Any, T], timeout: float | None = None) ->
             raise  # the coroutine itself raised TimeoutError
         future.cancel()
         raise TimeoutError(f"swarm operation did not finish within {timeout} s") from None
+
+
+async def replicate_p2p(dht: Any) -> Any:
+    """A new ``hivemind.P2P`` connected to ``dht``'s daemon (same peer id), owned by the caller.
+
+    Unlike ``dht.replicate_p2p()``, which caches one replica per process, every call opens its own connection,
+    so a component may shut its replica down without breaking the others.
+    """
+    from hivemind import DHT
+    from hivemind.p2p import P2P
+
+    loop = asyncio.get_running_loop()
+    # a blocking call into the DHT process: keep it off the event loop
+    maddr = await loop.run_in_executor(None, dht.run_coroutine, DHT._get_p2p_daemon_listen_maddr)
+    return await P2P.replicate(maddr)

@@ -31,7 +31,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.mpfuture import MPFuture
 
 from . import _wire
-from ._loop import run_coroutine
+from ._loop import replicate_p2p, run_coroutine
 from .codec import CodecError, check_compression, flatten_tensors, nbytes, pack, rebuild_tensors, unpack
 from .records import PeerInfo, parse_stage_peers, stage_key
 from .routing import NoPeersError, StageRouter
@@ -135,7 +135,7 @@ class SwarmClient:
             if self._is_local(peer_id, stage):
                 return self.local_servers[stage].state_dict_local()
             request = runtime_pb2.ExpertUID(uid=stage_uid(self.run_id, stage))
-            responses = self._run(self._call_stream(peer_id, stage, "rpc_state", [request]))
+            responses = self._run(self._call_stream(self._stub(peer_id, stage), "rpc_state", [request]))
             tensors, metadata, _ = _wire.combine(responses)
             self._count(stage, "state", 0, nbytes(tensors) + len(metadata))
             _, state = unpack(tensors, metadata)
@@ -278,7 +278,9 @@ class SwarmClient:
         size = _wire.payload_size(tensors, metadata)
         if size > _wire.MAX_UNARY_PAYLOAD_SIZE or stage in self._stream_stages:
             requests = _wire.split(runtime_pb2.ExpertRequest, tensors, metadata, uid=uid)
-            responses = self._run(self._call_stream(peer_id, stage, f"rpc_{kind}_stream", requests))
+            responses = self._run(
+                self._call_stream(self._stub(peer_id, stage), f"rpc_{kind}_stream", requests)
+            )
             reply_tensors, reply_metadata, _ = _wire.combine(responses)
         else:
             request = runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=metadata)
@@ -288,9 +290,8 @@ class SwarmClient:
         self._count(stage, kind, size, nbytes(reply_tensors) + len(reply_metadata))
         return list(reply_tensors), reply_metadata
 
-    async def _call_stream(self, peer_id: PeerID, stage: int, method: str, requests: Any) -> list[Any]:
-        stub = self._stub(peer_id, stage)
-
+    @staticmethod
+    async def _call_stream(stub: Any, method: str, requests: Any) -> list[Any]:
         async def _requests() -> Any:
             for request in requests:
                 yield request
@@ -306,7 +307,7 @@ class SwarmClient:
         stub = self._stubs.get(key)
         if stub is None:
             if self._p2p is None:
-                self._p2p = run_coroutine(self.dht.replicate_p2p(), timeout=60)
+                self._p2p = run_coroutine(replicate_p2p(self.dht), timeout=60)
             stub = self._stubs[key] = StageServer.get_stub(
                 self._p2p, peer_id, namespace=stage_uid(self.run_id, stage)
             )

@@ -18,6 +18,7 @@ a background thread re-announces the peer in the DHT with its measured throughpu
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -28,13 +29,14 @@ from typing import Any, AsyncIterator  # noqa: UP035 (hivemind detects stream ha
 import hivemind
 import msgpack
 import torch
+from hivemind.optim.grad_averager import GradientAverager
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from . import _wire
-from ._loop import run_coroutine
+from ._loop import replicate_p2p, run_coroutine
 from .codec import check_compression, flatten_tensors, pack, rebuild_tensors, unpack
 from .records import declare_stage_peer
 
@@ -152,6 +154,7 @@ class StageServer(ServicerBase):
             return self
         params = [p for p in self.module.parameters() if p.requires_grad]
         if params and self.optimizer_factory is not None:
+            request_timeout = max(0.2, self.matchmaking_time / 3)
             self.optimizer = hivemind.Optimizer(
                 dht=self.dht,
                 run_id=f"{self.run_id}_stage{self.stage}",  # hivemind forbids '.' in optimizer run ids
@@ -162,7 +165,8 @@ class StageServer(ServicerBase):
                 matchmaking_time=self.matchmaking_time,
                 averaging_timeout=self.averaging_timeout,
                 # hivemind warns (and may deadlock) unless requests time out before matchmaking ends
-                averager_opts={"request_timeout": max(0.2, self.matchmaking_time / 3)},
+                averager_opts={"request_timeout": request_timeout},
+                grad_averager_factory=functools.partial(GradientAverager, request_timeout=request_timeout),
                 verbose=False,
             )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}-compute")
@@ -177,7 +181,7 @@ class StageServer(ServicerBase):
         return self
 
     async def _start_p2p(self) -> P2P:
-        p2p = await self.dht.replicate_p2p()
+        p2p = await replicate_p2p(self.dht)
         await self.add_p2p_handlers(p2p, namespace=self.uid)
         return p2p
 

@@ -1,0 +1,300 @@
+"""Stage servers and the swarm client over real hivemind DHT/P2P on 127.0.0.1.
+
+Three DHT nodes live in this process: ``trainer`` (runs the SwarmClient) and two server peers. Each test uses
+its own run id, so their records and handlers do not interfere.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import hivemind
+import pytest
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
+from hivemind.proto import runtime_pb2
+from torch import nn
+
+from lightning_swarm.swarm._loop import run_coroutine
+from lightning_swarm.swarm.client import SwarmClient
+from lightning_swarm.swarm.codec import encode_tensor, pack
+from lightning_swarm.swarm.routing import NoPeersError
+from lightning_swarm.swarm.server import StageServer, stage_uid
+
+_run_ids = itertools.count()
+
+
+def _run_id(name: str) -> str:
+    return f"{name}-{next(_run_ids)}"
+
+
+@pytest.fixture(scope="module")
+def dhts() -> Iterator[dict[str, hivemind.DHT]]:
+    nodes: dict[str, hivemind.DHT] = {}
+    try:
+        nodes["trainer"] = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        peers = nodes["trainer"].get_visible_maddrs()
+        for name in ("server1", "server2"):
+            nodes[name] = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers)
+        yield nodes
+    finally:
+        for dht in nodes.values():
+            dht.shutdown()
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list]:
+    """Things with a ``shutdown()`` to stop after the test, even when it fails."""
+    things: list = []
+    yield things
+    for thing in reversed(things):
+        thing.shutdown()
+
+
+def _sgd(lr: float = 0.1):
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+def _serve(
+    cleanup: list, dht: hivemind.DHT, run_id: str, module: nn.Module, stage: int = 0, **kwargs
+) -> StageServer:
+    kwargs.setdefault("optimizer_factory", _sgd())
+    kwargs.setdefault("target_batch_size", 10**6)
+    kwargs.setdefault("compression", "none")
+    server = StageServer(stage, module, dht=dht, run_id=run_id, **kwargs)
+    cleanup.append(server)
+    return server.start()
+
+
+def _client(cleanup: list, dht: hivemind.DHT, run_id: str, num_stages: int = 1, **kwargs) -> SwarmClient:
+    kwargs.setdefault("compression", "none")
+    kwargs.setdefault("no_peers_timeout", 10.0)
+    kwargs.setdefault("request_timeout", 10.0)
+    client = SwarmClient(dht, run_id, num_stages, **kwargs)
+    cleanup.append(client)
+    return client
+
+
+class MixedStage(nn.Module):
+    """A stage taking two differentiable tensors, plain values and keyword arguments, with nested outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.gate = nn.Linear(8, 8)
+
+    def forward(self, x, h, scale: float, *, mask: torch.Tensor, mode: str = "add", extra=None):
+        assert mode == "mul" and extra == {"k": [1, None]}
+        out = torch.nn.functional.gelu(self.proj(x)) * scale + self.gate(h) * mask.unsqueeze(-1)
+        return out, {"aux": (h * x).sum(-1), "count": (mask > 0).sum()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_forward_backward_match_local_autograd(dhts, cleanup, where: str) -> None:
+    torch.manual_seed(0)
+    run_id = _run_id("exact")
+    simple = nn.Sequential(nn.Linear(16, 32), nn.GELU())
+    mixed = MixedStage()
+    reference = [nn.Sequential(nn.Linear(16, 32), nn.GELU()), MixedStage()]
+    reference[0].load_state_dict(simple.state_dict())
+    reference[1].load_state_dict(mixed.state_dict())
+    host = dhts["server1"] if where == "remote" else dhts["trainer"]
+    servers = [_serve(cleanup, host, run_id, simple, stage=0), _serve(cleanup, host, run_id, mixed, stage=1)]
+    local = {0: servers[0], 1: servers[1]} if where == "local" else None
+    client = _client(cleanup, dhts["trainer"], run_id, num_stages=2, local_servers=local)
+
+    x = torch.randn(4, 16, requires_grad=True)
+    h = torch.randn(4, 8, requires_grad=True)
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    extra = {"k": [1, None]}
+
+    y = client.call_stage(0, x)
+    out, aux = client.call_stage(1, y[:, :8], h, 0.5, mask=mask, mode="mul", extra=extra)
+    loss = out.pow(2).sum() + aux["aux"].sum()
+    loss.backward()
+
+    x_ref, h_ref = x.detach().clone().requires_grad_(), h.detach().clone().requires_grad_()
+    y_ref = reference[0](x_ref)
+    out_ref, aux_ref = reference[1](y_ref[:, :8], h_ref, 0.5, mask=mask, mode="mul", extra=extra)
+    (out_ref.pow(2).sum() + aux_ref["aux"].sum()).backward()
+
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=0)
+    assert aux["count"].item() == 3 and not aux["count"].requires_grad
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-5, rtol=0)
+    # parameter gradients were accumulated on the servers (and consumed by the hivemind optimizer)
+    assert servers[1].samples_processed == 4 and servers[0].samples_processed == 4
+    stats = client.stats()
+    if where == "remote":
+        assert stats["swarm/stage1/forward_bytes_sent"] > 0 and stats["swarm/stage1/backward_bytes_recv"] > 0
+        assert stats["swarm/bytes_sent"] == sum(
+            v for k, v in stats.items() if k.endswith("/bytes_sent") and "/stage" in k
+        )
+    else:
+        assert stats.get("swarm/bytes_sent", 0) == 0  # short-circuited, nothing serialised
+
+    with torch.no_grad():  # eval path: no autograd function, same numbers
+        torch.testing.assert_close(client.call_stage(0, x), y_ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(120)
+def test_stage_without_differentiable_inputs_still_trains(dhts, cleanup) -> None:
+    torch.manual_seed(0)
+    run_id = _run_id("embed")
+    embedding = nn.Embedding(10, 4)
+    before = embedding.weight.detach().clone()
+    _serve(cleanup, dhts["server1"], run_id, embedding, optimizer_factory=_sgd(1.0), target_batch_size=3)
+    client = _client(cleanup, dhts["trainer"], run_id)
+    tokens = torch.tensor([1, 2, 3])
+    out = client.call_stage(0, tokens)
+    assert out.requires_grad
+    out.sum().backward()
+    after = client.fetch_stage_state(0)["weight"]
+    assert not torch.equal(after[1:4], before[1:4]) and torch.equal(after[4:], before[4:])
+
+
+@pytest.mark.timeout(120)
+def test_8bit_and_large_payloads_use_streaming(dhts, cleanup) -> None:
+    torch.manual_seed(0)
+    run_id = _run_id("large")
+    expand = nn.Linear(64, 8192, bias=False)  # 100 KiB in, 3 MiB out: the response is streamed
+    _serve(cleanup, dhts["server1"], run_id, expand, stage=0)
+    _serve(cleanup, dhts["server1"], run_id, nn.Identity(), stage=1, compression="8bit")
+    client = _client(cleanup, dhts["trainer"], run_id, num_stages=2)
+    x = torch.randn(96, 64, requires_grad=True)
+    y = client.call_stage(0, x)
+    torch.testing.assert_close(y, expand(x), atol=1e-5, rtol=0)
+    big = torch.randn(160, 4096, requires_grad=True)  # 2.5 MiB request in fp32: streamed
+    z = client.call_stage(1, big)
+    assert ((z - big).norm() / big.norm()).item() < 0.02  # server replies in 8-bit
+    (z.sum() + y.sum()).backward()
+    assert big.grad is not None and ((big.grad - 1).abs().max()).item() < 0.02
+    assert x.grad is not None and x.grad.shape == x.shape
+    client8 = _client(cleanup, dhts["trainer"], run_id, num_stages=2, compression="8bit")
+    client8.call_stage(1, big.detach())
+    assert client8.stats()["swarm/stage1/forward_bytes_sent"] < 0.27 * big.numel() * 4
+
+
+class RefusingServer(StageServer):
+    """A peer that announces itself but fails every call."""
+
+    async def rpc_forward(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        raise RuntimeError("this peer refuses to compute")
+
+    async def rpc_backward(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        raise RuntimeError("this peer refuses to compute")
+
+
+@pytest.mark.timeout(120)
+def test_failing_and_dead_peers_are_banned_and_calls_retried(dhts, cleanup) -> None:
+    torch.manual_seed(0)
+    module = nn.Linear(4, 4)
+    for scenario in ("refusing", "dead"):
+        run_id = _run_id(scenario)
+        good = _serve(cleanup, dhts["server1"], run_id, module)
+        if scenario == "refusing":
+            bad = RefusingServer(
+                0,
+                nn.Linear(4, 4),
+                dht=dhts["server2"],
+                run_id=run_id,
+                optimizer_factory=None,
+                target_batch_size=1,
+                compression="none",
+            )
+            cleanup.append(bad.start())
+        else:
+            bad = _serve(cleanup, dhts["server2"], run_id, nn.Linear(4, 4))
+            bad.shutdown()  # its DHT record stays until it expires
+        client = _client(cleanup, dhts["trainer"], run_id, request_timeout=5.0)
+        assert {p.peer_id for p in client.peers(0)} == {good.peer_id, bad.peer_id}
+        for _ in range(4):
+            x = torch.randn(2, 4, requires_grad=True)
+            y = client.call_stage(0, x)
+            torch.testing.assert_close(y, module(x), atol=1e-5, rtol=0)
+            y.sum().backward()
+        stats = client.stats()
+        assert stats["swarm/bans"] == 1 and stats["swarm/retries"] == 1, (scenario, stats)
+        assert client.routers[0].is_banned(bad.peer_id) and not client.routers[0].is_banned(good.peer_id)
+
+
+@pytest.mark.timeout(60)
+def test_no_peers_raises_after_bounded_wait(dhts, cleanup) -> None:
+    client = _client(cleanup, dhts["trainer"], _run_id("empty"), num_stages=2, no_peers_timeout=1.0)
+    with pytest.raises(NoPeersError, match=r"stage 1 of run 'empty-\d+': 0 known.*Waited 1\.0 s"):
+        client.call_stage(1, torch.randn(2, 3))
+
+
+@pytest.mark.timeout(120)
+def test_malformed_requests_do_not_kill_the_server(dhts, cleanup) -> None:
+    run_id = _run_id("malformed")
+    module = nn.Linear(3, 3)
+    server = _serve(cleanup, dhts["server1"], run_id, module)
+    client = _client(cleanup, dhts["trainer"], run_id)
+    client.peers(0)
+    stub = client._stub(server.peer_id, 0)
+    uid = stage_uid(run_id, 0)
+    good_tensors, good_meta = pack((torch.randn(2, 3),), {}, "none")
+    truncated = encode_tensor(torch.randn(2, 3), "none")
+    truncated.buffer = truncated.buffer[:5]
+    bad_requests = [
+        (
+            "rpc_forward",
+            runtime_pb2.ExpertRequest(uid="other.stage0", tensors=good_tensors, metadata=good_meta),
+        ),
+        ("rpc_forward", runtime_pb2.ExpertRequest(uid=uid, tensors=good_tensors, metadata=b"\xc1garbage")),
+        ("rpc_forward", runtime_pb2.ExpertRequest(uid=uid, tensors=[truncated], metadata=good_meta)),
+        (
+            "rpc_forward",
+            runtime_pb2.ExpertRequest(
+                uid=uid, tensors=pack((torch.randn(2, 5),), {}, "none")[0], metadata=good_meta
+            ),
+        ),  # wrong width for the Linear
+        ("rpc_backward", runtime_pb2.ExpertRequest(uid=uid, tensors=good_tensors, metadata=good_meta)),
+    ]
+    for method, request in bad_requests:
+        with pytest.raises(P2PHandlerError):
+            run_coroutine(getattr(stub, method)(request, timeout=10), timeout=15)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(client.call_stage(0, x), module(x), atol=1e-5, rtol=0)
+    assert client.stats().get("swarm/bans", 0) == 0
+    infos = client.stage_info(0)
+    assert len(infos) == 1 and infos[0]["stage"] == 0 and infos[0]["throughput"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_state_and_optimizer_step_after_target_batch(dhts, cleanup) -> None:
+    torch.manual_seed(0)
+    run_id = _run_id("optim")
+    module = nn.Linear(5, 3)
+    initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    lr, batch, target = 0.5, 4, 8
+    server = _serve(
+        cleanup, dhts["server1"], run_id, module, optimizer_factory=_sgd(lr), target_batch_size=target
+    )
+    client = _client(cleanup, dhts["trainer"], run_id)
+
+    state = client.fetch_stage_state(0)
+    assert state.keys() == initial.keys() and all(torch.equal(state[k], initial[k]) for k in initial)
+
+    reference = nn.Linear(5, 3)
+    reference.load_state_dict(initial)
+    inputs = [torch.randn(batch, 5) for _ in range(target // batch)]
+    for i, x in enumerate(inputs):
+        client.call_stage(0, x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        if i < len(inputs) - 1:  # not yet at the target batch size: the parameters must not move
+            assert all(torch.equal(v, initial[k]) for k, v in client.fetch_stage_state(0).items())
+    # hivemind averages the microbatch gradients (equal sizes: their mean), then SGD steps once
+    expected = {k: initial[k] - lr * p.grad / len(inputs) for k, p in reference.named_parameters()}
+    after = client.fetch_stage_state(0)
+    for k in expected:
+        torch.testing.assert_close(after[k], expected[k], atol=1e-5, rtol=0)
+    assert server.info()["epoch"] == 1
