@@ -54,10 +54,10 @@ class XCModel(L.LightningModule):
         num_labels: int = 670_091,
         hidden: int = 128,
         output: Literal["sparse", "dense"] = "sparse",
-        num_active: int = 8192,
+        num_active: int = 4096,
         hash_family: Literal["simhash", "dwta"] = "simhash",
         num_bits: int = 14,
-        num_tables: int = 16,
+        num_tables: int = 8,
         bucket_cap: int | None = 128,
         rebuild_every: int = 50,
         rebuild_growth: float = 1.0,
@@ -90,8 +90,10 @@ class XCModel(L.LightningModule):
             )
         else:
             self.output_layer = nn.Linear(hidden, num_labels)
-        self.val_precision = PrecisionAtK(ks=(1, 3, 5))
-        self.test_precision = PrecisionAtK(ks=(1, 3, 5))
+        ks = tuple(k for k in (1, 3, 5) if k <= num_labels)  # P@1/3/5, all that the label space allows
+        self.eval_k = max(ks)
+        self.val_precision = PrecisionAtK(ks=ks)
+        self.test_precision = PrecisionAtK(ks=ks)
 
     def hidden_activations(self, indices: Tensor, offsets: Tensor, values: Tensor) -> Tensor:
         return F.relu(self.input_layer(indices, offsets, values))
@@ -118,7 +120,7 @@ class XCModel(L.LightningModule):
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         indices, offsets, values, labels = batch
-        _, ids = self.top_labels(indices, offsets, values, k=5)
+        _, ids = self.top_labels(indices, offsets, values, k=self.eval_k)
         self.val_precision.update(ids, labels)
 
     def on_validation_epoch_end(self) -> None:
@@ -128,7 +130,7 @@ class XCModel(L.LightningModule):
 
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         indices, offsets, values, labels = batch
-        _, ids = self.top_labels(indices, offsets, values, k=5)
+        _, ids = self.top_labels(indices, offsets, values, k=self.eval_k)
         self.test_precision.update(ids, labels)
 
     def on_test_epoch_end(self) -> None:
