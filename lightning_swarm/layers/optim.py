@@ -91,9 +91,15 @@ class LazyAdam(Optimizer):
         if g.numel() == 0:
             return
         m_all, v_all = state["exp_avg"], state["exp_avg_sq"]
-        m = m_all.index_select(0, rows).lerp_(g, 1.0 - beta1)
-        v = v_all.index_select(0, rows).mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-        m_all.index_copy_(0, rows, m)
-        v_all.index_copy_(0, rows, v)
+        # Moments move by deltas written with index_add_ (rows are distinct after coalesce):
+        # on CPU it is several times faster than index_copy_ into a weight-sized tensor.
+        m = m_all.index_select(0, rows)
+        v = v_all.index_select(0, rows)
+        dm = (g - m).mul_(1.0 - beta1)
+        dv = torch.addcmul(v, g, g, value=-1.0).mul_(beta2 - 1.0)  # (1 - beta2) * (g*g - v)
+        m_all.index_add_(0, rows, dm)
+        v_all.index_add_(0, rows, dv)
+        m.add_(dm)
+        v.add_(dv)
         update = m.div_(v.sqrt_().div_(bias2_sqrt).add_(eps)).mul_(-step_size)
         p.index_add_(0, rows, update)
