@@ -169,3 +169,23 @@ def _deep(depth: int) -> list:
     for _ in range(depth):
         node = ["l", node]
     return [["t", node], ["d"], 1]
+
+
+def test_8bit_codes_do_not_depend_on_thread_count() -> None:
+    from lightning_swarm.swarm import codec
+
+    x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(3))
+    outputs = []
+    for threads in (1, 2):
+        with codec._threads(threads):
+            outputs.append(
+                torch.ops.bitsandbytes.quantize_blockwise.default(x, codec._code(), codec.BLOCKSIZE)
+            )
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    # the tuner tries both counts, then keeps the faster one most of the time
+    tuner = codec._ThreadTuner(max_threads=2, explore_every=4)
+    assert {tuner.pick(), tuner.pick()} <= {1, 2}
+    tuner.record(1, 1.0, 1000)
+    tuner.record(2, 5.0, 1000)
+    picks = [tuner.pick() for _ in range(8)]
+    assert picks.count(1) >= 6 and 2 in picks

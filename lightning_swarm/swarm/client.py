@@ -285,7 +285,9 @@ class SwarmClient:
         else:
             request = runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=metadata)
             stub = self._stub(peer_id, stage)
-            reply = self._run(getattr(stub, f"rpc_{kind}")(request))
+            reply = run_coroutine(
+                getattr(stub, f"rpc_{kind}")(request, timeout=self.request_timeout), timeout=None
+            )
             reply_tensors, reply_metadata = reply.tensors, reply.metadata
         self._count(stage, kind, size, nbytes(reply_tensors) + len(reply_metadata))
         return list(reply_tensors), reply_metadata

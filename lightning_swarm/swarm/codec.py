@@ -18,9 +18,13 @@ a remote peer may send raises :class:`CodecError` and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import threading
+import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import bitsandbytes.functional as bnb_functional
@@ -77,6 +81,72 @@ def _code() -> torch.Tensor:
     return _dynamic_code
 
 
+@contextlib.contextmanager
+def _threads(count: int) -> Iterator[None]:
+    """Run torch/bitsandbytes kernels on ``count`` OpenMP threads in this thread (the setting is per thread)."""
+    previous = torch.get_num_threads()
+    if previous == count:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+class _ThreadTuner:
+    """Picks how many OpenMP threads the 8-bit quantizer uses, by measuring.
+
+    Quantizing 1 MiB takes about 2 ms on one core. On two idle cores it takes about half that, but on busy
+    cores (the normal state of a peer that also computes) every parallel region waits for a descheduled thread
+    and it takes 10-30x longer. So the tuner keeps a moving average of the time per element with 1 thread and
+    with ``max_threads`` threads, uses the faster, and re-tries the other one every ``explore_every`` calls.
+    ``LIGHTNING_SWARM_CODEC_THREADS=N`` fixes the count instead.
+    """
+
+    def __init__(self, max_threads: int, explore_every: int = 16, ema: float = 0.2):
+        self.options = (1, max_threads) if max_threads > 1 else (1,)
+        self.explore_every, self.ema = explore_every, ema
+        self.seconds_per_element: dict[int, float | None] = {n: None for n in self.options}
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def pick(self) -> int:
+        with self.lock:
+            self.calls += 1
+            untried = [n for n, v in self.seconds_per_element.items() if v is None]
+            if untried:
+                return untried[0]
+            best = min(self.options, key=lambda n: self.seconds_per_element[n])
+            if len(self.options) > 1 and self.calls % self.explore_every == 0:
+                return next(n for n in self.options if n != best)
+            return best
+
+    def record(self, threads: int, seconds: float, numel: int) -> None:
+        value = seconds / max(numel, 1)
+        with self.lock:
+            old = self.seconds_per_element[threads]
+            self.seconds_per_element[threads] = (
+                value if old is None else (1 - self.ema) * old + self.ema * value
+            )
+
+
+_FIXED_THREADS = int(os.environ.get("LIGHTNING_SWARM_CODEC_THREADS", "0"))
+_tuner = _ThreadTuner(min(torch.get_num_threads(), os.cpu_count() or 1))
+
+
+def _quantize(source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes dynamic blockwise quantization: ``(uint8 codes, float32 absmax per block)``."""
+    threads = _FIXED_THREADS if _FIXED_THREADS > 0 else _tuner.pick()
+    start = time.perf_counter()
+    with _threads(threads):
+        codes, absmax = torch.ops.bitsandbytes.quantize_blockwise.default(source, _code(), BLOCKSIZE)
+    if _FIXED_THREADS <= 0:
+        _tuner.record(threads, time.perf_counter() - start, source.numel())
+    return codes, absmax
+
+
 def check_compression(compression: str) -> str:
     """Return ``compression`` if it is one of :data:`COMPRESSIONS`, else raise a ``ValueError`` saying so."""
     if compression not in COMPRESSIONS:
@@ -97,6 +167,10 @@ def encode_tensor(t: torch.Tensor, compression: str) -> runtime_pb2.Tensor:
         t: the tensor; its ``requires_grad`` flag is recorded in the message.
         compression: one of :data:`COMPRESSIONS`; applies to floating tensors only.
     """
+    return _encode_tensor(t, compression)
+
+
+def _encode_tensor(t: torch.Tensor, compression: str) -> runtime_pb2.Tensor:
     check_compression(compression)
     if not isinstance(t, torch.Tensor):
         raise CodecError(f"encode_tensor expects a torch.Tensor, got {type(t).__name__}")
@@ -118,11 +192,12 @@ def encode_tensor(t: torch.Tensor, compression: str) -> runtime_pb2.Tensor:
         if t.dtype in (torch.float16, torch.bfloat16):
             msg.buffer = _raw_bytes(t)
         else:
-            msg.buffer = t.to(torch.float16).numpy().tobytes()
+            with _threads(1):
+                msg.buffer = t.to(torch.float16).numpy().tobytes()
             msg.compression = _FLOAT16
     else:  # 8bit
         source = t if t.dtype in _QUANTIZABLE else t.to(torch.float32)
-        codes, absmax = torch.ops.bitsandbytes.quantize_blockwise.default(source, _code(), BLOCKSIZE)
+        codes, absmax = _quantize(source)
         msg.buffer = b"".join(
             (BLOCKSIZE.to_bytes(4, "little"), absmax.numpy().tobytes(), codes.numpy().tobytes())
         )
@@ -144,6 +219,11 @@ def decode_tensor(msg: runtime_pb2.Tensor) -> torch.Tensor:
     Raises:
         CodecError: the message is malformed, truncated or inconsistent.
     """
+    with _threads(1):  # dequantizing is a cheap table lookup: never worth a parallel region
+        return _decode_tensor(msg)
+
+
+def _decode_tensor(msg: runtime_pb2.Tensor) -> torch.Tensor:
     if not isinstance(msg, runtime_pb2.Tensor):
         raise CodecError(f"decode_tensor expects a runtime_pb2.Tensor, got {type(msg).__name__}")
     dtype = _DTYPES.get(msg.dtype)

@@ -45,6 +45,7 @@ __all__ = ["StageServer", "stage_uid"]
 logger = logging.getLogger(__name__)
 
 _THROUGHPUT_EMA = 0.1
+_EPOCH_POLL_S = 0.25  # how often an idle server checks whether its stage is ready to step
 
 
 def stage_uid(run_id: str, stage: int) -> str:
@@ -233,8 +234,25 @@ class StageServer(ServicerBase):
             logger.warning(f"Stage {self.stage} server could not announce itself in the DHT: {e!r}")
 
     def _announce_loop(self) -> None:
-        while not self._stop.wait(self.announce_period):
-            self._announce()
+        next_announce = time.monotonic() + self.announce_period
+        while not self._stop.wait(_EPOCH_POLL_S):
+            self._join_ready_epoch()
+            if time.monotonic() >= next_announce:
+                self._announce()
+                next_announce = time.monotonic() + self.announce_period
+
+    def _join_ready_epoch(self) -> None:
+        """Join the stage's averaging round as soon as the swarm has collected the target batch, even when no
+        backward call arrives here: otherwise a peer whose trainers are blocked on the stage's other peers (which
+        wait in matchmaking for this one) would only join after the round has timed out."""
+        opt = self.optimizer
+        if opt is None or not opt.tracker.ready_to_update_epoch:
+            return
+        if opt.grad_averager.local_samples_accumulated <= 0:
+            return  # nothing to contribute: the others step without us, and we catch up from their state
+        with self._lock:
+            if opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0:
+                self._optimizer_step(0)
 
     # ---- computation (the same for local and remote callers) ----
 

@@ -1,0 +1,167 @@
+"""One SWARM stage hop versus a raw hivemind P2P echo of the same activations.
+
+A server process (its own DHT node and p2p daemon) hosts identity stages that reply in "8bit", "fp16" and
+"none", plus a trivial ``ServicerBase`` echo handler. The trainer process times, interleaved and many times:
+
+- ``hop_<compression>``: ``SwarmClient.call_stage`` on 1 MiB of fp32 activations ([64, 4096]) under
+  ``torch.no_grad()``: pack with the codec, RPC, identity stage, reply, decode;
+- ``raw_echo``: the same 1 MiB as a raw fp32 buffer through the echo handler (tensor -> bytes -> RPC ->
+  bytes -> tensor).
+
+Usage: ``python benchmarks/swarm_hop.py [--quick]``. The last stdout line is one JSON object with the medians,
+``overhead_ratio = hop_ms / raw_echo_ms`` (8-bit) and the bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import hivemind
+import numpy as np
+import torch
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+from torch import nn
+
+from lightning_swarm.swarm._loop import replicate_p2p, run_coroutine
+from lightning_swarm.swarm.client import SwarmClient
+from lightning_swarm.swarm.codec import COMPRESSIONS, encode_tensor, nbytes
+from lightning_swarm.swarm.server import StageServer
+
+RUN_ID = "swarm_hop_bench"
+SHAPE = (64, 4096)  # 262144 floats = 1 MiB of fp32
+
+
+class Echo(ServicerBase):
+    """The baseline: a handler that returns its request's tensors untouched."""
+
+    async def rpc_echo(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        return runtime_pb2.ExpertResponse(tensors=request.tensors)
+
+
+def serve(initial_peers: list[str]) -> None:
+    """The server process: identity stages (one per compression) and the echo handler, until stdin closes."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers)
+    servers = [
+        StageServer(
+            stage,
+            nn.Identity(),
+            dht=dht,
+            run_id=RUN_ID,
+            optimizer_factory=None,
+            target_batch_size=1,
+            compression=compression,
+        ).start()
+        for stage, compression in enumerate(COMPRESSIONS)
+    ]
+
+    async def _add_echo():
+        p2p = await replicate_p2p(dht)
+        await Echo().add_p2p_handlers(p2p)
+        return p2p
+
+    p2p = run_coroutine(_add_echo(), timeout=60)
+    print(json.dumps({"peer_id": dht.peer_id.to_base58()}), flush=True)
+    sys.stdin.read()  # the benchmark closes our stdin when done
+    for server in servers:
+        server.shutdown()
+    run_coroutine(p2p.shutdown(), timeout=10)
+    dht.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (well under 5 minutes)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant")
+    parser.add_argument("--serve", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve is not None:
+        serve(args.serve)
+        return
+    reps = args.reps or (60 if args.quick else 300)
+    warmup = 10
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    server = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--serve", *maddrs],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    clients: dict[str, SwarmClient] = {}
+    try:
+        line = server.stdout.readline()
+        if not line:
+            raise RuntimeError("the server process failed to start (see its stderr above)")
+        server_peer = PeerID.from_base58(json.loads(line)["peer_id"])
+        clients = {c: SwarmClient(dht, RUN_ID, len(COMPRESSIONS), compression=c) for c in COMPRESSIONS}
+        echo_stub = Echo.get_stub(clients["none"]._stub(server_peer, 0)._p2p, server_peer)
+
+        torch.manual_seed(0)
+        x = torch.randn(*SHAPE)
+
+        def raw_echo() -> torch.Tensor:
+            request = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=x.numpy().tobytes())])
+            reply = run_coroutine(echo_stub.rpc_echo(request, timeout=30), timeout=35)
+            return torch.from_numpy(np.frombuffer(reply.tensors[0].buffer, dtype=np.float32).reshape(SHAPE))
+
+        def hop(stage: int, compression: str) -> torch.Tensor:
+            with torch.no_grad():
+                return clients[compression].call_stage(stage, x)
+
+        variants = {"raw_echo": raw_echo}
+        for stage, compression in enumerate(COMPRESSIONS):
+            variants[f"hop_{compression}"] = lambda s=stage, c=compression: hop(s, c)
+        errors = {}
+        for name, fn in variants.items():
+            out = fn()  # also discovers the peers
+            errors[name] = ((out - x).norm() / x.norm()).item()
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for rep in range(warmup + reps):
+            for name, fn in variants.items():  # interleaved, so that load changes hit every variant alike
+                start = time.perf_counter()
+                fn()
+                if rep >= warmup:
+                    times[name].append((time.perf_counter() - start) * 1e3)
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        bytes_on_wire = {c: nbytes([encode_tensor(x, c)]) for c in COMPRESSIONS}
+        for name in variants:
+            print(f"{name:>10}: median {medians[name]:7.2f} ms, rel. error {errors[name]:.4f}")
+        result = {
+            "hop_ms": round(medians["hop_8bit"], 3),
+            "raw_echo_ms": round(medians["raw_echo"], 3),
+            "overhead_ratio": round(medians["hop_8bit"] / medians["raw_echo"], 3),
+            "hop_ms_fp16": round(medians["hop_fp16"], 3),
+            "hop_ms_none": round(medians["hop_none"], 3),
+            "ratio_fp16": round(medians["hop_fp16"] / medians["raw_echo"], 3),
+            "ratio_none": round(medians["hop_none"] / medians["raw_echo"], 3),
+            "bytes_fp32": x.numel() * 4,
+            "bytes_on_wire": bytes_on_wire["8bit"],
+            "bytes_on_wire_fp16": bytes_on_wire["fp16"],
+            "rel_error_8bit": round(errors["hop_8bit"], 5),
+            "reps": reps,
+        }
+        print(json.dumps(result))
+    finally:
+        for client in clients.values():
+            client.shutdown()
+        if server.stdin is not None:
+            server.stdin.close()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()
