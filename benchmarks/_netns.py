@@ -134,41 +134,12 @@ class VirtualCluster:
             # Token bucket: `rate` is the link rate; the bucket holds ~1 ms of traffic at that rate (at least
             # 64 KiB so the kernel's timer granularity does not cap the rate), the queue up to 200 ms.
             burst = max(64 * 1024, int(self.rate_mbit * 1e6 / 8 / 1000))
-            _run(
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                "root",
-                "handle",
-                "1:",
-                "tbf",
-                "rate",
-                f"{self.rate_mbit}mbit",
-                "burst",
-                str(burst),
-                "latency",
-                "200ms",
-            )
+            tbf = ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "200ms"]
+            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf)
         if self.delay_ms:
             parent = ["parent", "1:1"] if self.rate_mbit is not None else ["root"]
-            proc = _run(
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                *parent,
-                "netem",
-                "delay",
-                f"{self.delay_ms}ms",
-                check=False,
-            )
+            netem = ["netem", "delay", f"{self.delay_ms}ms"]
+            proc = _run("tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, *netem, check=False)
             if proc.returncode != 0:
                 raise RuntimeError(
                     f"Cannot add a {self.delay_ms} ms delay: the kernel has no netem qdisc ({proc.stderr.strip()}). "

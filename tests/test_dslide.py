@@ -59,37 +59,49 @@ def _batches(net: dict[str, int]) -> list[tuple[torch.Tensor, ...]]:
 
 
 def _train(active_set: str, shard: bool) -> dict[str, Any]:
-    """A few LazyAdam steps of sparse input -> ReLU -> SparseLSHLinear; sharded when ``shard``."""
+    """A few LazyAdam steps of sparse input -> ReLU -> Linear (replicated) -> SparseLSHLinear.
+
+    With ``shard`` the wide layers are sharded by the strategy's plan and the replicated layer is kept in sync
+    by summing its gradients over ranks, as ``DSlideStrategy`` does.
+    """
     torch.manual_seed(0)
-    inp = SparseInputLinear(NET["F"], NET["H"])
-    out = SparseLSHLinear(
+    root = torch.nn.Module()
+    root.inp = SparseInputLinear(NET["F"], NET["H"])
+    root.mid = torch.nn.Linear(NET["H"], NET["H"])
+    root.out = SparseLSHLinear(
         NET["H"], NET["Y"], num_active=NET["k"], num_bits=4, num_tables=6, bucket_cap=None, rebuild_every=2,
         active_set=active_set,
     )  # fmt: skip
     group = ShardGroup()
-    if shard:
-        inp, out = ShardedSparseInputLinear(inp, group), ShardedSparseLSHLinear(out, group)
-    opt = LazyAdam([*inp.parameters(), *out.parameters()], lr=1e-2)
+    plan = shard_lightning_module(root, group) if shard else None
+    if plan is not None:
+        plan.sync_replicated()
+        assert isinstance(root.inp, ShardedSparseInputLinear) and isinstance(root.out, ShardedSparseLSHLinear)
+    opt = LazyAdam(root.parameters(), lr=1e-2)
     losses, step_bytes = [], []
     batches = _batches(NET)
     for indices, offsets, values, labels in batches[:-1]:
         group.stats.reset()
-        ids, logits = out(F.relu(inp(indices, offsets, values)), labels)
+        hidden = F.relu(root.mid(F.relu(root.inp(indices, offsets, values))))
+        ids, logits = root.out(hidden, labels)
         loss = active_set_loss(ids, logits, labels)
         opt.zero_grad()
         loss.backward()
+        if plan is not None:
+            plan.all_reduce_replicated_grads()
         opt.step()
         losses.append(float(loss.detach()))  # every rank computes the loss of the whole network
         step_bytes.append(group.stats.snapshot())
     indices, offsets, values, _ = batches[-1]
-    out.eval()
+    root.out.eval()
     with torch.no_grad():
-        scores, top = out.topk(F.relu(inp(indices, offsets, values)), 5)
+        scores, top = root.out.topk(F.relu(root.mid(F.relu(root.inp(indices, offsets, values)))), 5)
     return {
-        "input_weight": inp.weight.detach(),
-        "input_bias": inp.bias.detach(),
-        "output_weight": out.weight.detach(),
-        "output_bias": out.bias.detach(),
+        "input_weight": root.inp.weight.detach(),
+        "input_bias": root.inp.bias.detach(),
+        "mid_weight": root.mid.weight.detach(),
+        "output_weight": root.out.weight.detach(),
+        "output_bias": root.out.bias.detach(),
         "losses": losses,
         "bytes": step_bytes,
         "scores": scores,
@@ -159,6 +171,8 @@ def test_sharded_layers_match_single_process(world: int, active_set: str, tmp_pa
         "output_weight": torch.cat([r["output_weight"] for r in ranks]),  # sharded by output neuron
         "output_bias": torch.cat([r["output_bias"] for r in ranks]),
     }
+    for r in ranks:  # the replicated layer stays identical on every rank and equal to the reference
+        torch.testing.assert_close(r["mid_weight"], reference["mid_weight"], rtol=1e-5, atol=1e-6)
     for name, tensor in full.items():
         assert tensor.shape == reference[name].shape
         torch.testing.assert_close(tensor, reference[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -178,6 +192,7 @@ def test_sharded_layers_match_single_process(world: int, active_set: str, tmp_pa
         "softmax_max_all_reduce": b * 4,
         "softmax_sum_all_reduce": b * (1 + ymax) * 4,
         "active_set_all_gather": world * rows * k * 8,
+        "replicated_grad_all_reduce": (h * h + h) * 4,  # the replicated Linear(H, H): data parallel
     }
     weight_bytes = min(NET["F"] * h, NET["Y"] * h) * 4
     for r in ranks:
@@ -289,3 +304,53 @@ def test_checkpoint_loads_unsharded_and_resumes_on_three_ranks(two_rank_run: tup
     assert len(resumed["losses"]) == 4
     assert resumed["losses"] == pytest.approx(plain_resumed["losses"], rel=1e-5)
     assert resumed["ids"] == plain_resumed["ids"]
+
+
+# --------------------------------------------------------------------------- benchmark harness
+_ALL_REDUCE = """
+import os, sys, torch, torch.distributed as dist
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:29561", rank=rank, world_size=2)
+x = torch.full((250_000,), float(rank + 1))
+dist.all_reduce(x)
+print(float(x[0]), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _netns_module() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_netns", REPO / "benchmarks" / "_netns.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ip(*args: str) -> str:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.timeout(120)
+def test_virtual_cluster_carries_gloo_between_namespaces_and_cleans_up() -> None:
+    netns = _netns_module()
+    if os.geteuid() != 0:
+        with pytest.raises(PermissionError, match="needs root"):
+            netns.VirtualCluster(2)
+        return
+    routes_before = _ip("route")
+    with netns.VirtualCluster(2, rate_mbit=200, net=250) as net:
+        names = [net.rank_ns(0), net.rank_ns(1), net.bridge_ns]
+        listed = _ip("netns", "list")
+        assert all(name in listed for name in names)
+        assert _ip("route") == routes_before, "the root namespace must not get routes to the private network"
+        env = {"MASTER_ADDR": net.address(0)}
+        cmd = [sys.executable, "-c", _ALL_REDUCE]
+        procs = [net.popen(r, [*cmd, str(r)], env=env, stdout=subprocess.PIPE) for r in range(2)]
+        outputs = [p.communicate(timeout=90)[0].decode().split() for p in procs]
+        assert [p.returncode for p in procs] == [0, 0]
+        assert outputs == [["3.0"], ["3.0"]]
+        assert net.tx_bytes(0) >= 250_000 * 4  # the all-reduce really crossed rank 0's veth
+    assert not any(name in _ip("netns", "list") for name in names)
+    assert netns.leftover_namespaces() == []

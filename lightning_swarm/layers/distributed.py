@@ -101,11 +101,11 @@ class ShardGroup:
             kind: the name the bytes are counted under.
             dim: the dimension along which parts may differ in size (gloo needs equal sizes on the wire, so
                 parts are padded to the largest; the padded payload is what is counted).
-            sizes: every rank's extent along ``dim`` when the caller knows them (saves one tiny all-gather).
+            sizes: every rank's extent along ``dim``; ``None`` when all ranks send the same shape.
         """
         if self.world_size == 1:
             return tensor
-        sizes = shard_sizes_along(tensor, dim, self) if sizes is None else sizes
+        sizes = [tensor.shape[dim]] * self.world_size if sizes is None else sizes
         widest = max(sizes)
         tensor = tensor.contiguous()
         if tensor.shape[dim] < widest:
@@ -119,18 +119,6 @@ class ShardGroup:
         return torch.cat(
             [part.narrow(dim, 0, size) for part, size in zip(parts, sizes, strict=True)], dim=dim
         )
-
-
-def shard_sizes_along(tensor: Tensor, dim: int, shard_group: ShardGroup) -> list[int]:
-    """The extent of ``tensor`` along ``dim`` on every rank.
-
-    Sharded layers know these sizes statically (:func:`shard_range`), so the hot path never calls this; it
-    is only used where a caller cannot know them. It costs one tiny all-gather (not counted: bookkeeping).
-    """
-    size = torch.tensor([tensor.shape[dim]], dtype=torch.int64)
-    sizes = [torch.zeros_like(size) for _ in range(shard_group.world_size)]
-    dist.all_gather(sizes, size, group=shard_group.group)
-    return [int(s.item()) for s in sizes]
 
 
 def shard_range(total: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -148,6 +136,11 @@ def shard_range(total: int, rank: int, world_size: int) -> tuple[int, int]:
     base, extra = divmod(total, world_size)
     lo = rank * base + min(rank, extra)
     return lo, lo + base + (1 if rank < extra else 0)
+
+
+def shard_sizes(total: int, world_size: int) -> list[int]:
+    """How many of ``total`` items each rank owns, in rank order (see :func:`shard_range`)."""
+    return [hi - lo for lo, hi in (shard_range(total, rank, world_size) for rank in range(world_size))]
 
 
 class _AllGatherColumns(torch.autograd.Function):

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_swarm.layers.distributed import ShardGroup, all_gather_columns, shard_range
+from lightning_swarm.layers.distributed import ShardGroup, all_gather_columns, shard_range, shard_sizes
 from lightning_swarm.layers.sparse_input import SparseInputLinear
 from lightning_swarm.layers.sparse_linear import (
     SparseLSHLinear,
@@ -76,7 +76,7 @@ class ShardedLayer(nn.Module):
             if group.rank == 0:
                 source = getattr(full, name).detach()
                 for peer in range(1, world):
-                    lo, hi = _slice_of(self.full_shapes[name][dim], peer, world)
+                    lo, hi = shard_range(self.full_shapes[name][dim], peer, world)
                     dist.send(
                         source.narrow(dim, lo, hi - lo).contiguous(),
                         dst=_global(group, peer),
@@ -115,13 +115,8 @@ class ShardedLayer(nn.Module):
         world = self.shard_group.world_size
         if world == 1:
             return tensor.detach().clone()
-        full = self.full_shapes[name][dim]
-        sizes = [hi - lo for lo, hi in (_slice_of(full, rank, world) for rank in range(world))]
+        sizes = shard_sizes(self.full_shapes[name][dim], world)
         return self.shard_group.all_gather_cat(tensor.detach(), "checkpoint_gather", dim=dim, sizes=sizes)
-
-
-def _slice_of(total: int, rank: int, world: int) -> tuple[int, int]:
-    return shard_range(total, rank, world)
 
 
 def _global(group: ShardGroup, rank: int) -> int:
@@ -141,13 +136,7 @@ class ShardedSparseInputLinear(SparseInputLinear, ShardedLayer):
         SparseInputLinear.__init__(self, full.in_features, hi - lo, bias=full.bias is not None)
         self._init_shard(shard_group, lo, hi, full, {"weight": 1, "bias": 0})
         self.full_out_features = full.out_features
-        self.hidden_sizes = [
-            b - a
-            for a, b in (
-                shard_range(full.out_features, r, shard_group.world_size)
-                for r in range(shard_group.world_size)
-            )
-        ]
+        self.hidden_sizes = shard_sizes(full.out_features, shard_group.world_size)
         self._receive_from_rank0(full)
 
     def extra_repr(self) -> str:
@@ -335,10 +324,11 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         if local_k < k:  # a shard narrower than k: pad so that every rank sends [B, k]
             scores = torch.cat([scores, scores.new_full((x.size(0), k - local_k), -math.inf)], dim=1)
             ids = torch.cat([ids, ids.new_full((x.size(0), k - local_k), -1)], dim=1)
-        all_scores = self.shard_group.all_gather_cat(scores, "topk_all_gather", dim=1)
-        all_ids = self.shard_group.all_gather_cat(ids, "topk_all_gather", dim=1)
-        best, pick = all_scores.topk(k, dim=1)
-        return best, all_ids.gather(1, pick)
+        # One all-gather of (score, id) pairs as float64 [B, 2k] (ids below 2**53 are exact in float64).
+        packed = torch.stack([scores.double(), ids.double()], dim=2).reshape(x.size(0), 2 * k)
+        everyone = self.shard_group.all_gather_cat(packed, "topk_all_gather", dim=1).view(x.size(0), -1, 2)
+        best, pick = everyone[:, :, 0].topk(k, dim=1)
+        return best.to(scores.dtype), everyone[:, :, 1].gather(1, pick).long()
 
 
 def _lookup(ids: Tensor, values: Tensor, labels: Tensor, mask: Tensor) -> Tensor:

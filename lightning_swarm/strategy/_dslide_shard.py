@@ -15,8 +15,9 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
-from lightning_swarm.layers.distributed import ShardGroup
+from lightning_swarm.layers.distributed import ShardGroup, shard_sizes
 from lightning_swarm.layers.sharded import ShardedLayer, make_sharded, sharded_types
+from lightning_swarm.layers.sparse_linear import SparseLSHLinear
 
 
 @dataclass
@@ -121,12 +122,12 @@ def shard_lightning_module(root: Module, shard_group: ShardGroup) -> ShardPlan:
     """Replace every shardable layer of ``root`` by its sharded version; rank 0's weights are scattered.
 
     Raises:
-        ValueError: if ``root`` has no ``SparseLSHLinear`` (there would be nothing to shard by output, and the
-            per-rank losses would no longer add up to the loss of the network).
+        ValueError: if ``root`` has no ``SparseLSHLinear``: the loss must go through a sharded output layer for
+            the ranks' gradients to add up to the network's gradient.
     """
     plan = ShardPlan(root=root, shard_group=shard_group)
     targets = [(name, m) for name, m in root.named_modules() if isinstance(m, sharded_types())]
-    if not any(type(m).__name__ == "SparseLSHLinear" for _, m in targets):
+    if not any(isinstance(m, SparseLSHLinear) for _, m in targets):
         raise ValueError(
             f"The DSlideStrategy shards `SparseLSHLinear` layers, but {type(root).__name__} has none. "
             "Build the wide output layer with `lightning_swarm.layers.SparseLSHLinear`, or use strategy='ddp'."
@@ -138,10 +139,6 @@ def shard_lightning_module(root: Module, shard_group: ShardGroup) -> ShardPlan:
         setattr(parent, attr, sharded)
         plan.sharded[name] = sharded
     return plan
-
-
-def _shard_dim_of(layer: ShardedLayer, pname: str) -> int:
-    return layer.shard_dims[pname]
 
 
 def gather_optimizer_state(optimizer: Optimizer, plan: ShardPlan) -> dict[str, Any]:
@@ -156,9 +153,10 @@ def gather_optimizer_state(optimizer: Optimizer, plan: ShardPlan) -> dict[str, A
         if owner is None or index not in state:
             continue
         layer, pname = owner
-        dim = _shard_dim_of(layer, pname)
+        dim = layer.shard_dims[pname]
+        sizes = shard_sizes(layer.full_shapes[pname][dim], plan.shard_group.world_size)
         state[index] = {
-            key: plan.shard_group.all_gather_cat(value, "checkpoint_gather", dim=dim)
+            key: plan.shard_group.all_gather_cat(value, "checkpoint_gather", dim=dim, sizes=sizes)
             if _is_row_state(value, param.shape, dim)
             else value
             for key, value in state[index].items()
@@ -179,7 +177,7 @@ def shard_optimizer_state(
         if owner is None or index not in state:
             continue
         layer, pname = owner
-        dim = _shard_dim_of(layer, pname)
+        dim = layer.shard_dims[pname]
         full_shape = layer.full_shapes[pname]
         lo, hi = layer.shard_slices[pname]
         state[index] = {

@@ -2,16 +2,29 @@
 
 Every rank runs the same batches. The wide sparse layers of the LightningModule (``SparseInputLinear`` by
 hidden units, ``SparseLSHLinear`` by output neurons) are replaced by sharded versions: each rank owns a
-contiguous range of neurons, with its own hash tables. Per step the ranks exchange only small per-batch
-tensors: the hidden activations (all-gather), the per-sample softmax max and sum (all-reduce), and the
-gradient with respect to the hidden activations (all-reduce). Parameters outside the sharded layers are
-replicated and their gradients are summed over ranks after backward.
+contiguous range of neurons, with its own hash tables (``lightning_swarm.layers.sharded``). Per step the ranks
+exchange only small per-batch tensors: the hidden activations (all-gather ``[B, H]``), the active-set
+priorities (all-gather ``[1, k]`` float64 per rank, so that the active set is exactly the single-process one),
+the per-sample softmax max (all-reduce ``[B]``) and sum, packed with the labels' logits (all-reduce
+``[B, 1 + Ymax]``), and the gradient with respect to the hidden activations (all-reduce ``[B, H]``).
+Parameters outside the sharded layers are replicated and their gradients are summed over ranks after backward.
 
-Data: every rank loads the same batch (no ``DistributedSampler`` split: ``distributed_sampler_kwargs`` asks
-Lightning for one replica), because the input layer is sharded by hidden units and each rank computes its
-hidden slice ``[B, H / n]`` for the whole batch. Each batch is checked across ranks (one all-reduce of three
-integers: "have a batch" and a fingerprint of its contents): when one rank runs out of data all ranks end the
-epoch together, and ranks that were given different batches stop with an error instead of training garbage.
+Every rank computes the value of the whole network's loss; its gradient reaches only the rank's own logits,
+and the sum over ranks is the single-process gradient. A loss term that does not go through the sharded
+``SparseLSHLinear`` (a regulariser on a replicated parameter, say) is therefore counted once per rank: divide
+it by ``trainer.world_size``.
+
+Data: every rank loads the same batch, because the input layer is sharded by hidden units and each rank
+computes its hidden slice ``[B, H / n]`` for the whole batch. Like for DDP, Lightning injects a shuffling
+``DistributedSampler`` for training, here with one replica (``distributed_sampler_kwargs``), so every rank draws
+the same permutation (seeded with ``PL_GLOBAL_SEED``). Each batch is checked across ranks (one all-reduce of
+three integers: "have a batch" and a fingerprint of its contents): when one rank runs out of data all ranks
+end the epoch together, and ranks that were given different batches stop with an error instead of training
+on garbage.
+
+Checkpoints: ``trainer.save_checkpoint`` gathers the full layers and the optimizer state into one ordinary
+Lightning checkpoint, the one a single-process run would write; it loads into the plain LightningModule, and a
+sharded run on any number of ranks resumes from it (each rank keeps its rows).
 """
 
 from __future__ import annotations
@@ -208,7 +221,8 @@ class DSlideStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self._plan is not None
+        if self._plan is None:
+            return super().optimizer_state(optimizer)
         return gather_optimizer_state(optimizer, self._plan)
 
     @override
