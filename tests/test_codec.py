@@ -189,3 +189,22 @@ def test_8bit_codes_do_not_depend_on_thread_count() -> None:
     tuner.record(2, 5.0, 1000)
     picks = [tuner.pick() for _ in range(8)]
     assert picks.count(1) >= 6 and 2 in picks
+
+
+def test_received_tensor_is_resent_without_requantizing() -> None:
+    from lightning_swarm.swarm import codec
+
+    x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(4))
+    for compression in ("8bit", "fp16"):
+        msg = encode_tensor(x, compression)
+        y = decode_tensor(msg)
+        calls = codec._tuner.calls
+        again = encode_tensor(y, compression)
+        assert again.buffer == msg.buffer and codec._tuner.calls == calls  # no new quantization
+        y.requires_grad_(True)
+        assert encode_tensor(y, compression).requires_grad
+        other = encode_tensor(y, "none")  # another compression: encoded afresh
+        assert torch.equal(decode_tensor(other), y.detach())
+        y.requires_grad_(False)
+        y.mul_(2)  # modified in place: must be encoded afresh
+        assert torch.allclose(decode_tensor(encode_tensor(y, compression)), y, atol=0.1)

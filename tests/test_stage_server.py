@@ -298,3 +298,21 @@ def test_state_and_optimizer_step_after_target_batch(dhts, cleanup) -> None:
     for k in expected:
         torch.testing.assert_close(after[k], expected[k], atol=1e-5, rtol=0)
     assert server.info()["epoch"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_stage_output_is_forwarded_without_requantizing(dhts, cleanup) -> None:
+    from lightning_swarm.swarm import codec
+
+    run_id = _run_id("reuse")
+    _serve(cleanup, dhts["server1"], run_id, nn.Identity(), stage=0, compression="8bit")
+    _serve(cleanup, dhts["server1"], run_id, nn.Identity(), stage=1, compression="none")
+    client = _client(cleanup, dhts["trainer"], run_id, num_stages=2, compression="8bit")
+    x = torch.randn(64, 256, requires_grad=True)
+    y = client.call_stage(0, x)  # quantized by the client, then by the stage-0 server
+    calls = codec._tuner.calls
+    z = client.call_stage(1, y)  # y is sent as the very message it arrived in
+    assert codec._tuner.calls == calls
+    assert torch.equal(z, y)  # stage 1 replies losslessly: it received exactly y
+    z.sum().backward()
+    assert x.grad is not None and ((x.grad - 1).abs().max()).item() < 0.02

@@ -32,7 +32,16 @@ from hivemind.utils.mpfuture import MPFuture
 
 from . import _wire
 from ._loop import replicate_p2p, run_coroutine
-from .codec import CodecError, check_compression, flatten_tensors, nbytes, pack, rebuild_tensors, unpack
+from .codec import (
+    CodecError,
+    check_compression,
+    flatten_tensors,
+    nbytes,
+    pack,
+    rebuild_tensors,
+    remember_wire_format,
+    unpack,
+)
 from .records import PeerInfo, parse_stage_peers, stage_key
 from .routing import NoPeersError, StageRouter
 from .server import StageServer, backward_metadata, batch_size_of, check_run_id, stage_uid
@@ -399,6 +408,7 @@ class _StageCall:
         leaves = []
         for t, mark in zip(self.tensors, self.marks, strict=True):
             leaf = t.detach()
+            remember_wire_format(t, leaf)
             if mark:
                 leaf.requires_grad_(True)
             leaves.append(leaf)
@@ -413,7 +423,10 @@ class _StageFunction(torch.autograd.Function):
         outputs, call.encoded = call.client._forward(call.stage, args, kwargs)
         out_tensors, call.output_skeleton = flatten_tensors(outputs)
         device = _device_of(call.tensors)
-        out_tensors = [t.to(device) for t in out_tensors]
+        moved = [t.to(device) for t in out_tensors]
+        for source, target in zip(out_tensors, moved, strict=True):
+            remember_wire_format(source, target)
+        out_tensors = moved
         ctx.call = call
         ctx.set_materialize_grads(False)
         ctx.input_meta = [(t.device, t.dtype, t.shape) for t in diff_inputs]

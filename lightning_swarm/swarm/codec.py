@@ -63,6 +63,8 @@ _QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
 _NONE = runtime_pb2.CompressionType.NONE
 _FLOAT16 = runtime_pb2.CompressionType.FLOAT16
 _BLOCKWISE_8BIT = runtime_pb2.CompressionType.BLOCKWISE_8BIT
+_LOSSY_TYPES = {"8bit": _BLOCKWISE_8BIT, "fp16": _FLOAT16}
+_WIRE_ATTR = "_lightning_swarm_wire"  # (tensor version when decoded, the message it was decoded from)
 
 # decoded tensors share memory with the received bytes object, which nobody else references
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
@@ -163,11 +165,28 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
 def encode_tensor(t: torch.Tensor, compression: str) -> runtime_pb2.Tensor:
     """Serialize one tensor (moved to CPU if needed) into a ``runtime_pb2.Tensor``.
 
+    A tensor that :func:`decode_tensor` restored from a lossy message and that was not modified since is sent
+    as that same message when asked for the same compression: re-quantizing it would cost time and add no
+    information (this is the common case of a stage's output fed to the next stage).
+
     Args:
         t: the tensor; its ``requires_grad`` flag is recorded in the message.
         compression: one of :data:`COMPRESSIONS`; applies to floating tensors only.
     """
+    wire = getattr(t, _WIRE_ATTR, None)
+    if wire is not None and wire[0] == t._version and wire[1].compression == _LOSSY_TYPES.get(compression):
+        msg = runtime_pb2.Tensor()
+        msg.CopyFrom(wire[1])
+        msg.requires_grad = t.requires_grad
+        return msg
     return _encode_tensor(t, compression)
+
+
+def remember_wire_format(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Let ``target`` (e.g. ``source`` moved to another device) reuse ``source``'s received message."""
+    wire = getattr(source, _WIRE_ATTR, None)
+    if wire is not None and target is not source and wire[0] == source._version:
+        setattr(target, _WIRE_ATTR, (target._version, wire[1]))
 
 
 def _encode_tensor(t: torch.Tensor, compression: str) -> runtime_pb2.Tensor:
@@ -220,7 +239,10 @@ def decode_tensor(msg: runtime_pb2.Tensor) -> torch.Tensor:
         CodecError: the message is malformed, truncated or inconsistent.
     """
     with _threads(1):  # dequantizing is a cheap table lookup: never worth a parallel region
-        return _decode_tensor(msg)
+        t = _decode_tensor(msg)
+    if msg.compression != _NONE:
+        setattr(t, _WIRE_ATTR, (t._version, msg))  # see encode_tensor
+    return t
 
 
 def _decode_tensor(msg: runtime_pb2.Tensor) -> torch.Tensor:
