@@ -121,7 +121,7 @@ class SparseLSHLinear(nn.Module):
 
     Args:
         in_features: input size.
-        out_features: number of neurons (classes) of the whole layer.
+        out_features: neurons (rows) this module holds: the whole layer, or a D-SLIDE shard's range.
         num_active: active neurons per sample in training (``k``), at most ``out_features``;
             default ``min(4096, out_features)``.
         hash_family: ``"simhash"`` (signed random projections) or ``"dwta"`` (densified WTA).
