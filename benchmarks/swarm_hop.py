@@ -10,6 +10,10 @@ A server process (its own DHT node and p2p daemon) hosts identity stages that re
 
 Usage: ``python benchmarks/swarm_hop.py [--quick]``. The last stdout line is one JSON object with the medians,
 ``overhead_ratio = hop_ms / raw_echo_ms`` (8-bit) and the bytes on the wire.
+
+On a loopback link the 8-bit hop trades ~3/4 of the transfer for two bitsandbytes quantizations (~2 ms per
+MiB on one core; the client's request and the server's reply), so the ratio depends on how busy the CPUs are:
+the JSON records the load average next to the figures.
 """
 
 from __future__ import annotations
@@ -149,6 +153,8 @@ def main() -> None:
             "bytes_on_wire_fp16": bytes_on_wire["fp16"],
             "rel_error_8bit": round(errors["hop_8bit"], 5),
             "reps": reps,
+            "load_avg_1m": round(os.getloadavg()[0], 2),  # these figures move a lot on a busy machine
+            "cpu_count": os.cpu_count(),
         }
         print(json.dumps(result))
     finally:
