@@ -316,3 +316,37 @@ def test_stage_output_is_forwarded_without_requantizing(dhts, cleanup) -> None:
     assert torch.equal(z, y)  # stage 1 replies losslessly: it received exactly y
     z.sum().backward()
     assert x.grad is not None and ((x.grad - 1).abs().max()).item() < 0.02
+
+
+@pytest.mark.timeout(60)
+def test_malformed_and_expired_records_are_skipped(dhts) -> None:
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from lightning_swarm.swarm.records import declare_stage_peer, get_stage_peers, stage_key
+
+    run_id = _run_id("records")
+    dht = dhts["server1"]
+    now = get_dht_time()
+    assert declare_stage_peer(dht, run_id, 2, dht.peer_id, 12.5, now + 30)
+    key = stage_key(run_id, 2)
+    dht.store(key, subkey="not-a-peer-id!", value=[1.0], expiration_time=now + 30)
+    dht.store(key, subkey=dhts["server2"].peer_id.to_base58(), value="fast", expiration_time=now + 30)
+    dht.store(key, subkey=dhts["trainer"].peer_id.to_base58(), value=[-3.0], expiration_time=now + 30)
+    peers = get_stage_peers(dhts["trainer"], run_id, 2)
+    assert [(p.peer_id, p.stage, p.throughput) for p in peers] == [(dht.peer_id, 2, 12.5)]
+    assert get_stage_peers(dhts["trainer"], run_id, 3) == []
+
+    # an entry whose expiration has passed (the DHT may still hand it out) is not a live peer
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    from lightning_swarm.swarm.records import parse_stage_peers
+
+    listing = ValueWithExpiration(
+        {
+            dht.peer_id.to_base58(): ValueWithExpiration([2.0], now + 30),
+            dhts["server2"].peer_id.to_base58(): ValueWithExpiration([2.0], now - 1),
+        },
+        now + 30,
+    )
+    assert [p.peer_id for p in parse_stage_peers(listing, 2, now=now)] == [dht.peer_id]
+    assert parse_stage_peers(ValueWithExpiration("garbage", now + 30), 2) == []
