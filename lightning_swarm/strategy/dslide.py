@@ -239,9 +239,3 @@ class DSlideStrategy(DDPStrategy):
             cls,
             description="D-SLIDE: sparse layers sharded by neurons across CPU processes (gloo)",
         )
-        strategy_registry.register(
-            "dslide_spawn",
-            cls,
-            description="D-SLIDE with processes started by `torch.multiprocessing` spawn",
-            start_method="spawn",
-        )
