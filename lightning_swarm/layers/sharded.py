@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_swarm.layers.distributed import ShardGroup, all_gather_columns, shard_range, shard_sizes
+from lightning_swarm.layers.loss import _label_positions
 from lightning_swarm.layers.sparse_input import SparseInputLinear
 from lightning_swarm.layers.sparse_linear import (
     SparseLSHLinear,
@@ -242,7 +243,11 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         local_max = logits.max(dim=1).values if logits.size(1) else logits.new_full((batch,), -math.inf)
         glob_max = group.all_reduce_(local_max, "softmax_max_all_reduce", op=dist.ReduceOp.MAX)
         shifted = logits - glob_max.unsqueeze(1)
-        label_logits = _lookup(ids, logits, labels, own).masked_fill(~own, 0.0)
+        if logits.size(1):
+            pos, _ = _label_positions(ids, labels)  # own labels are always in the shard's active set
+            label_logits = logits.gather(1, pos).masked_fill(~own, 0.0)
+        else:
+            label_logits = logits.new_zeros(labels.shape)
         packed = torch.cat([shifted.exp().sum(dim=1, keepdim=True), label_logits], dim=1)
         group.all_reduce_(packed, "softmax_sum_all_reduce")
         glob_sum, label_logits = packed[:, 0], packed[:, 1:]
@@ -329,19 +334,6 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         everyone = self.shard_group.all_gather_cat(packed, "topk_all_gather", dim=1).view(x.size(0), -1, 2)
         best, pick = everyone[:, :, 0].topk(k, dim=1)
         return best.to(scores.dtype), everyone[:, :, 1].gather(1, pick).long()
-
-
-def _lookup(ids: Tensor, values: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
-    """``values[i, j]`` where ``ids[i, j] == labels[i, l]``, as ``[B, Ymax]``; entries outside ``mask`` are junk."""
-    if values.size(1) == 0:
-        return values.new_zeros(labels.shape)
-    if ids.size(0) > 1 and ids.stride(0) == 0:  # one set of ids for the batch
-        sorted_ids, perm = ids[0].sort()
-        pos = torch.searchsorted(sorted_ids, labels.clamp(min=0)).clamp_(max=ids.size(1) - 1)
-        return values.gather(1, perm[pos].masked_fill(~mask, 0))
-    sorted_ids, perm = ids.sort(dim=1)
-    pos = torch.searchsorted(sorted_ids, labels.clamp(min=0).contiguous()).clamp_(max=ids.size(1) - 1)
-    return values.gather(1, perm.gather(1, pos).masked_fill(~mask, 0))
 
 
 def sharded_types() -> tuple[type[nn.Module], ...]:

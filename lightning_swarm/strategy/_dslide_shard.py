@@ -58,17 +58,15 @@ class ShardPlan:
     def all_reduce_replicated_grads(self) -> None:
         """Sum the replicated parameters' gradients over ranks, in one flat all-reduce.
 
-        Each rank's loss is its share of the global loss, so the sum of the ranks' gradients is the gradient
-        of the whole network.
+        Each rank's gradient is its share: it reaches the network only through the rank's own logits (the
+        other ranks' softmax mass enters as a constant), so the sum over ranks is the network's gradient.
         """
-        grads = [p.grad for p in self.replicated_parameters() if p.grad is not None]
-        if not grads or self.shard_group.world_size == 1:
+        params = [p for p in self.replicated_parameters() if p.grad is not None]
+        if not params or self.shard_group.world_size == 1:
             return
-        if any(g.is_sparse for g in grads):
-            grads = [g.to_dense() if g.is_sparse else g for g in grads]
+        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.shard_group.all_reduce_(flat, "replicated_grad_all_reduce")
-        params = [p for p in self.replicated_parameters() if p.grad is not None]
         offset = 0
         for p, g in zip(params, grads, strict=True):
             p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
