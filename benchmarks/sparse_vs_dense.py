@@ -8,8 +8,13 @@ number of steps, batch 256, ``torch.set_num_threads(2)``:
 - ``dense``: output ``nn.Linear`` + full softmax with the same soft targets (``1/|Y|``)
   + ``torch.optim.Adam`` (the input layer uses ``LazyAdam`` in both).
 
-Each variant runs in its own child process so peak RSS is measured per variant. P@1/P@5
-are measured on held-out points with the exact top-k. ``--quick`` (< 5 min) times steps at
+Step times (``step_ms_*``, ``speedup``) come from one child process that holds both networks
+at full size and interleaves 10 sparse steps with 1 dense step, so load from other
+processes on the box hits both alike; the sparse steps include the table rebuilds at their
+amortised rate. ``speedup_cpu_time`` is the same ratio in process CPU time, and
+``load_average_1min`` says how busy the box was. Quality runs each variant in its own child
+process (same data, same steps), which also gives the peak RSS per variant. P@1/P@5 are
+measured on held-out points with the exact top-k. ``--quick`` (< 5 min) times steps at
 full size but measures P@k on a 20,000-label version of the data (reported as
 ``quality_labels``), because a dense 670k-way model needs far more steps than 5 minutes
 allow to learn anything. The last stdout line is one JSON object.
