@@ -83,9 +83,12 @@ def serve(args: argparse.Namespace) -> None:
         signal.signal(sig, lambda *_: stop.set())
     peer.start_dht()
     try:
-        peer.join(module, optimizer=optimizer, training=True)
+        peer.join(module, [optimizer], training=True)
         addrs = " ".join(str(a) for a in peer.dht.get_visible_maddrs())
-        print(f"Serving stage {peer.stage} of run {peer.settings.run_id!r}. Peers can join with: {addrs}", flush=True)
+        print(
+            f"Serving stage {peer.stage} of run {peer.settings.run_id!r}. Peers can join with: {addrs}",
+            flush=True,
+        )
         stop.wait()
     finally:
         peer.shutdown()
@@ -119,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     p_serve.add_argument("--config", help="LightningCLI YAML with model: and trainer.strategy.init_args:")
     p_status = sub.add_parser("status", help="list the peers of each stage")
     for p in (p_serve, p_status):
-        p.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of peers already in the swarm")
+        p.add_argument(
+            "--initial-peers", nargs="*", default=[], help="multiaddrs of peers already in the swarm"
+        )
         p.add_argument("--run-id", dest="run_id", default=None)
         p.add_argument("--num-stages", dest="num_stages", type=int, default=None)
     p_serve.add_argument("--stage", type=int, default=None, help="stage to serve (default: the least served)")

@@ -134,3 +134,44 @@ def swarm_initial_state(model_kind: str) -> dict:
 
     model, _ = swarm_job.build({"model": model_kind})
     return model.state_dict()
+
+
+def lm_job(tmp_path, compression: str) -> dict:
+    cfg = {
+        "model": "lm",
+        "devices": 4,
+        "max_steps": 100,
+        "out": str(tmp_path / f"lm_{compression}.pt"),
+        "model_args": {"d_model": 64, "n_layers": 4, "n_heads": 4, "seq_len": 64},
+        "data_args": {"seq_len": 64, "batch_size": 16},
+        "strategy": {
+            "pipeline": "layers",
+            "num_stages": 2,
+            "compression": compression,
+            "target_batch_size": 256,
+            "matchmaking_time": 2.0,
+            "averaging_timeout": 10.0,
+            "request_timeout": 60.0,
+            "linger_timeout": 60.0,
+            "run_id": f"lm_{compression}",
+        },
+    }
+    return run_job(cfg, timeout=580)
+
+
+@pytest.mark.timeout(1200)
+def test_four_peers_train_a_transformer_lm_and_8bit_matches_uncompressed(tmp_path):
+    """2 stages x 2 peers, all 4 feeding data, 100 steps each: the loss falls clearly, and with 8-bit boundaries
+    it ends within 5% of the uncompressed run."""
+    finals = {}
+    for compression in ("none", "8bit"):
+        result = lm_job(tmp_path, compression)
+        losses = result["losses"]
+        assert len(losses) == 100
+        first, last = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
+        assert first > 5.0  # ~ln(256) at the start
+        assert last < 0.6 * first, f"{compression}: loss went from {first:.3f} to {last:.3f}"
+        finals[compression] = last
+        # the gathered model is whole again: every block of the pipeline came back from the swarm
+        assert sum(k.startswith("layers.") for k in result["state"]) == 4 * 12
+    assert abs(finals["8bit"] - finals["none"]) <= 0.05 * finals["none"], finals

@@ -193,10 +193,11 @@ class SwarmStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
-        optimizer = self.optimizers[0] if fitting and self.optimizers else None
-        self.peer.join(self.lightning_module, optimizer=optimizer, training=fitting)
+        optimizers = self.peer.join(
+            self.lightning_module, self.optimizers if fitting else [], training=fitting
+        )
         if fitting:
-            self.optimizers = self.peer.trainer_optimizers(self.optimizers)
+            self.optimizers = optimizers
         self.setup_precision_plugin()
 
     @override

@@ -193,8 +193,11 @@ class SwarmPeer:
         )
 
     # ------------------------------------------------------------------ join
-    def join(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, training: bool) -> None:
-        """Cut ``module``'s pipeline into stages, serve this peer's stage and put the proxy in place."""
+    def join(
+        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], training: bool
+    ) -> list[torch.optim.Optimizer]:
+        """Cut ``module``'s pipeline into stages, serve this peer's stage, put the proxy in place and return the
+        trainer's optimizers (see :meth:`trainer_optimizers`)."""
         from lightning_swarm.strategy.accelerator import SwarmAccelerator
         from lightning_swarm.swarm.client import SwarmClient
         from lightning_swarm.swarm.server import StageServer
@@ -203,10 +206,14 @@ class SwarmPeer:
         assert self.dht is not None, "start_dht() first"
         self.partition = Partition(module, s.pipeline or find_pipeline(module), s.num_stages)
         self.stage = self._choose_stage()
+        optimizer = optimizers[0] if training and optimizers else None
+        factory = optimizer_factory(optimizer) if optimizer is not None else None
+        # hivemind optimizers fork their averager processes: create them all before this process starts the
+        # event-loop thread of its P2P calls (a fork taken while that thread holds a lock can hang the child)
+        optimizers = self.trainer_optimizers(optimizers) if training else optimizers
         local_servers = {}
         if self.is_server:
             stage_module = self.partition.stage_module(self.stage).to(self.device)
-            factory = optimizer_factory(optimizer) if (training and optimizer is not None) else None
             self.server = StageServer(
                 self.stage,
                 stage_module,
@@ -232,6 +239,7 @@ class SwarmPeer:
         )
         self.partition.install_proxy(self.client.call_stage)
         self.joined = True
+        return optimizers
 
     def _choose_stage(self) -> int:
         s = self.settings
@@ -264,6 +272,9 @@ class SwarmPeer:
             run_id=f"{self.settings.run_id}_trainers",
             target_batch_size=self.settings.target_batch_size,
             optimizer=optimizers[0],
+            # step locally every batch and average parameters in the background every `target_batch_size`
+            # samples: a trainer never blocks on the others' averaging rounds
+            use_local_updates=True,
             matchmaking_time=self.settings.matchmaking_time,
             averaging_timeout=self.settings.averaging_timeout,
             verbose=False,
