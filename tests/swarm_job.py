@@ -114,9 +114,13 @@ def main() -> None:
         trainer.fit(model, data)
     else:
         trainer.fit(model, datamodule=data)
+    result = {"losses": record.losses}
+    if cfg.get(
+        "evaluate"
+    ):  # a second and third run of the same Trainer: test and predict through a new swarm
+        result["test"] = trainer.test(model, datamodule=data, verbose=False)
+        result["predictions"] = trainer.predict(model, datamodule=data)
     if trainer.global_rank == 0:
-        stats = {}
-        result = {"losses": record.losses, "stats": stats}
         torch.save({"state": model.state_dict(), **result}, cfg["out"])
 
 

@@ -175,3 +175,84 @@ def test_four_peers_train_a_transformer_lm_and_8bit_matches_uncompressed(tmp_pat
         # the gathered model is whole again: every block of the pipeline came back from the swarm
         assert sum(k.startswith("layers.") for k in result["state"]) == 4 * 12
     assert abs(finals["8bit"] - finals["none"]) <= 0.05 * finals["none"], finals
+
+
+@pytest.mark.timeout(400)
+def test_lightning_cli_yaml_trains_and_validates_through_the_swarm(tmp_path):
+    """The example's LightningCLI entry point, a YAML that selects the strategy by class path, 2 peers."""
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 2,
+            "max_steps": 6,
+            "val_check_interval": 6,
+            "limit_val_batches": 2,
+            "log_every_n_steps": 1,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "default_root_dir": str(tmp_path),
+            "strategy": {
+                "class_path": "lightning_swarm.SwarmStrategy",
+                "init_args": {
+                    "pipeline": "layers",
+                    "num_stages": 2,
+                    "target_batch_size": 32,
+                    "run_id": "cli_fit",
+                },
+            },
+        },
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
+        "data": {"seq_len": 32, "batch_size": 8, "train_samples": 400, "val_samples": 32},
+    }
+    path = tmp_path / "swarm.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run(
+        [sys.executable, "examples/lm/train.py", "fit", "--config", str(path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    header = metrics.splitlines()[0].split(",")
+    assert "val_loss" in header and "train_loss" in header and "swarm/bytes_sent" in header
+
+
+@pytest.mark.timeout(400)
+def test_fit_then_test_and_predict_through_the_swarm_on_the_same_trainer(tmp_path):
+    """fit, test and predict on one Trainer: each call starts a fresh swarm, and the forward-only loops give the
+    same results as the gathered whole model run locally."""
+    cfg = {
+        "model": "lm",
+        "devices": 2,
+        "max_steps": 5,
+        "evaluate": True,
+        "out": str(tmp_path / "eval.pt"),
+        "model_args": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
+        "data_args": {"seq_len": 32, "batch_size": 8, "train_samples": 200, "val_samples": 16},
+        "strategy": {
+            "pipeline": "layers",
+            "num_stages": 2,
+            "num_trainers": 1,
+            "compression": "none",
+            "run_id": "evaluate",
+        },
+    }
+    result = run_job(cfg, timeout=380)
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import swarm_job
+
+    model, data = swarm_job.build(cfg)
+    model.load_state_dict(result["state"])
+    data.setup("test")
+    batches = list(data.test_dataloader())
+    with torch.no_grad():
+        expected_loss = sum(float(model._loss(b)) * len(b) for b in batches) / sum(len(b) for b in batches)
+        expected_pred = torch.cat([model(b[:, :-1]).argmax(-1) for b in batches])
+    assert result["test"][0]["test_loss"] == pytest.approx(expected_loss, rel=1e-4)
+    assert torch.equal(torch.cat(result["predictions"]), expected_pred)

@@ -44,7 +44,12 @@ class PydocTextDataModule(LightningDataModule):
     """
 
     def __init__(
-        self, seq_len: int = 64, batch_size: int = 16, train_samples: int = 20000, val_samples: int = 256, seed: int = 0
+        self,
+        seq_len: int = 64,
+        batch_size: int = 16,
+        train_samples: int = 20000,
+        val_samples: int = 256,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
@@ -60,4 +65,10 @@ class PydocTextDataModule(LightningDataModule):
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+    def predict_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size)

@@ -1,6 +1,6 @@
 """Train the tiny Transformer LM, e.g. in a local swarm of 4 peers:
 
-    python examples/lm/train.py fit --config examples/lm/configs/swarm.yaml
+python examples/lm/train.py fit --config examples/lm/configs/swarm.yaml
 """
 
 import os

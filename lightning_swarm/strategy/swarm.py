@@ -119,6 +119,7 @@ class SwarmStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._peer: SwarmPeer | None = None
         self._failed = False
+        self._runs = 0  # fit/validate/test/predict calls so far: each one starts a fresh swarm
 
     @property
     @override
@@ -174,7 +175,8 @@ class SwarmStrategy(ParallelStrategy):
         rendezvous = None
         if local_swarm is not None:
             port = os.environ.get("MASTER_PORT", "0")
-            rendezvous = os.path.join(_tempdir(), f"lightning_swarm_{port}_{self.settings.run_id}")
+            name = f"lightning_swarm_{port}_{self.settings.run_id}_{self._runs}"
+            rendezvous = os.path.join(_tempdir(), name)
         self._peer = SwarmPeer(
             self.settings,
             peer_index=self.global_rank,
@@ -182,6 +184,7 @@ class SwarmStrategy(ParallelStrategy):
             rendezvous_path=rendezvous,
             device=self.root_device,
         )
+        self._runs += 1
         self._peer.start_dht()
 
     @override
