@@ -102,30 +102,6 @@ class SwarmAccelerator(Accelerator):
         params = sum(p.numel() for p in module.parameters()) or 1
         return SwarmAccelerator.measure_flops(device) / (6 * params)
 
-    @staticmethod
-    def measure_throughput(
-        module: nn.Module, example: torch.Tensor, device: torch.device | None = None, repeats: int = 3
-    ) -> float:
-        """Samples per second that ``module`` processes forward and backward on ``example`` (its first dimension
-        is the batch), after one warm-up call. This is the figure a server announces before it has real traffic.
-        """
-        device = device or example.device
-        example = example.to(device).detach().requires_grad_(example.is_floating_point())
-        best = float("inf")
-        for i in range(repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            out = module(example)
-            out = out[0] if isinstance(out, (tuple, list)) else out
-            out.float().sum().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:  # the first call warms up
-                best = min(best, time.perf_counter() - start)
-        module.zero_grad(set_to_none=True)
-        return example.shape[0] / max(best, 1e-9)
-
     @classmethod
     @override
     def register_accelerators(cls, accelerator_registry: _AcceleratorRegistry) -> None:

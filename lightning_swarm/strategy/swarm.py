@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from contextlib import nullcontext
 from typing import Any, Literal
 
 import torch
@@ -176,7 +175,7 @@ class SwarmStrategy(ParallelStrategy):
         if local_swarm is not None:
             port = os.environ.get("MASTER_PORT", "0")
             name = f"lightning_swarm_{port}_{self.settings.run_id}_{self._runs}"
-            rendezvous = os.path.join(_tempdir(), name)
+            rendezvous = os.path.join(tempfile.gettempdir(), name)
         self._peer = SwarmPeer(
             self.settings,
             peer_index=self.global_rank,
@@ -251,9 +250,6 @@ class SwarmStrategy(ParallelStrategy):
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         return tensor.unsqueeze(0)
 
-    def block_backward_sync(self) -> Any:
-        return nullcontext()
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model, with every stage's current parameters gathered from the swarm."""
@@ -269,7 +265,7 @@ class SwarmStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self._peer is not None:
-            self._peer.leave(self.lightning_module, failed=self._failed)
+            self._peer.leave(failed=self._failed)
             self._peer = None
         self._failed = False
         super().teardown()
@@ -278,7 +274,3 @@ class SwarmStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
-
-
-def _tempdir() -> str:
-    return tempfile.gettempdir()

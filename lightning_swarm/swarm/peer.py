@@ -309,8 +309,8 @@ class SwarmPeer:
         self.presence.set_phase(FINISHED)
         self.presence.wait_for(FINISHED, self.local_swarm_size, timeout=float("inf"))
 
-    def leave(self, module: nn.Module | None, failed: bool = False) -> None:
-        """End of a run: keep serving until the others are done, put the trained pipeline back into ``module``,
+    def leave(self, failed: bool = False) -> None:
+        """End of a run: keep serving until the others are done, put the trained pipeline back into the module,
         then shut everything down. After a failure, restore the container and leave at once."""
         s = self.settings
         if failed:

@@ -390,19 +390,24 @@ class StageServer(ServicerBase):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Stage forward for large payloads (chunked)."""
-        tensors, metadata, uid = _wire.combine([r async for r in requests])
-        self._check_uid(uid)
-        response = await self._in_executor(self._forward_msgs, tensors, metadata)
-        for message in _wire.split(runtime_pb2.ExpertResponse, response.tensors, response.metadata):
+        async for message in self._streamed(requests, self._forward_msgs):
             yield message
 
     async def rpc_backward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Stage backward for large payloads (chunked)."""
+        async for message in self._streamed(requests, self._backward_msgs):
+            yield message
+
+    async def _streamed(
+        self,
+        requests: AsyncIterator[runtime_pb2.ExpertRequest],
+        handler: Callable[..., runtime_pb2.ExpertResponse],
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         tensors, metadata, uid = _wire.combine([r async for r in requests])
         self._check_uid(uid)
-        response = await self._in_executor(self._backward_msgs, tensors, metadata)
+        response = await self._in_executor(handler, tensors, metadata)
         for message in _wire.split(runtime_pb2.ExpertResponse, response.tensors, response.metadata):
             yield message
 
