@@ -171,24 +171,46 @@ def _deep(depth: int) -> list:
     return [["t", node], ["d"], 1]
 
 
-def test_8bit_codes_do_not_depend_on_thread_count() -> None:
+def test_parts_decode_like_one_message_and_stream_one_by_one() -> None:
     from lightning_swarm.swarm import codec
 
-    x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(3))
-    outputs = []
-    for threads in (1, 2):
-        with codec._threads(threads):
-            outputs.append(
-                torch.ops.bitsandbytes.quantize_blockwise.default(x, codec._code(), codec.BLOCKSIZE)
-            )
-    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
-    # the tuner tries both counts, then keeps the faster one most of the time
-    tuner = codec._ThreadTuner(max_threads=2, explore_every=4)
-    assert {tuner.pick(), tuner.pick()} <= {1, 2}
-    tuner.record(1, 1.0, 1000)
-    tuner.record(2, 5.0, 1000)
-    picks = [tuner.pick() for _ in range(8)]
-    assert picks.count(1) >= 6 and 2 in picks
+    g = torch.Generator().manual_seed(3)
+    for shape in [(64, 4096), (3 * codec.PART_ELEMENTS + 5,), (7, codec.PART_ELEMENTS // 7 + 1)]:
+        x = torch.randn(*shape, generator=g)
+        for compression in COMPRESSIONS:
+            parts = list(codec.encode_parts(x, compression))
+            assert len(parts) == codec.num_parts(x.numel()) > 1
+            assert parts[0].chunks == len(parts) and all(p.chunks == 0 for p in parts[1:])
+            whole = decode_tensor(encode_tensor(x, compression))
+            decoder = codec.PartsDecoder()
+            for part in parts:
+                assert decoder.tensors == []
+                decoder.feed(part)
+            (y,) = decoder.finish()
+            # blocks never straddle parts, so the parts hold exactly the codes of the one-message encoding
+            assert torch.equal(y, whole) and y.shape == x.shape
+            sent = codec.nbytes(parts)
+            assert sent <= codec.nbytes([encode_tensor(x, compression)]) + 64 * len(parts)
+            with pytest.raises(CodecError, match="parts missing"):
+                codec.decode_parts(parts[:-1])
+            if compression != "none":
+                mixed = runtime_pb2.Tensor()
+                mixed.CopyFrom(parts[1])
+                mixed.compression = 0
+                with pytest.raises(CodecError):
+                    codec.decode_parts([parts[0], mixed, *parts[2:]])
+    impossible = encode_tensor(torch.randn(2048), "none")
+    impossible.chunks = 3  # 2048 elements are two blocks: three parts cannot exist
+    with pytest.raises(CodecError, match="impossible"):
+        decode_tensor(impossible)
+
+
+def test_block_holding_the_most_negative_value_decodes_exactly() -> None:
+    # bitsandbytes maps the block's absmax to code 0 (-1.0) when it is negative; every peer must decode it alike
+    x = torch.full((4096,), 0.5)
+    x[::1024] = -3.0
+    y = decode_tensor(encode_tensor(x, "8bit"))
+    assert torch.equal(y[::1024], x[::1024])
 
 
 def test_received_tensor_is_resent_without_requantizing() -> None:
@@ -198,9 +220,9 @@ def test_received_tensor_is_resent_without_requantizing() -> None:
     for compression in ("8bit", "fp16"):
         msg = encode_tensor(x, compression)
         y = decode_tensor(msg)
-        calls = codec._tuner.calls
+        calls = codec._quantizations.calls
         again = encode_tensor(y, compression)
-        assert again.buffer == msg.buffer and codec._tuner.calls == calls  # no new quantization
+        assert again.buffer == msg.buffer and codec._quantizations.calls == calls  # no new quantization
         y.requires_grad_(True)
         assert encode_tensor(y, compression).requires_grad
         other = encode_tensor(y, "none")  # another compression: encoded afresh

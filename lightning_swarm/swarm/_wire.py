@@ -1,89 +1,65 @@
 """Request/response framing shared by the stage server and the swarm client.
 
-Small payloads travel as one unary ``ExpertRequest``/``ExpertResponse`` over the daemon's persistent
-connection; payloads over hivemind's unary limit (``MAX_UNARY_PAYLOAD_SIZE``, 2 MiB: half the daemon's 4 MiB
-message limit) are cut into chunks and streamed. A streamed payload is a sequence of messages whose
-``tensors`` are the parts of the tensors in order: the first part of each tensor says in ``chunks`` how many
-parts it has. The first message carries the metadata.
+A payload is call metadata plus the tensors' parts (see :func:`~.codec.encode_parts`): each part is a
+block-aligned, independently decodable slice of one tensor. Small payloads travel as one unary
+``ExpertRequest``/``ExpertResponse`` over the daemon's persistent connection. Large ones are *streamed*: the
+parts are grouped into messages of about :data:`STREAM_MESSAGE_BYTES`, and the sender puts message ``i`` on the
+wire while it encodes message ``i + 1``, and the receiver decodes message ``i`` while message ``i + 1`` is in
+flight. The first message of a stream carries the metadata (and, for requests, the stage uid).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 from hivemind.p2p.p2p_daemon_bindings.control import MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
 
-from .codec import CodecError
+from .codec import CodecError, PartsDecoder
 
-__all__ = ["MAX_UNARY_PAYLOAD_SIZE", "STREAM_CHUNK_BYTES", "combine", "payload_size", "split"]
+__all__ = ["MAX_UNARY_PAYLOAD_SIZE", "STREAM_MESSAGE_BYTES", "decode_messages", "messages"]
 
-STREAM_CHUNK_BYTES = 1 << 20  # parts per streamed message; large parts keep the per-message overhead low
-_MAX_PARTS = 1 << 20
+# a streamed message is sent once it holds this many bytes of parts: one 8-bit part of 64 Ki elements (66 KB)
+# goes out on its own, so that sending overlaps with quantizing; small tensors share messages
+STREAM_MESSAGE_BYTES = 64 * 1024
 
 Msg = TypeVar("Msg", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 
 
-def payload_size(tensors: Sequence[runtime_pb2.Tensor], metadata: bytes) -> int:
-    """Approximate bytes of a request or response carrying ``tensors`` and ``metadata``."""
-    return sum(t.ByteSize() for t in tensors) + len(metadata) + 64
-
-
-def split(
+def messages(
     message_type: type[Msg],
-    tensors: Sequence[runtime_pb2.Tensor],
+    parts: Iterable[runtime_pb2.Tensor],
     metadata: bytes,
     uid: str | None = None,
-    chunk_bytes: int = STREAM_CHUNK_BYTES,
+    message_bytes: int = STREAM_MESSAGE_BYTES,
 ) -> Iterator[Msg]:
-    """Cut a payload into streamed messages of at most about ``chunk_bytes`` each."""
+    """Group ``parts`` (consumed lazily) into streamed messages of at least about ``message_bytes`` each."""
     header = {"metadata": metadata} if uid is None else {"metadata": metadata, "uid": uid}
+    batch: list[runtime_pb2.Tensor] = []
+    size = 0
     first = True
-    for tensor in tensors:
-        buffer = memoryview(tensor.buffer)
-        num_chunks = max(1, -(len(buffer) // -chunk_bytes))
-        for i in range(num_chunks):
-            part = runtime_pb2.Tensor(buffer=buffer[i * chunk_bytes : (i + 1) * chunk_bytes].tobytes())
-            if i == 0:
-                part.size.extend(tensor.size)
-                part.dtype, part.compression = tensor.dtype, tensor.compression
-                part.requires_grad, part.chunks = tensor.requires_grad, num_chunks
-            yield message_type(tensors=[part], **(header if first else {}))
-            first = False
-    if first:  # no tensors at all
-        yield message_type(**header)
+    for part in parts:
+        batch.append(part)
+        size += len(part.buffer) + 32
+        if size >= message_bytes:
+            yield message_type(tensors=batch, **(header if first else {}))
+            batch, size, first = [], 0, False
+    if batch or first:
+        yield message_type(tensors=batch, **(header if first else {}))
 
 
-def combine(messages: Iterable[Msg]) -> tuple[list[runtime_pb2.Tensor], bytes, str]:
-    """Reassemble streamed messages into ``(tensors, metadata, uid)``; raises ``CodecError`` if malformed."""
-    tensors: list[runtime_pb2.Tensor] = []
+def decode_messages(received: Iterable[Msg]) -> tuple[list, bytes, str]:
+    """Decode streamed messages into ``(tensors, metadata, uid)``; raises ``CodecError`` if malformed."""
+    decoder = PartsDecoder()
     metadata, uid = b"", ""
-    current: runtime_pb2.Tensor | None = None
-    pieces: list[bytes] = []
-    remaining = 0
-    for index, message in enumerate(messages):
-        if index == 0:
+    count = 0
+    for count, message in enumerate(received, start=1):
+        if count == 1:
             metadata = message.metadata
             uid = getattr(message, "uid", "")
         for part in message.tensors:
-            if remaining == 0:
-                if not 1 <= part.chunks <= _MAX_PARTS:
-                    raise CodecError(f"Malformed stream: a tensor starts with chunks={part.chunks}")
-                current, pieces, remaining = part, [part.buffer], part.chunks - 1
-            else:
-                pieces.append(part.buffer)
-                remaining -= 1
-            if remaining == 0 and current is not None:
-                whole = runtime_pb2.Tensor(
-                    size=current.size,
-                    dtype=current.dtype,
-                    compression=current.compression,
-                    requires_grad=current.requires_grad,
-                    buffer=pieces[0] if len(pieces) == 1 else b"".join(pieces),
-                )
-                tensors.append(whole)
-                current, pieces = None, []
-    if remaining != 0:
-        raise CodecError(f"Malformed stream: it ended {remaining} parts before the last tensor was complete")
-    return tensors, metadata, uid
+            decoder.feed(part)
+    if count == 0:
+        raise CodecError("Received an empty stream")
+    return decoder.finish(), metadata, uid

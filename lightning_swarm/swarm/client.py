@@ -15,11 +15,13 @@ Calls whose chosen peer is this very process (libp2p cannot dial itself) go stra
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import hivemind
@@ -31,16 +33,17 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.mpfuture import MPFuture
 
 from . import _wire
-from ._loop import replicate_p2p, run_coroutine
+from ._loop import get_loop, replicate_p2p, run_coroutine
 from .codec import (
     CodecError,
+    LazyPack,
+    PartsDecoder,
     check_compression,
+    decode_parts,
     flatten_tensors,
-    nbytes,
-    pack,
+    rebuild_call,
     rebuild_tensors,
     remember_wire_format,
-    unpack,
 )
 from .records import PeerInfo, parse_stage_peers, stage_key
 from .routing import NoPeersError, StageRouter
@@ -52,6 +55,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _RESPONSE_TOO_LARGE = "response size exceeds message size limit"
+# Payloads over hivemind's unary limit are streamed (pipelined). Below it, one unary call is faster on a small
+# box: on 2 cores a pipelined 1 MiB hop measured 17 ms against 11 ms unary, since the sender's and receiver's
+# threads and both p2p daemons all compete for the cores.
+_STREAM_ABOVE = _wire.MAX_UNARY_PAYLOAD_SIZE - 64 * 1024
+_END = object()
 # makes every stage call part of the autograd graph, so that stages whose inputs need no grad still train
 _DUMMY = torch.empty(0, requires_grad=True)
 
@@ -145,9 +153,9 @@ class SwarmClient:
                 return self.local_servers[stage].state_dict_local()
             request = runtime_pb2.ExpertUID(uid=stage_uid(self.run_id, stage))
             responses = self._run(self._call_stream(self._stub(peer_id, stage), "rpc_state", [request]))
-            tensors, metadata, _ = _wire.combine(responses)
-            self._count(stage, "state", 0, nbytes(tensors) + len(metadata))
-            _, state = unpack(tensors, metadata)
+            self._count(stage, "state", 0, sum(response.ByteSize() for response in responses))
+            tensors, metadata, _ = _wire.decode_messages(responses)
+            _, state = rebuild_call(metadata, tensors)
             return state
 
         return self._with_retries(stage, 1.0, attempt)
@@ -185,20 +193,20 @@ class SwarmClient:
 
     # ---- forward / backward with retries ----
 
-    def _forward(self, stage: int, args: tuple, kwargs: dict) -> tuple[Any, _Encoded | None]:
+    def _forward(self, stage: int, args: tuple, kwargs: dict) -> tuple[Any, LazyPack | None]:
         """Run the stage forward; returns the outputs and the encoded request (None if it ran locally)."""
-        encoded: list[_Encoded | None] = [None]
+        encoded: list[LazyPack | None] = [None]
 
         def attempt(peer_id: PeerID) -> Any:
             if self._is_local(peer_id, stage):
                 return self.local_servers[stage].forward_local(args, kwargs)
             if encoded[0] is None:
-                encoded[0] = _Encoded(*pack(args, kwargs, self.compression))
+                encoded[0] = self._lazy_pack(args, kwargs)
             request = encoded[0]
             reply_tensors, reply_metadata = self._request(
-                peer_id, stage, "forward", request.tensors, request.metadata
+                peer_id, stage, "forward", request.metadata, [request]
             )
-            (outputs,), _ = unpack(reply_tensors, reply_metadata)
+            (outputs,), _ = rebuild_call(reply_metadata, reply_tensors)
             return outputs
 
         outputs = self._with_retries(stage, batch_size_of(args, kwargs), attempt)
@@ -210,7 +218,7 @@ class SwarmClient:
         """Input gradients (shapes ``expected``) of a stage call, computed by any live peer of the stage."""
         stage = call.stage
         args, kwargs = call.inputs()
-        grads_encoded: list[_Encoded | None] = [None]
+        grads_encoded: list[LazyPack | None] = [None]
 
         def attempt(peer_id: PeerID) -> list[torch.Tensor]:
             if self._is_local(peer_id, stage):
@@ -218,15 +226,15 @@ class SwarmClient:
                 _check_grads(stage, grad_inputs, expected)
                 return grad_inputs
             if call.encoded is None:
-                call.encoded = _Encoded(*pack(args, kwargs, self.compression))
+                call.encoded = self._lazy_pack(args, kwargs)
             if grads_encoded[0] is None:
-                grads_encoded[0] = _Encoded(*pack(tuple(grad_outputs), {}, self.compression))
+                grads_encoded[0] = self._lazy_pack(tuple(grad_outputs), {})
             inputs, grads = call.encoded, grads_encoded[0]
-            metadata = backward_metadata(inputs.metadata, len(inputs.tensors), grads.metadata)
+            metadata = backward_metadata(inputs.metadata, inputs.num_tensors, grads.metadata)
             reply_tensors, reply_metadata = self._request(
-                peer_id, stage, "backward", inputs.tensors + grads.tensors, metadata
+                peer_id, stage, "backward", metadata, [inputs, grads]
             )
-            grad_inputs, _ = unpack(reply_tensors, reply_metadata)
+            grad_inputs, _ = rebuild_call(reply_metadata, reply_tensors)
             _check_grads(stage, grad_inputs, expected)
             return list(grad_inputs)
 
@@ -280,26 +288,89 @@ class SwarmClient:
 
     # ---- transport ----
 
+    def _lazy_pack(self, args: tuple, kwargs: dict) -> LazyPack:
+        """Encode lazily; large tensors are cut into parts only when the payload will be streamed."""
+        whole = LazyPack(args, kwargs, self.compression, split=False)
+        if whole.estimated_bytes > _STREAM_ABOVE:
+            return LazyPack(args, kwargs, self.compression, split=True)
+        return whole
+
     def _request(
-        self, peer_id: PeerID, stage: int, kind: str, tensors: list[runtime_pb2.Tensor], metadata: bytes
-    ) -> tuple[list[runtime_pb2.Tensor], bytes]:
+        self, peer_id: PeerID, stage: int, kind: str, metadata: bytes, sources: list[LazyPack]
+    ) -> tuple[list[torch.Tensor], bytes]:
+        """Send a forward/backward request made of ``sources``' parts; returns the decoded reply and its metadata.
+
+        Payloads over the unary limit, and every call to a stage whose replies were that large, are streamed:
+        parts go on the wire as they are encoded and are decoded as they come.
+        """
         uid = stage_uid(self.run_id, stage)
-        size = _wire.payload_size(tensors, metadata)
-        if size > _wire.MAX_UNARY_PAYLOAD_SIZE or stage in self._stream_stages:
-            requests = _wire.split(runtime_pb2.ExpertRequest, tensors, metadata, uid=uid)
-            responses = self._run(
-                self._call_stream(self._stub(peer_id, stage), f"rpc_{kind}_stream", requests)
-            )
-            reply_tensors, reply_metadata, _ = _wire.combine(responses)
+        stub = self._stub(peer_id, stage)
+        estimated = len(metadata) + sum(source.estimated_bytes for source in sources)
+        if estimated > _STREAM_ABOVE or stage in self._stream_stages:
+            parts = itertools.chain.from_iterable(source.parts() for source in sources)
+            requests = _wire.messages(runtime_pb2.ExpertRequest, parts, metadata, uid=uid)
+            tensors, reply_metadata, sent, recv = self._stream(stub, f"rpc_{kind}_stream", requests)
         else:
-            request = runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=metadata)
-            stub = self._stub(peer_id, stage)
+            parts = [part for source in sources for part in source.parts()]
+            request = runtime_pb2.ExpertRequest(uid=uid, tensors=parts, metadata=metadata)
             reply = run_coroutine(
                 getattr(stub, f"rpc_{kind}")(request, timeout=self.request_timeout), timeout=None
             )
-            reply_tensors, reply_metadata = reply.tensors, reply.metadata
-        self._count(stage, kind, size, nbytes(reply_tensors) + len(reply_metadata))
-        return list(reply_tensors), reply_metadata
+            tensors, reply_metadata = decode_parts(reply.tensors), reply.metadata
+            sent, recv = request.ByteSize(), reply.ByteSize()
+            if recv > _STREAM_ABOVE:
+                self._stream_stages.add(stage)  # large replies: stream them from now on, pipelined
+        self._count(stage, kind, sent, recv)
+        return tensors, reply_metadata
+
+    def _stream(
+        self, stub: Any, method: str, requests: Iterator[Any]
+    ) -> tuple[list[torch.Tensor], bytes, int, int]:
+        """A streaming RPC that overlaps this thread's encoding and decoding with the transfer.
+
+        This thread encodes the request messages (``requests`` is lazy) and hands each to the event loop,
+        which sends it while the next one is encoded; reply messages come back through a queue and are decoded
+        here while the next ones are in flight. The whole call is bounded by ``request_timeout``.
+        """
+        loop = get_loop()
+        outbox: asyncio.Queue = asyncio.Queue()
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+        async def outgoing() -> AsyncIterator[Any]:
+            while (message := await outbox.get()) is not None:
+                yield message
+
+        async def call() -> None:
+            async for response in await getattr(stub, method)(outgoing()):
+                inbox.put(response)
+
+        deadline = time.monotonic() + self.request_timeout
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(call(), self.request_timeout), loop)
+        future.add_done_callback(lambda _: inbox.put(_END))
+        sent = recv = 0
+        try:
+            for message in requests:
+                sent += message.ByteSize()
+                loop.call_soon_threadsafe(outbox.put_nowait, message)
+                if future.done():
+                    break  # the call already failed: stop encoding
+            loop.call_soon_threadsafe(outbox.put_nowait, None)
+            decoder = PartsDecoder()
+            reply_metadata: bytes | None = None
+            while (response := inbox.get(timeout=max(0.0, deadline - time.monotonic()) + 1.0)) is not _END:
+                if reply_metadata is None:
+                    reply_metadata = response.metadata
+                recv += response.ByteSize()
+                for part in response.tensors:
+                    decoder.feed(part)
+            future.result()  # the handler's error, if any
+            if reply_metadata is None:
+                raise CodecError("The peer closed the stream without replying")
+            return decoder.finish(), reply_metadata, sent, recv
+        except queue.Empty:
+            raise TimeoutError(f"{method} did not finish within {self.request_timeout} s") from None
+        finally:
+            future.cancel()
 
     @staticmethod
     async def _call_stream(stub: Any, method: str, requests: Any) -> list[Any]:
@@ -382,15 +453,6 @@ class SwarmClient:
             raise ValueError(f"SwarmClient: stage must be in [0, {self.num_stages}), got {stage}")
 
 
-class _Encoded:
-    """A packed request: tensor messages and metadata."""
-
-    __slots__ = ("tensors", "metadata")
-
-    def __init__(self, tensors: list[runtime_pb2.Tensor], metadata: bytes):
-        self.tensors, self.metadata = tensors, metadata
-
-
 class _StageCall:
     """What one differentiable stage call keeps between its forward and backward."""
 
@@ -399,7 +461,7 @@ class _StageCall:
     ):
         self.client, self.stage, self.skeleton, self.marks = client, stage, skeleton, marks
         self.tensors = tensors
-        self.encoded: _Encoded | None = None
+        self.encoded: LazyPack | None = None
         self.output_skeleton: Any = None
         self.diff_devices: list[tuple[torch.device, torch.dtype]] = []
 

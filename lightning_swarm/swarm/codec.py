@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
-import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -38,6 +36,8 @@ COMPRESSIONS = ("8bit", "fp16", "none")
 BLOCKSIZE = 1024  # absmax overhead 0.4%; accuracy barely depends on it (64..4096 measured within 20%)
 LOSSLESS_BELOW = 1024  # floating tensors with fewer elements are sent as they are
 _VALID_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+PART_ELEMENTS = 64 * BLOCKSIZE  # elements per part of a large tensor: the unit of pipelined sending
+_MAX_CHUNKS = 1 << 20
 _COPY_BELOW = 4096  # decoded buffers this small are copied (tiny bytes objects may be interned singletons)
 _MAX_DEPTH = 64
 
@@ -79,7 +79,11 @@ class CodecError(ValueError):
 def _code() -> torch.Tensor:
     global _dynamic_code
     if _dynamic_code is None:
-        _dynamic_code = bnb_functional.create_dynamic_map().to(torch.float32)
+        code = bnb_functional.create_dynamic_map().to(torch.float32)
+        # bitsandbytes' CPU quantizer overwrites code[0] (-0.993) with -1.0 in the tensor it is given; fix it
+        # up front so that a peer that never quantized decodes index 0 like the peer that encoded it
+        code[0] = -1.0
+        _dynamic_code = code
     return _dynamic_code
 
 
@@ -97,56 +101,32 @@ def _threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-class _ThreadTuner:
-    """Picks how many OpenMP threads the 8-bit quantizer uses, by measuring.
+class _QuantizeCounter:
+    """Counts quantizations (tests use it to check that a message was re-sent, not re-quantized)."""
 
-    Quantizing 1 MiB takes about 2 ms on one core. On two idle cores it takes about half that, but on busy
-    cores (the normal state of a peer that also computes) every parallel region waits for a descheduled thread
-    and it takes 10-30x longer. So the tuner keeps a moving average of the time per element with 1 thread and
-    with ``max_threads`` threads, uses the faster, and re-tries the other one every ``explore_every`` calls.
-    ``LIGHTNING_SWARM_CODEC_THREADS=N`` fixes the count instead.
-    """
-
-    def __init__(self, max_threads: int, explore_every: int = 16, ema: float = 0.2):
-        self.options = (1, max_threads) if max_threads > 1 else (1,)
-        self.explore_every, self.ema = explore_every, ema
-        self.seconds_per_element: dict[int, float | None] = {n: None for n in self.options}
+    def __init__(self) -> None:
         self.calls = 0
         self.lock = threading.Lock()
 
-    def pick(self) -> int:
+    def add(self) -> None:
         with self.lock:
             self.calls += 1
-            untried = [n for n, v in self.seconds_per_element.items() if v is None]
-            if untried:
-                return untried[0]
-            best = min(self.options, key=lambda n: self.seconds_per_element[n])
-            if len(self.options) > 1 and self.calls % self.explore_every == 0:
-                return next(n for n in self.options if n != best)
-            return best
-
-    def record(self, threads: int, seconds: float, numel: int) -> None:
-        value = seconds / max(numel, 1)
-        with self.lock:
-            old = self.seconds_per_element[threads]
-            self.seconds_per_element[threads] = (
-                value if old is None else (1 - self.ema) * old + self.ema * value
-            )
 
 
-_FIXED_THREADS = int(os.environ.get("LIGHTNING_SWARM_CODEC_THREADS", "0"))
-_tuner = _ThreadTuner(min(torch.get_num_threads(), os.cpu_count() or 1))
+_quantizations = _QuantizeCounter()
 
 
 def _quantize(source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bitsandbytes dynamic blockwise quantization: ``(uint8 codes, float32 absmax per block)``."""
-    threads = _FIXED_THREADS if _FIXED_THREADS > 0 else _tuner.pick()
-    start = time.perf_counter()
-    with _threads(threads):
-        codes, absmax = torch.ops.bitsandbytes.quantize_blockwise.default(source, _code(), BLOCKSIZE)
-    if _FIXED_THREADS <= 0:
-        _tuner.record(threads, time.perf_counter() - start, source.numel())
-    return codes, absmax
+    """bitsandbytes dynamic blockwise quantization: ``(uint8 codes, float32 absmax per block)``.
+
+    Always on one OpenMP thread: bitsandbytes' kernel is an OpenMP loop, and OpenMP workers spin for
+    milliseconds after each parallel region, starving the p2p daemons and peers that share the cores (measured:
+    a 1 MiB hop took 19 ms with two threads, 11 ms with one). Large tensors get their parallelism from the
+    pipeline instead: one part is quantized while the previous one is on the wire.
+    """
+    _quantizations.add()
+    with _threads(1):
+        return torch.ops.bitsandbytes.quantize_blockwise.default(source, _code(), BLOCKSIZE)
 
 
 def check_compression(compression: str) -> str:
@@ -162,34 +142,74 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
     return t.numpy().tobytes()
 
 
-def encode_tensor(t: torch.Tensor, compression: str) -> runtime_pb2.Tensor:
-    """Serialize one tensor (moved to CPU if needed) into a ``runtime_pb2.Tensor``.
+def num_parts(numel: int) -> int:
+    """How many parts a tensor of ``numel`` elements is sent in (see :func:`encode_parts`)."""
+    return max(1, min(_MAX_CHUNKS, -(numel // -PART_ELEMENTS)))
 
-    A tensor that :func:`decode_tensor` restored from a lossy message and that was not modified since is sent
-    as that same message when asked for the same compression: re-quantizing it would cost time and add no
-    information (this is the common case of a stage's output fed to the next stage).
+
+def part_bounds(numel: int, chunks: int) -> list[int]:
+    """Element offsets of the ``chunks`` parts of a flat tensor: block-aligned, as even as possible."""
+    units = -(numel // -BLOCKSIZE)
+    return [min(numel, (units * i // chunks) * BLOCKSIZE) for i in range(chunks + 1)]
+
+
+def encode_tensor(t: torch.Tensor, compression: str) -> runtime_pb2.Tensor:
+    """Serialize one tensor (moved to CPU if needed) into a single ``runtime_pb2.Tensor``.
 
     Args:
         t: the tensor; its ``requires_grad`` flag is recorded in the message.
         compression: one of :data:`COMPRESSIONS`; applies to floating tensors only.
     """
+    parts = _remembered_parts(t, compression)
+    if parts is not None and len(parts) == 1:
+        return parts[0]
+    return next(_encode_parts(t, compression, chunks=1))
+
+
+def encode_parts(t: torch.Tensor, compression: str, split: bool = True) -> Iterator[runtime_pb2.Tensor]:
+    """Serialize one tensor as independently decodable parts, lazily.
+
+    Each part is one ``runtime_pb2.Tensor`` holding a block-aligned range of the flattened tensor (see
+    :func:`part_bounds`), encoded on its own: an 8-bit part carries its own block scales. The first part also
+    carries the shape, dtype, ``requires_grad`` and the number of parts (``chunks``). Parts are produced one at a
+    time, so a sender can put part ``i`` on the wire while part ``i + 1`` is being quantized, and a receiver
+    can decode part ``i`` while part ``i + 1`` is in flight.
+
+    Args:
+        t: the tensor.
+        compression: one of :data:`COMPRESSIONS`.
+        split: cut large tensors into :func:`num_parts` parts; ``False`` sends every tensor as one part (the
+            cheapest form when the whole payload travels in one message anyway).
+
+    A tensor that :class:`PartsDecoder` restored from lossy parts and that was not modified since is sent as
+    those same parts when asked for the same compression: re-quantizing would cost time and add no information
+    (the common case of a stage's output fed to the next stage).
+    """
+    parts = _remembered_parts(t, compression)
+    if parts is not None:
+        yield from parts
+        return
+    yield from _encode_parts(t, compression, None if split else 1)
+
+
+def _remembered_parts(t: torch.Tensor, compression: str) -> list[runtime_pb2.Tensor] | None:
     wire = getattr(t, _WIRE_ATTR, None)
-    if wire is not None and wire[0] == t._version and wire[1].compression == _LOSSY_TYPES.get(compression):
-        msg = runtime_pb2.Tensor()
-        msg.CopyFrom(wire[1])
-        msg.requires_grad = t.requires_grad
-        return msg
-    return _encode_tensor(t, compression)
+    if wire is None or wire[0] != t._version or wire[1][0].compression != _LOSSY_TYPES.get(compression):
+        return None
+    first = runtime_pb2.Tensor()
+    first.CopyFrom(wire[1][0])
+    first.requires_grad = t.requires_grad
+    return [first, *wire[1][1:]]
 
 
 def remember_wire_format(source: torch.Tensor, target: torch.Tensor) -> None:
-    """Let ``target`` (e.g. ``source`` moved to another device) reuse ``source``'s received message."""
+    """Let ``target`` (e.g. ``source`` moved to another device) reuse ``source``'s received parts."""
     wire = getattr(source, _WIRE_ATTR, None)
     if wire is not None and target is not source and wire[0] == source._version:
         setattr(target, _WIRE_ATTR, (target._version, wire[1]))
 
 
-def _encode_tensor(t: torch.Tensor, compression: str) -> runtime_pb2.Tensor:
+def _encode_parts(t: torch.Tensor, compression: str, chunks: int | None) -> Iterator[runtime_pb2.Tensor]:
     check_compression(compression)
     if not isinstance(t, torch.Tensor):
         raise CodecError(f"encode_tensor expects a torch.Tensor, got {type(t).__name__}")
@@ -202,26 +222,36 @@ def _encode_tensor(t: torch.Tensor, compression: str) -> runtime_pb2.Tensor:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    msg = runtime_pb2.Tensor(size=t.shape, dtype=dtype_name, requires_grad=requires_grad)
-    numel = t.numel()
+    flat = t.contiguous().view(-1)
+    numel = flat.numel()
     if not t.is_floating_point() or numel < LOSSLESS_BELOW or compression == "none":
-        msg.buffer = _raw_bytes(t)
-    elif compression == "fp16":
-        if t.dtype in (torch.float16, torch.bfloat16):
-            msg.buffer = _raw_bytes(t)
-        else:
+        mode = "none"
+    elif compression == "fp16" and t.dtype in (torch.float16, torch.bfloat16):
+        mode = "none"  # already 16-bit (bfloat16 would overflow in fp16)
+    else:
+        mode = compression
+    chunks = num_parts(numel) if chunks is None else chunks
+    bounds = part_bounds(numel, chunks)
+    for i in range(chunks):
+        part = flat[bounds[i] : bounds[i + 1]]
+        msg = runtime_pb2.Tensor()
+        if i == 0:
+            msg.size.extend(t.shape)
+            msg.dtype, msg.requires_grad, msg.chunks = dtype_name, requires_grad, chunks
+        if mode == "none":
+            msg.buffer = _raw_bytes(part)
+        elif mode == "fp16":
             with _threads(1):
-                msg.buffer = t.to(torch.float16).numpy().tobytes()
+                msg.buffer = part.to(torch.float16).numpy().tobytes()
             msg.compression = _FLOAT16
-    else:  # 8bit
-        source = t if t.dtype in _QUANTIZABLE else t.to(torch.float32)
-        codes, absmax = _quantize(source)
-        msg.buffer = b"".join(
-            (BLOCKSIZE.to_bytes(4, "little"), absmax.numpy().tobytes(), codes.numpy().tobytes())
-        )
-        msg.compression = _BLOCKWISE_8BIT
-    return msg
+        else:  # 8bit
+            source = part if part.dtype in _QUANTIZABLE else part.to(torch.float32)
+            codes, absmax = _quantize(source)
+            msg.buffer = b"".join(
+                (BLOCKSIZE.to_bytes(4, "little"), absmax.numpy().tobytes(), codes.numpy().tobytes())
+            )
+            msg.compression = _BLOCKWISE_8BIT
+        yield msg
 
 
 def _frombuffer(buffer: bytes, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
@@ -236,46 +266,116 @@ def decode_tensor(msg: runtime_pb2.Tensor) -> torch.Tensor:
     """Restore a tensor (original dtype and shape, on CPU) from :func:`encode_tensor`'s message.
 
     Raises:
-        CodecError: the message is malformed, truncated or inconsistent.
+        CodecError: the message is malformed, truncated, inconsistent or only the first of several parts.
     """
-    with _threads(1):  # dequantizing is a cheap table lookup: never worth a parallel region
-        t = _decode_tensor(msg)
-    if msg.compression != _NONE:
-        setattr(t, _WIRE_ATTR, (t._version, msg))  # see encode_tensor
-    return t
+    return decode_parts([msg])[0]
 
 
-def _decode_tensor(msg: runtime_pb2.Tensor) -> torch.Tensor:
-    if not isinstance(msg, runtime_pb2.Tensor):
-        raise CodecError(f"decode_tensor expects a runtime_pb2.Tensor, got {type(msg).__name__}")
-    dtype = _DTYPES.get(msg.dtype)
-    if dtype is None:
-        raise CodecError(f"Received a tensor with unsupported dtype {msg.dtype!r}")
-    shape = tuple(msg.size)
-    numel = math.prod(shape)
-    buffer = msg.buffer
-    compression = msg.compression
+def decode_parts(parts: Iterable[runtime_pb2.Tensor]) -> list[torch.Tensor]:
+    """Restore every tensor from a sequence of parts (see :func:`encode_parts`); raises ``CodecError``."""
+    decoder = PartsDecoder()
+    for part in parts:
+        decoder.feed(part)
+    return decoder.finish()
+
+
+class PartsDecoder:
+    """Decodes a stream of tensor parts one part at a time, as they arrive.
+
+    ``feed`` each received part in order; ``finish`` returns the tensors. Floating tensors sent with
+    ``requires_grad`` come back as leaves that require grad. Anything malformed raises :class:`CodecError`.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self._first: runtime_pb2.Tensor | None = None
+        self._dtype = torch.float32
+        self._shape: tuple[int, ...] = ()
+        self._bounds: list[int] = []
+        self._parts: list[runtime_pb2.Tensor] = []
+        self._decoded: list[torch.Tensor] = []
+
+    def feed(self, msg: runtime_pb2.Tensor) -> None:
+        """Decode one part (the first part of a tensor starts a new one)."""
+        if not isinstance(msg, runtime_pb2.Tensor):
+            raise CodecError(f"decode_tensor expects a runtime_pb2.Tensor, got {type(msg).__name__}")
+        if self._first is None:
+            self._start(msg)
+        elif msg.compression != self._first.compression:
+            raise CodecError("Received a tensor whose parts use different compressions")
+        index = len(self._decoded)
+        numel = self._bounds[index + 1] - self._bounds[index]
+        with _threads(1):  # dequantizing is a cheap table lookup: never worth a parallel region
+            self._decoded.append(
+                _decode_part(msg.buffer, msg.compression, self._dtype, self._first.dtype, numel)
+            )
+        self._parts.append(msg)
+        if len(self._decoded) == len(self._bounds) - 1:
+            self._complete()
+
+    def finish(self) -> list[torch.Tensor]:
+        """The decoded tensors; raises ``CodecError`` if the last tensor is missing parts."""
+        if self._first is not None:
+            missing = len(self._bounds) - 1 - len(self._decoded)
+            raise CodecError(f"Received a tensor with {missing} of its parts missing")
+        return self.tensors
+
+    def _start(self, msg: runtime_pb2.Tensor) -> None:
+        dtype = _DTYPES.get(msg.dtype)
+        if dtype is None:
+            raise CodecError(f"Received a tensor with unsupported dtype {msg.dtype!r}")
+        if msg.compression != _NONE and not dtype.is_floating_point:
+            raise CodecError(
+                f"Received a {msg.dtype} tensor with lossy compression {msg.compression}; only floats are"
+            )
+        if msg.compression not in (_NONE, _FLOAT16, _BLOCKWISE_8BIT):
+            raise CodecError(f"Received a tensor with unsupported compression type {msg.compression}")
+        shape = tuple(msg.size)
+        numel = math.prod(shape)
+        chunks = max(1, msg.chunks)
+        if chunks > max(1, -(numel // -BLOCKSIZE)):
+            raise CodecError(f"Received a tensor of shape {list(shape)} in an impossible {chunks} parts")
+        self._first, self._dtype, self._shape = msg, dtype, shape
+        self._bounds = part_bounds(numel, chunks)
+
+    def _complete(self) -> None:
+        first, decoded, parts = self._first, self._decoded, self._parts
+        assert first is not None
+        if len(decoded) == 1:
+            t = decoded[0]
+        else:
+            with _threads(1):
+                t = torch.cat(decoded)
+        t = t.view(self._shape)
+        if first.compression != _NONE:
+            setattr(t, _WIRE_ATTR, (t._version, parts))  # see encode_parts
+        if first.requires_grad and t.is_floating_point():
+            t.requires_grad_(True)
+        self.tensors.append(t)
+        self._first, self._bounds, self._parts, self._decoded = None, [], [], []
+
+
+def _decode_part(
+    buffer: bytes, compression: int, dtype: torch.dtype, dtype_name: str, numel: int
+) -> torch.Tensor:
+    """One part of ``numel`` elements as a flat tensor of ``dtype``."""
     if compression == _NONE:
         itemsize = torch.empty((), dtype=dtype).element_size()
         if len(buffer) != numel * itemsize:
             raise CodecError(
-                f"Received a {msg.dtype} tensor of shape {list(shape)} with {len(buffer)} bytes, "
+                f"Received {len(buffer)} bytes for {numel} elements of a {dtype_name} tensor, "
                 f"expected {numel * itemsize}"
             )
         if dtype == torch.bfloat16:
-            return _frombuffer(buffer, torch.int16, numel).view(torch.bfloat16).view(shape)
-        return _frombuffer(buffer, dtype, numel).view(shape)
-    if not dtype.is_floating_point:
-        raise CodecError(
-            f"Received a {msg.dtype} tensor with lossy compression {compression}; only floats are"
-        )
+            return _frombuffer(buffer, torch.int16, numel).view(torch.bfloat16)
+        return _frombuffer(buffer, dtype, numel)
     if compression == _FLOAT16:
         if len(buffer) != numel * 2:
             raise CodecError(
-                f"Received an fp16-compressed tensor of shape {list(shape)} with {len(buffer)} bytes, "
+                f"Received an fp16-compressed part of {numel} elements with {len(buffer)} bytes, "
                 f"expected {numel * 2}"
             )
-        return _frombuffer(buffer, torch.float16, numel).view(shape).to(dtype)
+        return _frombuffer(buffer, torch.float16, numel).to(dtype)
     if compression == _BLOCKWISE_8BIT:
         if len(buffer) < 4:
             raise CodecError(f"Received an 8-bit tensor with a truncated header ({len(buffer)} bytes)")
@@ -286,17 +386,17 @@ def _decode_tensor(msg: runtime_pb2.Tensor) -> torch.Tensor:
         expected = 4 + 4 * num_blocks + numel
         if len(buffer) != expected:
             raise CodecError(
-                f"Received an 8-bit tensor of shape {list(shape)} with {len(buffer)} bytes, expected {expected}"
+                f"Received an 8-bit part of {numel} elements with {len(buffer)} bytes, expected {expected}"
             )
         if numel == 0:
-            return torch.empty(shape, dtype=dtype)
+            return torch.empty(0, dtype=dtype)
         absmax = _frombuffer(buffer, torch.float32, num_blocks, offset=4)
         codes = _frombuffer(buffer, torch.uint8, numel, offset=4 + 4 * num_blocks)
         out_dtype = dtype if dtype in _QUANTIZABLE else torch.float32
         values = torch.ops.bitsandbytes.dequantize_blockwise.default(
             codes, absmax, _code(), blocksize, out_dtype
         )
-        return values.view(shape).to(dtype)
+        return values.to(dtype)
     raise CodecError(f"Received a tensor with unsupported compression type {compression}")
 
 
@@ -386,16 +486,61 @@ def pack(args: tuple, kwargs: dict, compression: str) -> tuple[list[runtime_pb2.
         compression: one of :data:`COMPRESSIONS`, applied to the floating tensors.
 
     Returns:
-        the tensor messages (each records its dtype, shape and ``requires_grad``) and the metadata bytes.
+        the tensor parts (see :func:`encode_parts`) and the metadata bytes.
     """
-    check_compression(compression)
-    tensors: list[torch.Tensor] = []
-    skeleton = [_flatten(tuple(args), tensors, 0), _flatten(dict(kwargs), tensors, 0), len(tensors)]
-    try:
-        metadata = msgpack.packb(skeleton, use_bin_type=True)
-    except (OverflowError, ValueError, TypeError) as e:
-        raise CodecError(f"Cannot serialize call arguments: {e}") from None
-    return [encode_tensor(t, compression) for t in tensors], metadata
+    call = LazyPack(args, kwargs, compression, split=False)
+    return list(call.parts()), call.metadata
+
+
+class LazyPack:
+    """A call signature whose metadata is ready at once and whose tensor parts are encoded on demand.
+
+    :meth:`parts` yields the parts in order, encoding each the first time it is reached and replaying it
+    afterwards (a retry re-sends what was already encoded). Not thread-safe: one thread iterates at a time.
+    """
+
+    def __init__(self, args: tuple, kwargs: dict, compression: str, split: bool = True):
+        check_compression(compression)
+        tensors: list[torch.Tensor] = []
+        skeleton = [_flatten(tuple(args), tensors, 0), _flatten(dict(kwargs), tensors, 0), len(tensors)]
+        try:
+            self.metadata: bytes = msgpack.packb(skeleton, use_bin_type=True)
+        except (OverflowError, ValueError, TypeError) as e:
+            raise CodecError(f"Cannot serialize call arguments: {e}") from None
+        self.compression = compression
+        self.num_tensors = len(tensors)
+        self.numels = [t.numel() for t in tensors]
+        self.estimated_bytes = len(self.metadata) + sum(_estimated_bytes(t, compression) for t in tensors)
+        self._pending = (part for t in tensors for part in encode_parts(t, compression, split))
+        self._done: list[runtime_pb2.Tensor] = []
+        self._complete = False
+
+    def parts(self) -> Iterator[runtime_pb2.Tensor]:
+        """Every part, in order (encoded lazily the first time)."""
+        yield from self._done
+        index = len(self._done)
+        while not self._complete:
+            if index < len(self._done):  # another pass of this generator encoded it meanwhile
+                yield self._done[index]
+                index += 1
+                continue
+            part = next(self._pending, None)
+            if part is None:
+                self._complete = True
+                return
+            self._done.append(part)
+            index += 1
+            yield part
+
+
+def _estimated_bytes(t: torch.Tensor, compression: str) -> int:
+    """About how many bytes ``t`` takes on the wire (before encoding it)."""
+    numel = t.numel()
+    if not t.is_floating_point() or numel < LOSSLESS_BELOW or compression == "none":
+        return numel * t.element_size()
+    if compression == "fp16":
+        return numel * 2
+    return numel + 4 * -(numel // -BLOCKSIZE) + 4
 
 
 def unpack(tensors: Sequence[runtime_pb2.Tensor], metadata: bytes) -> tuple[tuple, dict]:
@@ -406,20 +551,25 @@ def unpack(tensors: Sequence[runtime_pb2.Tensor], metadata: bytes) -> tuple[tupl
     Raises:
         CodecError: the metadata or a tensor is malformed, or they do not match each other.
     """
+    skeleton = _parse_metadata(metadata)
+    return rebuild_call(skeleton, decode_parts(tensors))
+
+
+def _parse_metadata(metadata: bytes) -> Any:
     try:
         skeleton = msgpack.unpackb(metadata, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises many types on garbage
         raise CodecError(f"Malformed call metadata ({type(e).__name__}: {e})") from None
     if not isinstance(skeleton, list) or len(skeleton) != 3 or type(skeleton[2]) is not int:
         raise CodecError("Malformed call metadata: expected [args, kwargs, num_tensors]")
-    if skeleton[2] != len(tensors):
-        raise CodecError(f"Call metadata describes {skeleton[2]} tensors but {len(tensors)} were received")
-    decoded = []
-    for msg in tensors:
-        t = decode_tensor(msg)
-        if msg.requires_grad and t.is_floating_point():
-            t.requires_grad_(True)
-        decoded.append(t)
+    return skeleton
+
+
+def rebuild_call(metadata: bytes | Any, decoded: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` from call metadata (bytes, or already parsed) and the decoded tensors."""
+    skeleton = _parse_metadata(metadata) if isinstance(metadata, bytes) else metadata
+    if skeleton[2] != len(decoded):
+        raise CodecError(f"Call metadata describes {skeleton[2]} tensors but {len(decoded)} were received")
     args = _rebuild(skeleton[0], decoded, 0)
     kwargs = _rebuild(skeleton[1], decoded, 0)
     if (

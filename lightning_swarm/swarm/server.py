@@ -37,7 +37,15 @@ from torch import nn
 
 from . import _wire
 from ._loop import replicate_p2p, run_coroutine
-from .codec import check_compression, flatten_tensors, pack, rebuild_tensors, unpack
+from .codec import (
+    LazyPack,
+    PartsDecoder,
+    check_compression,
+    decode_parts,
+    flatten_tensors,
+    rebuild_call,
+    rebuild_tensors,
+)
 from .records import declare_stage_peer
 
 __all__ = ["StageServer", "stage_uid"]
@@ -340,28 +348,28 @@ class StageServer(ServicerBase):
 
     # ---- serialised entry points, run in the compute thread ----
 
-    def _forward_msgs(self, tensors: list[runtime_pb2.Tensor], metadata: bytes) -> runtime_pb2.ExpertResponse:
-        args, kwargs = unpack(tensors, metadata)
-        outputs = self.forward_local(args, kwargs)
-        out_tensors, out_metadata = pack((outputs,), {}, self.compression)
-        return runtime_pb2.ExpertResponse(tensors=out_tensors, metadata=out_metadata)
-
-    def _backward_msgs(
-        self, tensors: list[runtime_pb2.Tensor], metadata: bytes
-    ) -> runtime_pb2.ExpertResponse:
+    def _compute(self, kind: str, tensors: list[torch.Tensor], metadata: bytes, split: bool) -> LazyPack:
+        """Run a decoded forward/backward request; returns the reply, to be encoded lazily (in parts if split)."""
+        if kind == "forward":
+            args, kwargs = rebuild_call(metadata, tensors)
+            return LazyPack((self.forward_local(args, kwargs),), {}, self.compression, split)
         inputs_meta, num_inputs, grads_meta = parse_backward_metadata(metadata)
         if not 0 <= num_inputs <= len(tensors):
             raise ValueError(f"Malformed backward request: {num_inputs} inputs of {len(tensors)} tensors")
-        args, kwargs = unpack(tensors[:num_inputs], inputs_meta)
-        grad_args, _ = unpack(tensors[num_inputs:], grads_meta)
-        grad_outputs = list(grad_args)
+        args, kwargs = rebuild_call(inputs_meta, tensors[:num_inputs])
+        grad_outputs, _ = rebuild_call(grads_meta, tensors[num_inputs:])
         if not all(g is None or isinstance(g, torch.Tensor) for g in grad_outputs):
             raise ValueError("Malformed backward request: output gradients must be tensors or None")
-        grads = self.backward_local(args, kwargs, grad_outputs)
-        out_tensors, out_metadata = pack(tuple(grads), {}, self.compression)
-        return runtime_pb2.ExpertResponse(tensors=out_tensors, metadata=out_metadata)
+        grads = self.backward_local(args, kwargs, list(grad_outputs))
+        return LazyPack(tuple(grads), {}, self.compression, split)
 
-    async def _in_executor(self, fn: Callable[..., runtime_pb2.ExpertResponse], *args: Any) -> Any:
+    def _unary(
+        self, kind: str, parts: list[runtime_pb2.Tensor], metadata: bytes
+    ) -> runtime_pb2.ExpertResponse:
+        reply = self._compute(kind, decode_parts(parts), metadata, split=False)
+        return runtime_pb2.ExpertResponse(tensors=list(reply.parts()), metadata=reply.metadata)
+
+    async def _in_executor(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._executor is None:
             raise RuntimeError(f"Stage {self.stage} server is not running")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -375,41 +383,63 @@ class StageServer(ServicerBase):
     async def rpc_forward(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
-        """Stage forward for payloads under the unary limit."""
+        """Stage forward for small payloads."""
         self._check_uid(request.uid)
-        return await self._in_executor(self._forward_msgs, request.tensors, request.metadata)
+        return await self._in_executor(self._unary, "forward", request.tensors, request.metadata)
 
     async def rpc_backward(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
-        """Stage backward for payloads under the unary limit."""
+        """Stage backward for small payloads."""
         self._check_uid(request.uid)
-        return await self._in_executor(self._backward_msgs, request.tensors, request.metadata)
+        return await self._in_executor(self._unary, "backward", request.tensors, request.metadata)
 
     async def rpc_forward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Stage forward for large payloads (chunked)."""
-        async for message in self._streamed(requests, self._forward_msgs):
+        """Stage forward for large payloads (streamed parts, see ``_wire``)."""
+        async for message in self._streamed(requests, "forward"):
             yield message
 
     async def rpc_backward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Stage backward for large payloads (chunked)."""
-        async for message in self._streamed(requests, self._backward_msgs):
+        """Stage backward for large payloads (streamed parts, see ``_wire``)."""
+        async for message in self._streamed(requests, "backward"):
             yield message
 
     async def _streamed(
-        self,
-        requests: AsyncIterator[runtime_pb2.ExpertRequest],
-        handler: Callable[..., runtime_pb2.ExpertResponse],
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], kind: str
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        tensors, metadata, uid = _wire.combine([r async for r in requests])
-        self._check_uid(uid)
-        response = await self._in_executor(handler, tensors, metadata)
-        for message in _wire.split(runtime_pb2.ExpertResponse, response.tensors, response.metadata):
+        # parts are decoded here as they arrive (a part is small: ~0.05 ms), overlapping with the transfer
+        decoder = PartsDecoder()
+        metadata: bytes | None = None
+        async for request in requests:
+            if metadata is None:
+                self._check_uid(request.uid)
+                metadata = request.metadata
+            for part in request.tensors:
+                decoder.feed(part)
+        if metadata is None:
+            raise ValueError("Received an empty request stream")
+        tensors = decoder.finish()
+        # the compute thread runs the stage, then encodes the reply message by message; each is sent as soon
+        # as it is ready, while the next one is encoded
+        loop = asyncio.get_running_loop()
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        def compute() -> None:
+            reply = self._compute(kind, tensors, metadata, split=True)
+            for message in _wire.messages(runtime_pb2.ExpertResponse, reply.parts(), reply.metadata):
+                loop.call_soon_threadsafe(outbox.put_nowait, message)
+
+        done = loop.run_in_executor(self._executor, compute) if self._executor is not None else None
+        if done is None:
+            raise RuntimeError(f"Stage {self.stage} server is not running")
+        done.add_done_callback(lambda _: outbox.put_nowait(None))  # runs after every message was queued
+        while (message := await outbox.get()) is not None:
             yield message
+        done.result()  # the compute error, if any
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         """Stage index, throughput, samples processed and optimizer epoch (msgpack dict)."""
@@ -423,8 +453,11 @@ class StageServer(ServicerBase):
         self._check_uid(request.uid)
         loop = asyncio.get_running_loop()
         state = await loop.run_in_executor(None, self.state_dict_local)
-        tensors, metadata = await loop.run_in_executor(None, pack, (), state, "none")
-        for message in _wire.split(runtime_pb2.ExpertResponse, tensors, metadata):
+        reply = LazyPack((), state, "none")
+        messages = await loop.run_in_executor(
+            None, lambda: list(_wire.messages(runtime_pb2.ExpertResponse, reply.parts(), reply.metadata))
+        )
+        for message in messages:
             yield message
 
     @classmethod
