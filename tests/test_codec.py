@@ -205,6 +205,38 @@ def test_parts_decode_like_one_message_and_stream_one_by_one() -> None:
         decode_tensor(impossible)
 
 
+@pytest.mark.parametrize("helpers", [0, 1])
+def test_8bit_buffers_are_bitsandbytes_own_output(helpers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shares quantized by several threads straight into the wire buffer equal one bitsandbytes call."""
+    import threading
+
+    from lightning_swarm.swarm import codec
+
+    monkeypatch.setattr(codec, "_HELPERS", helpers)
+    threads_before = torch.get_num_threads()
+    g = torch.Generator().manual_seed(5)
+    for numel in (1500, codec._SHARE_ELEMENTS * 3 + 17, 262144):
+        x = torch.randn(numel, generator=g) * 3
+        with codec._threads(1):
+            codes, absmax = torch.ops.bitsandbytes.quantize_blockwise.default(
+                x, codec._code(), codec.BLOCKSIZE
+            )
+            expected = torch.ops.bitsandbytes.dequantize_blockwise.default(
+                codes, absmax, codec._code(), codec.BLOCKSIZE, torch.float32
+            )
+        buffer = codec._quantize_to_buffer(x)
+        header = codec.BLOCKSIZE.to_bytes(4, "little")
+        assert buffer == header + absmax.numpy().tobytes() + codes.numpy().tobytes()
+        assert torch.equal(codec._dequantize_buffer(buffer, codec.BLOCKSIZE, numel, torch.float32), expected)
+    # the codec's one-thread setting is per thread: it leaks neither to this thread nor to new threads
+    assert torch.get_num_threads() == threads_before
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert seen == [threads_before]
+
+
 def test_block_holding_the_most_negative_value_decodes_exactly() -> None:
     # bitsandbytes maps the block's absmax to code 0 (-1.0) when it is negative; every peer must decode it alike
     x = torch.full((4096,), 0.5)

@@ -19,10 +19,13 @@ a remote peer may send raises :class:`CodecError` and nothing else.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
+import os
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import bitsandbytes.functional as bnb_functional
@@ -87,18 +90,45 @@ def _code() -> torch.Tensor:
     return _dynamic_code
 
 
+def _find_omp() -> Any:
+    """The OpenMP runtime torch uses (bitsandbytes shares it), for per-thread settings; None if not found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+        for path in sorted(paths):
+            lib = ctypes.CDLL(path)
+            lib.omp_get_max_threads.restype = ctypes.c_int
+            return lib
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+_omp = _find_omp()
+
+
 @contextlib.contextmanager
 def _threads(count: int) -> Iterator[None]:
-    """Run torch/bitsandbytes kernels on ``count`` OpenMP threads in this thread (the setting is per thread)."""
-    previous = torch.get_num_threads()
+    """Run torch/bitsandbytes kernels on ``count`` OpenMP threads in this thread only.
+
+    ``torch.set_num_threads`` also changes a process-wide default that new threads start from, so the OpenMP
+    setting of the calling thread is changed directly where the runtime is found.
+    """
+    torch.get_num_threads()  # lets torch initialise this thread's setting first, so it won't overwrite ours
+    if _omp is None:
+        previous = torch.get_num_threads()
+        setter = torch.set_num_threads
+    else:
+        previous = _omp.omp_get_max_threads()
+        setter = _omp.omp_set_num_threads
     if previous == count:
         yield
         return
-    torch.set_num_threads(count)
+    setter(count)
     try:
         yield
     finally:
-        torch.set_num_threads(previous)
+        setter(previous)
 
 
 class _QuantizeCounter:
@@ -114,19 +144,126 @@ class _QuantizeCounter:
 
 
 _quantizations = _QuantizeCounter()
+# Idle threads that help quantize large tensors (0 turns them off). bitsandbytes' kernel is an OpenMP loop, but
+# OpenMP workers spin for milliseconds after each parallel region and starve the p2p daemons and peers that
+# share the cores (a 1 MiB hop measured 19 ms on two OpenMP threads, 11 ms on one); these threads sleep.
+_HELPERS = int(os.environ.get("LIGHTNING_SWARM_CODEC_HELPERS", str(min((os.cpu_count() or 1) - 1, 3))))
+_SHARE_ELEMENTS = 32 * BLOCKSIZE  # the unit of work the threads claim
+_pool: ThreadPoolExecutor | None = None
+_pool_pid: int | None = None
+_pool_lock = threading.Lock()
 
 
-def _quantize(source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bitsandbytes dynamic blockwise quantization: ``(uint8 codes, float32 absmax per block)``.
+def _helpers() -> ThreadPoolExecutor:
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():  # a forked child has none of its parent's threads
+            _pool = ThreadPoolExecutor(max_workers=_HELPERS, thread_name_prefix="swarm-codec")
+            _pool_pid = os.getpid()
+        return _pool
 
-    Always on one OpenMP thread: bitsandbytes' kernel is an OpenMP loop, and OpenMP workers spin for
-    milliseconds after each parallel region, starving the p2p daemons and peers that share the cores (measured:
-    a 1 MiB hop took 19 ms with two threads, 11 ms with one). Large tensors get their parallelism from the
-    pipeline instead: one part is quantized while the previous one is on the wire.
+
+def _native_kernels() -> tuple[Any, Any]:
+    """bitsandbytes' CPU kernels for float32 blockwise (de)quantization; ``(None, None)`` where unavailable."""
+    try:
+        from bitsandbytes.cextension import ErrorHandlerMockBNBNativeLibrary, lib
+    except ImportError:
+        return None, None
+    if isinstance(lib, ErrorHandlerMockBNBNativeLibrary):
+        return None, None
+    return getattr(lib, "cquantize_blockwise_cpu_fp32", None), getattr(
+        lib, "cdequantize_blockwise_cpu_fp32", None
+    )
+
+
+_native_quantize, _native_dequantize = _native_kernels()
+
+
+class _Shares:
+    """Block-aligned shares of one (de)quantization, done by whichever thread claims them first.
+
+    Each share runs bitsandbytes' kernel on a range of whole blocks, reading and writing the final buffers
+    in place, so the result is bit-identical to one call on the whole tensor.
+    """
+
+    def __init__(self, numel: int, blocksize: int, kernel: Any, values: int, absmax: int, codes: int):
+        shares = min(64, numel // _SHARE_ELEMENTS) if _HELPERS > 0 and kernel is _native_quantize else 1
+        self.bounds = part_bounds(numel, max(1, shares))  # dequantizing is memory-bound: one thread
+        self.blocksize, self.kernel = blocksize, kernel
+        self.pointers = (values, absmax, codes, _code().data_ptr())
+        self.next = 0
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        """Do the work with as many idle helper threads as there are spare shares."""
+        helping = [_helpers().submit(self.work) for _ in range(min(_HELPERS, len(self.bounds) - 2))]
+        self.work()
+        for future in helping:
+            future.result()
+
+    def work(self) -> None:
+        values, absmax, codes, code = self.pointers
+        blocksize = self.blocksize
+        with _threads(1):
+            while True:
+                with self.lock:
+                    index = self.next
+                    if index >= len(self.bounds) - 1:
+                        return
+                    self.next += 1
+                lo, hi = self.bounds[index], self.bounds[index + 1]
+                pointers = (code, values + 4 * lo, absmax + 4 * (lo // blocksize), codes + lo)
+                if self.kernel is _native_dequantize:  # (code, codes, absmax, out, blocksize, n)
+                    pointers = (code, codes + lo, absmax + 4 * (lo // blocksize), values + 4 * lo)
+                self.kernel(
+                    *(ctypes.c_void_p(p) for p in pointers),
+                    ctypes.c_longlong(blocksize),
+                    ctypes.c_longlong(hi - lo),
+                )
+
+
+def _quantize_to_buffer(source: torch.Tensor) -> bytes:
+    """The 8-bit wire buffer of ``source``: ``uint32 blocksize | float32 absmax[blocks] | uint8 codes[numel]``.
+
+    bitsandbytes' dynamic blockwise quantization, always on one OpenMP thread per caller: its kernel is an
+    OpenMP loop, but OpenMP workers spin for milliseconds after each parallel region and so starve the p2p
+    daemons and peers that share the cores (a 1 MiB hop measured 19 ms on two OpenMP threads, 11 ms on one).
+    Instead, blocks are independent: a large tensor is cut at block boundaries into shares that this thread and
+    idle helper threads (which sleep when idle) claim one by one, each writing into the final buffer.
     """
     _quantizations.add()
-    with _threads(1):
-        return torch.ops.bitsandbytes.quantize_blockwise.default(source, _code(), BLOCKSIZE)
+    flat = source.reshape(-1)
+    numel = flat.numel()
+    num_blocks = -(numel // -BLOCKSIZE)
+    header = BLOCKSIZE.to_bytes(4, "little")
+    if _native_quantize is None or flat.dtype != torch.float32:
+        with _threads(1):
+            codes, absmax = torch.ops.bitsandbytes.quantize_blockwise.default(flat, _code(), BLOCKSIZE)
+        return b"".join((header, absmax.numpy().tobytes(), codes.numpy().tobytes()))
+    flat = flat.contiguous()
+    buffer = torch.empty(4 + 4 * num_blocks + numel, dtype=torch.uint8)
+    buffer[:4] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    base = buffer.data_ptr()
+    _Shares(numel, BLOCKSIZE, _native_quantize, flat.data_ptr(), base + 4, base + 4 + 4 * num_blocks).run()
+    return buffer.numpy().tobytes()
+
+
+def _dequantize_buffer(buffer: bytes, blocksize: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`_quantize_to_buffer` (the buffer is already validated)."""
+    num_blocks = -(numel // -blocksize)
+    if _native_dequantize is None or dtype != torch.float32:
+        absmax = _frombuffer(buffer, torch.float32, num_blocks, offset=4)
+        codes = _frombuffer(buffer, torch.uint8, numel, offset=4 + 4 * num_blocks)
+        out_dtype = dtype if dtype in _QUANTIZABLE else torch.float32
+        with _threads(1):
+            return torch.ops.bitsandbytes.dequantize_blockwise.default(
+                codes, absmax, _code(), blocksize, out_dtype
+            )
+    view = _frombuffer(buffer, torch.uint8, len(buffer))  # zero-copy; keeps ``buffer`` alive during the call
+    base = view.data_ptr()
+    out = torch.empty(numel, dtype=torch.float32)
+    _Shares(numel, blocksize, _native_dequantize, out.data_ptr(), base + 4, base + 4 + 4 * num_blocks).run()
+    return out
 
 
 def check_compression(compression: str) -> str:
@@ -246,10 +383,7 @@ def _encode_parts(t: torch.Tensor, compression: str, chunks: int | None) -> Iter
             msg.compression = _FLOAT16
         else:  # 8bit
             source = part if part.dtype in _QUANTIZABLE else part.to(torch.float32)
-            codes, absmax = _quantize(source)
-            msg.buffer = b"".join(
-                (BLOCKSIZE.to_bytes(4, "little"), absmax.numpy().tobytes(), codes.numpy().tobytes())
-            )
+            msg.buffer = _quantize_to_buffer(source)
             msg.compression = _BLOCKWISE_8BIT
         yield msg
 
@@ -390,13 +524,7 @@ def _decode_part(
             )
         if numel == 0:
             return torch.empty(0, dtype=dtype)
-        absmax = _frombuffer(buffer, torch.float32, num_blocks, offset=4)
-        codes = _frombuffer(buffer, torch.uint8, numel, offset=4 + 4 * num_blocks)
-        out_dtype = dtype if dtype in _QUANTIZABLE else torch.float32
-        values = torch.ops.bitsandbytes.dequantize_blockwise.default(
-            codes, absmax, _code(), blocksize, out_dtype
-        )
-        return values.to(dtype)
+        return _dequantize_buffer(buffer, blocksize, numel, dtype).to(dtype)
     raise CodecError(f"Received a tensor with unsupported compression type {compression}")
 
 
