@@ -12,7 +12,6 @@ from collections.abc import Iterator
 import hivemind
 import pytest
 import torch
-from hivemind.p2p import P2PContext
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import runtime_pb2
 from torch import nn
@@ -179,16 +178,9 @@ def test_8bit_and_large_payloads_use_streaming(dhts, cleanup) -> None:
 
 
 class RefusingServer(StageServer):
-    """A peer that announces itself but fails every call."""
+    """A peer that announces itself but fails every call (over its channel, unary or streamed)."""
 
-    async def rpc_forward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        raise RuntimeError("this peer refuses to compute")
-
-    async def rpc_backward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
+    def _compute(self, kind: str, tensors: list, metadata: bytes, split: bool):
         raise RuntimeError("this peer refuses to compute")
 
 
@@ -223,6 +215,57 @@ def test_failing_and_dead_peers_are_banned_and_calls_retried(dhts, cleanup) -> N
         stats = client.stats()
         assert stats["swarm/bans"] == 1 and stats["swarm/retries"] == 1, (scenario, stats)
         assert client.routers[0].is_banned(bad.peer_id) and not client.routers[0].is_banned(good.peer_id)
+
+
+@pytest.mark.timeout(120)
+def test_channel_survives_bad_requests_and_is_reopened_without_blame(dhts, cleanup) -> None:
+    from lightning_swarm.swarm import _wire
+    from lightning_swarm.swarm.client import _Channel
+
+    run_id = _run_id("channel")
+    module = nn.Linear(3, 3)
+    server = _serve(cleanup, dhts["server1"], run_id, module, compression="none")
+    client = _client(cleanup, dhts["trainer"], run_id, compression="none")
+    client.peers(0)
+    channel = _Channel(client._stub(server.peer_id, 0))
+    uid = stage_uid(run_id, 0)
+    tensors, metadata = pack((torch.randn(2, 3),), {}, "none")
+    good = _wire.channel_request("forward", metadata)
+    bad_requests = [
+        runtime_pb2.ExpertRequest(uid="other.stage0", tensors=tensors, metadata=good),
+        runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=b"\xc1garbage"),
+        runtime_pb2.ExpertRequest(
+            uid=uid, tensors=tensors, metadata=_wire.channel_request("explode", metadata)
+        ),
+        runtime_pb2.ExpertRequest(uid=uid, tensors=tensors[:0], metadata=good),  # a tensor missing
+        runtime_pb2.ExpertRequest(uid=uid, tensors=pack((torch.randn(2, 5),), {}, "none")[0], metadata=good),
+    ]
+    for request in bad_requests:  # each gets an error reply; the one channel stays open throughout
+        reply = run_coroutine(channel.call(request), timeout=15)
+        with pytest.raises(_wire.RemoteStageError):
+            _wire.parse_channel_reply(reply.metadata)
+    reply = run_coroutine(
+        channel.call(runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=good)), 15
+    )
+    assert _wire.parse_channel_reply(reply.metadata)
+    channel.close()
+
+    # the client keeps one channel per peer and stage across calls ...
+    for _ in range(3):
+        x = torch.randn(2, 3, requires_grad=True)
+        client.call_stage(0, x).sum().backward()
+    (key,) = client._channels
+    assert client._channels[key].calls == 6  # 3 forwards and 3 backwards
+
+    # ... and replaces one that broke after it had worked (e.g. the daemon dropped it), without banning the peer
+    async def broken():
+        raise ConnectionError("stream reset")
+        yield  # pragma: no cover
+
+    client._channels[key]._replies = broken()
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(client.call_stage(0, x), module(x), atol=1e-5, rtol=0)
+    assert client.stats().get("swarm/bans", 0) == 0 and client._channels[key].calls == 1
 
 
 @pytest.mark.timeout(60)

@@ -108,6 +108,7 @@ class SwarmClient:
         self._pending: list[MPFuture | None] = [None] * num_stages
         self._stream_stages: set[int] = set()  # stages whose responses exceeded the unary limit
         self._stubs: dict[tuple[PeerID, int], Any] = {}
+        self._channels: dict[tuple[PeerID, int], _Channel] = {}
         self._p2p: P2P | None = None
         self._lock = threading.Lock()
         self._router_lock = threading.Lock()
@@ -184,6 +185,10 @@ class SwarmClient:
     def shutdown(self) -> None:
         """Close this client's P2P connection (idempotent)."""
         p2p, self._p2p = self._p2p, None
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
         self._stubs.clear()
         if p2p is not None:
             try:
@@ -301,7 +306,8 @@ class SwarmClient:
         """Send a forward/backward request made of ``sources``' parts; returns the decoded reply and its metadata.
 
         Payloads over the unary limit, and every call to a stage whose replies were that large, are streamed:
-        parts go on the wire as they are encoded and are decoded as they come.
+        parts go on the wire as they are encoded and are decoded as they come. Other calls travel as one message
+        each way over the peer's channel for the stage (a long-lived stream, see ``_channel_call``).
         """
         uid = stage_uid(self.run_id, stage)
         stub = self._stub(peer_id, stage)
@@ -312,16 +318,63 @@ class SwarmClient:
             tensors, reply_metadata, sent, recv = self._stream(stub, f"rpc_{kind}_stream", requests)
         else:
             parts = [part for source in sources for part in source.parts()]
-            request = runtime_pb2.ExpertRequest(uid=uid, tensors=parts, metadata=metadata)
-            reply = run_coroutine(
-                getattr(stub, f"rpc_{kind}")(request, timeout=self.request_timeout), timeout=None
-            )
+            reply, sent = self._channel_call(peer_id, stage, kind, parts, metadata)
             tensors, reply_metadata = decode_parts(reply.tensors), reply.metadata
-            sent, recv = request.ByteSize(), reply.ByteSize()
+            recv = reply.ByteSize()
             if recv > _STREAM_ABOVE:
                 self._stream_stages.add(stage)  # large replies: stream them from now on, pipelined
         self._count(stage, kind, sent, recv)
         return tensors, reply_metadata
+
+    def _channel_call(
+        self, peer_id: PeerID, stage: int, kind: str, parts: list[runtime_pb2.Tensor], metadata: bytes
+    ) -> tuple[runtime_pb2.ExpertResponse, int]:
+        """One call over the peer's channel for this stage (opened on first use), or a unary call if the channel
+        is busy; returns the reply and the bytes sent.
+
+        A channel that worked before and now fails is replaced once without blaming the peer (the daemon may have
+        dropped an idle stream); errors the peer reports for this call are raised as ``RemoteStageError``.
+        """
+        key = (peer_id, stage)
+        for fresh_attempt in (False, True):
+            with self._lock:
+                channel = self._channels.get(key)
+                if channel is None:
+                    channel = self._channels[key] = _Channel(self._stub(peer_id, stage))
+            uid = stage_uid(self.run_id, stage)
+            if not channel.lock.acquire(blocking=False):  # another thread is using it
+                request = runtime_pb2.ExpertRequest(uid=uid, tensors=parts, metadata=metadata)
+                method = getattr(self._stub(peer_id, stage), f"rpc_{kind}")
+                return run_coroutine(
+                    method(request, timeout=self.request_timeout), timeout=None
+                ), request.ByteSize()
+            try:
+                message = runtime_pb2.ExpertRequest(
+                    uid=uid, tensors=parts, metadata=_wire.channel_request(kind, metadata)
+                )
+                reused = channel.calls > 0
+                try:
+                    reply = run_coroutine(
+                        asyncio.wait_for(channel.call(message), self.request_timeout),
+                        timeout=self.request_timeout + 5,
+                    )
+                except Exception:
+                    self._drop_channel(key, channel)
+                    if reused and not fresh_attempt:
+                        continue
+                    raise
+                channel.calls += 1
+            finally:
+                channel.lock.release()
+            reply.metadata = _wire.parse_channel_reply(reply.metadata)
+            return reply, message.ByteSize()
+        raise AssertionError("unreachable")
+
+    def _drop_channel(self, key: tuple[PeerID, int], channel: _Channel) -> None:
+        with self._lock:
+            if self._channels.get(key) is channel:
+                del self._channels[key]
+        channel.close()
 
     def _stream(
         self, stub: Any, method: str, requests: Iterator[Any]
@@ -451,6 +504,45 @@ class SwarmClient:
     def _check_stage(self, stage: int) -> None:
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"SwarmClient: stage must be in [0, {self.num_stages}), got {stage}")
+
+
+class _Channel:
+    """A long-lived stream to one stage of one peer (``StageServer.rpc_channel``), one call at a time."""
+
+    def __init__(self, stub: Any):
+        self.stub = stub
+        self.lock = threading.Lock()  # held by the thread whose call is in flight
+        self.calls = 0
+        self._outbox: asyncio.Queue | None = None
+        self._replies: Any = None
+
+    async def call(self, message: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
+        """Send one request and wait for its reply (runs on the swarm event loop)."""
+        if self._replies is None:
+            outbox: asyncio.Queue = asyncio.Queue()
+
+            async def outgoing() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+                while (request := await outbox.get()) is not None:
+                    yield request
+
+            self._outbox = outbox
+            self._replies = await self.stub.rpc_channel(outgoing())
+        assert self._outbox is not None
+        self._outbox.put_nowait(message)
+        try:
+            return await self._replies.__anext__()
+        except StopAsyncIteration:
+            raise ConnectionError("the peer closed the channel") from None
+
+    def close(self) -> None:
+        """End the stream (from any thread; idempotent)."""
+        outbox, replies, self._outbox, self._replies = self._outbox, self._replies, None, None
+        if outbox is None:
+            return
+        loop = get_loop()
+        loop.call_soon_threadsafe(outbox.put_nowait, None)
+        if replies is not None:
+            asyncio.run_coroutine_threadsafe(replies.aclose(), loop)
 
 
 class _StageCall:

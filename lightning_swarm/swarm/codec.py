@@ -96,7 +96,9 @@ def _find_omp() -> Any:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
         for path in sorted(paths):
-            lib = ctypes.CDLL(path)
+            lib = ctypes.PyDLL(
+                path
+            )  # keeps the GIL: releasing it around a 10 ns call may cost a thread switch
             lib.omp_get_max_threads.restype = ctypes.c_int
             return lib
     except (OSError, AttributeError):
@@ -114,13 +116,8 @@ def _threads(count: int) -> Iterator[None]:
     ``torch.set_num_threads`` also changes a process-wide default that new threads start from, so the OpenMP
     setting of the calling thread is changed directly where the runtime is found.
     """
-    torch.get_num_threads()  # lets torch initialise this thread's setting first, so it won't overwrite ours
-    if _omp is None:
-        previous = torch.get_num_threads()
-        setter = torch.set_num_threads
-    else:
-        previous = _omp.omp_get_max_threads()
-        setter = _omp.omp_set_num_threads
+    previous = torch.get_num_threads()  # also lets torch initialise this thread's setting before we change it
+    setter = torch.set_num_threads if _omp is None else _omp.omp_set_num_threads
     if previous == count:
         yield
         return
