@@ -1,19 +1,23 @@
 """One SWARM stage hop versus a raw hivemind P2P echo of the same activations.
 
 A server process (its own DHT node and p2p daemon) hosts identity stages that reply in "8bit", "fp16" and
-"none", plus a trivial ``ServicerBase`` echo handler. The trainer process times, interleaved and many times:
+"none", plus trivial ``ServicerBase`` echo handlers. The trainer process times, interleaved and many times:
 
 - ``hop_<compression>``: ``SwarmClient.call_stage`` on 1 MiB of fp32 activations ([64, 4096]) under
-  ``torch.no_grad()``: pack with the codec, RPC, identity stage, reply, decode;
-- ``raw_echo``: the same 1 MiB as a raw fp32 buffer through the echo handler (tensor -> bytes -> RPC ->
-  bytes -> tensor).
+  ``torch.no_grad()``: encode with the codec, send over the swarm's channel to the peer, identity stage, encode
+  the reply (the stage's output is a new tensor, so it is quantized like any stage output), reply, decode;
+- ``raw_echo``: the same 1 MiB as a raw fp32 buffer through a unary echo handler (tensor -> bytes -> RPC ->
+  bytes -> tensor): the plain way to call a hivemind peer, and the baseline of ``overhead_ratio``;
+- ``raw_stream_echo``: the same through one long-lived echo stream, one message each way: the transport the
+  swarm's channels use, reported so that the codec's share of the gain can be told from the transport's.
 
 Usage: ``python benchmarks/swarm_hop.py [--quick]``. The last stdout line is one JSON object with the medians,
-``overhead_ratio = hop_ms / raw_echo_ms`` (8-bit) and the bytes on the wire.
+``overhead_ratio = hop_ms / raw_echo_ms`` (8-bit), ``ratio_vs_stream_echo`` (8-bit hop against the stream
+echo), ``ratio_8bit_vs_none`` (the codec's effect through the same stack) and the bytes on the wire.
 
-On a loopback link the 8-bit hop trades ~3/4 of the transfer for two bitsandbytes quantizations (~2 ms per
-MiB on one core; the client's request and the server's reply), so the ratio depends on how busy the CPUs are:
-the JSON records the load average next to the figures.
+On a loopback link the 8-bit hop trades 3/4 of the transfer for two bitsandbytes quantizations (~2 ms per MiB
+on one core, ~1.4 ms with a helper thread; the client's request and the server's reply), so the ratios depend
+on how busy the CPUs are: the JSON records the load average next to the figures.
 """
 
 from __future__ import annotations

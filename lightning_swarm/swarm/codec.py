@@ -1,10 +1,13 @@
 """Boundary codec: how activations and gradients cross stage boundaries.
 
-Every tensor that travels between a trainer and a stage server is one ``runtime_pb2.Tensor`` message.
-Floating tensors are compressed with one of :data:`COMPRESSIONS`:
+Every tensor that travels between a trainer and a stage server is one or more ``runtime_pb2.Tensor`` *parts*
+(:func:`encode_parts`): block-aligned slices of the flattened tensor, each decodable on its own, so that large
+tensors can be streamed with encoding, transfer and decoding overlapped. Payloads that travel in one message
+use one part per tensor. Floating tensors are compressed with one of :data:`COMPRESSIONS`:
 
 - ``"8bit"``: bitsandbytes dynamic blockwise quantization (SWARM's boundary compression), about 1/4 of the
-  fp32 bytes. Buffer layout: ``uint32 blocksize | float32 absmax[num_blocks] | uint8 codes[numel]``.
+  fp32 bytes. Buffer layout: ``uint32 blocksize | float32 absmax[num_blocks] | uint8 codes[numel]``. The
+  kernel is bitsandbytes' own, run in block-aligned shares by this thread and idle helper threads.
 - ``"fp16"``: a cast to float16 (bfloat16 tensors travel as they are, since fp16 would overflow them).
 - ``"none"``: the raw bytes.
 
@@ -33,7 +36,20 @@ import msgpack
 import torch
 from hivemind.proto import runtime_pb2
 
-__all__ = ["COMPRESSIONS", "CodecError", "decode_tensor", "encode_tensor", "nbytes", "pack", "unpack"]
+__all__ = [
+    "COMPRESSIONS",
+    "CodecError",
+    "LazyPack",
+    "PartsDecoder",
+    "decode_parts",
+    "decode_tensor",
+    "encode_parts",
+    "encode_tensor",
+    "nbytes",
+    "pack",
+    "rebuild_call",
+    "unpack",
+]
 
 COMPRESSIONS = ("8bit", "fp16", "none")
 BLOCKSIZE = 1024  # absmax overhead 0.4%; accuracy barely depends on it (64..4096 measured within 20%)
@@ -141,10 +157,24 @@ class _QuantizeCounter:
 
 
 _quantizations = _QuantizeCounter()
+
+
 # Idle threads that help quantize large tensors (0 turns them off). bitsandbytes' kernel is an OpenMP loop, but
 # OpenMP workers spin for milliseconds after each parallel region and starve the p2p daemons and peers that
 # share the cores (a 1 MiB hop measured 19 ms on two OpenMP threads, 11 ms on one); these threads sleep.
-_HELPERS = int(os.environ.get("LIGHTNING_SWARM_CODEC_HELPERS", str(min((os.cpu_count() or 1) - 1, 3))))
+def _helper_count() -> int:
+    value = os.environ.get("LIGHTNING_SWARM_CODEC_HELPERS")
+    if value is None:
+        return min((os.cpu_count() or 1) - 1, 3)
+    if not value.strip().isdigit():
+        raise ValueError(
+            f"LIGHTNING_SWARM_CODEC_HELPERS must be a non-negative integer (threads that help quantize; 0 for "
+            f"none), got {value!r}"
+        )
+    return int(value)
+
+
+_HELPERS = _helper_count()
 _SHARE_ELEMENTS = 32 * BLOCKSIZE  # the unit of work the threads claim
 _pool: ThreadPoolExecutor | None = None
 _pool_pid: int | None = None
