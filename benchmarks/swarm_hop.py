@@ -82,10 +82,13 @@ class StreamEcho:
         self.outbox.put_nowait(request)
         return await self.replies.__anext__()
 
+    def close(self) -> None:
+        run_coroutine(self.replies.aclose(), timeout=10)
 
-def serve(initial_peers: list[str]) -> None:
-    """The server process: identity stages (one per compression) and the echo handler, until stdin closes."""
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers)
+
+def serve(host: str) -> None:
+    """The server process: identity stages (one per compression) and the echo handlers, until stdin closes."""
+    dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"])
     servers = [
         StageServer(
             stage,
@@ -105,7 +108,8 @@ def serve(initial_peers: list[str]) -> None:
         return p2p
 
     p2p = run_coroutine(_add_echo(), timeout=60)
-    print(json.dumps({"peer_id": dht.peer_id.to_base58()}), flush=True)
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    print(json.dumps({"peer_id": dht.peer_id.to_base58(), "maddrs": maddrs}), flush=True)
     sys.stdin.read()  # the benchmark closes our stdin when done
     for server in servers:
         server.shutdown()
@@ -113,32 +117,13 @@ def serve(initial_peers: list[str]) -> None:
     dht.shutdown()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (well under 5 minutes)")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant")
-    parser.add_argument("--serve", nargs="*", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.serve is not None:
-        serve(args.serve)
-        return
-    reps = args.reps or (60 if args.quick else 300)
-    warmup = 10
-
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    maddrs = [str(m) for m in dht.get_visible_maddrs()]
-    server = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--serve", *maddrs],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+def measure(host: str, server_info: dict, reps: int, warmup: int = 10) -> dict:
+    """The trainer side: time every variant, interleaved; returns the JSON summary."""
+    dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=server_info["maddrs"])
+    server_peer = PeerID.from_base58(server_info["peer_id"])
     clients: dict[str, SwarmClient] = {}
+    stream_echo: StreamEcho | None = None
     try:
-        line = server.stdout.readline()
-        if not line:
-            raise RuntimeError("the server process failed to start (see its stderr above)")
-        server_peer = PeerID.from_base58(json.loads(line)["peer_id"])
         clients = {c: SwarmClient(dht, RUN_ID, len(COMPRESSIONS), compression=c) for c in COMPRESSIONS}
         echo_stub = Echo.get_stub(clients["none"]._stub(server_peer, 0)._p2p, server_peer)
 
@@ -178,8 +163,8 @@ def main() -> None:
         medians = {name: statistics.median(values) for name, values in times.items()}
         bytes_on_wire = {c: nbytes([encode_tensor(x, c)]) for c in COMPRESSIONS}
         for name in variants:
-            print(f"{name:>15}: median {medians[name]:7.2f} ms, rel. error {errors[name]:.4f}")
-        result = {
+            print(f"{name:>15}: median {medians[name]:7.2f} ms, rel. error {errors[name]:.4f}", flush=True)
+        return {
             "hop_ms": round(medians["hop_8bit"], 3),
             "raw_echo_ms": round(medians["raw_echo"], 3),
             "overhead_ratio": round(medians["hop_8bit"] / medians["raw_echo"], 3),
@@ -200,17 +185,89 @@ def main() -> None:
             "load_avg_1m": round(os.getloadavg()[0], 2),  # these figures move a lot on a busy machine
             "cpu_count": os.cpu_count(),
         }
-        print(json.dumps(result))
     finally:
+        if stream_echo is not None:
+            stream_echo.close()
         for client in clients.values():
             client.shutdown()
-        if server.stdin is not None:
-            server.stdin.close()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
         dht.shutdown()
+
+
+def _server_info(server: subprocess.Popen) -> dict:
+    line = server.stdout.readline()
+    if not line:
+        raise RuntimeError("the server process failed to start (see its stderr above)")
+    return json.loads(line)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    if server.stdin is not None:
+        server.stdin.close()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (well under 5 minutes)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant")
+    parser.add_argument(
+        "--link-mbit",
+        type=float,
+        default=None,
+        help="put the trainer and the server in two network namespaces joined by a link shaped to this many "
+        "Mbit/s each way (needs root; default: both on loopback, unshaped)",
+    )
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added to the shaped link")
+    parser.add_argument("--serve", metavar="HOST", help=argparse.SUPPRESS)
+    parser.add_argument("--client", metavar="HOST", help=argparse.SUPPRESS)
+    parser.add_argument("--server-info", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve is not None:
+        serve(args.serve)
+        return
+    reps = args.reps or (60 if args.quick else 300)
+    if args.client is not None:
+        print(json.dumps(measure(args.client, json.loads(args.server_info), reps)), flush=True)
+        return
+    this = [sys.executable, os.path.abspath(__file__)]
+    if args.link_mbit is None:
+        server = subprocess.Popen(
+            [*this, "--serve", "127.0.0.1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            result = measure("127.0.0.1", _server_info(server), reps)
+        finally:
+            _stop(server)
+        print(json.dumps(result))
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _netns import VirtualCluster
+
+    with VirtualCluster(2, rate_mbit=args.link_mbit, delay_ms=args.delay_ms) as net:
+        server = net.popen(
+            1, [*this, "--serve", net.address(1)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            info = _server_info(server)
+            client = net.popen(
+                0,
+                [*this, "--client", net.address(0), "--server-info", json.dumps(info), "--reps", str(reps)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            output, _ = client.communicate(timeout=3600)
+        finally:
+            _stop(server)
+    lines = output.strip().splitlines()
+    if client.returncode != 0 or not lines:
+        raise RuntimeError(f"the trainer process failed ({client.returncode}); see its stderr above")
+    print("\n".join(lines[:-1]))
+    result = json.loads(lines[-1])
+    result.update(link_mbit=args.link_mbit, delay_ms=args.delay_ms)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -169,6 +169,7 @@ def test_four_peers_train_a_transformer_lm_and_8bit_matches_uncompressed(tmp_pat
         losses = result["losses"]
         assert len(losses) == 100
         first, last = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
+        print(f"{compression}: loss (mean of first 5 -> last 10 steps) {first:.3f} -> {last:.3f}")  # for -s
         assert first > 5.0  # ~ln(256) at the start
         assert last < 0.6 * first, f"{compression}: loss went from {first:.3f} to {last:.3f}"
         finals[compression] = last

@@ -1,0 +1,103 @@
+"""The ``lightning-swarm`` command: server-only peers started by hand join each other by ``--initial-peers``,
+``status`` lists them, and a trainer-side client joining the same way runs the served stages."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hivemind
+import pytest
+import torch
+import yaml
+
+from examples.lm.model import TinyTransformerLM
+from lightning_swarm.swarm.client import SwarmClient
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = {"d_model": 32, "n_layers": 4, "n_heads": 2, "seq_len": 16}
+
+
+def _start_server(
+    config: Path, run_id: str, stage: int, initial_peers: list[str]
+) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "lightning_swarm.cli", "serve", "examples.lm.model.TinyTransformerLM"]
+    cmd += ["--config", str(config), "--run-id", run_id, "--num-stages", "2", "--stage", str(stage)]
+    cmd += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--initial-peers", *initial_peers]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("Serving stage"):
+            assert f"Serving stage {stage} of run {run_id!r}" in line
+            return proc, line.rsplit(": ", 1)[1].split()[0]
+    proc.kill()
+    raise AssertionError(
+        f"`lightning-swarm serve` for stage {stage} did not come up (exit code {proc.poll()})"
+    )
+
+
+@pytest.mark.timeout(300)
+def test_serve_and_status_form_a_swarm_by_initial_peers(tmp_path: Path) -> None:
+    run_id = f"cli-{os.getpid()}"
+    config = tmp_path / "swarm.yaml"
+    strategy = {"pipeline": "layers", "num_stages": 2, "compression": "none", "target_batch_size": 8}
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "seed_everything": 0,
+                "model": MODEL,
+                "trainer": {
+                    "strategy": {"class_path": "lightning_swarm.SwarmStrategy", "init_args": strategy}
+                },
+            }
+        )
+    )
+    servers: list[subprocess.Popen] = []
+    dht = None
+    client = None
+    try:
+        first, address = _start_server(config, run_id, 0, [])
+        servers.append(first)
+        second, _ = _start_server(config, run_id, 1, [address])  # joins the first by its address only
+        servers.append(second)
+
+        status = subprocess.run(
+            [sys.executable, "-m", "lightning_swarm.cli", "status", "--initial-peers", address]
+            + ["--run-id", run_id, "--num-stages", "2"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert status.returncode == 0, status.stderr[-2000:]
+        assert "stage 0: 1 peers" in status.stdout and "stage 1: 1 peers" in status.stdout, status.stdout
+
+        # a trainer elsewhere joins by the same address and runs both served stages
+        dht = hivemind.DHT(start=True, initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        client = SwarmClient(dht, run_id, 2, compression="none")
+        torch.manual_seed(0)
+        reference = TinyTransformerLM(**MODEL)  # the servers built theirs from the same seed
+        x = torch.randn(2, 16, MODEL["d_model"])
+        mask = torch.ones(16, 16, dtype=torch.bool).tril()
+        with torch.no_grad():
+            y = client.call_stage(1, client.call_stage(0, x, attn_mask=mask), attn_mask=mask)
+            expected = x
+            for block in reference.layers:
+                expected = block(expected, attn_mask=mask)
+        torch.testing.assert_close(y, expected, atol=1e-5, rtol=0)
+    finally:
+        if client is not None:
+            client.shutdown()
+        if dht is not None:
+            dht.shutdown()
+        for proc in servers:
+            proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(timeout=60) for proc in servers]
+    assert codes == [0, 0]  # SIGTERM shuts a server down cleanly
