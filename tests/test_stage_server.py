@@ -7,6 +7,7 @@ its own run id, so their records and handlers do not interfere.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 
 import hivemind
@@ -266,6 +267,34 @@ def test_channel_survives_bad_requests_and_is_reopened_without_blame(dhts, clean
     x = torch.randn(2, 3)
     torch.testing.assert_close(client.call_stage(0, x), module(x), atol=1e-5, rtol=0)
     assert client.stats().get("swarm/bans", 0) == 0 and client._channels[key].calls == 1
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_calls_share_a_peer_through_channel_and_unary_fallback(dhts, cleanup) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    run_id = _run_id("concurrent")
+
+    class Slow(nn.Module):  # slow enough that calls from two threads overlap
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.05)
+            return self.linear(x)
+
+    module = Slow()
+    _serve(cleanup, dhts["server1"], run_id, module, compression="none")
+    client = _client(cleanup, dhts["trainer"], run_id, compression="none")
+    inputs = [torch.randn(4, 8) for _ in range(8)]
+    with ThreadPoolExecutor(4) as pool, torch.no_grad():
+        outputs = list(pool.map(lambda x: client.call_stage(0, x), inputs))
+    for x, y in zip(inputs, outputs, strict=True):
+        torch.testing.assert_close(y, module.linear(x), atol=1e-5, rtol=0)
+    (channel,) = client._channels.values()
+    assert 1 <= channel.calls < len(inputs)  # the others went unary while the channel was busy
+    assert client.stats()["swarm/stage0/forward_calls"] == len(inputs) and "swarm/bans" not in client.stats()
 
 
 @pytest.mark.timeout(60)

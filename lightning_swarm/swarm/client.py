@@ -111,6 +111,7 @@ class SwarmClient:
         self._channels: dict[tuple[PeerID, int], _Channel] = {}
         self._p2p: P2P | None = None
         self._lock = threading.Lock()
+        self._stub_lock = threading.Lock()
         self._router_lock = threading.Lock()
         self._counters: dict[str, float] = defaultdict(float)
 
@@ -441,11 +442,14 @@ class SwarmClient:
         key = (peer_id, stage)
         stub = self._stubs.get(key)
         if stub is None:
-            if self._p2p is None:
-                self._p2p = run_coroutine(replicate_p2p(self.dht), timeout=60)
-            stub = self._stubs[key] = StageServer.get_stub(
-                self._p2p, peer_id, namespace=stage_uid(self.run_id, stage)
-            )
+            with self._stub_lock:  # threads calling at once must share one P2P connection
+                stub = self._stubs.get(key)
+                if stub is None:
+                    if self._p2p is None:
+                        self._p2p = run_coroutine(replicate_p2p(self.dht), timeout=60)
+                    stub = self._stubs[key] = StageServer.get_stub(
+                        self._p2p, peer_id, namespace=stage_uid(self.run_id, stage)
+                    )
         return stub
 
     def _is_local(self, peer_id: PeerID, stage: int) -> bool:
