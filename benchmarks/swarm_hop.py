@@ -130,17 +130,18 @@ def measure(host: str, server_info: dict, reps: int, warmup: int = 10) -> dict:
         torch.manual_seed(0)
         x = torch.randn(*SHAPE)
 
-        def raw_echo() -> torch.Tensor:
-            request = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=x.numpy().tobytes())])
-            reply = run_coroutine(echo_stub.rpc_echo(request, timeout=30), timeout=35)
-            return torch.from_numpy(np.frombuffer(reply.tensors[0].buffer, dtype=np.float32).reshape(SHAPE))
-
         stream_echo = StreamEcho(echo_stub)
 
-        def raw_stream_echo() -> torch.Tensor:
+        def echo(send) -> torch.Tensor:  # tensor -> bytes -> RPC -> bytes -> tensor
             request = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=x.numpy().tobytes())])
-            reply = run_coroutine(stream_echo.call(request), timeout=35)
+            reply = run_coroutine(send(request), timeout=35)
             return torch.from_numpy(np.frombuffer(reply.tensors[0].buffer, dtype=np.float32).reshape(SHAPE))
+
+        def raw_echo() -> torch.Tensor:
+            return echo(lambda request: echo_stub.rpc_echo(request, timeout=30))
+
+        def raw_stream_echo() -> torch.Tensor:
+            return echo(stream_echo.call)
 
         def hop(stage: int, compression: str) -> torch.Tensor:
             with torch.no_grad():

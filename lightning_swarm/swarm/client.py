@@ -55,9 +55,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _RESPONSE_TOO_LARGE = "response size exceeds message size limit"
-# Payloads over hivemind's unary limit are streamed (pipelined). Below it, one unary call is faster on a small
-# box: on 2 cores a pipelined 1 MiB hop measured 17 ms against 11 ms unary, since the sender's and receiver's
-# threads and both p2p daemons all compete for the cores.
+# Payloads over hivemind's unary limit are streamed (pipelined). Below it, one message is faster on a small box:
+# while choosing this design, a pipelined 1 MiB hop measured 17 ms on 2 cores against 11 ms as one message, since
+# the sender's and receiver's threads and both p2p daemons all compete for the cores.
 _STREAM_ABOVE = _wire.MAX_UNARY_PAYLOAD_SIZE - 64 * 1024
 _END = object()
 # makes every stage call part of the autograd graph, so that stages whose inputs need no grad still train
@@ -207,7 +207,7 @@ class SwarmClient:
             if self._is_local(peer_id, stage):
                 return self.local_servers[stage].forward_local(args, kwargs)
             if encoded[0] is None:
-                encoded[0] = self._lazy_pack(args, kwargs)
+                encoded[0] = LazyPack(args, kwargs, self.compression, split_above=_STREAM_ABOVE)
             request = encoded[0]
             reply_tensors, reply_metadata = self._request(
                 peer_id, stage, "forward", request.metadata, [request]
@@ -232,9 +232,11 @@ class SwarmClient:
                 _check_grads(stage, grad_inputs, expected)
                 return grad_inputs
             if call.encoded is None:
-                call.encoded = self._lazy_pack(args, kwargs)
+                call.encoded = LazyPack(args, kwargs, self.compression, split_above=_STREAM_ABOVE)
             if grads_encoded[0] is None:
-                grads_encoded[0] = self._lazy_pack(tuple(grad_outputs), {})
+                grads_encoded[0] = LazyPack(
+                    tuple(grad_outputs), {}, self.compression, split_above=_STREAM_ABOVE
+                )
             inputs, grads = call.encoded, grads_encoded[0]
             metadata = backward_metadata(inputs.metadata, inputs.num_tensors, grads.metadata)
             reply_tensors, reply_metadata = self._request(
@@ -294,13 +296,6 @@ class SwarmClient:
 
     # ---- transport ----
 
-    def _lazy_pack(self, args: tuple, kwargs: dict) -> LazyPack:
-        """Encode lazily; large tensors are cut into parts only when the payload will be streamed."""
-        whole = LazyPack(args, kwargs, self.compression, split=False)
-        if whole.estimated_bytes > _STREAM_ABOVE:
-            return LazyPack(args, kwargs, self.compression, split=True)
-        return whole
-
     def _request(
         self, peer_id: PeerID, stage: int, kind: str, metadata: bytes, sources: list[LazyPack]
     ) -> tuple[list[torch.Tensor], bytes]:
@@ -310,12 +305,11 @@ class SwarmClient:
         parts go on the wire as they are encoded and are decoded as they come. Other calls travel as one message
         each way over the peer's channel for the stage (a long-lived stream, see ``_channel_call``).
         """
-        uid = stage_uid(self.run_id, stage)
-        stub = self._stub(peer_id, stage)
-        estimated = len(metadata) + sum(source.estimated_bytes for source in sources)
-        if estimated > _STREAM_ABOVE or stage in self._stream_stages:
+        if sum(source.estimated_bytes for source in sources) > _STREAM_ABOVE or stage in self._stream_stages:
             parts = itertools.chain.from_iterable(source.parts() for source in sources)
+            uid = stage_uid(self.run_id, stage)
             requests = _wire.messages(runtime_pb2.ExpertRequest, parts, metadata, uid=uid)
+            stub = self._stub(peer_id, stage)
             tensors, reply_metadata, sent, recv = self._stream(stub, f"rpc_{kind}_stream", requests)
         else:
             parts = [part for source in sources for part in source.parts()]

@@ -112,10 +112,9 @@ def _find_omp() -> Any:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
         for path in sorted(paths):
-            lib = ctypes.PyDLL(
-                path
-            )  # keeps the GIL: releasing it around a 10 ns call may cost a thread switch
-            lib.omp_get_max_threads.restype = ctypes.c_int
+            # PyDLL keeps the GIL: releasing it around a 10 ns call may cost a thread switch
+            lib = ctypes.PyDLL(path)
+            lib.omp_set_num_threads  # noqa: B018 (raises AttributeError if this is not an OpenMP runtime)
             return lib
     except (OSError, AttributeError):
         pass
@@ -159,9 +158,6 @@ class _QuantizeCounter:
 _quantizations = _QuantizeCounter()
 
 
-# Idle threads that help quantize large tensors (0 turns them off). bitsandbytes' kernel is an OpenMP loop, but
-# OpenMP workers spin for milliseconds after each parallel region and starve the p2p daemons and peers that
-# share the cores (a 1 MiB hop measured 19 ms on two OpenMP threads, 11 ms on one); these threads sleep.
 def _helper_count() -> int:
     value = os.environ.get("LIGHTNING_SWARM_CODEC_HELPERS")
     if value is None:
@@ -174,6 +170,7 @@ def _helper_count() -> int:
     return int(value)
 
 
+# Idle threads that help quantize large tensors (0 turns them off); see _quantize_to_buffer.
 _HELPERS = _helper_count()
 _SHARE_ELEMENTS = 32 * BLOCKSIZE  # the unit of work the threads claim
 _pool: ThreadPoolExecutor | None = None
@@ -207,17 +204,16 @@ _native_quantize, _native_dequantize = _native_kernels()
 
 
 class _Shares:
-    """Block-aligned shares of one (de)quantization, done by whichever thread claims them first.
+    """Block-aligned shares of one quantization, done by whichever thread claims them first.
 
-    Each share runs bitsandbytes' kernel on a range of whole blocks, reading and writing the final buffers
-    in place, so the result is bit-identical to one call on the whole tensor.
+    Each share runs bitsandbytes' kernel on a range of whole blocks, writing codes and block scales straight
+    into the final buffer, so the result is bit-identical to one call on the whole tensor.
     """
 
-    def __init__(self, numel: int, blocksize: int, kernel: Any, values: int, absmax: int, codes: int):
-        shares = min(64, numel // _SHARE_ELEMENTS) if _HELPERS > 0 and kernel is _native_quantize else 1
-        self.bounds = part_bounds(numel, max(1, shares))  # dequantizing is memory-bound: one thread
-        self.blocksize, self.kernel = blocksize, kernel
-        self.pointers = (values, absmax, codes, _code().data_ptr())
+    def __init__(self, numel: int, source: int, absmax: int, codes: int):
+        shares = min(64, numel // _SHARE_ELEMENTS) if _HELPERS > 0 else 1
+        self.bounds = part_bounds(numel, max(1, shares))
+        self.pointers = (source, absmax, codes, _code().data_ptr())
         self.next = 0
         self.lock = threading.Lock()
 
@@ -229,8 +225,7 @@ class _Shares:
             future.result()
 
     def work(self) -> None:
-        values, absmax, codes, code = self.pointers
-        blocksize = self.blocksize
+        source, absmax, codes, code = self.pointers
         with _threads(1):
             while True:
                 with self.lock:
@@ -239,12 +234,12 @@ class _Shares:
                         return
                     self.next += 1
                 lo, hi = self.bounds[index], self.bounds[index + 1]
-                pointers = (code, values + 4 * lo, absmax + 4 * (lo // blocksize), codes + lo)
-                if self.kernel is _native_dequantize:  # (code, codes, absmax, out, blocksize, n)
-                    pointers = (code, codes + lo, absmax + 4 * (lo // blocksize), values + 4 * lo)
-                self.kernel(
-                    *(ctypes.c_void_p(p) for p in pointers),
-                    ctypes.c_longlong(blocksize),
+                _native_quantize(  # (code, A, absmax, out, blocksize, n)
+                    ctypes.c_void_p(code),
+                    ctypes.c_void_p(source + 4 * lo),
+                    ctypes.c_void_p(absmax + 4 * (lo // BLOCKSIZE)),
+                    ctypes.c_void_p(codes + lo),
+                    ctypes.c_longlong(BLOCKSIZE),
                     ctypes.c_longlong(hi - lo),
                 )
 
@@ -254,7 +249,8 @@ def _quantize_to_buffer(source: torch.Tensor) -> bytes:
 
     bitsandbytes' dynamic blockwise quantization, always on one OpenMP thread per caller: its kernel is an
     OpenMP loop, but OpenMP workers spin for milliseconds after each parallel region and so starve the p2p
-    daemons and peers that share the cores (a 1 MiB hop measured 19 ms on two OpenMP threads, 11 ms on one).
+    daemons and peers that share the cores (while choosing this design, a 1 MiB hop measured
+    19 ms with two OpenMP threads against 11 ms with one).
     Instead, blocks are independent: a large tensor is cut at block boundaries into shares that this thread and
     idle helper threads (which sleep when idle) claim one by one, each writing into the final buffer.
     """
@@ -271,7 +267,7 @@ def _quantize_to_buffer(source: torch.Tensor) -> bytes:
     buffer = torch.empty(4 + 4 * num_blocks + numel, dtype=torch.uint8)
     buffer[:4] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     base = buffer.data_ptr()
-    _Shares(numel, BLOCKSIZE, _native_quantize, flat.data_ptr(), base + 4, base + 4 + 4 * num_blocks).run()
+    _Shares(numel, flat.data_ptr(), base + 4, base + 4 + 4 * num_blocks).run()
     return buffer.numpy().tobytes()
 
 
@@ -289,7 +285,15 @@ def _dequantize_buffer(buffer: bytes, blocksize: int, numel: int, dtype: torch.d
     view = _frombuffer(buffer, torch.uint8, len(buffer))  # zero-copy; keeps ``buffer`` alive during the call
     base = view.data_ptr()
     out = torch.empty(numel, dtype=torch.float32)
-    _Shares(numel, blocksize, _native_dequantize, out.data_ptr(), base + 4, base + 4 + 4 * num_blocks).run()
+    with _threads(1):  # memory-bound: one thread, no helpers
+        _native_dequantize(  # (code, codes, absmax, out, blocksize, n)
+            ctypes.c_void_p(_code().data_ptr()),
+            ctypes.c_void_p(base + 4 + 4 * num_blocks),
+            ctypes.c_void_p(base + 4),
+            ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_longlong(blocksize),
+            ctypes.c_longlong(numel),
+        )
     return out
 
 
@@ -643,7 +647,7 @@ def pack(args: tuple, kwargs: dict, compression: str) -> tuple[list[runtime_pb2.
     Returns:
         the tensor parts (see :func:`encode_parts`) and the metadata bytes.
     """
-    call = LazyPack(args, kwargs, compression, split=False)
+    call = LazyPack(args, kwargs, compression, split_above=math.inf)
     return list(call.parts()), call.metadata
 
 
@@ -652,9 +656,14 @@ class LazyPack:
 
     :meth:`parts` yields the parts in order, encoding each the first time it is reached and replaying it
     afterwards (a retry re-sends what was already encoded). Not thread-safe: one thread iterates at a time.
+
+    Args:
+        args, kwargs, compression: as for :func:`pack`.
+        split_above: large tensors are cut into :func:`num_parts` parts (for streaming) when the payload's
+            estimated size exceeds this many bytes; otherwise every tensor is one part.
     """
 
-    def __init__(self, args: tuple, kwargs: dict, compression: str, split: bool = True):
+    def __init__(self, args: tuple, kwargs: dict, compression: str, split_above: float = 0.0):
         check_compression(compression)
         tensors: list[torch.Tensor] = []
         skeleton = [_flatten(tuple(args), tensors, 0), _flatten(dict(kwargs), tensors, 0), len(tensors)]
@@ -662,30 +671,25 @@ class LazyPack:
             self.metadata: bytes = msgpack.packb(skeleton, use_bin_type=True)
         except (OverflowError, ValueError, TypeError) as e:
             raise CodecError(f"Cannot serialize call arguments: {e}") from None
-        self.compression = compression
         self.num_tensors = len(tensors)
-        self.numels = [t.numel() for t in tensors]
         self.estimated_bytes = len(self.metadata) + sum(_estimated_bytes(t, compression) for t in tensors)
+        split = self.estimated_bytes > split_above
         self._pending = (part for t in tensors for part in encode_parts(t, compression, split))
         self._done: list[runtime_pb2.Tensor] = []
         self._complete = False
 
     def parts(self) -> Iterator[runtime_pb2.Tensor]:
         """Every part, in order (encoded lazily the first time)."""
-        yield from self._done
-        index = len(self._done)
-        while not self._complete:
-            if index < len(self._done):  # another pass of this generator encoded it meanwhile
-                yield self._done[index]
-                index += 1
-                continue
-            part = next(self._pending, None)
-            if part is None:
-                self._complete = True
-                return
-            self._done.append(part)
+        index = 0
+        while True:
+            if index == len(self._done):
+                part = None if self._complete else next(self._pending, None)
+                if part is None:
+                    self._complete = True
+                    return
+                self._done.append(part)
+            yield self._done[index]
             index += 1
-            yield part
 
 
 def _estimated_bytes(t: torch.Tensor, compression: str) -> int:
