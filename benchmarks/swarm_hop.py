@@ -39,10 +39,9 @@ from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from torch import nn
 
+from lightning_swarm.swarm import StageServer, SwarmClient, SwarmSettings
 from lightning_swarm.swarm._loop import replicate_p2p, run_coroutine
-from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.codec import COMPRESSIONS, encode_tensor, nbytes
-from lightning_swarm.swarm.server import StageServer
 
 RUN_ID = "swarm_hop_bench"
 SHAPE = (64, 4096)  # 262144 floats = 1 MiB of fp32
@@ -94,10 +93,9 @@ def serve(host: str) -> None:
             stage,
             nn.Identity(),
             dht=dht,
-            run_id=RUN_ID,
+            settings=SwarmSettings(run_id=RUN_ID, target_batch_size=1, compression=compression),
             optimizer_factory=None,
-            target_batch_size=1,
-            compression=compression,
+            throughput=1.0,
         ).start()
         for stage, compression in enumerate(COMPRESSIONS)
     ]
@@ -124,8 +122,9 @@ def measure(host: str, server_info: dict, reps: int, warmup: int = 10) -> dict:
     clients: dict[str, SwarmClient] = {}
     stream_echo: StreamEcho | None = None
     try:
-        clients = {c: SwarmClient(dht, RUN_ID, len(COMPRESSIONS), compression=c) for c in COMPRESSIONS}
-        echo_stub = Echo.get_stub(clients["none"]._stub(server_peer, 0)._p2p, server_peer)
+        settings = SwarmSettings(run_id=RUN_ID, num_stages=len(COMPRESSIONS))
+        clients = {c: SwarmClient(dht, settings.replace(compression=c)) for c in COMPRESSIONS}
+        echo_stub = Echo.get_stub(clients["none"]._transport(server_peer, 0).stub._p2p, server_peer)
 
         torch.manual_seed(0)
         x = torch.randn(*SHAPE)

@@ -41,30 +41,31 @@ def _read_config(path: str | None) -> dict[str, Any]:
 
 
 def _strategy_settings(config: dict[str, Any], args: argparse.Namespace) -> Any:
-    from lightning_swarm.swarm.peer import SwarmSettings
+    from lightning_swarm.swarm import SwarmSettings
 
     strategy = (config.get("trainer") or {}).get("strategy") or {}
     init_args = dict(strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
     known = set(SwarmSettings.__dataclass_fields__)
-    settings = SwarmSettings(**{k: v for k, v in init_args.items() if k in known})
+    values = {k: v for k, v in init_args.items() if k in known}
     for key in ("run_id", "num_stages", "stage", "compression"):
         value = getattr(args, key, None)
         if value is not None:
-            setattr(settings, key, value)
+            values[key] = value
     if args.initial_peers:
-        settings.initial_peers = list(args.initial_peers)
+        values["initial_peers"] = args.initial_peers
     if args.host_maddrs:
-        settings.host_maddrs = list(args.host_maddrs)
-    settings.role = "server"
-    settings.validate()
-    return settings
+        values["host_maddrs"] = args.host_maddrs
+    try:
+        return SwarmSettings(**{**values, "role": "server"})
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def serve(args: argparse.Namespace) -> None:
     """Run a server-only peer until SIGINT/SIGTERM."""
     import torch
 
-    from lightning_swarm.swarm.peer import SwarmPeer
+    from lightning_swarm.swarm import SwarmPeer
 
     config = _read_config(args.config)
     module_cls = _load_class(args.module)

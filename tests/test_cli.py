@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from examples.lm.model import TinyTransformerLM
-from lightning_swarm.swarm.client import SwarmClient
+from lightning_swarm.swarm import SwarmClient, SwarmSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"d_model": 32, "n_layers": 4, "n_heads": 2, "seq_len": 16}
@@ -81,7 +81,7 @@ def test_serve_and_status_form_a_swarm_by_initial_peers(tmp_path: Path) -> None:
 
         # a trainer elsewhere joins by the same address and runs both served stages
         dht = hivemind.DHT(start=True, initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        client = SwarmClient(dht, run_id, 2, compression="none")
+        client = SwarmClient(dht, SwarmSettings(run_id=run_id, num_stages=2, compression="none"))
         torch.manual_seed(0)
         reference = TinyTransformerLM(**MODEL)  # the servers built theirs from the same seed
         x = torch.randn(2, 16, MODEL["d_model"])

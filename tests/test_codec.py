@@ -7,18 +7,28 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
+from lightning_swarm.swarm import quantize
 from lightning_swarm.swarm.codec import (
     COMPRESSIONS,
     CodecError,
+    decode_parts,
     decode_tensor,
     encode_tensor,
     nbytes,
-    pack,
-    unpack,
 )
+from lightning_swarm.swarm.payload import Payload
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 OTHER_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
+
+
+def pack(args: tuple, kwargs: dict, compression: str) -> tuple[list[runtime_pb2.Tensor], bytes]:
+    encoded = Payload.call(args, kwargs).encode(compression)
+    return list(encoded.parts()), encoded.metadata
+
+
+def unpack(tensors: list[runtime_pb2.Tensor], metadata: bytes) -> tuple[tuple, dict]:
+    return Payload.from_wire(metadata, decode_parts(tensors)).rebuild_call()
 
 
 def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -148,15 +158,16 @@ def test_malformed_metadata_raises_codec_error() -> None:
         b"",
         b"\xc1\xc1\xc1",
         metadata[:-2],
-        msgpack.packb([["t", ["T", 5]], ["d"], 1]),  # tensor index out of range
-        msgpack.packb([["t"], ["d"], 2]),  # tensor count mismatch
-        msgpack.packb([["l"], ["d"], 1]),  # args not a tuple
-        msgpack.packb([["t"], ["d", 1, 2], 1]),  # non-string kwarg
-        msgpack.packb([["t"], ["d", ["l"], 2], 1]),  # unhashable key
-        msgpack.packb([["?", 1], ["d"], 1]),  # unknown tag
-        msgpack.packb([["t", {"a": 1}], ["d"], 1]),  # raw map where a node is expected
+        msgpack.packb([["t", ["t", ["T", 5]], ["d"]], 1]),  # tensor index out of range
+        msgpack.packb([["t", ["t"], ["d"]], 2]),  # tensor count mismatch
+        msgpack.packb([["t", ["l"], ["d"]], 1]),  # args not a tuple
+        msgpack.packb([["t", ["t"], ["d", 1, 2]], 1]),  # non-string kwarg
+        msgpack.packb([["t", ["t"], ["d", ["l"], 2]], 1]),  # unhashable key
+        msgpack.packb([["t", ["?", 1], ["d"]], 1]),  # unknown tag
+        msgpack.packb([["t", ["t", {"a": 1}], ["d"]], 1]),  # raw map where a node is expected
+        msgpack.packb([["t", ["t"]], 1]),  # not (args, kwargs)
         msgpack.packb({"x": 1}),
-        msgpack.packb([["t", ["T"]], ["d"], 1]),  # tensor reference without index
+        msgpack.packb([["t", ["t", ["T"]], ["d"]], 1]),  # tensor reference without index
         msgpack.packb(_deep(200)),
     ]
     for metadata_bytes in garbage:
@@ -168,7 +179,7 @@ def _deep(depth: int) -> list:
     node: list = ["l"]
     for _ in range(depth):
         node = ["l", node]
-    return [["t", node], ["d"], 1]
+    return [["t", ["t", node], ["d"]], 1]
 
 
 def test_parts_decode_like_one_message_and_stream_one_by_one() -> None:
@@ -210,24 +221,24 @@ def test_8bit_buffers_are_bitsandbytes_own_output(helpers: int, monkeypatch: pyt
     """Shares quantized by several threads straight into the wire buffer equal one bitsandbytes call."""
     import threading
 
-    from lightning_swarm.swarm import codec
-
-    monkeypatch.setattr(codec, "_HELPERS", helpers)
+    monkeypatch.setenv(quantize.HELPERS_ENV, str(helpers))
     threads_before = torch.get_num_threads()
     g = torch.Generator().manual_seed(5)
-    for numel in (1500, codec._SHARE_ELEMENTS * 3 + 17, 262144):
+    for numel in (1500, quantize._SHARE_ELEMENTS * 3 + 17, 262144):
         x = torch.randn(numel, generator=g) * 3
-        with codec._threads(1):
+        with quantize.one_thread():
             codes, absmax = torch.ops.bitsandbytes.quantize_blockwise.default(
-                x, codec._code(), codec.BLOCKSIZE
+                x, quantize.dynamic_code(), quantize.BLOCKSIZE
             )
             expected = torch.ops.bitsandbytes.dequantize_blockwise.default(
-                codes, absmax, codec._code(), codec.BLOCKSIZE, torch.float32
+                codes, absmax, quantize.dynamic_code(), quantize.BLOCKSIZE, torch.float32
             )
-        buffer = codec._quantize_to_buffer(x)
-        header = codec.BLOCKSIZE.to_bytes(4, "little")
+        buffer = quantize.quantize_to_buffer(x)
+        header = quantize.BLOCKSIZE.to_bytes(4, "little")
         assert buffer == header + absmax.numpy().tobytes() + codes.numpy().tobytes()
-        assert torch.equal(codec._dequantize_buffer(buffer, codec.BLOCKSIZE, numel, torch.float32), expected)
+        assert torch.equal(
+            quantize.dequantize_buffer(buffer, quantize.BLOCKSIZE, numel, torch.float32), expected
+        )
     # the codec's one-thread setting is per thread: it leaks neither to this thread nor to new threads
     assert torch.get_num_threads() == threads_before
     seen = []
@@ -246,15 +257,14 @@ def test_block_holding_the_most_negative_value_decodes_exactly() -> None:
 
 
 def test_received_tensor_is_resent_without_requantizing() -> None:
-    from lightning_swarm.swarm import codec
 
     x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(4))
     for compression in ("8bit", "fp16"):
         msg = encode_tensor(x, compression)
         y = decode_tensor(msg)
-        calls = codec._quantizations.calls
+        calls = quantize.quantizations.calls
         again = encode_tensor(y, compression)
-        assert again.buffer == msg.buffer and codec._quantizations.calls == calls  # no new quantization
+        assert again.buffer == msg.buffer and quantize.quantizations.calls == calls  # no new quantization
         y.requires_grad_(True)
         assert encode_tensor(y, compression).requires_grad
         other = encode_tensor(y, "none")  # another compression: encoded afresh
@@ -262,3 +272,72 @@ def test_received_tensor_is_resent_without_requantizing() -> None:
         y.requires_grad_(False)
         y.mul_(2)  # modified in place: must be encoded afresh
         assert torch.allclose(decode_tensor(encode_tensor(y, compression)), y, atol=0.1)
+
+
+def test_8bit_parts_carry_their_own_wire_tag() -> None:
+    """Our 8-bit layout is not hivemind's BLOCKWISE_8BIT: a message tagged with hivemind's value is refused."""
+    from lightning_swarm.swarm.codec import WIRE_8BIT
+
+    msg = encode_tensor(torch.randn(4096), "8bit")
+    assert msg.compression == WIRE_8BIT != runtime_pb2.CompressionType.BLOCKWISE_8BIT
+    assert WIRE_8BIT not in runtime_pb2.CompressionType.values()
+    msg.compression = runtime_pb2.CompressionType.BLOCKWISE_8BIT
+    with pytest.raises(CodecError, match="unsupported compression"):
+        decode_tensor(msg)
+
+
+def test_any_byte_string_decodes_or_raises_codec_error() -> None:
+    """Whatever a peer sends, decoding returns tensors or raises CodecError, never another exception."""
+    import random
+
+    huge = runtime_pb2.Tensor(dtype="float32", size=[0, 2**32 - 1, 2**32 - 1])  # numel 0, strides overflow
+    with pytest.raises(CodecError, match="impossible shape"):
+        decode_tensor(huge)
+    rng = random.Random(0)
+    seeds = [encode_tensor(torch.randn(3000), c).SerializeToString() for c in COMPRESSIONS] + [
+        encode_tensor(torch.arange(50), "none").SerializeToString(),
+        huge.SerializeToString(),
+    ]
+    outcomes = {"decoded": 0, "CodecError": 0, "unparsable": 0}
+    for i in range(3000):
+        if i % 3 == 0:
+            data = bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 64)))
+        else:  # a valid message with a few bytes changed, cut or appended
+            data = bytearray(rng.choice(seeds))
+            for _ in range(rng.randrange(1, 4)):
+                data[rng.randrange(len(data))] = rng.getrandbits(8)
+            data = bytes(data[: rng.randrange(1, len(data) + 1)] if i % 3 == 1 else data)
+        try:
+            msg = runtime_pb2.Tensor.FromString(data)
+        except Exception:  # protobuf's own parser refuses it: it never reaches the codec
+            outcomes["unparsable"] += 1
+            continue
+        try:
+            decode_tensor(msg)
+            outcomes["decoded"] += 1
+        except CodecError:
+            outcomes["CodecError"] += 1
+    assert outcomes["CodecError"] > 50 and outcomes["decoded"] > 50, outcomes
+
+
+def test_importing_the_engine_has_no_side_effects() -> None:
+    """No warning filters, no environment errors at import: a bad setting is reported when first used."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, torch, hivemind, bitsandbytes, lightning.pytorch  # these may set their own filters\n"
+        "before = list(warnings.filters)\n"
+        "import lightning_swarm.swarm, lightning_swarm.swarm.codec, lightning_swarm.swarm.quantize as q\n"
+        "assert warnings.filters == before, 'import changed the warning filters'\n"
+        "import torch\n"
+        "from lightning_swarm.swarm.codec import encode_tensor\n"
+        "try:\n"
+        "    encode_tensor(torch.randn(100000), '8bit')\n"
+        "except ValueError as e:\n"
+        "    print('first use:', e)\n"
+    )
+    env = {**__import__("os").environ, quantize.HELPERS_ENV: "many"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "first use: LIGHTNING_SWARM_CODEC_HELPERS must be a non-negative integer" in proc.stdout

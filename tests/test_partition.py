@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from lightning_swarm.swarm.partition import Partition, StageBlocks, split_stages
-from lightning_swarm.swarm.peer import SwarmSettings, find_pipeline
+from lightning_swarm.swarm.peer import find_pipeline
+from lightning_swarm.swarm.settings import SwarmSettings
 
 
 class Scale(nn.Module):
@@ -64,7 +65,7 @@ def test_sequential_proxy_runs_every_stage_and_restores():
         return part.stage_module(k)(*args, **kwargs)
 
     proxy = part.install_proxy(call_stage)
-    assert model.body.layers is proxy and len(proxy) == 5 and isinstance(proxy[0], nn.Sequential)
+    assert model.body.layers is proxy and len(proxy) == 5
     assert not any(n.startswith("body.layers") for n, _ in model.named_parameters())
     torch.testing.assert_close(model.body.layers(x), expected)
     assert calls == [0, 1]
@@ -111,10 +112,33 @@ def test_stage_blocks_chain_tuple_outputs():
 
 def test_settings_validation_messages():
     with pytest.raises(ValueError, match="role='boss'"):
-        SwarmSettings(role="boss").validate()
+        SwarmSettings(role="boss")
     with pytest.raises(ValueError, match="compression='4bit'"):
-        SwarmSettings(compression="4bit").validate()
+        SwarmSettings(compression="4bit")
     with pytest.raises(ValueError, match="stage=3"):
-        SwarmSettings(num_stages=2, stage=3).validate()
+        SwarmSettings(num_stages=2, stage=3)
     with pytest.raises(ValueError, match="run_id"):
-        SwarmSettings(run_id="a.b").validate()
+        SwarmSettings(run_id="a.b")
+    with pytest.raises(ValueError, match="compression='zip'"):  # changes are validated as well
+        SwarmSettings().replace(compression="zip")
+    with pytest.raises(ValueError, match="expiration"):
+        SwarmSettings(announce_period=10.0, expiration=5.0)
+
+
+def test_sequential_proxy_refuses_to_run_its_blocks_locally():
+    """Iterating or indexing a Sequential proxy would run local, untrained copies: it raises and says why."""
+    model = Parent("seq")
+    calls = []
+    part = Partition(model, "body.layers", 2)
+    part.install_proxy(lambda k, x: calls.append(k) or x)
+    x = torch.randn(2, 8)
+    with pytest.raises(TypeError, match=r"runs in the swarm.*cannot be iterated over.*Call it as a whole"):
+        for block in model.body.layers:
+            x = block(x)
+    with pytest.raises(TypeError, match=r"cannot be indexed.*nn.ModuleList"):
+        model.body.layers[0](x)
+    with pytest.raises(TypeError, match="cannot be indexed"):
+        model.body.layers[1:3]
+    assert calls == []  # nothing ran anywhere
+    model.body.layers(x)  # calling it as a whole goes through every stage
+    assert calls == [0, 1]

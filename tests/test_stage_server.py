@@ -17,11 +17,14 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import runtime_pb2
 from torch import nn
 
+from lightning_swarm.swarm import quantize
 from lightning_swarm.swarm._loop import run_coroutine
 from lightning_swarm.swarm.client import SwarmClient
-from lightning_swarm.swarm.codec import encode_tensor, pack
+from lightning_swarm.swarm.payload import Payload
+from lightning_swarm.swarm.protocol import RemoteStageError, StageRequest, parse_reply, stage_uid
 from lightning_swarm.swarm.routing import NoPeersError
-from lightning_swarm.swarm.server import StageServer, stage_uid
+from lightning_swarm.swarm.server import StageServer
+from lightning_swarm.swarm.settings import SwarmSettings
 
 _run_ids = itertools.count()
 
@@ -58,21 +61,40 @@ def _sgd(lr: float = 0.1):
 
 
 def _serve(
-    cleanup: list, dht: hivemind.DHT, run_id: str, module: nn.Module, stage: int = 0, **kwargs
+    cleanup: list,
+    dht: hivemind.DHT,
+    run_id: str,
+    module: nn.Module,
+    stage: int = 0,
+    *,
+    optimizer_factory=None,
+    cls: type = StageServer,
+    throughput: float = 1.0,
+    param_groups=None,
+    **settings,
 ) -> StageServer:
-    kwargs.setdefault("optimizer_factory", _sgd())
-    kwargs.setdefault("target_batch_size", 10**6)
-    kwargs.setdefault("compression", "none")
-    server = StageServer(stage, module, dht=dht, run_id=run_id, **kwargs)
+    settings.setdefault("target_batch_size", 10**6)
+    settings.setdefault("compression", "none")
+    server = cls(
+        stage,
+        module,
+        dht=dht,
+        settings=SwarmSettings(run_id=run_id, **settings),
+        optimizer_factory=_sgd() if optimizer_factory is None else optimizer_factory,
+        param_groups=param_groups,
+        throughput=throughput,
+    )
     cleanup.append(server)
     return server.start()
 
 
-def _client(cleanup: list, dht: hivemind.DHT, run_id: str, num_stages: int = 1, **kwargs) -> SwarmClient:
-    kwargs.setdefault("compression", "none")
-    kwargs.setdefault("no_peers_timeout", 10.0)
-    kwargs.setdefault("request_timeout", 10.0)
-    client = SwarmClient(dht, run_id, num_stages, **kwargs)
+def _client(
+    cleanup: list, dht: hivemind.DHT, run_id: str, num_stages: int = 1, local_servers=None, **settings
+) -> SwarmClient:
+    settings.setdefault("compression", "none")
+    settings.setdefault("no_peers_timeout", 10.0)
+    settings.setdefault("request_timeout", 10.0)
+    client = SwarmClient(dht, SwarmSettings(run_id=run_id, num_stages=num_stages, **settings), local_servers)
     cleanup.append(client)
     return client
 
@@ -179,10 +201,12 @@ def test_8bit_and_large_payloads_use_streaming(dhts, cleanup) -> None:
 
 
 class RefusingServer(StageServer):
-    """A peer that announces itself but fails every call (over its channel, unary or streamed)."""
+    """A peer that announces itself but cannot serve any call (it replies with an "unavailable" error)."""
 
-    def _compute(self, kind: str, tensors: list, metadata: bytes, split: bool):
-        raise RuntimeError("this peer refuses to compute")
+    def _forward(self, inputs):
+        raise MemoryError("this peer is out of memory")
+
+    _backward = _forward
 
 
 @pytest.mark.timeout(120)
@@ -193,16 +217,7 @@ def test_failing_and_dead_peers_are_banned_and_calls_retried(dhts, cleanup) -> N
         run_id = _run_id(scenario)
         good = _serve(cleanup, dhts["server1"], run_id, module)
         if scenario == "refusing":
-            bad = RefusingServer(
-                0,
-                nn.Linear(4, 4),
-                dht=dhts["server2"],
-                run_id=run_id,
-                optimizer_factory=None,
-                target_batch_size=1,
-                compression="none",
-            )
-            cleanup.append(bad.start())
+            bad = _serve(cleanup, dhts["server2"], run_id, nn.Linear(4, 4), cls=RefusingServer)
         else:
             bad = _serve(cleanup, dhts["server2"], run_id, nn.Linear(4, 4))
             bad.shutdown()  # its DHT record stays until it expires
@@ -218,59 +233,159 @@ def test_failing_and_dead_peers_are_banned_and_calls_retried(dhts, cleanup) -> N
         assert client.routers[0].is_banned(bad.peer_id) and not client.routers[0].is_banned(good.peer_id)
 
 
+class BadBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("user backward exploded")
+
+
+class UserBugs(nn.Module):
+    """A stage whose own code fails: a shape mismatch in forward, or a ValueError in its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, explode_backward: bool = False):
+        y = self.linear(x)
+        return BadBackward.apply(y) if explode_backward else y
+
+
 @pytest.mark.timeout(120)
-def test_channel_survives_bad_requests_and_is_reopened_without_blame(dhts, cleanup) -> None:
-    from lightning_swarm.swarm import _wire
-    from lightning_swarm.swarm.client import _Channel
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_errors_of_the_stage_code_reach_the_trainer_at_once(dhts, cleanup, where: str) -> None:
+    """An error raised by the user's block is the user's error: raised at once with the remote type and message,
+    and no healthy peer is banned (before, every peer was banned in turn and NoPeersError came a minute later)."""
+    run_id = _run_id(f"user-error-{where}")
+    host = dhts["server1"] if where == "remote" else dhts["trainer"]
+    servers = [_serve(cleanup, host, run_id, torch.manual_seed(0) and UserBugs())]
+    if where == "remote":
+        servers.append(_serve(cleanup, dhts["server2"], run_id, torch.manual_seed(0) and UserBugs()))
+    local = {0: servers[0]} if where == "local" else None
+    client = _client(cleanup, dhts["trainer"], run_id, local_servers=local, no_peers_timeout=30.0)
+    assert len(client.peers(0)) == len(servers)
+    start = time.monotonic()
+    with pytest.raises(
+        RuntimeError, match=r"Stage 0 raised RuntimeError: mat1 and mat2 shapes cannot be multiplied"
+    ):
+        client.call_stage(0, torch.randn(2, 5))  # wrong width for the Linear
+    x = torch.randn(2, 4, requires_grad=True)
+    y = client.call_stage(0, x, explode_backward=True)
+    with pytest.raises(ValueError, match="user backward exploded") as info:
+        y.sum().backward()
+    assert isinstance(info.value, RemoteStageError) and info.value.is_compute_error and info.value.stage == 0
+    assert time.monotonic() - start < 10.0
+    assert "swarm/bans" not in client.stats() and client.routers[0].num_live() == len(servers)
+    x = torch.randn(2, 4)  # the peers still serve
+    torch.testing.assert_close(client.call_stage(0, x), servers[0].module.linear(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(60)
+def test_no_peers_raises_after_bounded_wait(dhts, cleanup) -> None:
+    client = _client(cleanup, dhts["trainer"], _run_id("empty"), num_stages=2, no_peers_timeout=1.0)
+    with pytest.raises(NoPeersError, match=r"stage 1 of run 'empty-\d+': 0 known.*Waited 1\.0 s"):
+        client.call_stage(1, torch.randn(2, 3))
+
+
+def _request_message(run_id: str, inputs: Payload, kind: str = "forward", uid: str | None = None, **header):
+    """One channel request message, built the way the client builds it (then tampered with by the caller)."""
+    from lightning_swarm.swarm.transport import encode_request
+
+    request = StageRequest(kind, uid or stage_uid(run_id, 0), inputs, request_id=header.pop("request_id", 7))
+    metadata, encoded = encode_request(request, "none")
+    tensors = [part for payload in encoded for part in payload.parts()]
+    return runtime_pb2.ExpertRequest(tensors=tensors, metadata=metadata)
+
+
+@pytest.mark.timeout(120)
+def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(dhts, cleanup) -> None:
+    import msgpack
+
+    from lightning_swarm.swarm.transport import _Channel
 
     run_id = _run_id("channel")
     module = nn.Linear(3, 3)
-    server = _serve(cleanup, dhts["server1"], run_id, module, compression="none")
-    client = _client(cleanup, dhts["trainer"], run_id, compression="none")
+    server = _serve(cleanup, dhts["server1"], run_id, module)
+    client = _client(cleanup, dhts["trainer"], run_id)
     client.peers(0)
-    channel = _Channel(client._stub(server.peer_id, 0))
-    uid = stage_uid(run_id, 0)
-    tensors, metadata = pack((torch.randn(2, 3),), {}, "none")
-    good = _wire.channel_request("forward", metadata)
-    bad_requests = [
-        runtime_pb2.ExpertRequest(uid="other.stage0", tensors=tensors, metadata=good),
-        runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=b"\xc1garbage"),
-        runtime_pb2.ExpertRequest(
-            uid=uid, tensors=tensors, metadata=_wire.channel_request("explode", metadata)
-        ),
-        runtime_pb2.ExpertRequest(uid=uid, tensors=tensors[:0], metadata=good),  # a tensor missing
-        runtime_pb2.ExpertRequest(uid=uid, tensors=pack((torch.randn(2, 5),), {}, "none")[0], metadata=good),
-    ]
-    for request in bad_requests:  # each gets an error reply; the one channel stays open throughout
-        reply = run_coroutine(channel.call(request), timeout=15)
-        with pytest.raises(_wire.RemoteStageError):
-            _wire.parse_channel_reply(reply.metadata)
-    reply = run_coroutine(
-        channel.call(runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=good)), 15
-    )
-    assert _wire.parse_channel_reply(reply.metadata)
+    channel = _Channel(client._transport(server.peer_id, 0).stub)
+    x0 = torch.randn(2, 3)
+    good = _request_message(run_id, Payload.call((x0,), {}))
+    header = msgpack.unpackb(good.metadata)
+
+    def with_header(**changes) -> runtime_pb2.ExpertRequest:
+        fields = dict(zip(["version", "kind", "request_id", "uid", "inputs", "grads"], header, strict=True))
+        fields.update(changes)
+        return runtime_pb2.ExpertRequest(tensors=good.tensors, metadata=msgpack.packb(list(fields.values())))
+
+    truncated = runtime_pb2.Tensor()
+    truncated.CopyFrom(good.tensors[0])
+    truncated.buffer = truncated.buffer[:5]
+    bad_requests = {
+        "request": [
+            with_header(uid="other.stage0"),  # a stage this peer does not serve
+            runtime_pb2.ExpertRequest(tensors=good.tensors, metadata=b"\xc1garbage"),
+            with_header(kind="explode"),
+            with_header(version=99),
+            runtime_pb2.ExpertRequest(tensors=[], metadata=good.metadata),  # a tensor missing
+            runtime_pb2.ExpertRequest(tensors=[truncated], metadata=good.metadata),
+            with_header(kind="backward"),  # a backward without output gradients
+        ],
+        "compute": [_request_message(run_id, Payload.call((torch.randn(2, 5),), {}))],  # wrong width
+    }
+    for category, requests in bad_requests.items():
+        for request in requests:  # each gets an error reply over the one channel, which stays open
+            reply_header, tensors, _, _ = channel.call(iter([request]), timeout=15)
+            reply = parse_reply(reply_header, tensors)
+            assert reply.error is not None and reply.error.category == category, (
+                request.metadata[:40],
+                reply,
+            )
+    reply = parse_reply(*channel.call(iter([good]), timeout=15)[:2])
+    assert reply.error is None and reply.request_id == 7 and reply.outputs is not None
+    torch.testing.assert_close(reply.outputs.rebuild(), module(x0), atol=1e-6, rtol=0)
     channel.close()
+    # the other RPCs refuse a wrong stage too
+    from lightning_swarm.swarm.transport import TransportError, decode_payload_stream
+
+    stub = client._transport(server.peer_id, 0).stub
+    wrong = runtime_pb2.ExpertUID(uid="other.stage0")
+    with pytest.raises(P2PHandlerError, match="serves"):
+        run_coroutine(stub.rpc_info(wrong, timeout=10), timeout=15)
+
+    async def fetch():
+        return [message async for message in await stub.rpc_state(wrong)]
+
+    with pytest.raises(TransportError, match="ended before its last message"):
+        decode_payload_stream(run_coroutine(fetch(), timeout=15))
 
     # the client keeps one channel per peer and stage across calls ...
     for _ in range(3):
         x = torch.randn(2, 3, requires_grad=True)
         client.call_stage(0, x).sum().backward()
-    (key,) = client._channels
-    assert client._channels[key].calls == 6  # 3 forwards and 3 backwards
+    transport = client._transport(server.peer_id, 0)
+    (kept,) = transport._idle
+    assert kept.calls == 6 and transport.channels_opened == 1  # 3 forwards and 3 backwards
 
     # ... and replaces one that broke after it had worked (e.g. the daemon dropped it), without banning the peer
     async def broken():
         raise ConnectionError("stream reset")
         yield  # pragma: no cover
 
-    client._channels[key]._replies = broken()
+    kept._replies = broken()
     x = torch.randn(2, 3)
     torch.testing.assert_close(client.call_stage(0, x), module(x), atol=1e-5, rtol=0)
-    assert client.stats().get("swarm/bans", 0) == 0 and client._channels[key].calls == 1
+    assert client.stats().get("swarm/bans", 0) == 0 and transport.channels_opened == 2
+    infos = client.stage_info(0)
+    assert len(infos) == 1 and infos[0]["stage"] == 0 and infos[0]["throughput"] > 0
 
 
 @pytest.mark.timeout(120)
-def test_concurrent_calls_share_a_peer_through_channel_and_unary_fallback(dhts, cleanup) -> None:
+def test_concurrent_calls_to_one_peer_open_more_channels(dhts, cleanup) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     run_id = _run_id("concurrent")
@@ -285,60 +400,16 @@ def test_concurrent_calls_share_a_peer_through_channel_and_unary_fallback(dhts, 
             return self.linear(x)
 
     module = Slow()
-    _serve(cleanup, dhts["server1"], run_id, module, compression="none")
-    client = _client(cleanup, dhts["trainer"], run_id, compression="none")
+    _serve(cleanup, dhts["server1"], run_id, module)
+    client = _client(cleanup, dhts["trainer"], run_id)
     inputs = [torch.randn(4, 8) for _ in range(8)]
     with ThreadPoolExecutor(4) as pool, torch.no_grad():
         outputs = list(pool.map(lambda x: client.call_stage(0, x), inputs))
     for x, y in zip(inputs, outputs, strict=True):
         torch.testing.assert_close(y, module.linear(x), atol=1e-5, rtol=0)
-    (channel,) = client._channels.values()
-    assert 1 <= channel.calls < len(inputs)  # the others went unary while the channel was busy
+    (transport,) = client._transports.values()
+    assert 2 <= transport.channels_opened <= 4  # one per thread at most, reused afterwards
     assert client.stats()["swarm/stage0/forward_calls"] == len(inputs) and "swarm/bans" not in client.stats()
-
-
-@pytest.mark.timeout(60)
-def test_no_peers_raises_after_bounded_wait(dhts, cleanup) -> None:
-    client = _client(cleanup, dhts["trainer"], _run_id("empty"), num_stages=2, no_peers_timeout=1.0)
-    with pytest.raises(NoPeersError, match=r"stage 1 of run 'empty-\d+': 0 known.*Waited 1\.0 s"):
-        client.call_stage(1, torch.randn(2, 3))
-
-
-@pytest.mark.timeout(120)
-def test_malformed_requests_do_not_kill_the_server(dhts, cleanup) -> None:
-    run_id = _run_id("malformed")
-    module = nn.Linear(3, 3)
-    server = _serve(cleanup, dhts["server1"], run_id, module)
-    client = _client(cleanup, dhts["trainer"], run_id)
-    client.peers(0)
-    stub = client._stub(server.peer_id, 0)
-    uid = stage_uid(run_id, 0)
-    good_tensors, good_meta = pack((torch.randn(2, 3),), {}, "none")
-    truncated = encode_tensor(torch.randn(2, 3), "none")
-    truncated.buffer = truncated.buffer[:5]
-    bad_requests = [
-        (
-            "rpc_forward",
-            runtime_pb2.ExpertRequest(uid="other.stage0", tensors=good_tensors, metadata=good_meta),
-        ),
-        ("rpc_forward", runtime_pb2.ExpertRequest(uid=uid, tensors=good_tensors, metadata=b"\xc1garbage")),
-        ("rpc_forward", runtime_pb2.ExpertRequest(uid=uid, tensors=[truncated], metadata=good_meta)),
-        (
-            "rpc_forward",
-            runtime_pb2.ExpertRequest(
-                uid=uid, tensors=pack((torch.randn(2, 5),), {}, "none")[0], metadata=good_meta
-            ),
-        ),  # wrong width for the Linear
-        ("rpc_backward", runtime_pb2.ExpertRequest(uid=uid, tensors=good_tensors, metadata=good_meta)),
-    ]
-    for method, request in bad_requests:
-        with pytest.raises(P2PHandlerError):
-            run_coroutine(getattr(stub, method)(request, timeout=10), timeout=15)
-    x = torch.randn(2, 3)
-    torch.testing.assert_close(client.call_stage(0, x), module(x), atol=1e-5, rtol=0)
-    assert client.stats().get("swarm/bans", 0) == 0
-    infos = client.stage_info(0)
-    assert len(infos) == 1 and infos[0]["stage"] == 0 and infos[0]["throughput"] > 0
 
 
 @pytest.mark.timeout(120)
@@ -374,17 +445,15 @@ def test_state_and_optimizer_step_after_target_batch(dhts, cleanup) -> None:
 
 @pytest.mark.timeout(120)
 def test_stage_output_is_forwarded_without_requantizing(dhts, cleanup) -> None:
-    from lightning_swarm.swarm import codec
-
     run_id = _run_id("reuse")
     _serve(cleanup, dhts["server1"], run_id, nn.Identity(), stage=0, compression="8bit")
     _serve(cleanup, dhts["server1"], run_id, nn.Identity(), stage=1, compression="none")
     client = _client(cleanup, dhts["trainer"], run_id, num_stages=2, compression="8bit")
     x = torch.randn(64, 256, requires_grad=True)
     y = client.call_stage(0, x)  # quantized by the client, then by the stage-0 server
-    calls = codec._quantizations.calls
+    calls = quantize.quantizations.calls
     z = client.call_stage(1, y)  # y is sent as the very message it arrived in
-    assert codec._quantizations.calls == calls
+    assert quantize.quantizations.calls == calls
     assert torch.equal(z, y)  # stage 1 replies losslessly: it received exactly y
     z.sum().backward()
     assert x.grad is not None and ((x.grad - 1).abs().max()).item() < 0.02

@@ -1,20 +1,18 @@
-"""The ``"swarm"`` accelerator: one local device per peer, and the throughput that the peer announces."""
+"""The ``"swarm"`` accelerator: one local device per peer (the engine measures throughput itself)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
-from torch import nn
 from typing_extensions import override
 
 
 class SwarmAccelerator(Accelerator):
-    """Accelerator for swarm peers: picks CUDA when present, else the CPU, and measures the peer's throughput.
+    """Accelerator for swarm peers: picks CUDA when present, else the CPU.
 
     ``Trainer(accelerator="swarm", devices=N)`` runs N peers; on a GPU machine each takes one GPU (round robin when
     there are more peers than GPUs), on a CPU machine they share the CPU.
@@ -78,29 +76,6 @@ class SwarmAccelerator(Accelerator):
     @override
     def name() -> str:
         return "swarm"
-
-    @staticmethod
-    def measure_flops(device: torch.device, size: int = 512, repeats: int = 3) -> float:
-        """Floating-point operations per second of a square fp32 matmul on ``device`` (best of ``repeats``)."""
-        a = torch.randn(size, size, device=device)
-        best = float("inf")
-        for i in range(repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            a @ a
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:
-                best = min(best, time.perf_counter() - start)
-        return 2 * size**3 / max(best, 1e-9)
-
-    @staticmethod
-    def estimate_throughput(module: nn.Module, device: torch.device) -> float:
-        """A first guess of the samples per second ``module`` trains at (forward + backward ~ 6 FLOPs per
-        parameter per sample), announced until the server has measured real calls."""
-        params = sum(p.numel() for p in module.parameters()) or 1
-        return SwarmAccelerator.measure_flops(device) / (6 * params)
 
     @classmethod
     @override

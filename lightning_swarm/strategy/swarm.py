@@ -22,12 +22,13 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_swarm.swarm.peer import SwarmPeer, SwarmSettings
+from lightning_swarm.swarm import SwarmPeer, SwarmSettings
 
 log = logging.getLogger(__name__)
 
 Role = Literal["both", "trainer", "server"]
 Compression = Literal["8bit", "fp16", "none"]
+_DEFAULTS = SwarmSettings()  # the one source of the defaults below
 
 
 class SwarmStrategy(ParallelStrategy):
@@ -70,20 +71,20 @@ class SwarmStrategy(ParallelStrategy):
     def __init__(
         self,
         pipeline: str | None = None,
-        num_stages: int = 2,
-        role: Role = "both",
+        num_stages: int = _DEFAULTS.num_stages,
+        role: Role = _DEFAULTS.role,
         stage: int | None = None,
         num_trainers: int | None = None,
         initial_peers: list[str] | None = None,
         host_maddrs: list[str] | None = None,
-        run_id: str = "lightning_swarm",
-        compression: Compression = "8bit",
-        target_batch_size: int = 256,
-        request_timeout: float = 30.0,
-        no_peers_timeout: float = 60.0,
-        matchmaking_time: float = 3.0,
-        averaging_timeout: float = 30.0,
-        linger_timeout: float = 300.0,
+        run_id: str = _DEFAULTS.run_id,
+        compression: Compression = _DEFAULTS.compression,
+        target_batch_size: int = _DEFAULTS.target_batch_size,
+        request_timeout: float = _DEFAULTS.request_timeout,
+        no_peers_timeout: float = _DEFAULTS.no_peers_timeout,
+        matchmaking_time: float = _DEFAULTS.matchmaking_time,
+        averaging_timeout: float = _DEFAULTS.averaging_timeout,
+        linger_timeout: float = _DEFAULTS.linger_timeout,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -103,8 +104,8 @@ class SwarmStrategy(ParallelStrategy):
             role=role,
             stage=stage,
             num_trainers=num_trainers,
-            initial_peers=list(initial_peers or []),
-            host_maddrs=list(host_maddrs or []),
+            initial_peers=tuple(initial_peers or ()),
+            host_maddrs=tuple(host_maddrs or ()),
             run_id=run_id,
             compression=compression,
             target_batch_size=target_batch_size,
@@ -114,7 +115,6 @@ class SwarmStrategy(ParallelStrategy):
             averaging_timeout=averaging_timeout,
             linger_timeout=linger_timeout,
         )
-        self.settings.validate()
         self.num_nodes = 1
         self._peer: SwarmPeer | None = None
         self._failed = False

@@ -1,35 +1,29 @@
-"""The SWARM engine, free of Lightning: boundary codec, DHT records, stochastic wiring (routing), stage
-servers and the trainer-side swarm client."""
+"""The SWARM engine, free of Lightning: one layer of the wire per module.
 
-from lightning_swarm.swarm._loop import run_coroutine
+The engine's face: :class:`SwarmPeer` (one peer's life), :class:`SwarmSettings`, :class:`Partition` (stages and
+proxies), :class:`SwarmClient` (differentiable stage calls) and :class:`StageServer`, plus the errors a caller
+may see. The layers underneath: ``quantize`` (8-bit kernel) -> ``codec`` (tensor <-> parts) -> ``payload``
+(structures <-> skeleton + tensors) -> ``protocol`` (requests, replies, validation, errors) -> ``transport``
+(one request to one peer) -> ``client`` / ``server``; ``routing``, ``records``, ``presence`` and ``throughput``
+beside them.
+"""
+
 from lightning_swarm.swarm.client import SwarmClient
-from lightning_swarm.swarm.codec import (
-    COMPRESSIONS,
-    CodecError,
-    decode_tensor,
-    encode_tensor,
-    nbytes,
-    pack,
-    unpack,
-)
-from lightning_swarm.swarm.records import PeerInfo, declare_stage_peer, get_stage_peers
-from lightning_swarm.swarm.routing import NoPeersError, StageRouter
+from lightning_swarm.swarm.codec import CodecError
+from lightning_swarm.swarm.partition import Partition
+from lightning_swarm.swarm.peer import SwarmPeer
+from lightning_swarm.swarm.protocol import RemoteStageError
+from lightning_swarm.swarm.routing import NoPeersError
 from lightning_swarm.swarm.server import StageServer
+from lightning_swarm.swarm.settings import SwarmSettings
 
 __all__ = [
-    "COMPRESSIONS",
     "CodecError",
     "NoPeersError",
-    "PeerInfo",
-    "StageRouter",
+    "Partition",
+    "RemoteStageError",
     "StageServer",
     "SwarmClient",
-    "declare_stage_peer",
-    "decode_tensor",
-    "encode_tensor",
-    "get_stage_peers",
-    "nbytes",
-    "pack",
-    "run_coroutine",
-    "unpack",
+    "SwarmPeer",
+    "SwarmSettings",
 ]

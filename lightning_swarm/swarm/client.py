@@ -3,13 +3,17 @@
 :meth:`SwarmClient.call_stage` is differentiable. Its forward picks one peer of the stage with the
 :class:`~.routing.StageRouter` (stochastic wiring), sends the stage inputs there and returns the outputs; its
 backward sends the saved stage *inputs* plus the output gradients to *any* live peer of the stage, which
-recomputes the forward, accumulates its parameter gradients and returns the input gradients. A failed or
-timed-out call is retried on another peer of the stage and the failing peer is banned with exponential
-backoff. When a stage has no live peer the client polls the DHT for up to ``no_peers_timeout`` seconds, then
-raises :class:`~.routing.NoPeersError`.
+recomputes the forward, accumulates its parameter gradients and returns the input gradients.
 
-Calls whose chosen peer is this very process (libp2p cannot dial itself) go straight to the local
-:class:`~.server.StageServer` object, without serialisation.
+Failure handling lives here, in :meth:`SwarmClient._with_retries`: a call that the peer could not serve (no
+answer, a timeout, a malformed reply, an error reply of category ``request``/``unavailable``) is retried on
+another peer of the stage and the failing peer is banned with exponential backoff; when a stage has no live
+peer the client polls the DHT for up to ``no_peers_timeout`` seconds, then raises
+:class:`~.routing.NoPeersError`. An error raised by the stage's own code is raised to the caller at once, with
+the remote type and message (see :class:`~.protocol.RemoteStageError`): every peer would fail the same way.
+
+Requests go through a transport (:mod:`.transport`): the in-process server for a stage this peer hosts, P2P
+channels for the others.
 """
 
 from __future__ import annotations
@@ -17,49 +21,33 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import hivemind
 import msgpack
 import torch
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import runtime_pb2
 from hivemind.utils.mpfuture import MPFuture
 
-from . import _wire
-from ._loop import get_loop, replicate_p2p, run_coroutine
-from .codec import (
-    CodecError,
-    LazyPack,
-    PartsDecoder,
-    check_compression,
-    decode_parts,
-    flatten_tensors,
-    rebuild_call,
-    rebuild_tensors,
-    remember_wire_format,
-)
+from ._loop import replicate_p2p, run_coroutine
+from .codec import CodecError, remember_wire_format
+from .payload import EncodedPayload, Payload
+from .protocol import RemoteStageError, StageRequest, StageService, remote_exception, stage_uid
 from .records import PeerInfo, parse_stage_peers, stage_key
 from .routing import NoPeersError, StageRouter
-from .server import StageServer, backward_metadata, batch_size_of, check_run_id, stage_uid
+from .settings import SwarmSettings
+from .transport import LocalTransport, P2PTransport, decode_payload_stream, encode_request
 
 __all__ = ["SwarmClient"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_RESPONSE_TOO_LARGE = "response size exceeds message size limit"
-# Payloads over hivemind's unary limit are streamed (pipelined). Below it, one message is faster on a small box:
-# while choosing this design, a pipelined 1 MiB hop measured 17 ms on 2 cores against 11 ms as one message, since
-# the sender's and receiver's threads and both p2p daemons all compete for the cores.
-_STREAM_ABOVE = _wire.MAX_UNARY_PAYLOAD_SIZE - 64 * 1024
-_END = object()
 # makes every stage call part of the autograd graph, so that stages whose inputs need no grad still train
 _DUMMY = torch.empty(0, requires_grad=True)
 
@@ -69,49 +57,29 @@ class SwarmClient:
 
     Args:
         dht: this peer's running hivemind DHT.
-        run_id: the swarm's run id.
-        num_stages: number of pipeline stages.
-        compression: boundary compression of the activations and gradients this client sends:
-            "8bit", "fp16" or "none".
-        local_servers: stage servers living in this process, by stage; calls routed to this peer use them
-            directly.
-        request_timeout: seconds before a call to a peer counts as failed (it is retried elsewhere).
-        no_peers_timeout: seconds to wait for a live peer of a stage before raising ``NoPeersError``.
-        ban_base_s: first ban of a failing peer in seconds, doubled on each consecutive failure.
-        refresh_period: seconds between DHT lookups of a stage's peers.
+        settings: the swarm's settings (``run_id``, ``num_stages``, ``compression`` of what this client sends,
+            ``request_timeout``, ``no_peers_timeout``, ``ban_base_s``, ``refresh_period``).
+        local_servers: stage servers living in this process, by stage (objects with ``handle``, ``info`` and
+            ``state_dict_local``); calls routed to this peer use them directly.
     """
 
     def __init__(
-        self,
-        dht: hivemind.DHT,
-        run_id: str,
-        num_stages: int,
-        *,
-        compression: str = "8bit",
-        local_servers: dict[int, StageServer] | None = None,
-        request_timeout: float = 30.0,
-        no_peers_timeout: float = 60.0,
-        ban_base_s: float = 15.0,
-        refresh_period: float = 2.0,
+        self, dht: hivemind.DHT, settings: SwarmSettings, local_servers: dict[int, Any] | None = None
     ):
-        if num_stages <= 0:
-            raise ValueError(f"SwarmClient: num_stages must be positive, got {num_stages}")
-        self.dht, self.num_stages = dht, num_stages
-        self.run_id = check_run_id(run_id, "SwarmClient")
-        self.compression = check_compression(compression)
+        self.dht, self.settings = dht, settings
+        self.run_id, self.num_stages = settings.run_id, settings.num_stages
         self.local_servers = dict(local_servers or {})
-        self.request_timeout, self.no_peers_timeout = request_timeout, no_peers_timeout
-        self.refresh_period = refresh_period
         self.peer_id: PeerID = dht.peer_id
-        self.routers = [StageRouter(k, run_id=run_id, ban_base_s=ban_base_s) for k in range(num_stages)]
-        self._last_refresh = [-float("inf")] * num_stages
-        self._pending: list[MPFuture | None] = [None] * num_stages
-        self._stream_stages: set[int] = set()  # stages whose responses exceeded the unary limit
-        self._stubs: dict[tuple[PeerID, int], Any] = {}
-        self._channels: dict[tuple[PeerID, int], _Channel] = {}
+        self.routers = [
+            StageRouter(k, run_id=self.run_id, ban_base_s=settings.ban_base_s) for k in range(self.num_stages)
+        ]
+        self._last_refresh = [-float("inf")] * self.num_stages
+        self._pending: list[MPFuture | None] = [None] * self.num_stages
+        self._transports: dict[tuple[PeerID, int], Any] = {}
         self._p2p: P2P | None = None
+        self._request_ids = itertools.count()
         self._lock = threading.Lock()
-        self._stub_lock = threading.Lock()
+        self._transport_lock = threading.Lock()
         self._router_lock = threading.Lock()
         self._counters: dict[str, float] = defaultdict(float)
 
@@ -124,17 +92,15 @@ class SwarmClient:
         trained on the servers. Outputs have the structure the stage module returns.
         """
         self._check_stage(stage)
-        tensors, skeleton = flatten_tensors((args, kwargs))
+        inputs = Payload.call(args, kwargs)
+        device = inputs.tensors[0].device if inputs.tensors else torch.device("cpu")
         if not torch.is_grad_enabled():
-            outputs = self._forward(stage, args, kwargs)[0]
-            out_tensors, out_skeleton = flatten_tensors(outputs)
-            device = _device_of(tensors)
-            return rebuild_tensors(out_skeleton, [t.to(device) for t in out_tensors])
-        marks = [t.requires_grad and t.is_floating_point() for t in tensors]
-        call = _StageCall(self, stage, skeleton, tensors, marks)
-        diff_inputs = [t for t, mark in zip(tensors, marks, strict=True) if mark]
+            outputs, _ = self._call(stage, StageRequest("forward", stage_uid(self.run_id, stage), inputs))
+            return outputs.rebuild([_moved(t, device) for t in outputs.tensors])
+        call = _StageCall(self, stage, inputs, device)
+        diff_inputs = [t for t, mark in zip(inputs.tensors, call.marks, strict=True) if mark]
         flat_outputs = _StageFunction.apply(call, _DUMMY, *diff_inputs)
-        return rebuild_tensors(call.output_skeleton, list(flat_outputs))
+        return call.output_skeleton.rebuild(list(flat_outputs))
 
     def peers(self, stage: int) -> list[PeerInfo]:
         """The live peers of ``stage`` (one fresh DHT lookup)."""
@@ -151,13 +117,19 @@ class SwarmClient:
         self._check_stage(stage)
 
         def attempt(peer_id: PeerID) -> dict[str, torch.Tensor]:
-            if self._is_local(peer_id, stage):
+            if peer_id == self.peer_id and stage in self.local_servers:
                 return self.local_servers[stage].state_dict_local()
             request = runtime_pb2.ExpertUID(uid=stage_uid(self.run_id, stage))
-            responses = self._run(self._call_stream(self._stub(peer_id, stage), "rpc_state", [request]))
+            stub = self._transport(peer_id, stage).stub
+
+            async def fetch() -> list[runtime_pb2.ExpertResponse]:
+                return [message async for message in await stub.rpc_state(request)]
+
+            responses = self._run(fetch())
             self._count(stage, "state", 0, sum(response.ByteSize() for response in responses))
-            tensors, metadata, _ = _wire.decode_messages(responses)
-            _, state = rebuild_call(metadata, tensors)
+            state = decode_payload_stream(responses).rebuild()
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise CodecError(f"Peer {peer_id} sent a malformed state of stage {stage}")
             return state
 
         return self._with_retries(stage, 1.0, attempt)
@@ -166,13 +138,13 @@ class SwarmClient:
         """``rpc_info`` of every live peer of ``stage`` (peers that fail to answer are skipped)."""
         infos = []
         for info in self.peers(stage):
-            if self._is_local(info.peer_id, stage):
+            if info.peer_id == self.peer_id and stage in self.local_servers:
                 infos.append(self.local_servers[stage].info())
                 continue
             try:
                 request = runtime_pb2.ExpertUID(uid=stage_uid(self.run_id, stage))
-                stub = self._stub(info.peer_id, stage)
-                reply = self._run(stub.rpc_info(request, timeout=self.request_timeout))
+                stub = self._transport(info.peer_id, stage).stub
+                reply = self._run(stub.rpc_info(request, timeout=self.settings.request_timeout))
                 infos.append(msgpack.unpackb(reply.serialized_info))
             except Exception as e:
                 logger.debug(f"Peer {info.peer_id} of stage {stage} did not answer rpc_info: {e!r}")
@@ -184,74 +156,55 @@ class SwarmClient:
             return dict(self._counters)
 
     def shutdown(self) -> None:
-        """Close this client's P2P connection (idempotent)."""
+        """Close this client's channels and P2P connection (idempotent)."""
         p2p, self._p2p = self._p2p, None
-        with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
-        self._stubs.clear()
+        with self._transport_lock:
+            transports, self._transports = list(self._transports.values()), {}
+        for transport in transports:
+            transport.close()
         if p2p is not None:
             try:
                 run_coroutine(p2p.shutdown(), timeout=10)
             except Exception as e:
                 logger.debug(f"SwarmClient: error while closing P2P: {e!r}")
 
-    # ---- forward / backward with retries ----
+    # ---- one call with retries ----
 
-    def _forward(self, stage: int, args: tuple, kwargs: dict) -> tuple[Any, LazyPack | None]:
-        """Run the stage forward; returns the outputs and the encoded request (None if it ran locally)."""
-        encoded: list[LazyPack | None] = [None]
+    def _call(
+        self,
+        stage: int,
+        request: StageRequest,
+        reuse: EncodedPayload | None = None,
+        check: Callable[[Payload], None] | None = None,
+    ) -> tuple[Payload, EncodedPayload | None]:
+        """Serve ``request`` on some peer of ``stage``; returns the reply's payload and the encoded inputs.
 
-        def attempt(peer_id: PeerID) -> Any:
-            if self._is_local(peer_id, stage):
-                return self.local_servers[stage].forward_local(args, kwargs)
-            if encoded[0] is None:
-                encoded[0] = LazyPack(args, kwargs, self.compression, split_above=_STREAM_ABOVE)
-            request = encoded[0]
-            reply_tensors, reply_metadata = self._request(
-                peer_id, stage, "forward", request.metadata, [request]
-            )
-            (outputs,), _ = rebuild_call(reply_metadata, reply_tensors)
-            return outputs
+        The request is encoded at most once, by the first remote attempt (``reuse``: the inputs as the forward
+        encoded them, for a backward). ``check`` validates the reply; if it raises, the peer counts as failed.
+        """
+        request.request_id = next(self._request_ids)
+        encoded: list[Any] = [None]
 
-        outputs = self._with_retries(stage, batch_size_of(args, kwargs), attempt)
-        return outputs, encoded[0]
+        def attempt(peer_id: PeerID) -> Payload:
+            transport = self._transport(peer_id, stage)
+            if isinstance(transport, P2PTransport) and encoded[0] is None:
+                encoded[0] = encode_request(request, self.settings.compression, reuse_inputs=reuse)
+            reply, sent, recv = transport.call(request, encoded[0])
+            if sent or recv:
+                self._count(stage, request.kind, sent, recv)
+            if reply.error is not None:
+                raise remote_exception(reply.error, stage, peer_id)
+            assert reply.outputs is not None
+            if check is not None:
+                check(reply.outputs)
+            return reply.outputs
 
-    def _backward(
-        self, call: _StageCall, grad_outputs: list[torch.Tensor | None], expected: list[torch.Size]
-    ) -> list[torch.Tensor]:
-        """Input gradients (shapes ``expected``) of a stage call, computed by any live peer of the stage."""
-        stage = call.stage
-        args, kwargs = call.inputs()
-        grads_encoded: list[LazyPack | None] = [None]
-
-        def attempt(peer_id: PeerID) -> list[torch.Tensor]:
-            if self._is_local(peer_id, stage):
-                grad_inputs = self.local_servers[stage].backward_local(args, kwargs, grad_outputs)
-                _check_grads(stage, grad_inputs, expected)
-                return grad_inputs
-            if call.encoded is None:
-                call.encoded = LazyPack(args, kwargs, self.compression, split_above=_STREAM_ABOVE)
-            if grads_encoded[0] is None:
-                grads_encoded[0] = LazyPack(
-                    tuple(grad_outputs), {}, self.compression, split_above=_STREAM_ABOVE
-                )
-            inputs, grads = call.encoded, grads_encoded[0]
-            metadata = backward_metadata(inputs.metadata, inputs.num_tensors, grads.metadata)
-            reply_tensors, reply_metadata = self._request(
-                peer_id, stage, "backward", metadata, [inputs, grads]
-            )
-            grad_inputs, _ = rebuild_call(reply_metadata, reply_tensors)
-            _check_grads(stage, grad_inputs, expected)
-            return list(grad_inputs)
-
-        grads = self._with_retries(stage, batch_size_of(args, kwargs), attempt)
-        return grads
+        outputs = self._with_retries(stage, request.inputs.batch_size(), attempt)
+        return outputs, (None if encoded[0] is None else encoded[0][1][0])
 
     def _with_retries(self, stage: int, task_size: float, attempt: Callable[[PeerID], T]) -> T:
         router = self.routers[stage]
-        deadline = time.monotonic() + self.no_peers_timeout
+        deadline = time.monotonic() + self.settings.no_peers_timeout
         failed: set[PeerID] = set()
         last_error: BaseException | None = None
         while True:
@@ -262,192 +215,64 @@ class SwarmClient:
             except NoPeersError as e:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    message = f"{e} Waited {self.no_peers_timeout:.1f} s (no_peers_timeout)."
+                    message = f"{e} Waited {self.settings.no_peers_timeout:.1f} s (no_peers_timeout)."
                     if last_error is not None:
                         message += f" Last error from a peer: {last_error!r}"
                     raise NoPeersError(message) from last_error
                 failed.clear()  # everyone failed once: after a refresh, allow retrying unbanned peers
-                self._maybe_refresh(stage, block=True, max_wait=min(self.refresh_period, remaining))
+                self._maybe_refresh(stage, block=True, max_wait=min(self.settings.refresh_period, remaining))
                 continue
             try:
                 result = attempt(peer_id)
             except (KeyboardInterrupt, SystemExit):
                 raise
-            except Exception as e:
-                if (
-                    isinstance(e, P2PHandlerError)
-                    and _RESPONSE_TOO_LARGE in str(e)
-                    and stage not in self._stream_stages
-                ):
-                    self._stream_stages.add(stage)  # retry the same peer, streaming
-                    continue
-                last_error = e
-                with self._router_lock:
-                    duration = router.ban(peer_id)
-                failed.add(peer_id)
-                self._count_failure(stage)
-                logger.warning(
-                    f"Stage {stage} call to peer {peer_id} failed ({e!r}); banned it for {duration:.0f} s and retrying"
-                )
-                continue
-            with self._router_lock:
-                router.report_success(peer_id)
-            return result
-
-    # ---- transport ----
-
-    def _request(
-        self, peer_id: PeerID, stage: int, kind: str, metadata: bytes, sources: list[LazyPack]
-    ) -> tuple[list[torch.Tensor], bytes]:
-        """Send a forward/backward request made of ``sources``' parts; returns the decoded reply and its metadata.
-
-        Payloads over the unary limit, and every call to a stage whose replies were that large, are streamed:
-        parts go on the wire as they are encoded and are decoded as they come. Other calls travel as one message
-        each way over the peer's channel for the stage (a long-lived stream, see ``_channel_call``).
-        """
-        if sum(source.estimated_bytes for source in sources) > _STREAM_ABOVE or stage in self._stream_stages:
-            parts = itertools.chain.from_iterable(source.parts() for source in sources)
-            uid = stage_uid(self.run_id, stage)
-            requests = _wire.messages(runtime_pb2.ExpertRequest, parts, metadata, uid=uid)
-            stub = self._stub(peer_id, stage)
-            tensors, reply_metadata, sent, recv = self._stream(stub, f"rpc_{kind}_stream", requests)
-        else:
-            parts = [part for source in sources for part in source.parts()]
-            reply, sent = self._channel_call(peer_id, stage, kind, parts, metadata)
-            tensors, reply_metadata = decode_parts(reply.tensors), reply.metadata
-            recv = reply.ByteSize()
-            if recv > _STREAM_ABOVE:
-                self._stream_stages.add(stage)  # large replies: stream them from now on, pipelined
-        self._count(stage, kind, sent, recv)
-        return tensors, reply_metadata
-
-    def _channel_call(
-        self, peer_id: PeerID, stage: int, kind: str, parts: list[runtime_pb2.Tensor], metadata: bytes
-    ) -> tuple[runtime_pb2.ExpertResponse, int]:
-        """One call over the peer's channel for this stage (opened on first use), or a unary call if the channel
-        is busy; returns the reply and the bytes sent.
-
-        A channel that worked before and now fails is replaced once without blaming the peer (the daemon may have
-        dropped an idle stream); errors the peer reports for this call are raised as ``RemoteStageError``.
-        """
-        key = (peer_id, stage)
-        for fresh_attempt in (False, True):
-            with self._lock:
-                channel = self._channels.get(key)
-                if channel is None:
-                    channel = self._channels[key] = _Channel(self._stub(peer_id, stage))
-            uid = stage_uid(self.run_id, stage)
-            if not channel.lock.acquire(blocking=False):  # another thread is using it
-                request = runtime_pb2.ExpertRequest(uid=uid, tensors=parts, metadata=metadata)
-                method = getattr(self._stub(peer_id, stage), f"rpc_{kind}")
-                return run_coroutine(
-                    method(request, timeout=self.request_timeout), timeout=None
-                ), request.ByteSize()
-            try:
-                message = runtime_pb2.ExpertRequest(
-                    uid=uid, tensors=parts, metadata=_wire.channel_request(kind, metadata)
-                )
-                reused = channel.calls > 0
-                try:
-                    reply = run_coroutine(
-                        asyncio.wait_for(channel.call(message), self.request_timeout),
-                        timeout=self.request_timeout + 5,
-                    )
-                except Exception:
-                    self._drop_channel(key, channel)
-                    if reused and not fresh_attempt:
-                        continue
+            except RemoteStageError as e:
+                if e.is_compute_error:  # the stage's own code failed: the same on every peer
+                    with self._router_lock:
+                        router.report_success(peer_id)
                     raise
-                channel.calls += 1
-            finally:
-                channel.lock.release()
-            reply.metadata = _wire.parse_channel_reply(reply.metadata)
-            return reply, message.ByteSize()
-        raise AssertionError("unreachable")
+                last_error = e
+            except Exception as e:
+                last_error = e
+            else:
+                with self._router_lock:
+                    router.report_success(peer_id)
+                return result
+            with self._router_lock:
+                duration = router.ban(peer_id)
+            failed.add(peer_id)
+            self._count_failure(stage)
+            logger.warning(
+                f"Stage {stage} call to peer {peer_id} failed ({last_error!r}); banned it for {duration:.0f} s and "
+                f"retrying"
+            )
 
-    def _drop_channel(self, key: tuple[PeerID, int], channel: _Channel) -> None:
-        with self._lock:
-            if self._channels.get(key) is channel:
-                del self._channels[key]
-        channel.close()
-
-    def _stream(
-        self, stub: Any, method: str, requests: Iterator[Any]
-    ) -> tuple[list[torch.Tensor], bytes, int, int]:
-        """A streaming RPC that overlaps this thread's encoding and decoding with the transfer.
-
-        This thread encodes the request messages (``requests`` is lazy) and hands each to the event loop,
-        which sends it while the next one is encoded; reply messages come back through a queue and are decoded
-        here while the next ones are in flight. The whole call is bounded by ``request_timeout``.
-        """
-        loop = get_loop()
-        outbox: asyncio.Queue = asyncio.Queue()
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-
-        async def outgoing() -> AsyncIterator[Any]:
-            while (message := await outbox.get()) is not None:
-                yield message
-
-        async def call() -> None:
-            async for response in await getattr(stub, method)(outgoing()):
-                inbox.put(response)
-
-        deadline = time.monotonic() + self.request_timeout
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(call(), self.request_timeout), loop)
-        future.add_done_callback(lambda _: inbox.put(_END))
-        sent = recv = 0
-        try:
-            for message in requests:
-                sent += message.ByteSize()
-                loop.call_soon_threadsafe(outbox.put_nowait, message)
-                if future.done():
-                    break  # the call already failed: stop encoding
-            loop.call_soon_threadsafe(outbox.put_nowait, None)
-            decoder = PartsDecoder()
-            reply_metadata: bytes | None = None
-            while (response := inbox.get(timeout=max(0.0, deadline - time.monotonic()) + 1.0)) is not _END:
-                if reply_metadata is None:
-                    reply_metadata = response.metadata
-                recv += response.ByteSize()
-                for part in response.tensors:
-                    decoder.feed(part)
-            future.result()  # the handler's error, if any
-            if reply_metadata is None:
-                raise CodecError("The peer closed the stream without replying")
-            return decoder.finish(), reply_metadata, sent, recv
-        except queue.Empty:
-            raise TimeoutError(f"{method} did not finish within {self.request_timeout} s") from None
-        finally:
-            future.cancel()
-
-    @staticmethod
-    async def _call_stream(stub: Any, method: str, requests: Any) -> list[Any]:
-        async def _requests() -> Any:
-            for request in requests:
-                yield request
-
-        stream = await getattr(stub, method)(_requests())
-        return [response async for response in stream]
+    def _transport(self, peer_id: PeerID, stage: int) -> Any:
+        """How to reach ``stage`` on ``peer_id``: the in-process server if it is this peer, else P2P channels."""
+        key = (peer_id, stage)
+        transport = self._transports.get(key)
+        if transport is None:
+            with self._transport_lock:  # threads calling at once must share one P2P connection
+                transport = self._transports.get(key)
+                if transport is None:
+                    if peer_id == self.peer_id and stage in self.local_servers:
+                        transport = LocalTransport(self.local_servers[stage])
+                    else:
+                        if self._p2p is None:
+                            self._p2p = run_coroutine(replicate_p2p(self.dht), timeout=60)
+                        transport = P2PTransport(
+                            self._p2p,
+                            peer_id,
+                            stage_uid(self.run_id, stage),
+                            StageService.get_stub,
+                            self.settings.request_timeout,
+                        )
+                    self._transports[key] = transport
+        return transport
 
     def _run(self, coro: Any) -> Any:
-        return run_coroutine(asyncio.wait_for(coro, self.request_timeout), timeout=self.request_timeout + 5)
-
-    def _stub(self, peer_id: PeerID, stage: int) -> Any:
-        key = (peer_id, stage)
-        stub = self._stubs.get(key)
-        if stub is None:
-            with self._stub_lock:  # threads calling at once must share one P2P connection
-                stub = self._stubs.get(key)
-                if stub is None:
-                    if self._p2p is None:
-                        self._p2p = run_coroutine(replicate_p2p(self.dht), timeout=60)
-                    stub = self._stubs[key] = StageServer.get_stub(
-                        self._p2p, peer_id, namespace=stage_uid(self.run_id, stage)
-                    )
-        return stub
-
-    def _is_local(self, peer_id: PeerID, stage: int) -> bool:
-        return peer_id == self.peer_id and stage in self.local_servers
+        timeout = self.settings.request_timeout
+        return run_coroutine(asyncio.wait_for(coro, timeout), timeout=timeout + 5)
 
     # ---- peer discovery ----
 
@@ -459,7 +284,7 @@ class SwarmClient:
         """
         start = time.monotonic()
         pending = self._pending[stage]
-        if pending is None and (block or start - self._last_refresh[stage] >= self.refresh_period):
+        if pending is None and (block or start - self._last_refresh[stage] >= self.settings.refresh_period):
             pending = self._pending[stage] = self.dht.get(
                 stage_key(self.run_id, stage), latest=True, return_future=True
             )
@@ -504,81 +329,41 @@ class SwarmClient:
             raise ValueError(f"SwarmClient: stage must be in [0, {self.num_stages}), got {stage}")
 
 
-class _Channel:
-    """A long-lived stream to one stage of one peer (``StageServer.rpc_channel``), one call at a time."""
-
-    def __init__(self, stub: Any):
-        self.stub = stub
-        self.lock = threading.Lock()  # held by the thread whose call is in flight
-        self.calls = 0
-        self._outbox: asyncio.Queue | None = None
-        self._replies: Any = None
-
-    async def call(self, message: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
-        """Send one request and wait for its reply (runs on the swarm event loop)."""
-        if self._replies is None:
-            outbox: asyncio.Queue = asyncio.Queue()
-
-            async def outgoing() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-                while (request := await outbox.get()) is not None:
-                    yield request
-
-            self._outbox = outbox
-            self._replies = await self.stub.rpc_channel(outgoing())
-        assert self._outbox is not None
-        self._outbox.put_nowait(message)
-        try:
-            return await self._replies.__anext__()
-        except StopAsyncIteration:
-            raise ConnectionError("the peer closed the channel") from None
-
-    def close(self) -> None:
-        """End the stream (from any thread; idempotent)."""
-        outbox, replies, self._outbox, self._replies = self._outbox, self._replies, None, None
-        if outbox is None:
-            return
-        loop = get_loop()
-        loop.call_soon_threadsafe(outbox.put_nowait, None)
-        if replies is not None:
-            asyncio.run_coroutine_threadsafe(replies.aclose(), loop)
-
-
 class _StageCall:
     """What one differentiable stage call keeps between its forward and backward."""
 
-    def __init__(
-        self, client: SwarmClient, stage: int, skeleton: Any, tensors: list[torch.Tensor], marks: list[bool]
-    ):
-        self.client, self.stage, self.skeleton, self.marks = client, stage, skeleton, marks
-        self.tensors = tensors
-        self.encoded: LazyPack | None = None
-        self.output_skeleton: Any = None
-        self.diff_devices: list[tuple[torch.device, torch.dtype]] = []
+    def __init__(self, client: SwarmClient, stage: int, inputs: Payload, device: torch.device):
+        self.client, self.stage, self.inputs, self.device = client, stage, inputs, device
+        self.marks = [t.requires_grad and t.is_floating_point() for t in inputs.tensors]
+        self.encoded_inputs: EncodedPayload | None = (
+            None  # the forward's encoding of the inputs, re-sent by the backward
+        )
+        self.output_skeleton: Payload = Payload(None, [])
 
-    def inputs(self) -> tuple[tuple, dict]:
-        """The stage inputs as detached tensors, marked ``requires_grad`` where gradients are wanted."""
-        leaves = []
-        for t, mark in zip(self.tensors, self.marks, strict=True):
-            leaf = t.detach()
-            remember_wire_format(t, leaf)
-            if mark:
-                leaf.requires_grad_(True)
-            leaves.append(leaf)
-        args, kwargs = rebuild_tensors(self.skeleton, leaves)
-        return tuple(args), dict(kwargs)
+    def forward(self) -> list[torch.Tensor]:
+        request = StageRequest("forward", stage_uid(self.client.run_id, self.stage), self.inputs)
+        outputs, self.encoded_inputs = self.client._call(self.stage, request)
+        self.output_skeleton = Payload(outputs.skeleton, [])
+        return [_moved(t, self.device) for t in outputs.tensors]
+
+    def backward(
+        self, grad_outputs: list[torch.Tensor | None], expected: list[torch.Size]
+    ) -> list[torch.Tensor]:
+        grads = Payload.flatten(tuple(grad_outputs))
+        request = StageRequest("backward", stage_uid(self.client.run_id, self.stage), self.inputs, grads)
+        reply, _ = self.client._call(
+            self.stage,
+            request,
+            reuse=self.encoded_inputs,
+            check=lambda p: _check_grads(self.stage, p.rebuild(), expected),
+        )
+        return list(reply.rebuild())
 
 
 class _StageFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _StageCall, dummy: torch.Tensor, *diff_inputs: torch.Tensor) -> tuple:
-        args, kwargs = call.inputs()
-        outputs, call.encoded = call.client._forward(call.stage, args, kwargs)
-        out_tensors, call.output_skeleton = flatten_tensors(outputs)
-        device = _device_of(call.tensors)
-        moved = [t.to(device) for t in out_tensors]
-        for source, target in zip(out_tensors, moved, strict=True):
-            remember_wire_format(source, target)
-        out_tensors = moved
+        out_tensors = call.forward()
         ctx.call = call
         ctx.set_materialize_grads(False)
         ctx.input_meta = [(t.device, t.dtype, t.shape) for t in diff_inputs]
@@ -594,10 +379,8 @@ class _StageFunction(torch.autograd.Function):
         if all(g is None for g in grad_outputs):
             grads_in = [None] * len(ctx.input_meta)
         else:
-            grads = call.client._backward(
-                call,
-                [None if g is None else g.detach() for g in grad_outputs],
-                [m[2] for m in ctx.input_meta],
+            grads = call.backward(
+                [None if g is None else g.detach() for g in grad_outputs], [m[2] for m in ctx.input_meta]
             )
             grads_in = [
                 grad.to(device=device, dtype=dtype)
@@ -606,9 +389,11 @@ class _StageFunction(torch.autograd.Function):
         return (None, None, *grads_in)
 
 
-def _device_of(tensors: list[torch.Tensor]) -> torch.device:
-    """Where a call's outputs should live: the device of its first tensor argument (CPU if none)."""
-    return tensors[0].device if tensors else torch.device("cpu")
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, still known as the parts it was received in (so that it is re-sent as they are)."""
+    moved = t.to(device)
+    remember_wire_format(t, moved)
+    return moved
 
 
 def _check_grads(stage: int, grads: Any, expected: list[torch.Size]) -> None:

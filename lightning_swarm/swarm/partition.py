@@ -185,7 +185,11 @@ class SwarmModuleList(nn.Module):
 
 
 class SwarmSequential(nn.Module):
-    """Stands for an nn.Sequential pipeline: calling it runs every stage in turn through the swarm."""
+    """Stands for an nn.Sequential pipeline: calling it runs every stage in turn through the swarm.
+
+    Its blocks live on the stages' servers, not here: iterating or indexing it raises a ``TypeError`` that says
+    how to call the pipeline (running the local copies would silently use untrained weights).
+    """
 
     def __init__(self, num_stages: int, original: nn.Module, call_stage: CallStage) -> None:
         super().__init__()
@@ -201,10 +205,10 @@ class SwarmSequential(nn.Module):
         return len(self._original)
 
     def __getitem__(self, index: int | slice) -> Any:
-        return self._original[index]
+        raise TypeError(self._not_local(f"indexed (`[{index}]`)"))
 
     def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self._original)
+        raise TypeError(self._not_local("iterated over"))
 
     def forward(self, x: torch.Tensor) -> Any:
         for stage in range(self.num_stages):
@@ -213,6 +217,13 @@ class SwarmSequential(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stages={self.num_stages}, blocks={len(self._original)}"
+
+    def _not_local(self, what: str) -> str:
+        return (
+            f"This nn.Sequential pipeline runs in the swarm ({self.num_stages} stages on other peers), so it cannot "
+            f"be {what}: its blocks are not on this peer. Call it as a whole (`self.layers(x)`), or make the "
+            "pipeline an nn.ModuleList, whose proxy is a list of stages that can each be called with any arguments."
+        )
 
 
 class Partition:
@@ -262,9 +273,12 @@ class Partition:
 
     def to_container_state(self, stage: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         mapping = stage_state_keys(self.container, self.stages[stage])
-        unknown = set(state) - set(mapping)
-        if unknown:
-            raise ValueError(f"Stage {stage} sent unexpected state keys {sorted(unknown)[:5]}.")
+        unknown, missing = set(state) - set(mapping), set(mapping) - set(state)
+        if unknown or missing:
+            raise ValueError(
+                f"Stage {stage} sent a state with unexpected keys {sorted(unknown)[:5]} and without the keys "
+                f"{sorted(missing)[:5]}."
+            )
         return {mapping[key]: value for key, value in state.items()}
 
     def full_state_keys(self, stage_states: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

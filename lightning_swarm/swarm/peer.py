@@ -12,72 +12,22 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import hivemind
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.codec import COMPRESSIONS
-from lightning_swarm.swarm.partition import Partition
-from lightning_swarm.swarm.presence import FINISHED, LEAVING, Presence
+from .client import SwarmClient
+from .partition import Partition
+from .presence import FINISHED, LEAVING, Presence
+from .records import get_stage_peers
+from .server import StageServer
+from .settings import SwarmSettings
 
 logger = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "LIGHTNING_SWARM_INITIAL_PEERS"
-ROLES = ("both", "trainer", "server")
-
-
-@dataclass
-class SwarmSettings:
-    """Everything a peer needs to know about its swarm (see ``SwarmStrategy`` for the meaning of each field)."""
-
-    pipeline: str | None = None
-    num_stages: int = 2
-    role: str = "both"
-    stage: int | None = None
-    num_trainers: int | None = None
-    initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] = field(default_factory=list)
-    run_id: str = "lightning_swarm"
-    compression: str = "8bit"
-    target_batch_size: int = 256
-    request_timeout: float = 30.0
-    no_peers_timeout: float = 60.0
-    matchmaking_time: float = 3.0
-    averaging_timeout: float = 30.0
-    linger_timeout: float = 300.0
-
-    def validate(self) -> None:
-        name = "SwarmStrategy"
-        if self.role not in ROLES:
-            raise ValueError(f"{name}(role={self.role!r}) is not supported; use one of {ROLES}.")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(
-                f"{name}(compression={self.compression!r}) is not supported; use one of {COMPRESSIONS}."
-            )
-        if self.num_stages < 1:
-            raise ValueError(f"{name}(num_stages={self.num_stages}) must be at least 1.")
-        if self.stage is not None and not 0 <= self.stage < self.num_stages:
-            raise ValueError(f"{name}(stage={self.stage}) must be in [0, num_stages={self.num_stages}).")
-        if self.num_trainers is not None and self.num_trainers < 1:
-            raise ValueError(
-                f"{name}(num_trainers={self.num_trainers}) must be at least 1 (or None for all peers)."
-            )
-        if self.target_batch_size < 1:
-            raise ValueError(f"{name}(target_batch_size={self.target_batch_size}) must be at least 1.")
-        if "." in self.run_id or not self.run_id:
-            raise ValueError(f"{name}(run_id={self.run_id!r}) must be a non-empty name without dots.")
-        for key in (
-            "request_timeout",
-            "no_peers_timeout",
-            "matchmaking_time",
-            "averaging_timeout",
-            "linger_timeout",
-        ):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"{name}({key}={getattr(self, key)}) must be positive.")
 
 
 def find_pipeline(module: nn.Module) -> str:
@@ -124,8 +74,8 @@ class SwarmPeer:
         self.dht: hivemind.DHT | None = None
         self.presence: Presence | None = None
         self.partition: Partition | None = None
-        self.server: Any = None
-        self.client: Any = None
+        self.server: StageServer | None = None
+        self.client: SwarmClient | None = None
         self.stage: int | None = None
         self.joined = False
         self._trainer_optimizer: hivemind.Optimizer | None = None
@@ -198,45 +148,32 @@ class SwarmPeer:
     ) -> list[torch.optim.Optimizer]:
         """Cut ``module``'s pipeline into stages, serve this peer's stage, put the proxy in place and return the
         trainer's optimizers (see :meth:`trainer_optimizers`)."""
-        from lightning_swarm.strategy.accelerator import SwarmAccelerator
-        from lightning_swarm.swarm.client import SwarmClient
-        from lightning_swarm.swarm.server import StageServer
-
         s = self.settings
         assert self.dht is not None, "start_dht() first"
         self.partition = Partition(module, s.pipeline or find_pipeline(module), s.num_stages)
         self.stage = self._choose_stage()
         optimizer = optimizers[0] if training and optimizers else None
-        factory = optimizer_factory(optimizer) if optimizer is not None else None
-        # hivemind optimizers fork their averager processes: create them all before this process starts the
-        # event-loop thread of its P2P calls (a fork taken while that thread holds a lock can hang the child)
-        optimizers = self.trainer_optimizers(optimizers) if training else optimizers
         local_servers = {}
         if self.is_server:
             stage_module = self.partition.stage_module(self.stage).to(self.device)
+            factory, groups = (
+                stage_optimizer(optimizer, stage_module) if optimizer is not None else (None, None)
+            )
             self.server = StageServer(
                 self.stage,
                 stage_module,
                 dht=self.dht,
-                run_id=s.run_id,
+                settings=s,
                 optimizer_factory=factory,
-                target_batch_size=s.target_batch_size,
-                compression=s.compression,
-                throughput=SwarmAccelerator.estimate_throughput(stage_module, self.device),
-                matchmaking_time=s.matchmaking_time,
-                averaging_timeout=s.averaging_timeout,
+                param_groups=groups,
             )
-            self.server.start()
             local_servers[self.stage] = self.server
-        self.client = SwarmClient(
-            self.dht,
-            s.run_id,
-            s.num_stages,
-            compression=s.compression,
-            local_servers=local_servers,
-            request_timeout=s.request_timeout,
-            no_peers_timeout=s.no_peers_timeout,
-        )
+        # hivemind optimizers fork their averager processes: create them all before this process starts the
+        # event-loop thread of its P2P calls (a fork taken while that thread holds a lock can hang the child)
+        optimizers = self.trainer_optimizers(optimizers) if training else optimizers
+        if self.server is not None:
+            self.server.start()
+        self.client = SwarmClient(self.dht, s, local_servers=local_servers)
         self.partition.install_proxy(self.client.call_stage)
         self.joined = True
         return optimizers
@@ -247,8 +184,6 @@ class SwarmPeer:
             return s.stage
         if self.local_swarm_size is not None:
             return self.peer_index % s.num_stages
-        from lightning_swarm.swarm.records import get_stage_peers
-
         totals = [
             sum(p.throughput for p in get_stage_peers(self.dht, s.run_id, k)) for k in range(s.num_stages)
         ]
@@ -291,9 +226,38 @@ class SwarmPeer:
         return self.client.stats() if self.client is not None else {}
 
     # ------------------------------------------------------------------ state
-    def gather_stage_states(self) -> dict[int, dict[str, torch.Tensor]]:
-        assert self.client is not None
-        return {k: self.client.fetch_stage_state(k) for k in range(self.settings.num_stages)}
+    def gather_stage_states(self, attempts: int = 2) -> dict[int, dict[str, torch.Tensor]]:
+        """Every stage's current ``state_dict``, each from some live peer of that stage.
+
+        A stage that fails (no live peer within ``no_peers_timeout``, or an incomplete state) is tried again, up
+        to ``attempts`` rounds in all.
+
+        Raises:
+            RuntimeError: some stages could not be gathered; the message names them and the last errors.
+        """
+        assert self.client is not None and self.partition is not None
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        errors: dict[int, BaseException] = {}
+        for _ in range(attempts):
+            for stage in range(self.settings.num_stages):
+                if stage in states:
+                    continue
+                try:
+                    state = self.client.fetch_stage_state(stage)
+                    self.partition.to_container_state(stage, state)  # complete and nothing unknown
+                    states[stage] = state
+                    errors.pop(stage, None)
+                except Exception as e:
+                    errors[stage] = e
+            if not errors:
+                return states
+        details = "; ".join(f"stage {k}: {e!r}" for k, e in sorted(errors.items()))
+        raise RuntimeError(
+            f"SwarmStrategy: could not gather the parameters of stage(s) {sorted(errors)} of run "
+            f"'{self.settings.run_id}' from the swarm ({details}). The module's pipeline would hold stale weights "
+            "for them, so this is an error: keep at least one server of every stage running until the trainers "
+            "have finished (they linger for `linger_timeout` seconds), and save checkpoints during training."
+        )
 
     def full_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """``module.state_dict()`` as if the pipeline were local, with the stages' parameters from the swarm."""
@@ -324,17 +288,20 @@ class SwarmPeer:
             if self.presence is not None:
                 self.presence.set_phase(FINISHED)
                 self.presence.wait_for(FINISHED, self.local_swarm_size, timeout=s.linger_timeout)
+            error: BaseException | None = None
             if self.joined and self.partition is not None:
-                states = None
+                states: dict[int, dict[str, torch.Tensor]] = {}
                 if self.is_trainer:
                     try:
                         states = self.gather_stage_states()
-                    except Exception as e:
-                        logger.warning(f"Could not gather the stages' final parameters from the swarm: {e!r}")
+                    except RuntimeError as e:
+                        error = e
                 self.partition.restore(states)
             if self.presence is not None:
                 self.presence.set_phase(LEAVING)
                 self.presence.wait_for(LEAVING, self.local_swarm_size, timeout=min(60.0, s.linger_timeout))
+            if error is not None:
+                raise error
         finally:
             self.shutdown()
 
@@ -358,11 +325,13 @@ class SwarmPeer:
         self.joined = False
 
 
-def optimizer_factory(
-    optimizer: torch.optim.Optimizer,
-) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
-    """A factory that builds the same kind of optimizer, with the same hyper-parameters, for a stage's
-    parameters (the stage servers step with the module's own ``configure_optimizers`` choice)."""
+def stage_optimizer(
+    optimizer: torch.optim.Optimizer, stage_module: nn.Module
+) -> tuple[Callable[[Any], torch.optim.Optimizer], list[dict[str, Any]]]:
+    """The optimizer a stage server steps with: the class of the module's own ``configure_optimizers`` choice,
+    and its parameter groups restricted to the stage's parameters, each with its own hyper-parameters (a
+    group without weight decay stays without it). Returns ``(factory, param_groups)``; parameters of the stage
+    in none of the optimizer's groups are not trained, as in the user's optimizer."""
     if isinstance(optimizer, hivemind.Optimizer):
         raise TypeError(
             "configure_optimizers must return a torch optimizer; the SwarmStrategy wraps it itself."
@@ -372,11 +341,17 @@ def optimizer_factory(
     accepted = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+    ours = {id(p) for p in stage_module.parameters()}
+    groups = []
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if id(p) in ours]
+        if params:
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
 
     def make(params: Any) -> torch.optim.Optimizer:
         return cls(params, **defaults)
 
-    return make
+    return make, groups
 
 
 def _env_peers() -> list[str]:

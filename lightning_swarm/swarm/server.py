@@ -1,18 +1,20 @@
 """Stage server: one peer's share of one pipeline stage.
 
-A :class:`StageServer` hosts the module of stage ``k`` and answers the swarm's RPCs over hivemind's P2P:
+A :class:`StageServer` hosts the module of stage ``k`` and serves :class:`~.protocol.StageRequest` s, from
+this process (:meth:`StageServer.handle`, through :class:`~.transport.LocalTransport`) or over hivemind's P2P:
 
-- ``rpc_forward``: stage inputs -> stage outputs (no grad);
-- ``rpc_backward``: stage inputs + output gradients -> input gradients. The forward is recomputed with grad
-  (so *any* peer of the stage can serve the backward of a microbatch), parameter gradients accumulate here,
-  and the stage's ``hivemind.Optimizer`` steps together with the other peers of the stage once the swarm has
-  processed ``target_batch_size`` samples;
-- ``rpc_info`` (stage, throughput, progress) and ``rpc_state`` (the stage's ``state_dict``).
+- ``forward``: stage inputs -> stage outputs (no grad);
+- ``backward``: stage inputs + output gradients -> input gradients. The forward is recomputed with grad (so
+  *any* peer of the stage can serve the backward of a microbatch), parameter gradients accumulate here, and
+  the stage's ``hivemind.Optimizer`` steps together with the other peers of the stage once the swarm has
+  processed ``target_batch_size`` samples.
 
-Payloads over hivemind's unary limit go through ``*_stream`` twins of the handlers. The compute runs in one
-background thread under a lock, so the event loop keeps answering and forward, backward and optimizer steps
-of the stage never interleave. A malformed request fails that request only. Every ``announce_period`` seconds
-a background thread re-announces the peer in the DHT with its measured throughput.
+RPCs: ``rpc_channel`` (a long-lived stream carrying one call after another, see :mod:`.transport`),
+``rpc_info`` (stage, throughput, progress) and ``rpc_state`` (the stage's ``state_dict``). The compute runs in
+one background thread under a lock, so the event loop keeps answering and forward, backward and optimizer steps
+of the stage never interleave. Every request gets a reply; a failed one gets an error reply that says why (see
+:mod:`.protocol`). Every ``announce_period`` seconds a background thread re-announces the peer in the DHT with
+its measured throughput (samples/s of forward + backward, see :mod:`.throughput`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
 
@@ -31,57 +33,50 @@ import hivemind
 import msgpack
 import torch
 from hivemind.optim.grad_averager import GradientAverager
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
-from . import _wire
 from ._loop import replicate_p2p, run_coroutine
-from .codec import (
-    LazyPack,
-    PartsDecoder,
-    check_compression,
-    decode_parts,
-    flatten_tensors,
-    rebuild_call,
-    rebuild_tensors,
+from .codec import CodecError, check_encodable
+from .payload import Payload
+from .protocol import (
+    COMPUTE,
+    REQUEST,
+    UNAVAILABLE,
+    BadRequest,
+    ErrorReply,
+    StageReply,
+    StageRequest,
+    StageService,
+    check_grad_outputs,
+    encode_reply_header,
+    parse_request,
+    stage_uid,
 )
 from .records import declare_stage_peer
+from .settings import SwarmSettings
+from .throughput import Throughput
+from .transport import SPLIT_ABOVE, MessageReceiver, messages
 
-__all__ = ["StageServer", "stage_uid"]
+__all__ = ["StageServer"]
 
 logger = logging.getLogger(__name__)
 
-_THROUGHPUT_EMA = 0.1
 _EPOCH_POLL_S = 0.25  # how often an idle server checks whether its stage is ready to step
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
-def stage_uid(run_id: str, stage: int) -> str:
-    """Name of stage ``stage`` of run ``run_id`` (RPC namespace, request uid and optimizer run id)."""
-    return f"{run_id}.stage{stage}"
+class _ComputeError(Exception):
+    """The stage's own code raised ``error`` (wrapped so that it is told apart from the server's errors)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
-def check_run_id(run_id: str, owner: str) -> str:
-    """Return ``run_id`` if usable in DHT keys and optimizer prefixes, else raise a ``ValueError`` saying why."""
-    if not isinstance(run_id, str) or not run_id or "." in run_id:
-        raise ValueError(
-            f"{owner}: run_id must be a non-empty string without '.', got {run_id!r} "
-            f"(it prefixes DHT keys like '<run_id>.stage0.0'); use e.g. '-' or '_' instead"
-        )
-    return run_id
-
-
-def batch_size_of(args: tuple, kwargs: dict) -> int:
-    """The microbatch size of a stage call: the first dimension of its first tensor (1 if none)."""
-    tensors, _ = flatten_tensors((args, kwargs))
-    for t in tensors:
-        if t.dim() > 0:
-            return int(t.shape[0])
-    return 1
-
-
-class StageServer(ServicerBase):
+class StageServer(StageService):
     """Serves one stage of a SWARM pipeline to the trainers of a swarm.
 
     Args:
@@ -89,18 +84,13 @@ class StageServer(ServicerBase):
         module: the stage's blocks; ``module(*args, **kwargs)`` returns a tensor or a nested tuple/list/dict
             of tensors.
         dht: this peer's running hivemind DHT.
-        run_id: the swarm's run id (all peers of a swarm use the same one).
-        optimizer_factory: builds the torch optimizer for the stage's parameters, e.g.
-            ``lambda params: torch.optim.AdamW(params, lr=1e-4)``. ``None`` serves the stage without training
+        settings: the swarm's settings (run id, compression of replies, target batch size, timeouts).
+        optimizer_factory: builds the torch optimizer from ``param_groups``, e.g.
+            ``lambda groups: torch.optim.AdamW(groups, lr=1e-4)``. ``None`` serves the stage without training
             it (backward still returns input gradients; parameter gradients are discarded).
-        target_batch_size: the peers of this stage step together after this many samples (whole swarm).
-        compression: boundary compression of the outputs and gradients this server sends: "8bit", "fp16"
-            or "none".
-        throughput: initial estimate of samples per second, announced until measured.
-        announce_period: seconds between DHT announcements.
-        expiration: seconds an announcement stays valid (more than ``announce_period``).
-        matchmaking_time: seconds the optimizer looks for peers of the stage to average with.
-        averaging_timeout: seconds after which a gradient averaging round is abandoned.
+        param_groups: the optimizer's parameter groups (dicts with ``"params"`` and per-group hyper-parameters);
+            ``None``: one group with every parameter of ``module`` that requires grad.
+        throughput: samples/s of forward + backward announced until measured; ``None`` estimates it.
     """
 
     def __init__(
@@ -109,30 +99,21 @@ class StageServer(ServicerBase):
         module: nn.Module,
         *,
         dht: hivemind.DHT,
-        run_id: str,
-        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None,
-        target_batch_size: int,
-        compression: str = "8bit",
-        throughput: float = 1.0,
-        announce_period: float = 5.0,
-        expiration: float = 30.0,
-        matchmaking_time: float = 3.0,
-        averaging_timeout: float = 30.0,
+        settings: SwarmSettings,
+        optimizer_factory: OptimizerFactory | None,
+        param_groups: list[dict[str, Any]] | None = None,
+        throughput: float | None = None,
     ):
         if stage < 0:
             raise ValueError(f"StageServer: stage must be >= 0, got {stage}")
-        if target_batch_size <= 0:
-            raise ValueError(f"StageServer: target_batch_size must be positive, got {target_batch_size}")
-        if expiration <= announce_period:
-            raise ValueError(f"StageServer: expiration ({expiration} s) must exceed announce_period")
-        self.stage, self.module, self.dht = stage, module, dht
-        self.run_id = check_run_id(run_id, "StageServer")
-        self.optimizer_factory, self.target_batch_size = optimizer_factory, target_batch_size
-        self.compression = check_compression(compression)
-        self.throughput = float(throughput)
-        self.announce_period, self.expiration = announce_period, expiration
-        self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
-        self.uid = stage_uid(run_id, stage)
+        self.stage, self.module, self.dht, self.settings = stage, module, dht, settings
+        self.optimizer_factory, self.param_groups = optimizer_factory, param_groups
+        self.uid = stage_uid(settings.run_id, stage)
+        if throughput is None:
+            from .throughput import estimate_throughput
+
+            throughput = estimate_throughput(module, self.device)
+        self.throughput = Throughput(throughput)
         self.samples_processed = 0
         self.optimizer: hivemind.Optimizer | None = None
         self.p2p: P2P | None = None
@@ -162,18 +143,22 @@ class StageServer(ServicerBase):
         """Create the optimizer, register the RPC handlers and start announcing; returns ``self``."""
         if self._started:
             return self
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if params and self.optimizer_factory is not None:
-            request_timeout = max(0.2, self.matchmaking_time / 3)
+        s = self.settings
+        groups = self.param_groups
+        if groups is None:
+            groups = [{"params": [p for p in self.module.parameters() if p.requires_grad]}]
+        groups = [g for g in groups if g["params"]]
+        if groups and self.optimizer_factory is not None:
+            request_timeout = max(0.2, s.matchmaking_time / 3)
             self.optimizer = hivemind.Optimizer(
                 dht=self.dht,
-                run_id=f"{self.run_id}_stage{self.stage}",  # hivemind forbids '.' in optimizer run ids
-                target_batch_size=self.target_batch_size,
+                run_id=f"{s.run_id}_stage{self.stage}",  # hivemind forbids '.' in optimizer run ids
+                target_batch_size=s.target_batch_size,
                 batch_size_per_step=None,
                 optimizer=self.optimizer_factory,
-                params=params,
-                matchmaking_time=self.matchmaking_time,
-                averaging_timeout=self.averaging_timeout,
+                params=groups,
+                matchmaking_time=s.matchmaking_time,
+                averaging_timeout=s.averaging_timeout,
                 # hivemind warns (and may deadlock) unless requests time out before matchmaking ends
                 averager_opts={"request_timeout": request_timeout},
                 grad_averager_factory=functools.partial(GradientAverager, request_timeout=request_timeout),
@@ -182,12 +167,12 @@ class StageServer(ServicerBase):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}-compute")
         self.p2p = run_coroutine(self._start_p2p(), timeout=60)
         self._stop.clear()
+        self._started = True
         self._announce()
         self._announcer = threading.Thread(
             target=self._announce_loop, name=f"stage{self.stage}-announce", daemon=True
         )
         self._announcer.start()
-        self._started = True
         return self
 
     async def _start_p2p(self) -> P2P:
@@ -233,22 +218,22 @@ class StageServer(ServicerBase):
         try:
             declare_stage_peer(
                 self.dht,
-                self.run_id,
+                self.settings.run_id,
                 self.stage,
                 self.peer_id,
-                self.throughput,
-                get_dht_time() + self.expiration,
+                self.throughput.value,
+                get_dht_time() + self.settings.expiration,
             )
         except Exception as e:
             logger.warning(f"Stage {self.stage} server could not announce itself in the DHT: {e!r}")
 
     def _announce_loop(self) -> None:
-        next_announce = time.monotonic() + self.announce_period
+        next_announce = time.monotonic() + self.settings.announce_period
         while not self._stop.wait(_EPOCH_POLL_S):
             self._join_ready_epoch()
             if time.monotonic() >= next_announce:
                 self._announce()
-                next_announce = time.monotonic() + self.announce_period
+                next_announce = time.monotonic() + self.settings.announce_period
 
     def _join_ready_epoch(self) -> None:
         """Join the stage's averaging round as soon as the swarm has collected the target batch, even when no
@@ -263,59 +248,82 @@ class StageServer(ServicerBase):
             if opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0:
                 self._optimizer_step(0)
 
-    # ---- computation (the same for local and remote callers) ----
+    # ---- serving a request (the same for in-process and remote callers) ----
 
-    def forward_local(self, args: tuple, kwargs: dict) -> Any:
-        """Run the stage on ``(args, kwargs)`` without grad; the caller is in this process."""
-        args, kwargs = _detached((args, kwargs), keep_requires_grad=False, device=self.device)
-        batch_size = batch_size_of(args, kwargs)
+    def handle(self, request: StageRequest) -> StageReply:
+        """Serve one request; never raises: failures become error replies (see :mod:`.protocol`)."""
+        try:
+            if request.uid != self.uid:
+                raise BadRequest(f"This peer serves {self.uid!r}, but the request was for {request.uid!r}")
+            if not self._started:
+                return _error(
+                    request.request_id, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running")
+                )
+            if request.kind == "forward":
+                outputs = self._forward(request.inputs)
+            else:
+                assert request.grad_outputs is not None
+                outputs = self._backward(request.inputs, request.grad_outputs)
+            return StageReply(request.request_id, outputs=outputs)
+        except BadRequest as e:
+            logger.debug(f"Stage {self.stage}: rejected a request: {e}")
+            return _error(request.request_id, REQUEST, e)
+        except _ComputeError as e:
+            logger.warning(f"Stage {self.stage}: the stage raised {type(e.error).__name__}: {e.error}")
+            return _error(request.request_id, COMPUTE, e.error)
+        except (
+            Exception
+        ) as e:  # out of memory, or a bug here: not the caller's fault, another peer may do better
+            logger.warning(f"Stage {self.stage}: could not serve a {request.kind} call: {e!r}")
+            return _error(request.request_id, UNAVAILABLE, e)
+
+    def _forward(self, inputs: Payload) -> Payload:
+        args, kwargs = inputs.rebuild_call([t.detach().to(self.device) for t in inputs.tensors])
+        with self._lock, torch.no_grad():
+            outputs = self._run_module(args, kwargs)
+        return _outputs_payload(outputs)
+
+    def _backward(self, inputs: Payload, grad_outputs: Payload) -> Payload:
+        leaves = []
+        for t in inputs.tensors:
+            leaf = t.detach().to(self.device)
+            if t.requires_grad and t.is_floating_point():
+                leaf.requires_grad_(True)
+            leaves.append(leaf)
+        args, kwargs = inputs.rebuild_call(leaves)
+        grads = grad_outputs.rebuild()
+        batch_size = inputs.batch_size()
         with self._lock:
             start = time.perf_counter()
-            with torch.no_grad():
-                outputs = self.module(*args, **kwargs)
-            self._record_throughput(batch_size, time.perf_counter() - start)
-        return outputs
-
-    def backward_local(
-        self, args: tuple, kwargs: dict, grad_outputs: list[torch.Tensor | None]
-    ) -> list[torch.Tensor]:
-        """Recompute the stage with grad, backpropagate ``grad_outputs`` and step the optimizer.
-
-        Args:
-            args: the stage inputs as in the forward; floating tensors with ``requires_grad`` get gradients.
-            kwargs: keyword inputs as in the forward.
-            grad_outputs: one entry per output tensor (in flattening order); ``None`` for no gradient.
-
-        Returns:
-            the gradients of the inputs that require grad, in flattening order (zeros if unused).
-        """
-        args, kwargs = _detached((args, kwargs), keep_requires_grad=True, device=self.device)
-        inputs = [t for t in flatten_tensors((args, kwargs))[0] if t.requires_grad]
-        batch_size = batch_size_of(args, kwargs)
-        with self._lock:
             with torch.enable_grad():
-                outputs = self.module(*args, **kwargs)
-            out_tensors, _ = flatten_tensors(outputs)
-            if len(grad_outputs) != len(out_tensors):
-                raise ValueError(
-                    f"Stage {self.stage} produced {len(out_tensors)} output tensors but {len(grad_outputs)} "
-                    f"output gradients were sent"
-                )
-            pairs = []
-            for i, (out, grad) in enumerate(zip(out_tensors, grad_outputs, strict=True)):
-                if grad is None or not out.requires_grad:
-                    continue
-                if grad.shape != out.shape:
-                    raise ValueError(
-                        f"Stage {self.stage}: gradient {i} has shape {list(grad.shape)}, output has {list(out.shape)}"
-                    )
-                pairs.append((out, grad.to(out.dtype)))
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+                outputs = _outputs_payload(self._run_module(args, kwargs)).tensors
+                check_grad_outputs(grads, outputs)
+                pairs = [
+                    (out, grad.to(device=out.device, dtype=out.dtype))
+                    for out, grad in zip(outputs, grads, strict=True)
+                    if grad is not None and out.requires_grad
+                ]
+                if pairs:
+                    try:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    except (MemoryError, torch.OutOfMemoryError):
+                        raise
+                    except Exception as e:
+                        raise _ComputeError(e) from e
+            self.throughput.record(batch_size, time.perf_counter() - start)
+            wanted = [leaf for leaf in leaves if leaf.requires_grad]
+            grad_inputs = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted)
             self.samples_processed += batch_size
             self._optimizer_step(batch_size)
-        return grads
+        return Payload.flatten(grad_inputs)
+
+    def _run_module(self, args: tuple, kwargs: dict) -> Any:
+        try:
+            return self.module(*args, **kwargs)
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:
+            raise _ComputeError(e) from e
 
     def state_dict_local(self) -> dict[str, torch.Tensor]:
         """A detached CPU copy of the stage module's ``state_dict``."""
@@ -323,11 +331,11 @@ class StageServer(ServicerBase):
             return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     def info(self) -> dict[str, Any]:
-        """Stage, throughput (samples/s), samples processed and optimizer epoch."""
+        """Stage, throughput (samples/s of forward + backward), samples processed and optimizer epoch."""
         epoch = self.optimizer.local_epoch if self.optimizer is not None else 0
         return {
             "stage": self.stage,
-            "throughput": self.throughput,
+            "throughput": self.throughput.value,
             "samples_processed": self.samples_processed,
             "epoch": int(epoch),
         }
@@ -342,179 +350,112 @@ class StageServer(ServicerBase):
             logger.warning(f"Stage {self.stage} optimizer step failed: {e!r}")
         self.optimizer.zero_grad()
 
-    def _record_throughput(self, batch_size: int, seconds: float) -> None:
-        if seconds > 0:
-            measured = batch_size / seconds
-            self.throughput = (1 - _THROUGHPUT_EMA) * self.throughput + _THROUGHPUT_EMA * measured
-
-    # ---- serialised entry points, run in the compute thread ----
-
-    def _compute(self, kind: str, tensors: list[torch.Tensor], metadata: bytes, split: bool) -> LazyPack:
-        """Run a decoded forward/backward request; returns the reply, to be encoded lazily (in parts if split)."""
-        split_above = 0.0 if split else math.inf
-        if kind == "forward":
-            args, kwargs = rebuild_call(metadata, tensors)
-            return LazyPack((self.forward_local(args, kwargs),), {}, self.compression, split_above)
-        inputs_meta, num_inputs, grads_meta = parse_backward_metadata(metadata)
-        if not 0 <= num_inputs <= len(tensors):
-            raise ValueError(f"Malformed backward request: {num_inputs} inputs of {len(tensors)} tensors")
-        args, kwargs = rebuild_call(inputs_meta, tensors[:num_inputs])
-        grad_outputs, _ = rebuild_call(grads_meta, tensors[num_inputs:])
-        if not all(g is None or isinstance(g, torch.Tensor) for g in grad_outputs):
-            raise ValueError("Malformed backward request: output gradients must be tensors or None")
-        grads = self.backward_local(args, kwargs, list(grad_outputs))
-        return LazyPack(tuple(grads), {}, self.compression, split_above)
-
-    def _unary(
-        self, kind: str, parts: list[runtime_pb2.Tensor], metadata: bytes
-    ) -> runtime_pb2.ExpertResponse:
-        reply = self._compute(kind, decode_parts(parts), metadata, split=False)
-        return runtime_pb2.ExpertResponse(tensors=list(reply.parts()), metadata=reply.metadata)
-
-    async def _in_executor(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self._executor is None:
-            raise RuntimeError(f"Stage {self.stage} server is not running")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    def _check_uid(self, uid: str) -> None:
-        if uid != self.uid:
-            raise ValueError(f"This peer serves {self.uid!r}, but the request was for {uid!r}")
-
     # ---- RPC handlers ----
-
-    async def rpc_forward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        """Stage forward for small payloads."""
-        self._check_uid(request.uid)
-        return await self._in_executor(self._unary, "forward", request.tensors, request.metadata)
-
-    async def rpc_backward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        """Stage backward for small payloads."""
-        self._check_uid(request.uid)
-        return await self._in_executor(self._unary, "backward", request.tensors, request.metadata)
 
     async def rpc_channel(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """A long-lived stream carrying one forward or backward call after another (see ``_wire.channel_*``).
+        """A long-lived stream carrying one call after another (see :mod:`.transport`).
 
-        Cheaper than a unary call per request (``benchmarks/swarm_hop.py``: a 1 MiB echo on one stream takes about
-        half the time of a unary echo). Every request gets one reply; a request that fails (malformed, wrong
-        stage, compute error) gets an error reply and the channel stays open.
+        Parts are decoded here as they arrive (a part is small: ~0.05 ms), overlapping with the transfer; the
+        compute thread then serves the request and encodes the reply message by message, each sent as soon as it
+        is ready. Every request gets a reply, an error reply if it failed; the channel stays open.
         """
-        async for request in requests:
-            try:
-                self._check_uid(request.uid)
-                kind, metadata = _wire.parse_channel_request(request.metadata)
-                response = await self._in_executor(self._unary, kind, request.tensors, metadata)
-                response.metadata = _wire.channel_reply(response.metadata)
-            except Exception as e:
-                logger.debug(f"Stage {self.stage}: a channel request failed: {e!r}")
-                response = runtime_pb2.ExpertResponse(metadata=_wire.channel_error(e))
-            yield response
-
-    async def rpc_forward_stream(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Stage forward for large payloads (streamed parts, see ``_wire``)."""
-        async for message in self._streamed(requests, "forward"):
-            yield message
-
-    async def rpc_backward_stream(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Stage backward for large payloads (streamed parts, see ``_wire``)."""
-        async for message in self._streamed(requests, "backward"):
-            yield message
-
-    async def _streamed(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], kind: str
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        # parts are decoded here as they arrive (a part is small: ~0.05 ms), overlapping with the transfer
-        decoder = PartsDecoder()
-        metadata: bytes | None = None
-        async for request in requests:
-            if metadata is None:
-                self._check_uid(request.uid)
-                metadata = request.metadata
-            for part in request.tensors:
-                decoder.feed(part)
-        if metadata is None:
-            raise ValueError("Received an empty request stream")
-        tensors = decoder.finish()
-        # the compute thread runs the stage, then encodes the reply message by message; each is sent as soon
-        # as it is ready, while the next one is encoded
         loop = asyncio.get_running_loop()
-        outbox: asyncio.Queue = asyncio.Queue()
+        receiver = MessageReceiver()
+        async for message in requests:
+            if not receiver.feed(message):
+                continue
+            received, receiver = receiver, MessageReceiver()
+            outbox: asyncio.Queue = asyncio.Queue()
 
-        def compute() -> None:
-            reply = self._compute(kind, tensors, metadata, split=True)
-            for message in _wire.messages(runtime_pb2.ExpertResponse, reply.parts(), reply.metadata):
-                loop.call_soon_threadsafe(outbox.put_nowait, message)
+            def serve(received: MessageReceiver = received, outbox: asyncio.Queue = outbox) -> None:
+                for reply in self._serve_received(received):
+                    loop.call_soon_threadsafe(outbox.put_nowait, reply)
 
-        done = loop.run_in_executor(self._executor, compute) if self._executor is not None else None
-        if done is None:
-            raise RuntimeError(f"Stage {self.stage} server is not running")
-        done.add_done_callback(lambda _: outbox.put_nowait(None))  # runs after every message was queued
-        while (message := await outbox.get()) is not None:
-            yield message
-        done.result()  # the compute error, if any
+            if self._executor is None or not self._started:
+                error = _error(-1, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running"))
+                yield runtime_pb2.ExpertResponse(metadata=encode_reply_header(error, None))
+                continue
+            done = loop.run_in_executor(self._executor, serve)
+            done.add_done_callback(lambda _, outbox=outbox: outbox.put_nowait(None))  # after every message
+            while (reply := await outbox.get()) is not None:
+                yield reply
+
+    def _serve_received(self, received: MessageReceiver) -> Iterator[runtime_pb2.ExpertResponse]:
+        """Serve a received call and yield its reply messages (runs in the compute thread; never raises)."""
+        request_id = -1
+        try:
+            try:
+                header, tensors = received.result()
+                request_id = _request_id(header)
+                request = parse_request(header, tensors, self.uid)
+            except (CodecError, BadRequest) as e:
+                yield runtime_pb2.ExpertResponse(
+                    metadata=encode_reply_header(_error(request_id, REQUEST, e), None)
+                )
+                return
+            reply = self.handle(request)
+            if reply.error is not None:
+                yield runtime_pb2.ExpertResponse(metadata=encode_reply_header(reply, None))
+                return
+            assert reply.outputs is not None
+            compression = self.settings.compression
+            split = reply.outputs.estimated_bytes(compression) > SPLIT_ABOVE
+            encoded = reply.outputs.encode(compression, split_above=0.0 if split else math.inf)
+            yield from messages(
+                runtime_pb2.ExpertResponse, encoded.parts(), encode_reply_header(reply, encoded)
+            )
+        except (
+            Exception
+        ) as e:  # a bug while encoding: end the call with an error reply (parts sent are dropped)
+            logger.warning(f"Stage {self.stage}: failed to reply: {e!r}")
+            yield runtime_pb2.ExpertResponse(
+                metadata=encode_reply_header(_error(request_id, UNAVAILABLE, e), None)
+            )
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         """Stage index, throughput, samples processed and optimizer epoch (msgpack dict)."""
-        self._check_uid(request.uid)
+        if request.uid != self.uid:
+            raise BadRequest(f"This peer serves {self.uid!r}, but the request was for {request.uid!r}")
         return runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(self.info()))
 
     async def rpc_state(
         self, request: runtime_pb2.ExpertUID, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """The stage module's ``state_dict``, uncompressed, as ``pack((), state_dict)`` (chunked)."""
-        self._check_uid(request.uid)
+        """The stage module's ``state_dict`` as an uncompressed payload, in messages (metadata on the last)."""
+        if request.uid != self.uid:
+            yield runtime_pb2.ExpertResponse()  # no metadata: the caller reads an incomplete stream
+            return
         loop = asyncio.get_running_loop()
-        state = await loop.run_in_executor(None, self.state_dict_local)
-        reply = LazyPack((), state, "none")
-        messages = await loop.run_in_executor(
-            None, lambda: list(_wire.messages(runtime_pb2.ExpertResponse, reply.parts(), reply.metadata))
-        )
-        for message in messages:
+
+        def encode() -> list[runtime_pb2.ExpertResponse]:
+            encoded = Payload.flatten(self.state_dict_local()).encode("none", split_above=0.0)
+            return list(messages(runtime_pb2.ExpertResponse, encoded.parts(), encoded.metadata))
+
+        for message in await loop.run_in_executor(None, encode):
             yield message
 
-    @classmethod
-    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
-        # fixed class name, so that subclasses (e.g. in tests) and the client's stubs agree
-        handle_name = f"StageServer.{method_name}"
-        return handle_name if namespace is None else f"{namespace}::{handle_name}"
+
+def _error(request_id: int, category: str, error: BaseException) -> StageReply:
+    return StageReply(request_id, error=ErrorReply.from_exception(error, category))
 
 
-def backward_metadata(inputs_metadata: bytes, num_inputs: int, grads_metadata: bytes) -> bytes:
-    """Metadata of a backward request: the forward's input metadata, its tensor count and the grads' one."""
-    return msgpack.packb([inputs_metadata, num_inputs, grads_metadata], use_bin_type=True)
-
-
-def parse_backward_metadata(metadata: bytes) -> tuple[bytes, int, bytes]:
-    """Inverse of :func:`backward_metadata`; raises ``ValueError`` on malformed input."""
+def _request_id(header: bytes) -> int:
+    """The request id of a header, or -1 if it cannot be read (the caller then sees a mismatched reply)."""
     try:
-        inputs_meta, num_inputs, grads_meta = msgpack.unpackb(metadata, raw=False)
-    except Exception as e:
-        raise ValueError(f"Malformed backward request metadata ({type(e).__name__}: {e})") from None
-    if not isinstance(inputs_meta, bytes) or type(num_inputs) is not int or not isinstance(grads_meta, bytes):
-        raise ValueError("Malformed backward request metadata: expected [bytes, int, bytes]")
-    return inputs_meta, num_inputs, grads_meta
+        fields = msgpack.unpackb(header, raw=False)
+        return fields[2] if isinstance(fields, list) and len(fields) > 2 and type(fields[2]) is int else -1
+    except Exception:
+        return -1
 
 
-def _detached(
-    structure: tuple[tuple, dict], keep_requires_grad: bool, device: torch.device
-) -> tuple[tuple, dict]:
-    """Fresh leaves on ``device``: detach every tensor; floating ones keep their requires_grad if asked."""
-    tensors, skeleton = flatten_tensors(structure)
-    leaves = []
-    for t in tensors:
-        leaf = t.detach().to(device)
-        if keep_requires_grad and t.requires_grad and t.is_floating_point():
-            leaf.requires_grad_(True)
-        leaves.append(leaf)
-    args, kwargs = rebuild_tensors(skeleton, leaves)
-    return tuple(args), dict(kwargs)
+def _outputs_payload(outputs: Any) -> Payload:
+    """The stage's outputs as a payload; outputs that cannot travel are the stage's own error."""
+    try:
+        payload = Payload.flatten(outputs)
+        for t in payload.tensors:
+            check_encodable(t)
+    except CodecError as e:
+        raise _ComputeError(e) from e
+    return payload

@@ -1,0 +1,317 @@
+"""What a trainer and a stage server agree on: names, framing, validation and error replies.
+
+The client (:mod:`.client`) and the server (:mod:`.server`) depend on this module, not on each other.
+
+- Names: stage ``k`` of run ``run_id`` is :func:`stage_uid` (RPC namespace, request uid, optimizer prefix).
+- Calls: a :class:`StageRequest` (``forward``: the call's inputs; ``backward``: the inputs again plus the output
+  gradients, since any peer of the stage may serve the backward by recomputing the forward) and a
+  :class:`StageReply` (the outputs or input gradients, or an :class:`ErrorReply`). In-process calls pass these
+  objects as they are; over the network (:mod:`.transport`) they travel as tensor parts plus a *header*:
+  ``[version, kind, request_id, uid, inputs metadata, grads metadata or None]`` for a request and
+  ``["ok", request_id, outputs metadata]`` or ``["error", request_id, category, type, message]`` for a reply.
+  Every request carries a caller-chosen ``request_id`` that its reply repeats.
+- Validation: :func:`parse_request` is the one place where a received request is checked; anything wrong
+  raises :class:`BadRequest`.
+- Errors: an error reply says *why* a call failed. ``"compute"``: the stage's own code raised (a shape
+  mismatch, a wrong dtype): the trainer gets that error, with the remote type and message, at once.
+  ``"request"``: the request was malformed or reached a peer that does not serve that stage. ``"unavailable"``:
+  the peer cannot serve now (shutting down, out of memory). The last two, like transport failures (a peer
+  that does not answer), make the trainer retry on another peer of the stage.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+from dataclasses import dataclass
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
+
+import msgpack
+import torch
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from .codec import CodecError
+from .payload import EncodedPayload, Payload
+
+__all__ = [
+    "KINDS",
+    "PROTOCOL_VERSION",
+    "BadRequest",
+    "ErrorReply",
+    "RemoteStageError",
+    "StageReply",
+    "StageRequest",
+    "StageService",
+    "check_run_id",
+    "encode_reply_header",
+    "encode_request_header",
+    "parse_reply",
+    "parse_request",
+    "stage_uid",
+]
+
+PROTOCOL_VERSION = 1
+KINDS = ("forward", "backward")
+COMPUTE, REQUEST, UNAVAILABLE = "compute", "request", "unavailable"
+_CATEGORIES = (COMPUTE, REQUEST, UNAVAILABLE)
+_MAX_MESSAGE = 4096
+
+
+def stage_uid(run_id: str, stage: int) -> str:
+    """Name of stage ``stage`` of run ``run_id`` (RPC namespace, request uid and optimizer run id)."""
+    return f"{run_id}.stage{stage}"
+
+
+def check_run_id(run_id: str, owner: str = "SwarmSettings") -> str:
+    """Return ``run_id`` if usable in DHT keys and optimizer prefixes, else raise a ``ValueError`` saying why."""
+    if not isinstance(run_id, str) or not run_id or "." in run_id:
+        raise ValueError(
+            f"{owner}: run_id must be a non-empty string without '.', got {run_id!r} "
+            f"(it prefixes DHT keys like '<run_id>.stage0.0'); use e.g. '-' or '_' instead"
+        )
+    return run_id
+
+
+class BadRequest(ValueError):
+    """A received request is malformed or was sent to the wrong stage."""
+
+
+class ProtocolError(CodecError):
+    """A received reply is malformed (the peer, not the caller, is at fault)."""
+
+
+@dataclass
+class StageRequest:
+    """One forward or backward call of a stage.
+
+    Args:
+        kind: ``"forward"`` or ``"backward"``.
+        uid: the stage's :func:`stage_uid`.
+        inputs: the call's ``(args, kwargs)`` payload.
+        grad_outputs: backward only: a tuple payload with one gradient (or ``None``) per output tensor.
+        request_id: chosen by the caller, repeated by the reply.
+    """
+
+    kind: str
+    uid: str
+    inputs: Payload
+    grad_outputs: Payload | None = None
+    request_id: int = 0
+
+    def payloads(self) -> list[Payload]:
+        return [self.inputs] if self.grad_outputs is None else [self.inputs, self.grad_outputs]
+
+
+@dataclass
+class ErrorReply:
+    """Why a call failed: ``category`` (compute/request/unavailable), the exception's type name and message."""
+
+    category: str
+    type_name: str
+    message: str
+
+    @classmethod
+    def from_exception(cls, error: BaseException, category: str) -> ErrorReply:
+        return cls(category, type(error).__name__, str(error)[:_MAX_MESSAGE])
+
+
+@dataclass
+class StageReply:
+    """The reply to a :class:`StageRequest`: its ``outputs`` payload, or an ``error``."""
+
+    request_id: int
+    outputs: Payload | None = None
+    error: ErrorReply | None = None
+
+
+class RemoteStageError(RuntimeError):
+    """A peer replied to a stage call with an error (see :class:`ErrorReply`).
+
+    Errors raised by the stage's own code (category ``"compute"``) reach the trainer as an exception that is
+    both a ``RemoteStageError`` and, where the remote type is a Python built-in (``RuntimeError``,
+    ``ValueError``, ``TypeError``...), an instance of that type.
+    """
+
+    def __init__(
+        self, message: str, error: ErrorReply | None = None, stage: int | None = None, peer: Any = None
+    ):
+        super().__init__(message)
+        self.error, self.stage, self.peer = error, stage, peer
+
+    @property
+    def is_compute_error(self) -> bool:
+        """Whether the stage's own code raised (retrying on another peer would fail the same way)."""
+        return self.error is not None and self.error.category == COMPUTE
+
+
+@functools.cache
+def _remote_class(type_name: str) -> type[RemoteStageError]:
+    base = getattr(builtins, type_name, None)
+    if not isinstance(base, type) or not issubclass(base, Exception) or base in (RuntimeError, Exception):
+        return RemoteStageError
+    try:
+        return type(f"Remote{type_name}", (RemoteStageError, base), {"__module__": __name__})
+    except TypeError:  # a built-in whose instance layout differs (OSError, SyntaxError...)
+        return RemoteStageError
+
+
+def remote_exception(error: ErrorReply, stage: int, peer: Any) -> RemoteStageError:
+    """The exception a trainer raises for an error reply from ``peer`` serving ``stage``."""
+    if error.category == COMPUTE:
+        message = f"Stage {stage} raised {error.type_name}: {error.message} (on peer {peer})"
+    else:
+        message = f"Peer {peer} could not serve stage {stage} ({error.category}): {error.type_name}: {error.message}"
+    cls = _remote_class(error.type_name) if error.category == COMPUTE else RemoteStageError
+    return cls(message, error, stage, peer)
+
+
+# ---- the wire form of headers ----
+
+
+def encode_request_header(
+    request: StageRequest, inputs: EncodedPayload, grads: EncodedPayload | None
+) -> bytes:
+    """The header of a request whose payloads were encoded as ``inputs`` (and ``grads``)."""
+    return msgpack.packb(
+        [
+            PROTOCOL_VERSION,
+            request.kind,
+            request.request_id,
+            request.uid,
+            inputs.metadata,
+            None if grads is None else grads.metadata,
+        ],
+        use_bin_type=True,
+    )
+
+
+def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str) -> StageRequest:
+    """Validate a received request (its header and decoded tensors) for the stage ``expected_uid``.
+
+    Raises:
+        BadRequest: anything is wrong: framing, version, kind, stage, metadata, tensor count or structure.
+    """
+    try:
+        fields = msgpack.unpackb(header, raw=False)
+    except Exception as e:
+        raise BadRequest(f"Malformed request header ({type(e).__name__}: {e})") from None
+    if not isinstance(fields, list) or len(fields) != 6:
+        raise BadRequest("Malformed request header: expected [version, kind, id, uid, inputs, grads]")
+    version, kind, request_id, uid, inputs_meta, grads_meta = fields
+    if version != PROTOCOL_VERSION:
+        raise BadRequest(f"Request uses protocol version {version!r}; this peer speaks {PROTOCOL_VERSION}")
+    if kind not in KINDS:
+        raise BadRequest(f"Unknown request kind {kind!r}; expected one of {KINDS}")
+    if type(request_id) is not int:
+        raise BadRequest("Malformed request header: the request id must be an integer")
+    if uid != expected_uid:
+        raise BadRequest(f"This peer serves {expected_uid!r}, but the request was for {uid!r}")
+    if not isinstance(inputs_meta, bytes) or (kind == "backward") != isinstance(grads_meta, bytes):
+        raise BadRequest(f"Malformed {kind} request: wrong payload metadata")
+    try:
+        num_inputs = _declared_tensors(inputs_meta)
+        if not 0 <= num_inputs <= len(tensors):
+            raise BadRequest(
+                f"Malformed request: {num_inputs} input tensors declared, {len(tensors)} received"
+            )
+        inputs = Payload.from_wire(inputs_meta, tensors[:num_inputs])
+        inputs.rebuild_call()
+        grads = None
+        if grads_meta is not None:
+            grads = Payload.from_wire(grads_meta, tensors[num_inputs:])
+            structure = grads.rebuild()
+            if not isinstance(structure, tuple) or not all(
+                g is None or isinstance(g, torch.Tensor) for g in structure
+            ):
+                raise BadRequest(
+                    "Malformed backward request: output gradients must be a tuple of tensors/None"
+                )
+        elif num_inputs != len(tensors):
+            raise BadRequest(f"Malformed request: {len(tensors) - num_inputs} tensors beyond the inputs")
+    except CodecError as e:
+        raise BadRequest(str(e)) from None
+    return StageRequest(kind, uid, inputs, grads, request_id)
+
+
+def check_grad_outputs(grads: tuple, outputs: list[torch.Tensor]) -> None:
+    """Check a backward request's output gradients against the recomputed outputs; raises ``BadRequest``."""
+    if len(grads) != len(outputs):
+        raise BadRequest(
+            f"The stage produced {len(outputs)} output tensors but {len(grads)} gradients were sent"
+        )
+    for i, (out, grad) in enumerate(zip(outputs, grads, strict=True)):
+        if grad is not None and grad.shape != out.shape:
+            raise BadRequest(
+                f"Output gradient {i} has shape {list(grad.shape)}; the output has {list(out.shape)}"
+            )
+
+
+def encode_reply_header(reply: StageReply, outputs: EncodedPayload | None) -> bytes:
+    """The header of a reply (successful with ``outputs`` encoded, or an error)."""
+    if reply.error is not None:
+        e = reply.error
+        return msgpack.packb(
+            ["error", reply.request_id, e.category, e.type_name, e.message], use_bin_type=True
+        )
+    assert outputs is not None
+    return msgpack.packb(["ok", reply.request_id, outputs.metadata], use_bin_type=True)
+
+
+def parse_reply(header: bytes, tensors: list[torch.Tensor]) -> StageReply:
+    """A received reply; raises :class:`ProtocolError` if it is malformed."""
+    try:
+        fields = msgpack.unpackb(header, raw=False)
+    except Exception as e:
+        raise ProtocolError(f"Malformed reply header ({type(e).__name__}: {e})") from None
+    if isinstance(fields, list) and len(fields) == 5 and fields[0] == "error" and type(fields[1]) is int:
+        _, request_id, category, type_name, message = fields
+        if category in _CATEGORIES and isinstance(type_name, str) and isinstance(message, str):
+            return StageReply(request_id, error=ErrorReply(category, type_name[:100], message[:_MAX_MESSAGE]))
+    if isinstance(fields, list) and len(fields) == 3 and fields[0] == "ok" and type(fields[1]) is int:
+        if isinstance(fields[2], bytes):
+            return StageReply(fields[1], outputs=Payload.from_wire(fields[2], tensors))
+    raise ProtocolError(
+        "Malformed reply header: expected ['ok', id, bytes] or ['error', id, category, type, message]"
+    )
+
+
+def _declared_tensors(metadata: bytes) -> int:
+    try:
+        parsed = msgpack.unpackb(metadata, raw=False, strict_map_key=False)
+    except Exception as e:
+        raise BadRequest(f"Malformed payload metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(parsed, list) or len(parsed) != 2 or type(parsed[1]) is not int:
+        raise BadRequest("Malformed payload metadata: expected [skeleton, num_tensors]")
+    return parsed[1]
+
+
+class StageService(ServicerBase):
+    """The RPCs of a stage (implemented by ``StageServer``; a client builds its stubs from this class).
+
+    - ``rpc_channel``: a long-lived stream of calls, each one or more request messages (parts, then the
+      request header on the last) answered by one or more reply messages (parts, then the reply header);
+    - ``rpc_info``: ``ExpertUID(uid)`` -> msgpack ``{"stage", "throughput", "samples_processed", "epoch"}``;
+    - ``rpc_state``: ``ExpertUID(uid)`` -> the stage's ``state_dict`` as a payload in messages (metadata last).
+    """
+
+    async def rpc_channel(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        raise NotImplementedError
+
+    async def rpc_state(
+        self, request: runtime_pb2.ExpertUID, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        # one fixed name, so that servers (and their subclasses, e.g. in tests) and clients' stubs agree
+        handle_name = f"StageServer.{method_name}"
+        return handle_name if namespace is None else f"{namespace}::{handle_name}"

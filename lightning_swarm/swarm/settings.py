@@ -1,0 +1,95 @@
+"""Settings of a swarm peer: one dataclass, one source of defaults, validated once when it is built.
+
+``SwarmStrategy``, ``lightning-swarm serve``, :class:`~.peer.SwarmPeer`, :class:`~.server.StageServer` and
+:class:`~.client.SwarmClient` all read their knobs from a :class:`SwarmSettings`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .codec import COMPRESSIONS
+from .protocol import check_run_id
+
+__all__ = ["ROLES", "SwarmSettings"]
+
+ROLES = ("both", "trainer", "server")
+
+
+@dataclass(frozen=True)
+class SwarmSettings:
+    """Everything a peer needs to know about its swarm; raises ``ValueError`` naming the bad field if invalid.
+
+    The fields that ``SwarmStrategy`` exposes are documented there (same names). The others:
+
+    Args:
+        announce_period: seconds between a stage server's DHT announcements.
+        expiration: seconds an announcement stays valid (more than ``announce_period``).
+        ban_base_s: first ban of a failing peer in seconds, doubled on each consecutive failure.
+        refresh_period: seconds between a trainer's DHT lookups of a stage's peers.
+    """
+
+    pipeline: str | None = None
+    num_stages: int = 2
+    role: str = "both"
+    stage: int | None = None
+    num_trainers: int | None = None
+    initial_peers: tuple[str, ...] = field(default_factory=tuple)
+    host_maddrs: tuple[str, ...] = field(default_factory=tuple)
+    run_id: str = "lightning_swarm"
+    compression: str = "8bit"
+    target_batch_size: int = 256
+    request_timeout: float = 30.0
+    no_peers_timeout: float = 60.0
+    matchmaking_time: float = 3.0
+    averaging_timeout: float = 30.0
+    linger_timeout: float = 300.0
+    announce_period: float = 5.0
+    expiration: float = 30.0
+    ban_base_s: float = 15.0
+    refresh_period: float = 2.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
+        object.__setattr__(self, "host_maddrs", tuple(self.host_maddrs))
+        self._validate()
+
+    def replace(self, **changes: object) -> SwarmSettings:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def _validate(self) -> None:
+        name = "SwarmStrategy"
+        if self.role not in ROLES:
+            raise ValueError(f"{name}(role={self.role!r}) is not supported; use one of {ROLES}.")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(
+                f"{name}(compression={self.compression!r}) is not supported; use one of {COMPRESSIONS}."
+            )
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"{name}(num_stages={self.num_stages}) must be at least 1.")
+        if self.stage is not None and not 0 <= self.stage < self.num_stages:
+            raise ValueError(f"{name}(stage={self.stage}) must be in [0, num_stages={self.num_stages}).")
+        if self.num_trainers is not None and self.num_trainers < 1:
+            raise ValueError(
+                f"{name}(num_trainers={self.num_trainers}) must be at least 1 (or None for all peers)."
+            )
+        if self.target_batch_size < 1:
+            raise ValueError(f"{name}(target_batch_size={self.target_batch_size}) must be at least 1.")
+        check_run_id(self.run_id, f"{name}(run_id={self.run_id!r})")
+        for key in (
+            "request_timeout",
+            "no_peers_timeout",
+            "matchmaking_time",
+            "averaging_timeout",
+            "linger_timeout",
+            "announce_period",
+            "refresh_period",
+        ):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{name}({key}={getattr(self, key)}) must be positive.")
+        if self.expiration <= self.announce_period:
+            raise ValueError(f"{name}: expiration ({self.expiration} s) must exceed announce_period.")
+        if self.ban_base_s < 0:
+            raise ValueError(f"{name}(ban_base_s={self.ban_base_s}) must be >= 0.")
