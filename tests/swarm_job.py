@@ -37,7 +37,14 @@ class SeqModel(LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        # two parameter groups with their own hyper-parameters: the stage servers must keep them apart
+        weights = [p for name, p in self.named_parameters() if name.endswith("weight")]
+        others = [p for name, p in self.named_parameters() if not name.endswith("weight")]
+        groups = [
+            {"params": weights, "weight_decay": 0.05},
+            {"params": others, "lr": 3 * self.lr, "weight_decay": 0.0},
+        ]
+        return torch.optim.SGD(groups, lr=self.lr)
 
 
 class ArgBlock(nn.Module):

@@ -6,6 +6,7 @@ its own run id, so their records and handlers do not interfere.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Iterator
@@ -491,3 +492,88 @@ def test_malformed_and_expired_records_are_skipped(dhts) -> None:
     )
     assert [p.peer_id for p in parse_stage_peers(listing, 2, now=now)] == [dht.peer_id]
     assert parse_stage_peers(ValueWithExpiration("garbage", now + 30), 2) == []
+
+
+@pytest.mark.timeout(120)
+def test_stage_server_steps_with_the_users_parameter_groups(dhts, cleanup) -> None:
+    """Each of the user's parameter groups keeps its own hyper-parameters on the stage server (before, every
+    parameter was stepped with ``optimizer.defaults``)."""
+    from lightning_swarm.swarm.peer import stage_optimizer
+
+    torch.manual_seed(0)
+    whole = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    decay = {"params": [whole[0].weight, whole[1].weight], "weight_decay": 0.5}
+    no_decay = {"params": [whole[0].bias, whole[1].bias], "lr": 1.0, "weight_decay": 0.0}
+    users = torch.optim.SGD([decay, no_decay], lr=0.1)
+    stage = whole[1:]  # the stage serves the second Linear only
+    reference = copy.deepcopy(stage)
+    factory, groups = stage_optimizer(users, stage)
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in groups] == [(0.1, 0.5, 1), (1.0, 0.0, 1)]
+    run_id = _run_id("groups")
+    _serve(
+        cleanup,
+        dhts["server1"],
+        run_id,
+        stage,
+        optimizer_factory=factory,
+        param_groups=groups,
+        target_batch_size=4,
+    )
+    client = _client(cleanup, dhts["trainer"], run_id)
+    x = torch.randn(4, 4)
+    client.call_stage(0, x).pow(2).sum().backward()
+    ref_opt = torch.optim.SGD(
+        [
+            {"params": [reference[0].weight], "weight_decay": 0.5},
+            {"params": [reference[0].bias], "lr": 1.0, "weight_decay": 0.0},
+        ],
+        lr=0.1,
+    )
+    reference(x).pow(2).sum().backward()
+    ref_opt.step()
+    after = client.fetch_stage_state(0)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(after[key], value, atol=1e-5, rtol=0)
+
+
+class SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.1)
+        return grad
+
+
+class TimedStage(nn.Module):
+    """A stage whose forward is fast and whose backward takes 0.1 s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return SlowBackward.apply(self.linear(x))
+
+
+@pytest.mark.timeout(120)
+def test_throughput_is_announced_in_samples_per_second_of_forward_and_backward(dhts, cleanup) -> None:
+    """One unit from the first estimate onwards: forward-only calls do not move it, and the first measured
+    forward + backward replaces the estimate (before, forward-only timings were averaged into it)."""
+    from lightning_swarm.swarm.records import get_stage_peers
+
+    run_id = _run_id("throughput")
+    server = _serve(cleanup, dhts["server1"], run_id, TimedStage(), throughput=1000.0)
+    client = _client(cleanup, dhts["trainer"], run_id)
+    with torch.no_grad():
+        for _ in range(3):
+            client.call_stage(0, torch.randn(4, 8))
+    assert server.info()["throughput"] == 1000.0  # the estimate, not a forward-only figure
+    x = torch.randn(4, 8, requires_grad=True)
+    client.call_stage(0, x).sum().backward()
+    measured = server.info()["throughput"]
+    assert 4 / 1.0 < measured < 4 / 0.1  # 4 samples, forward + backward >= 0.1 s
+    server._announce()
+    assert get_stage_peers(dhts["trainer"], run_id, 0)[0].throughput == pytest.approx(measured)

@@ -22,7 +22,7 @@ from .client import SwarmClient
 from .partition import Partition
 from .presence import FINISHED, LEAVING, Presence
 from .records import get_stage_peers
-from .server import StageServer
+from .server import StageServer, initialize_optimizer_state
 from .settings import SwarmSettings
 
 logger = logging.getLogger(__name__)
@@ -202,11 +202,13 @@ class SwarmPeer:
             return optimizers
         if not any(g["params"] for g in optimizers[0].param_groups):
             return optimizers
+        initialize_optimizer_state(optimizers[0])  # before hivemind does it with a real (decaying) step
         self._trainer_optimizer = hivemind.Optimizer(
             dht=self.dht,
             run_id=f"{self.settings.run_id}_trainers",
             target_batch_size=self.settings.target_batch_size,
             optimizer=optimizers[0],
+            averager_opts={"initialize_optimizer": False},
             # step locally every batch and average parameters in the background every `target_batch_size`
             # samples: a trainer never blocks on the others' averaging rounds
             use_local_updates=True,

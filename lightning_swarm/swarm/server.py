@@ -155,12 +155,13 @@ class StageServer(StageService):
                 run_id=f"{s.run_id}_stage{self.stage}",  # hivemind forbids '.' in optimizer run ids
                 target_batch_size=s.target_batch_size,
                 batch_size_per_step=None,
-                optimizer=self.optimizer_factory,
+                optimizer=functools.partial(_make_initialized, self.optimizer_factory),
                 params=groups,
                 matchmaking_time=s.matchmaking_time,
                 averaging_timeout=s.averaging_timeout,
-                # hivemind warns (and may deadlock) unless requests time out before matchmaking ends
-                averager_opts={"request_timeout": request_timeout},
+                # hivemind warns (and may deadlock) unless requests time out before matchmaking ends; the optimizer
+                # state is initialized without moving the parameters (see initialize_optimizer_state)
+                averager_opts={"request_timeout": request_timeout, "initialize_optimizer": False},
                 grad_averager_factory=functools.partial(GradientAverager, request_timeout=request_timeout),
                 verbose=False,
             )
@@ -435,6 +436,40 @@ class StageServer(StageService):
 
         for message in await loop.run_in_executor(None, encode):
             yield message
+
+
+def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (which hivemind averages and hands to joining peers) without moving
+    any parameter.
+
+    hivemind does this with one optimizer step on zero gradients, which still applies weight decay: a silent
+    extra step. Here that step runs with every learning rate at 0, and step counters are reset afterwards, so the
+    first real step is the same as in a plain torch optimizer.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+    for state in optimizer.state.values():
+        if "step" in state:
+            step = state["step"]
+            state["step"] = torch.zeros_like(step) if isinstance(step, torch.Tensor) else 0
+
+
+def _make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Optimizer:
+    optimizer = factory(params)
+    initialize_optimizer_state(optimizer)
+    return optimizer
 
 
 def _error(request_id: int, category: str, error: BaseException) -> StageReply:
