@@ -15,14 +15,15 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_swarm.strategy.launcher import _SwarmLauncher
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
+from lightning_swarm.swarm.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class SwarmStrategy(ParallelStrategy):
         matchmaking_time: seconds peers of a stage spend finding each other before averaging gradients.
         averaging_timeout: seconds an averaging round may take before it is abandoned.
         linger_timeout: at the end of a run, seconds a peer keeps serving while other peers still train.
+        restart_peers: in a local swarm (``devices=N``), how many times a peer process that died is started again
+            (per peer). A dead peer never stops the others; 0 (default) leaves it dead.
     """
 
     strategy_name = "swarm"
@@ -85,6 +88,7 @@ class SwarmStrategy(ParallelStrategy):
         matchmaking_time: float = _DEFAULTS.matchmaking_time,
         averaging_timeout: float = _DEFAULTS.averaging_timeout,
         linger_timeout: float = _DEFAULTS.linger_timeout,
+        restart_peers: int = 0,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -115,6 +119,9 @@ class SwarmStrategy(ParallelStrategy):
             averaging_timeout=averaging_timeout,
             linger_timeout=linger_timeout,
         )
+        if restart_peers < 0:
+            raise ValueError(f"SwarmStrategy(restart_peers={restart_peers}) must be 0 or more.")
+        self.restart_peers = restart_peers
         self.num_nodes = 1
         self._peer: SwarmPeer | None = None
         self._failed = False
@@ -163,13 +170,18 @@ class SwarmStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally and self.num_processes > 1:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
+            self._launcher = _SwarmLauncher(
+                self.cluster_environment,
+                self.num_processes,
+                self.num_nodes,
+                restart_peers=self.restart_peers,
+                exit_timeout=self.settings.linger_timeout + 30.0,
             )
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        die_with_parent()  # hivemind's helper processes (DHT, averagers) must not outlive this peer
         local_swarm = self.world_size if self.world_size > 1 else None
         rendezvous = None
         if local_swarm is not None:

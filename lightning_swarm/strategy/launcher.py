@@ -1,0 +1,175 @@
+"""The launcher of a local swarm (``Trainer(strategy="swarm", devices=N)``): N peer processes on this machine.
+
+Lightning's ``_SubprocessScriptLauncher`` re-runs the user's script N - 1 times, then watches the children and
+SIGKILLs every process, itself included, as soon as one child exits with an error: right for DDP, where one lost
+rank hangs every collective, and wrong for a swarm, whose whole point is to carry on when a peer dies. This
+launcher starts the children the same way (same command, same environment variables), but:
+
+- a child that dies is reported once and the others carry on; with ``restart_peers=K`` it is started again (at
+  most K times per peer) and the new process joins the running swarm as a replacement;
+- every child dies with the launching process, on every exit path: the kernel SIGKILLs it if the launcher dies
+  (``PR_SET_PDEATHSIG``), and a launcher that exits normally first waits a bounded time for its children to
+  finish their run, then stops the ones still running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from typing_extensions import override
+
+from lightning_swarm.swarm.lifetime import set_parent_death_signal
+
+log = logging.getLogger(__name__)
+
+RESTART_ENV = "LIGHTNING_SWARM_RESTART"  # set in a replacement peer: how many times its slot was restarted
+
+
+class _SwarmLauncher(_SubprocessScriptLauncher):
+    """Starts the N - 1 other peers of a local swarm as copies of this script; survives their deaths.
+
+    Args:
+        cluster_environment: provides the node rank and the main address/port, as for Lightning's launcher.
+        num_processes: peers on this machine, this process included.
+        num_nodes: must be 1 (a local swarm; peers on other machines join through ``initial_peers``).
+        restart_peers: how many times a peer process that died is started again (per peer); 0: never.
+        exit_timeout: when this process exits normally, seconds it waits for its children to finish before it
+            stops them (SIGTERM, then SIGKILL 10 s later).
+        poll_interval: seconds between two checks of the children's health.
+    """
+
+    def __init__(
+        self,
+        cluster_environment: ClusterEnvironment,
+        num_processes: int,
+        num_nodes: int,
+        restart_peers: int = 0,
+        exit_timeout: float = 330.0,
+        poll_interval: float = 1.0,
+    ) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self.restart_peers = restart_peers
+        self.exit_timeout = exit_timeout
+        self.poll_interval = poll_interval
+        self.restarts: dict[int, int] = {}  # local rank -> times restarted
+        self.deaths: list[tuple[int, int]] = []  # (local rank, exit code) of every child that died
+        self._by_rank: dict[int, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+        self._observer: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            self._observer = threading.Thread(target=self._observe, daemon=True, name="swarm-launcher")
+            self._observer.start()
+            atexit.register(self.close)
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+    @override
+    def _call_children_scripts(self) -> None:
+        self._check_can_spawn_children()
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
+        os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
+        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        self.procs = []
+        for local_rank in range(1, self.num_processes):
+            self._start(local_rank)
+
+    def _start(self, local_rank: int) -> subprocess.Popen:
+        env = os.environ.copy()
+        env["LOCAL_RANK"] = str(local_rank)
+        if os.environ.get("PL_GLOBAL_SEED") is None:
+            env.pop("PL_GLOBAL_SEED", None)
+        restarts = self.restarts.get(local_rank, 0)
+        if restarts:
+            env[RESTART_ENV] = str(restarts)
+        parent = os.getpid()
+        # the kernel SIGKILLs the child when this process dies, however it dies (Lightning starts the children
+        # from the main thread, which lives as long as the process)
+        proc = subprocess.Popen(
+            _basic_subprocess_cmd(), env=env, preexec_fn=lambda: set_parent_death_signal(parent_pid=parent)
+        )
+        with self._lock:
+            old = self._by_rank.get(local_rank)
+            if old is not None and old in self.procs:
+                self.procs.remove(old)
+            self._by_rank[local_rank] = proc
+            self.procs.append(proc)
+        return proc
+
+    def _observe(self) -> None:
+        reported: set[int] = set()
+        while not self._closing.wait(self.poll_interval):
+            with self._lock:
+                items = list(self._by_rank.items())
+            for local_rank, proc in items:
+                code = proc.poll()
+                if code is None or code == 0 or proc.pid in reported:
+                    continue
+                reported.add(proc.pid)
+                self.deaths.append((local_rank, code))
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                if self._closing.is_set():
+                    return
+                done = self.restarts.get(local_rank, 0)
+                if done < self.restart_peers:
+                    self.restarts[local_rank] = done + 1
+                    new = self._start(local_rank)
+                    log.warning(
+                        f"Swarm peer {local_rank} (pid {proc.pid}) died ({how}); started a replacement (pid "
+                        f"{new.pid}, restart {done + 1} of {self.restart_peers}). The other peers carry on."
+                    )
+                else:
+                    log.warning(
+                        f"Swarm peer {local_rank} (pid {proc.pid}) died ({how}); the other peers carry on without "
+                        f"it (restart_peers={self.restart_peers})."
+                    )
+
+    @override
+    def kill(self, signum: Any) -> None:
+        self._closing.set()
+        super().kill(signum)
+
+    def close(self) -> None:
+        """Wait up to ``exit_timeout`` for the children to end their run, then stop the ones still running."""
+        self._closing.set()
+        deadline = time.monotonic() + self.exit_timeout
+        for proc in list(self.procs):
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    f"Swarm peer (pid {proc.pid}) still running {self.exit_timeout:.0f} s after the launcher "
+                    "finished; stopping it."
+                )
+                proc.send_signal(signal.SIGTERM)
+        for proc in list(self.procs):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def alive(self) -> int:
+        """Number of child peers running now (the launching peer not included)."""
+        with self._lock:
+            return sum(1 for p in self._by_rank.values() if p.poll() is None)

@@ -1,0 +1,83 @@
+"""Process lifetime: every process a peer starts ends with that peer, on every exit path.
+
+hivemind runs its DHT and every averager in forked helper processes. When the peer that forked them exits
+normally, hivemind stops them; when the peer is SIGKILLed (preemption, OOM killer, ``kill -9``) nothing runs in
+the peer any more, and the helpers would live on as orphans holding memory and ports. Only the kernel can act
+at that moment: ``prctl(PR_SET_PDEATHSIG)`` asks it to signal a child when its parent dies.
+
+:func:`die_with_parent` installs a fork hook in this process, so that every child forked from now on gets
+that signal when this process dies. The kernel sends it when the *thread* that forked the child ends, so a child
+forked by a thread other than the main thread instead watches its parent's pid with a light daemon thread.
+Processes started with ``exec`` (hivemind's ``p2pd``) do not run Python fork hooks; ``p2pd`` exits by itself
+once its client has been idle for hivemind's ``idle_timeout``.
+
+Linux only; elsewhere these functions do nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+__all__ = ["die_with_parent", "set_parent_death_signal"]
+
+_PR_SET_PDEATHSIG = 1
+_installed_in_pid: int | None = None
+_forked_from_main_thread = True
+_parent_pid = 0
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL, parent_pid: int | None = None) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent (thread) dies.
+
+    :param sig: the signal to receive; SIGKILL by default (nothing in the child can block it).
+    :param parent_pid: the pid the parent had when it forked us; if the parent is already gone by the time this
+        runs (the race the man page warns about), the signal is sent to ourselves at once.
+    :returns: whether the request was made (False off Linux).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def _before_fork() -> None:
+    global _forked_from_main_thread, _parent_pid
+    _forked_from_main_thread = threading.current_thread() is threading.main_thread()
+    _parent_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    parent = _parent_pid
+    if _forked_from_main_thread:
+        set_parent_death_signal(signal.SIGKILL, parent_pid=parent)
+    else:
+        # PDEATHSIG would fire when the forking thread ends, which may be long before the parent process does
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="die-with-parent").start()
+
+
+def _watch_parent(parent_pid: int, period: float = 0.5) -> None:
+    stop = threading.Event()
+    while not stop.wait(period):
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_parent() -> None:
+    """Make every child this process forks from now on die when this process dies (idempotent, per process:
+    a forked child that forks again must call it itself, which hivemind's helpers never do)."""
+    global _installed_in_pid
+    if _installed_in_pid == os.getpid() or not sys.platform.startswith("linux"):
+        return
+    # a child forked from a process that installed the hook inherits the registration: `_installed_in_pid`
+    # keeps a second call in that child from registering twice
+    if _installed_in_pid is None:
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+    _installed_in_pid = os.getpid()

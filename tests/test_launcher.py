@@ -1,0 +1,104 @@
+"""Process lifetime of a local swarm: a dead peer does not stop the others, and nothing outlives its parent."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead, just not reaped yet
+    except FileNotFoundError:
+        return False
+
+
+def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def test_forked_helpers_die_with_their_peer(tmp_path):
+    """Helpers forked by the main thread and by another thread both die when their peer is SIGKILLed."""
+    script = textwrap.dedent(
+        f"""
+        import multiprocessing as mp, threading, time, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from lightning_swarm.swarm.lifetime import die_with_parent
+
+        def sleep():
+            time.sleep(120)
+
+        die_with_parent()
+        ctx = mp.get_context("fork")
+        a = ctx.Process(target=sleep, daemon=True); a.start()
+        box = []
+        def fork_in_thread():
+            b = ctx.Process(target=sleep); b.start(); box.append(b)
+        t = threading.Thread(target=fork_in_thread); t.start(); t.join()  # the forking thread is gone now
+        time.sleep(1.0)
+        print(a.pid, box[0].pid, flush=True)
+        time.sleep(120)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids), (
+            "both helpers outlive the thread that forked them"
+        )
+        proc.kill()
+        proc.wait()
+        assert _wait_dead(pids) == []
+    finally:
+        proc.kill()
+
+
+def test_dead_peer_is_restarted_and_the_others_carry_on(tmp_path):
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "_launcher_job.py"), str(tmp_path), "restart"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    assert seen["deaths"] == [[1, -signal.SIGKILL]]
+    assert seen["restarts"] == {"1": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peer0.0", "peer1.1", "peer2.0"]
+    assert "died (signal 9); started a replacement" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_nothing_outlives_a_killed_launcher(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "_launcher_job.py"), str(tmp_path), "hold"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("pids?"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [int(p) for f in sorted(tmp_path.glob("pids?")) for p in f.read_text().split()]
+        assert len(pids) == 6 and all(_alive(p) for p in pids)
+        assert proc.pid in pids
+        proc.kill()
+        proc.wait()
+        assert _wait_dead(pids) == [], "peer processes or their helpers outlived the launcher"
+    finally:
+        proc.kill()
