@@ -319,7 +319,9 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(dhts, cl
     header = msgpack.unpackb(good.metadata)
 
     def with_header(**changes) -> runtime_pb2.ExpertRequest:
-        fields = dict(zip(["version", "kind", "request_id", "uid", "inputs", "grads"], header, strict=True))
+        fields = dict(
+            zip(["version", "kind", "request_id", "uid", "inputs", "grads", "commit_by"], header, strict=True)
+        )
         fields.update(changes)
         return runtime_pb2.ExpertRequest(tensors=good.tensors, metadata=msgpack.packb(list(fields.values())))
 

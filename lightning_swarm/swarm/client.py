@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import defaultdict
@@ -37,7 +38,14 @@ from hivemind.utils.mpfuture import MPFuture
 from ._loop import replicate_p2p, run_coroutine
 from .codec import CodecError, remember_wire_format
 from .payload import EncodedPayload, Payload
-from .protocol import RemoteStageError, StageRequest, StageService, remote_exception, stage_uid
+from .protocol import (
+    RemoteStageError,
+    StageRequest,
+    StageService,
+    encode_request_header,
+    remote_exception,
+    stage_uid,
+)
 from .records import PeerInfo, parse_stage_peers, stage_key
 from .routing import NoPeersError, StageRouter
 from .settings import SwarmSettings
@@ -48,6 +56,8 @@ __all__ = ["SwarmClient"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# a backward's gradients are applied only if the server finishes it within the first 80% of request_timeout
+COMMIT_MARGIN = 0.2
 # makes every stage call part of the autograd graph, so that stages whose inputs need no grad still train
 _DUMMY = torch.empty(0, requires_grad=True)
 
@@ -77,7 +87,8 @@ class SwarmClient:
         self._pending: list[MPFuture | None] = [None] * self.num_stages
         self._transports: dict[tuple[PeerID, int], Any] = {}
         self._p2p: P2P | None = None
-        self._request_ids = itertools.count()
+        # unique across trainers: a server remembers the ids of the backwards it applied
+        self._request_ids = itertools.count(secrets.randbits(62))
         self._lock = threading.Lock()
         self._transport_lock = threading.Lock()
         self._router_lock = threading.Lock()
@@ -180,15 +191,26 @@ class SwarmClient:
         """Serve ``request`` on some peer of ``stage``; returns the reply's payload and the encoded inputs.
 
         The request is encoded at most once, by the first remote attempt (``reuse``: the inputs as the forward
-        encoded them, for a backward). ``check`` validates the reply; if it raises, the peer counts as failed.
+        encoded them, for a backward); each attempt only renews the header, whose ``commit_by`` deadline leaves
+        the last ``COMMIT_MARGIN`` of ``request_timeout`` for the reply to travel back (a backward the server
+        finishes later is not applied: this attempt has timed out and the call moves on). Every attempt carries
+        the same request id. ``check`` validates the reply; if it raises, the peer counts as failed.
         """
         request.request_id = next(self._request_ids)
         encoded: list[Any] = [None]
 
         def attempt(peer_id: PeerID) -> Payload:
             transport = self._transport(peer_id, stage)
-            if isinstance(transport, P2PTransport) and encoded[0] is None:
-                encoded[0] = encode_request(request, self.settings.compression, reuse_inputs=reuse)
+            if isinstance(transport, P2PTransport):
+                if encoded[0] is None:
+                    encoded[0] = encode_request(request, self.settings.compression, reuse_inputs=reuse)
+                if request.kind == "backward":
+                    timeout = self.settings.request_timeout
+                    request.commit_by = time.time() + (1 - COMMIT_MARGIN) * timeout
+                    payloads = encoded[0][1]
+                    encoded[0] = (encode_request_header(request, *payloads), payloads)
+            else:
+                request.commit_by = None  # in-process: the call cannot time out
             reply, sent, recv = transport.call(request, encoded[0])
             if sent or recv:
                 self._count(stage, request.kind, sent, recv)

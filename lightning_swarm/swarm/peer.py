@@ -122,7 +122,7 @@ class SwarmPeer:
             with open(tmp, "w") as f:
                 f.write("\n".join(str(a) for a in self.dht.get_visible_maddrs()))
             os.replace(tmp, self.rendezvous_path)
-        self.presence = Presence(self.dht, s.run_id, str(self.dht.peer_id))
+        self.presence = Presence(self.dht, s.run_id, str(self.dht.peer_id), trainer=self.is_trainer)
         self.presence.start()
         logger.info(f"Swarm peer {self.peer_index} is up: {[str(a) for a in self.dht.get_visible_maddrs()]}")
         return self.dht
@@ -270,10 +270,11 @@ class SwarmPeer:
 
     # ------------------------------------------------------------------ leave
     def serve_until_trainers_finish(self) -> None:
-        """For server-only peers: serve until every live peer has finished training."""
+        """For server-only peers: serve until trainers have appeared (however late) and every live one has
+        finished training (a trainer that died drops out once its record expires)."""
         assert self.presence is not None
         self.presence.set_phase(FINISHED)
-        self.presence.wait_for(FINISHED, self.local_swarm_size, timeout=float("inf"))
+        self.presence.wait_for(FINISHED, self.local_swarm_size, timeout=float("inf"), trainers_only=True)
 
     def leave(self, failed: bool = False) -> None:
         """End of a run: keep serving until the others are done, put the trained pipeline back into the module,

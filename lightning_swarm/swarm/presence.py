@@ -1,10 +1,21 @@
 """Peer presence and the end-of-run handshake of a swarm.
 
-Every peer keeps a small DHT record ``{run_id}.peers.0`` (subkey: its peer id) with its *phase*: 0 while it
-trains, 1 once it has finished training (it still serves its stage), 2 once it has gathered what it needs and may
-leave. A peer leaves only when every live peer has reached the phase it waits for, so a trainer that finishes early
-keeps serving the others, and checkpoints gathered at the end see the final weights. Records expire, so a peer that
-dies simply drops out of the count.
+Every peer keeps a small DHT record ``{run_id}.peers.0`` (subkey: its peer id) with its *phase* and whether it
+trains: ``[phase, trainer]``. Phase 0 while it trains, 1 once it has finished training (it still serves its
+stage), 2 once it has gathered what it needs and may leave. A peer leaves only when every live peer has reached
+the phase it waits for, so a trainer that finishes early keeps serving the others, and checkpoints gathered at the
+end see the final weights. Records expire (``3 * period`` seconds), so a peer that dies drops out of the count.
+
+Bounded waits (:meth:`Presence.wait_for`):
+
+- A DHT read that fails, or that does not even contain this peer's own record, is *unknown*: it never counts as
+  "nobody else is here". A peer gives up once reads have been unknown for ``unreadable_timeout`` seconds in a row
+  (default 60 s), or after the caller's ``timeout``.
+- In a local swarm of N peers, a peer waits for N peers to have appeared at least once; peers that never appear
+  within ``appear_timeout`` seconds (default 120 s) are not waited for. A peer that appeared and died is not
+  waited for once its record has expired (6 s by default).
+- A server-only peer waits for trainers (``trainers_only``): for them to appear, without limit (a server started
+  before any trainer keeps serving), then until every live trainer has finished or died.
 """
 
 from __future__ import annotations
@@ -19,6 +30,8 @@ from hivemind.utils import get_dht_time
 logger = logging.getLogger(__name__)
 
 TRAINING, FINISHED, LEAVING = 0, 1, 2
+UNREADABLE_TIMEOUT = 60.0
+APPEAR_TIMEOUT = 120.0
 
 
 def _key(run_id: str) -> str:
@@ -33,15 +46,33 @@ class Presence:
         run_id: the swarm's run id.
         peer_name: this peer's subkey (its peer id as text).
         period: seconds between announcements; a record lives ``3 * period`` seconds.
+        trainer: whether this peer feeds data (server-only peers wait for trainers).
+        unreadable_timeout: seconds of consecutive failed DHT reads after which a waiting peer gives up.
+        appear_timeout: seconds a peer of a local swarm waits for the expected peers to appear at least once.
     """
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, peer_name: str, period: float = 2.0) -> None:
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        peer_name: str,
+        period: float = 2.0,
+        trainer: bool = True,
+        unreadable_timeout: float = UNREADABLE_TIMEOUT,
+        appear_timeout: float = APPEAR_TIMEOUT,
+    ) -> None:
         self.dht, self.run_id, self.peer_name, self.period = dht, run_id, peer_name, period
+        self.trainer = trainer
+        self.unreadable_timeout, self.appear_timeout = unreadable_timeout, appear_timeout
         self.phase = TRAINING
+        self.seen: set[str] = set()  # every peer ever seen in this run
+        self.seen_trainers: set[str] = set()
+        self._started_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="swarm-presence", daemon=True)
 
     def start(self) -> None:
+        self._started_at = time.monotonic()
         self._announce()
         self._thread.start()
 
@@ -49,33 +80,85 @@ class Presence:
         self.phase = max(self.phase, phase)
         self._announce()
 
-    def phases(self) -> dict[str, int]:
-        """Phase of every live peer, by subkey (malformed records are ignored)."""
-        found = self.dht.get(_key(self.run_id), latest=True)
-        out: dict[str, int] = {}
-        if found is None or not isinstance(found.value, dict):
-            return out
+    def records(self) -> dict[str, tuple[int, bool]] | None:
+        """``(phase, trainer)`` of every live peer by subkey, this one included; ``None`` when the DHT could not be
+        read (an answer without this peer's own record counts as unreadable). Malformed records are ignored."""
+        try:
+            found = self.dht.get(_key(self.run_id), latest=True)
+        except Exception as e:
+            logger.debug(f"Presence: DHT read failed: {e!r}")
+            return None
+        if found is None or not isinstance(found.value, dict) or self.peer_name not in found.value:
+            return None
+        out: dict[str, tuple[int, bool]] = {}
         for subkey, entry in found.value.items():
             value = getattr(entry, "value", None)
-            if isinstance(subkey, str) and isinstance(value, int) and not isinstance(value, bool):
-                out[subkey] = value
+            if isinstance(value, int) and not isinstance(value, bool):  # an older peer: phase only
+                value = [value, True]
+            if (
+                isinstance(subkey, str)
+                and isinstance(value, (list, tuple))
+                and len(value) == 2
+                and isinstance(value[0], int)
+                and not isinstance(value[0], bool)
+            ):
+                out[subkey] = (value[0], bool(value[1]))
+        out[self.peer_name] = (self.phase, self.trainer)
+        self.seen.update(out)
+        self.seen_trainers.update(name for name, (_, trainer) in out.items() if trainer)
         return out
 
-    def wait_for(self, phase: int, expected_peers: int | None, timeout: float) -> bool:
-        """Block until every live peer (and at least ``expected_peers`` of them, when given) has reached
-        ``phase``; return False if ``timeout`` seconds pass first."""
-        deadline = time.monotonic() + timeout
+    def phases(self) -> dict[str, int] | None:
+        """Phase of every live peer by subkey; ``None`` when unknown (see :meth:`records`)."""
+        records = self.records()
+        return None if records is None else {name: phase for name, (phase, _) in records.items()}
+
+    def wait_for(
+        self, phase: int, expected_peers: int | None, timeout: float, trainers_only: bool = False
+    ) -> bool:
+        """Block until every live peer (every live trainer, with ``trainers_only``) has reached ``phase``; return
+        False if that does not happen in time (see the module docstring for the bounds).
+
+        Args:
+            phase: the phase to wait for.
+            expected_peers: in a local swarm, how many peers it has (each is waited for until it has appeared at
+                least once, or ``appear_timeout`` has passed); ``None`` elsewhere.
+            timeout: seconds to wait at most (``inf``: no limit besides ``unreadable_timeout``).
+            trainers_only: wait for trainers only, and for at least one to have appeared (server-only peers).
+        """
+        start = time.monotonic()
+        deadline = start + timeout
+        last_read = start
         while True:
-            phases = self.phases()
-            phases[self.peer_name] = self.phase
-            enough = expected_peers is None or len(phases) >= expected_peers
-            if enough and all(p >= phase for p in phases.values()):
-                return True
-            if time.monotonic() > deadline:
-                behind = sorted(name for name, p in phases.items() if p < phase)
+            records = self.records()
+            now = time.monotonic()
+            if records is not None:
+                last_read = now
+                appeared = (
+                    expected_peers is None
+                    or len(self.seen) >= expected_peers
+                    or now - self._started_at > self.appear_timeout
+                )
+                if trainers_only:
+                    appeared = appeared and bool(self.seen_trainers)
+                waited = [p for p, trainer in records.values() if trainer or not trainers_only]
+                if appeared and all(p >= phase for p in waited):
+                    return True
+            elif now - last_read > self.unreadable_timeout:
+                logger.warning(
+                    f"Gave up waiting for the swarm to reach phase {phase}: the DHT could not be read for "
+                    f"{self.unreadable_timeout:.0f} s"
+                )
+                return False
+            if now > deadline:
+                behind = sorted(
+                    name
+                    for name, (p, trainer) in (records or {}).items()
+                    if p < phase and (trainer or not trainers_only)
+                )
                 logger.warning(
                     f"Gave up waiting for the swarm to reach phase {phase} after {timeout:.0f} s "
-                    f"({len(phases)} peers seen, behind: {behind})"
+                    f"({len(records or {})} peers seen now, behind: {behind})"
                 )
                 return False
             time.sleep(min(0.5, self.period))
@@ -88,7 +171,10 @@ class Presence:
     def _announce(self) -> None:
         try:
             self.dht.store(
-                _key(self.run_id), self.phase, get_dht_time() + 3 * self.period, subkey=self.peer_name
+                _key(self.run_id),
+                [self.phase, self.trainer],
+                get_dht_time() + 3 * self.period,
+                subkey=self.peer_name,
             )
         except Exception as e:  # the DHT may be shutting down; presence is best effort
             logger.debug(f"Presence announcement failed: {e!r}")

@@ -7,9 +7,12 @@ The client (:mod:`.client`) and the server (:mod:`.server`) depend on this modul
   gradients, since any peer of the stage may serve the backward by recomputing the forward) and a
   :class:`StageReply` (the outputs or input gradients, or an :class:`ErrorReply`). In-process calls pass these
   objects as they are; over the network (:mod:`.transport`) they travel as tensor parts plus a *header*:
-  ``[version, kind, request_id, uid, inputs metadata, grads metadata or None]`` for a request and
-  ``["ok", request_id, outputs metadata]`` or ``["error", request_id, category, type, message]`` for a reply.
-  Every request carries a caller-chosen ``request_id`` that its reply repeats.
+  ``[version, kind, request_id, uid, inputs metadata, grads metadata or None, commit_by or None]`` for a
+  request and ``["ok", request_id, outputs metadata]`` or ``["error", request_id, category, type, message]`` for
+  a reply. Every request carries a caller-chosen ``request_id`` that its reply repeats, unique across callers
+  (random 62-bit start, then counted) and the same on every retry of one call: a server applies a backward's
+  gradients at most once per id. ``commit_by`` (wall-clock seconds, ``time.time()``) is when the caller stops
+  counting on the call: a backward that ends later is not applied, since the caller has retried it elsewhere.
 - Validation: :func:`parse_request` is the one place where a received request is checked; anything wrong
   raises :class:`BadRequest`.
 - Errors: an error reply says *why* a call failed. ``"compute"``: the stage's own code raised (a shape
@@ -51,7 +54,7 @@ __all__ = [
     "stage_uid",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 KINDS = ("forward", "backward")
 COMPUTE, REQUEST, UNAVAILABLE = "compute", "request", "unavailable"
 _CATEGORIES = (COMPUTE, REQUEST, UNAVAILABLE)
@@ -90,7 +93,9 @@ class StageRequest:
         uid: the stage's :func:`stage_uid`.
         inputs: the call's ``(args, kwargs)`` payload.
         grad_outputs: backward only: a tuple payload with one gradient (or ``None``) per output tensor.
-        request_id: chosen by the caller, repeated by the reply.
+        request_id: chosen by the caller, repeated by the reply; the same on every retry of one call.
+        commit_by: backward only: wall-clock time (``time.time()``) after which the server must not apply the
+            gradients any more; ``None``: no deadline (in-process calls).
     """
 
     kind: str
@@ -98,6 +103,7 @@ class StageRequest:
     inputs: Payload
     grad_outputs: Payload | None = None
     request_id: int = 0
+    commit_by: float | None = None
 
     def payloads(self) -> list[Payload]:
         return [self.inputs] if self.grad_outputs is None else [self.inputs, self.grad_outputs]
@@ -181,6 +187,7 @@ def encode_request_header(
             request.uid,
             inputs.metadata,
             None if grads is None else grads.metadata,
+            request.commit_by,
         ],
         use_bin_type=True,
     )
@@ -196,11 +203,15 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
         fields = msgpack.unpackb(header, raw=False)
     except Exception as e:
         raise BadRequest(f"Malformed request header ({type(e).__name__}: {e})") from None
-    if not isinstance(fields, list) or len(fields) != 6:
-        raise BadRequest("Malformed request header: expected [version, kind, id, uid, inputs, grads]")
-    version, kind, request_id, uid, inputs_meta, grads_meta = fields
-    if version != PROTOCOL_VERSION:
-        raise BadRequest(f"Request uses protocol version {version!r}; this peer speaks {PROTOCOL_VERSION}")
+    if isinstance(fields, list) and fields and fields[0] != PROTOCOL_VERSION:
+        raise BadRequest(f"Request uses protocol version {fields[0]!r}; this peer speaks {PROTOCOL_VERSION}")
+    if not isinstance(fields, list) or len(fields) != 7:
+        raise BadRequest(
+            "Malformed request header: expected [version, kind, id, uid, inputs, grads, commit_by]"
+        )
+    version, kind, request_id, uid, inputs_meta, grads_meta, commit_by = fields
+    if commit_by is not None and (type(commit_by) not in (int, float) or commit_by != commit_by):
+        raise BadRequest("Malformed request header: commit_by must be a number of seconds or None")
     if kind not in KINDS:
         raise BadRequest(f"Unknown request kind {kind!r}; expected one of {KINDS}")
     if type(request_id) is not int:
@@ -231,7 +242,7 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
             raise BadRequest(f"Malformed request: {len(tensors) - num_inputs} tensors beyond the inputs")
     except CodecError as e:
         raise BadRequest(str(e)) from None
-    return StageRequest(kind, uid, inputs, grads, request_id)
+    return StageRequest(kind, uid, inputs, grads, request_id, None if commit_by is None else float(commit_by))
 
 
 def check_grad_outputs(grads: tuple, outputs: list[torch.Tensor]) -> None:

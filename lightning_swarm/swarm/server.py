@@ -9,10 +9,20 @@ this process (:meth:`StageServer.handle`, through :class:`~.transport.LocalTrans
   the stage's ``hivemind.Optimizer`` steps together with the other peers of the stage once the swarm has
   processed ``target_batch_size`` samples.
 
+Serving never waits on averaging. Forward and backward run in one compute thread under the *parameters lock*;
+a backward's parameter gradients go to a pending buffer, and a separate *stepper* thread feeds that buffer to
+the ``hivemind.Optimizer``, which keeps its own copy of the stage's parameters (the *master* copy): its averaging
+rounds (up to ``averaging_timeout``) and optimizer steps touch only that copy, and the served parameters are
+refreshed from it under the parameters lock afterwards (a copy, well under a millisecond for a typical stage).
+Gradients of backwards served during a round count towards the next optimizer step.
+
+At most once: every backward carries a request id; a peer applies each id once (a resent duplicate gets its
+input gradients recomputed, but its parameter gradients are dropped), and a backward whose compute ends after
+the caller's ``commit_by`` deadline is not applied at all (the caller has retried it on another peer by then).
+
 RPCs: ``rpc_channel`` (a long-lived stream carrying one call after another, see :mod:`.transport`),
 ``rpc_info`` (stage, throughput, progress) and ``rpc_state`` (the stage's ``state_dict``). The compute runs in
-one background thread under a lock, so the event loop keeps answering and forward, backward and optimizer steps
-of the stage never interleave. Every request gets a reply; a failed one gets an error reply that says why (see
+one background thread, so the event loop keeps answering. Every request gets a reply; a failed one gets an error reply that says why (see
 :mod:`.protocol`). Every ``announce_period`` seconds a background thread re-announces the peer in the DHT with
 its measured throughput (samples/s of forward + backward, see :mod:`.throughput`).
 """
@@ -25,6 +35,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
@@ -65,6 +76,8 @@ __all__ = ["StageServer"]
 logger = logging.getLogger(__name__)
 
 _EPOCH_POLL_S = 0.25  # how often an idle server checks whether its stage is ready to step
+_APPLIED_TTL_S = 600.0  # how long a peer remembers the id of a backward it applied
+_APPLIED_MAX = 100_000  # ... and how many ids at most (16 bytes each, plus the dict's overhead)
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
@@ -117,11 +130,23 @@ class StageServer(StageService):
         self.samples_processed = 0
         self.optimizer: hivemind.Optimizer | None = None
         self.p2p: P2P | None = None
-        self._lock = threading.Lock()
+        self._lock = (
+            threading.Lock()
+        )  # the parameters lock: compute reads, refreshes from the master copy write
         self._executor: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self._announcer: threading.Thread | None = None
         self._started = False
+        # trained parameters (served) and the optimizer's copy of them; pending gradients of served backwards
+        self._trained: list[nn.Parameter] = []
+        self._master: list[nn.Parameter] = []
+        self._grads_lock = threading.Lock()
+        self._pending: list[torch.Tensor] | None = None
+        self._pending_samples = 0
+        self._stepper: threading.Thread | None = None
+        self._step_lock = threading.Lock()  # held by the stepper while it runs the optimizer
+        self._wake = threading.Event()
+        self._applied = AppliedRequests()
 
     @property
     def device(self) -> torch.device:
@@ -150,6 +175,10 @@ class StageServer(StageService):
         groups = [g for g in groups if g["params"]]
         if groups and self.optimizer_factory is not None:
             request_timeout = max(0.2, s.matchmaking_time / 3)
+            self._trained = [p for g in groups for p in g["params"]]
+            self._master = [nn.Parameter(p.detach().clone(), requires_grad=True) for p in self._trained]
+            master_of = {id(p): m for p, m in zip(self._trained, self._master, strict=True)}
+            groups = [{**g, "params": [master_of[id(p)] for p in g["params"]]} for g in groups]
             self.optimizer = hivemind.Optimizer(
                 dht=self.dht,
                 run_id=f"{s.run_id}_stage{self.stage}",  # hivemind forbids '.' in optimizer run ids
@@ -157,6 +186,7 @@ class StageServer(StageService):
                 batch_size_per_step=None,
                 optimizer=functools.partial(_make_initialized, self.optimizer_factory),
                 params=groups,
+                offload_optimizer=False,  # the master copy is already apart from the served parameters
                 matchmaking_time=s.matchmaking_time,
                 averaging_timeout=s.averaging_timeout,
                 # hivemind warns (and may deadlock) unless requests time out before matchmaking ends; the optimizer
@@ -169,6 +199,11 @@ class StageServer(StageService):
         self.p2p = run_coroutine(self._start_p2p(), timeout=60)
         self._stop.clear()
         self._started = True
+        if self.optimizer is not None:
+            self._stepper = threading.Thread(
+                target=self._step_loop, name=f"stage{self.stage}-step", daemon=True
+            )
+            self._stepper.start()
         self._announce()
         self._announcer = threading.Thread(
             target=self._announce_loop, name=f"stage{self.stage}-announce", daemon=True
@@ -187,8 +222,11 @@ class StageServer(StageService):
             return
         self._started = False
         self._stop.set()
+        self._wake.set()
         if self._announcer is not None:
             self._announcer.join(timeout=5)
+        if self._stepper is not None:  # a round in progress ends within averaging_timeout; do not wait longer
+            self._stepper.join(timeout=self.settings.averaging_timeout + self.settings.matchmaking_time)
         if self.p2p is not None:
             p2p, self.p2p = self.p2p, None
             try:
@@ -212,8 +250,9 @@ class StageServer(StageService):
     def load_state_from_peers(self, **kwargs: Any) -> None:
         """Download the stage's parameters and optimizer state from another peer of the stage (for joiners)."""
         if self.optimizer is not None:
-            with self._lock:
+            with self._step_lock:
                 self.optimizer.load_state_from_peers(**kwargs)
+                self._refresh_parameters()
 
     def _announce(self) -> None:
         try:
@@ -231,23 +270,74 @@ class StageServer(StageService):
     def _announce_loop(self) -> None:
         next_announce = time.monotonic() + self.settings.announce_period
         while not self._stop.wait(_EPOCH_POLL_S):
-            self._join_ready_epoch()
             if time.monotonic() >= next_announce:
                 self._announce()
                 next_announce = time.monotonic() + self.settings.announce_period
 
-    def _join_ready_epoch(self) -> None:
-        """Join the stage's averaging round as soon as the swarm has collected the target batch, even when no
-        backward call arrives here: otherwise a peer whose trainers are blocked on the stage's other peers (which
-        wait in matchmaking for this one) would only join after the round has timed out."""
+    # ---- the stepper: the optimizer, off the serving path ----
+
+    def _step_loop(self) -> None:
+        """Feed pending gradients to the optimizer and take part in the stage's averaging rounds."""
+        while not self._stop.is_set():
+            self._wake.wait(_EPOCH_POLL_S)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.step_pending()
+            except Exception as e:  # a failed round must not end the stepper; the next one may succeed
+                logger.warning(f"Stage {self.stage}: optimizer step failed: {e!r}")
+
+    def step_pending(self) -> bool:
+        """Hand the gradients of the backwards served so far to the optimizer (one ``step``); returns whether it
+        stepped. Also joins the stage's averaging round when the swarm has collected the target batch even if
+        no backward arrived here (otherwise the stage's other peers would wait for this one in matchmaking)."""
         opt = self.optimizer
-        if opt is None or not opt.tracker.ready_to_update_epoch:
+        if opt is None:
+            return False
+        with self._step_lock:
+            with self._grads_lock:
+                grads, samples = self._pending, self._pending_samples
+                self._pending, self._pending_samples = None, 0
+            if grads is None:
+                if not (
+                    opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0
+                ):
+                    return False  # nothing to contribute: the others step without us, we catch up from them
+                grads = [torch.zeros_like(m) for m in self._master]
+            for master, grad in zip(self._master, grads, strict=True):
+                master.grad = grad
+            try:
+                opt.step(batch_size=samples)
+            finally:
+                for master in self._master:
+                    master.grad = None
+            # refresh even without a new epoch: hivemind applies a finished background state averaging here
+            self._refresh_parameters()
+            return True
+
+    def _refresh_parameters(self) -> None:
+        """Copy the optimizer's parameters into the served ones (under the parameters lock: short)."""
+        with self._lock, torch.no_grad():
+            for served, master in zip(self._trained, self._master, strict=True):
+                served.copy_(master)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the gradients received so far have been handed to the optimizer (and a step they
+        triggered has been taken), at most ``timeout`` seconds (default: one averaging round)."""
+        if self.optimizer is None:
             return
-        if opt.grad_averager.local_samples_accumulated <= 0:
-            return  # nothing to contribute: the others step without us, and we catch up from their state
-        with self._lock:
-            if opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0:
-                self._optimizer_step(0)
+        s = self.settings
+        timeout = s.averaging_timeout + s.matchmaking_time if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        stepper = self._stepper
+        if stepper is None or not stepper.is_alive():
+            return
+        while self._pending is not None and time.monotonic() < deadline:
+            self._wake.set()
+            time.sleep(0.01)
+        if self._step_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self._step_lock.release()
 
     # ---- serving a request (the same for in-process and remote callers) ----
 
@@ -264,11 +354,16 @@ class StageServer(StageService):
                 outputs = self._forward(request.inputs)
             else:
                 assert request.grad_outputs is not None
-                outputs = self._backward(request.inputs, request.grad_outputs)
+                outputs = self._backward(
+                    request.inputs, request.grad_outputs, request.request_id, request.commit_by
+                )
             return StageReply(request.request_id, outputs=outputs)
         except BadRequest as e:
             logger.debug(f"Stage {self.stage}: rejected a request: {e}")
             return _error(request.request_id, REQUEST, e)
+        except TooLate as e:
+            logger.debug(f"Stage {self.stage}: {e}")
+            return _error(request.request_id, UNAVAILABLE, e)
         except _ComputeError as e:
             logger.warning(f"Stage {self.stage}: the stage raised {type(e.error).__name__}: {e.error}")
             return _error(request.request_id, COMPUTE, e.error)
@@ -284,7 +379,13 @@ class StageServer(StageService):
             outputs = self._run_module(args, kwargs)
         return _outputs_payload(outputs)
 
-    def _backward(self, inputs: Payload, grad_outputs: Payload) -> Payload:
+    def _backward(
+        self,
+        inputs: Payload,
+        grad_outputs: Payload,
+        request_id: int | None = None,
+        commit_by: float | None = None,
+    ) -> Payload:
         leaves = []
         for t in inputs.tensors:
             leaf = t.detach().to(self.device)
@@ -294,6 +395,8 @@ class StageServer(StageService):
         args, kwargs = inputs.rebuild_call(leaves)
         grads = grad_outputs.rebuild()
         batch_size = inputs.batch_size()
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        trained = self._trained
         with self._lock:
             start = time.perf_counter()
             with torch.enable_grad():
@@ -304,19 +407,56 @@ class StageServer(StageService):
                     for out, grad in zip(outputs, grads, strict=True)
                     if grad is not None and out.requires_grad
                 ]
-                if pairs:
-                    try:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                results: list[torch.Tensor | None] = [None] * (len(wanted) + len(trained))
+                if pairs and (wanted or trained):
+                    try:  # gradients are returned, not accumulated in .grad: the stepper owns the optimizer's
+                        results = list(
+                            torch.autograd.grad(
+                                [o for o, _ in pairs],
+                                wanted + trained,
+                                [g for _, g in pairs],
+                                allow_unused=True,
+                            )
+                        )
                     except (MemoryError, torch.OutOfMemoryError):
                         raise
                     except Exception as e:
                         raise _ComputeError(e) from e
             self.throughput.record(batch_size, time.perf_counter() - start)
-            wanted = [leaf for leaf in leaves if leaf.requires_grad]
-            grad_inputs = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted)
-            self.samples_processed += batch_size
-            self._optimizer_step(batch_size)
+        grad_inputs = tuple(
+            g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=False)
+        )
+        self._commit(results[len(wanted) :], batch_size, request_id, commit_by)
         return Payload.flatten(grad_inputs)
+
+    def _commit(
+        self,
+        grads: list[torch.Tensor | None],
+        batch_size: int,
+        request_id: int | None,
+        commit_by: float | None,
+    ) -> None:
+        """Add a backward's parameter gradients to the pending ones, at most once per request id, and only
+        before the caller's ``commit_by`` deadline (raises :class:`TooLate` after it)."""
+        if commit_by is not None and time.time() > commit_by:
+            raise TooLate(
+                f"backward request {request_id} finished {time.time() - commit_by:.1f} s after its commit deadline; "
+                "its gradients were not applied (the caller retries it elsewhere)"
+            )
+        with self._grads_lock:
+            if request_id is not None and not self._applied.add(request_id):
+                logger.debug(f"Stage {self.stage}: backward request {request_id} was already applied here")
+                return
+            self.samples_processed += batch_size
+            if self.optimizer is None or not self._trained:
+                return  # not training this stage: parameter gradients are dropped
+            if self._pending is None:
+                self._pending = [torch.zeros_like(m) for m in self._master]
+            for acc, grad in zip(self._pending, grads, strict=True):
+                if grad is not None:
+                    acc.add_(grad.to(acc.device))
+            self._pending_samples += batch_size
+        self._wake.set()
 
     def _run_module(self, args: tuple, kwargs: dict) -> Any:
         try:
@@ -327,7 +467,9 @@ class StageServer(StageService):
             raise _ComputeError(e) from e
 
     def state_dict_local(self) -> dict[str, torch.Tensor]:
-        """A detached CPU copy of the stage module's ``state_dict``."""
+        """A detached CPU copy of the stage module's ``state_dict``, including every backward received so far
+        (see :meth:`flush`)."""
+        self.flush()
         with self._lock:
             return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
@@ -340,16 +482,6 @@ class StageServer(StageService):
             "samples_processed": self.samples_processed,
             "epoch": int(epoch),
         }
-
-    def _optimizer_step(self, batch_size: int) -> None:
-        if self.optimizer is None:
-            self.module.zero_grad(set_to_none=True)  # not training this stage: drop parameter gradients
-            return
-        try:
-            self.optimizer.step(batch_size=batch_size)
-        except Exception as e:  # a failed averaging round must not fail the trainer's backward
-            logger.warning(f"Stage {self.stage} optimizer step failed: {e!r}")
-        self.optimizer.zero_grad()
 
     # ---- RPC handlers ----
 
@@ -436,6 +568,36 @@ class StageServer(StageService):
 
         for message in await loop.run_in_executor(None, encode):
             yield message
+
+
+class TooLate(RuntimeError):
+    """A backward finished after its caller's commit deadline, so its gradients were not applied."""
+
+
+class AppliedRequests:
+    """The ids of the backward requests a peer applied: bounded (oldest forgotten first) and expiring.
+
+    :param ttl: seconds an id is remembered; a caller retries a request within its ``request_timeout`` times the
+        number of peers it tries, far less than the default 10 minutes.
+    :param max_size: ids remembered at most.
+    """
+
+    def __init__(self, ttl: float = _APPLIED_TTL_S, max_size: int = _APPLIED_MAX) -> None:
+        self.ttl, self.max_size = ttl, max_size
+        self._seen: OrderedDict[int, float] = OrderedDict()
+
+    def add(self, request_id: int, now: float | None = None) -> bool:
+        """Remember ``request_id``; returns False if it was already known (not thread-safe: callers lock)."""
+        now = time.monotonic() if now is None else now
+        while self._seen and (len(self._seen) >= self.max_size or next(iter(self._seen.values())) < now):
+            self._seen.popitem(last=False)
+        if request_id in self._seen:
+            return False
+        self._seen[request_id] = now + self.ttl
+        return True
+
+    def __len__(self) -> int:
+        return len(self._seen)
 
 
 def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
