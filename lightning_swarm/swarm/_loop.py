@@ -27,7 +27,10 @@ def get_loop() -> asyncio.AbstractEventLoop:
     global _loop, _thread, _pid
     with _lock:
         if _loop is None or _pid != os.getpid() or _thread is None or not _thread.is_alive():
+            from .logs import loop_exception_handler
+
             loop = asyncio.new_event_loop()
+            loop.set_exception_handler(loop_exception_handler)
             ready = threading.Event()
 
             def _run() -> None:

@@ -8,19 +8,23 @@ at that moment: ``prctl(PR_SET_PDEATHSIG)`` asks it to signal a child when its p
 :func:`die_with_parent` installs a fork hook in this process, so that every child forked from now on gets
 that signal when this process dies. The kernel sends it when the *thread* that forked the child ends, so a child
 forked by a thread other than the main thread instead watches its parent's pid with a light daemon thread.
-Processes started with ``exec`` (hivemind's ``p2pd``) do not run Python fork hooks; ``p2pd`` exits by itself
-once its client has been idle for hivemind's ``idle_timeout``.
+Processes started with ``exec`` do not run Python fork hooks: hivemind starts its ``p2pd`` daemon with
+``asyncio.subprocess.create_subprocess_exec``, which :func:`die_with_parent` wraps so that the daemon gets the
+same parent-death signal (it would otherwise outlive a killed peer by hivemind's 30 s idle timeout).
 
 Linux only; elsewhere these functions do nothing.
 """
 
 from __future__ import annotations
 
+import asyncio.subprocess
 import ctypes
+import functools
 import os
 import signal
 import sys
 import threading
+from typing import Any
 
 __all__ = ["die_with_parent", "set_parent_death_signal"]
 
@@ -73,11 +77,39 @@ def _watch_parent(parent_pid: int, period: float = 0.5) -> None:
 def die_with_parent() -> None:
     """Make every child this process forks from now on die when this process dies (idempotent, per process:
     a forked child that forks again must call it itself, which hivemind's helpers never do)."""
-    global _installed_in_pid
+    global _installed_in_pid, _libc
     if _installed_in_pid == os.getpid() or not sys.platform.startswith("linux"):
         return
+    _libc = _libc or ctypes.CDLL(None, use_errno=True)
     # a child forked from a process that installed the hook inherits the registration: `_installed_in_pid`
     # keeps a second call in that child from registering twice
     if _installed_in_pid is None:
         os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        _wrap_subprocess_exec()
     _installed_in_pid = os.getpid()
+
+
+def _wrap_subprocess_exec() -> None:
+    """Processes that asyncio starts (hivemind's ``p2pd``) die with the process that started them."""
+    original = asyncio.subprocess.create_subprocess_exec
+    if getattr(original, "_dies_with_parent", False):
+        return
+
+    @functools.wraps(original)
+    async def create_subprocess_exec(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("preexec_fn") is None:
+            kwargs["preexec_fn"] = functools.partial(_death_signal_in_child, os.getpid())
+        return await original(*args, **kwargs)
+
+    create_subprocess_exec._dies_with_parent = True  # type: ignore[attr-defined]
+    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec  # type: ignore[assignment]
+
+
+_libc: Any = None
+
+
+def _death_signal_in_child(parent_pid: int) -> None:
+    # runs between fork and exec: only a C call through the library loaded beforehand
+    if _libc is not None and _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGKILL)

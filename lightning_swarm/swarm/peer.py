@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .client import SwarmClient
+from .logs import quiet_routine_logs
 from .partition import Partition
 from .presence import FINISHED, LEAVING, Presence
 from .records import get_stage_peers
@@ -104,6 +105,7 @@ class SwarmPeer:
     def start_dht(self) -> hivemind.DHT:
         """Start this peer's DHT node: bootstrap (local peer 0 or no known peers) or join the given peers."""
         s = self.settings
+        quiet_routine_logs()  # before hivemind forks its helpers, which inherit the filter
         host_maddrs = s.host_maddrs or ["/ip4/127.0.0.1/tcp/0"]
         initial_peers = list(s.initial_peers) or _env_peers()
         if self.local_swarm_size is not None and self.peer_index > 0 and not initial_peers:
@@ -208,7 +210,11 @@ class SwarmPeer:
             run_id=f"{self.settings.run_id}_trainers",
             target_batch_size=self.settings.target_batch_size,
             optimizer=optimizers[0],
-            averager_opts={"initialize_optimizer": False},
+            # requests time out before matchmaking ends (hivemind warns, and may deadlock, otherwise)
+            averager_opts={
+                "initialize_optimizer": False,
+                "request_timeout": max(0.2, self.settings.matchmaking_time / 3),
+            },
             # step locally every batch and average parameters in the background every `target_batch_size`
             # samples: a trainer never blocks on the others' averaging rounds
             use_local_updates=True,

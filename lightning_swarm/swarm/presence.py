@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 TRAINING, FINISHED, LEAVING = 0, 1, 2
 UNREADABLE_TIMEOUT = 60.0
 APPEAR_TIMEOUT = 120.0
+_DHT_TIMEOUT = 10.0  # seconds one DHT read or write may take
 
 
 def _key(run_id: str) -> str:
@@ -84,8 +85,10 @@ class Presence:
         """``(phase, trainer)`` of every live peer by subkey, this one included; ``None`` when the DHT could not be
         read (an answer without this peer's own record counts as unreadable). Malformed records are ignored."""
         try:
-            found = self.dht.get(_key(self.run_id), latest=True)
-        except Exception as e:
+            found = self.dht.get(_key(self.run_id), latest=True, return_future=True).result(
+                timeout=_DHT_TIMEOUT
+            )
+        except Exception as e:  # including a timeout: a DHT process that died never answers
             logger.debug(f"Presence: DHT read failed: {e!r}")
             return None
         if found is None or not isinstance(found.value, dict) or self.peer_name not in found.value:
@@ -175,7 +178,8 @@ class Presence:
                 [self.phase, self.trainer],
                 get_dht_time() + 3 * self.period,
                 subkey=self.peer_name,
-            )
+                return_future=True,
+            ).result(timeout=_DHT_TIMEOUT)
         except Exception as e:  # the DHT may be shutting down; presence is best effort
             logger.debug(f"Presence announcement failed: {e!r}")
 

@@ -1,0 +1,97 @@
+"""What a swarm prints: routine events are not errors.
+
+In a swarm, some things that hivemind logs as errors with a traceback happen all the time and are handled: an
+averaging round that finds no partner (the peer steps with its own gradients), a matchmaking attempt retried, a
+P2P task abandoned when a peer or stream went away. :func:`quiet_routine_logs` lowers exactly these, at the
+source (a filter on hivemind's log handler and on asyncio's logger, inherited by the helper processes hivemind
+forks afterwards, and the exception handler of the swarm's event loop): a round without a partner becomes one concise INFO line, the
+others DEBUG. Every other message, and every real failure, is left as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import traceback
+from typing import Any
+
+__all__ = ["quiet_routine_logs", "RoutineFilter"]
+
+# (logger name prefix, message pattern, level it becomes, concise message or None to keep the text)
+_ROUTINE: list[tuple[str, re.Pattern[str], int, str | None]] = [
+    (
+        "hivemind.averaging",
+        re.compile(r"could not find a group"),
+        logging.INFO,
+        "Averaging round found no partner in time; this peer steps with its own gradients",
+    ),
+    ("hivemind.averaging", re.compile(r"caught .*, retrying"), logging.DEBUG, None),
+    ("hivemind.averaging", re.compile(r"All-reduce group .* did not finish"), logging.DEBUG, None),
+    ("hivemind.averaging", re.compile(r"Unable to run All-Reduce|AllreduceException"), logging.DEBUG, None),
+    (
+        "hivemind.optim",
+        re.compile(r"Averaging gradients failed|Proceeding with local gradients"),
+        logging.DEBUG,
+        None,
+    ),
+]
+
+
+class RoutineFilter(logging.Filter):
+    """Rewrites routine hivemind records (see the module docstring); drops them below the handler's level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(("hivemind", "asyncio")):
+            return True
+        text = _text(record)
+        for prefix, pattern, level, concise in _ROUTINE:
+            if record.name.startswith(prefix) and pattern.search(text):
+                if level < logging.getLogger(record.name).getEffectiveLevel():
+                    return False
+                record.levelno, record.levelname = level, logging.getLevelName(level)
+                record.exc_info, record.exc_text, record.stack_info = None, None, None
+                if concise is not None:
+                    record.msg, record.args = concise, ()
+                return True
+        return True
+
+
+def _text(record: logging.LogRecord) -> str:
+    try:
+        text = record.getMessage()
+    except Exception:
+        text = str(record.msg)
+    if record.exc_info and record.exc_info[1] is not None:
+        error = record.exc_info[1]
+        text += f" {type(error).__name__}: {error}"
+        frames = traceback.extract_tb(error.__traceback__)
+        text += " " + " ".join(f"{os.path.basename(f.filename)}:{f.name}" for f in frames)
+    return text
+
+
+_FILTER = RoutineFilter()
+
+
+def quiet_routine_logs() -> None:
+    """Install the filter on hivemind's log handlers and loggers (idempotent; call before the DHT starts, so
+    that the processes hivemind forks inherit it)."""
+    from hivemind.utils import logging as hivemind_logging
+
+    hivemind_logging.get_logger("hivemind")  # creates hivemind's handler if it does not exist yet
+    asyncio_logger = logging.getLogger("asyncio")  # asyncio logs on its own logger: filter it there
+    if _FILTER not in asyncio_logger.filters:
+        asyncio_logger.addFilter(_FILTER)
+    for logger in (logging.getLogger("hivemind"), logging.getLogger()):
+        for handler in logger.handlers:
+            if _FILTER not in handler.filters:
+                handler.addFilter(_FILTER)
+
+
+def loop_exception_handler(loop: Any, context: dict[str, Any]) -> None:
+    """The swarm event loop's exception handler: a P2P task garbage-collected while pending (its stream or peer
+    went away) is routine and logged at DEBUG; everything else goes to asyncio's default handler."""
+    if str(context.get("message", "")).startswith("Task was destroyed but it is pending"):
+        logging.getLogger(__name__).debug(f"Abandoned swarm task: {context.get('task')!r}")
+        return
+    loop.default_exception_handler(context)

@@ -1,0 +1,159 @@
+"""Resilience of the engine over real hivemind DHT/P2P on 127.0.0.1: serving during averaging rounds, backwards
+applied at most once, and the end-of-run handshake's bounded waits."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import hivemind
+import pytest
+import torch
+from torch import nn
+
+from lightning_swarm.swarm.payload import Payload
+from lightning_swarm.swarm.presence import FINISHED, Presence
+from lightning_swarm.swarm.protocol import UNAVAILABLE, StageRequest, stage_uid
+from lightning_swarm.swarm.transport import encode_request
+from tests.test_stage_server import _client, _run_id, _serve, cleanup, dhts  # noqa: F401 (fixtures)
+
+
+class SlowBackward(nn.Module):
+    """A stage whose backward (the recomputed forward, with grad) takes ``delay`` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.delay = delay
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            time.sleep(self.delay)
+        return self.linear(x)
+
+
+def _accumulated(server) -> int:
+    server.flush()
+    return int(server.optimizer.grad_averager.local_samples_accumulated)
+
+
+@pytest.mark.timeout(120)
+def test_backward_retried_after_a_timeout_is_applied_once(dhts, cleanup) -> None:  # noqa: F811
+    """The first peer is too slow: the trainer times out and retries elsewhere, and the slow peer, finishing
+    after the caller's commit deadline, does not apply the gradients: the microbatch counts exactly once."""
+    torch.manual_seed(0)
+    run_id = _run_id("once")
+    slow_module = SlowBackward(delay=8.0)
+    fast_module = copy.deepcopy(slow_module)
+    fast_module.delay = 0.0
+    slow = _serve(cleanup, dhts["server1"], run_id, slow_module)
+    client = _client(
+        cleanup, dhts["trainer"], run_id, request_timeout=4.0, refresh_period=600.0, no_peers_timeout=30.0
+    )
+    assert [p.peer_id for p in client.peers(0)] == [slow.peer_id]
+    x = torch.randn(2, 4, requires_grad=True)
+    y = client.call_stage(0, x)  # the forward is quick: it runs without grad
+    fast = _serve(cleanup, dhts["server2"], run_id, fast_module)  # appears after the forward
+    y.sum().backward()  # times out on `slow`, then a DHT lookup finds `fast`
+    expected = torch.autograd.grad(fast_module.linear(x).sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected, atol=1e-5, rtol=0)
+    assert client.stats()["swarm/retries"] == 1
+    time.sleep(6.0)  # `slow` finishes its backward now, after the deadline
+    assert _accumulated(slow) == 0 and slow.samples_processed == 0
+    assert _accumulated(fast) == 2 and fast.samples_processed == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_resent_backward_is_applied_once_and_a_late_one_not_at_all(dhts, cleanup) -> None:  # noqa: F811
+    torch.manual_seed(0)
+    run_id = _run_id("dup")
+    server = _serve(cleanup, dhts["server1"], run_id, nn.Linear(4, 4))
+    x, g = torch.randn(3, 4), torch.randn(3, 4)
+    request = StageRequest(
+        "backward", stage_uid(run_id, 0), Payload.call((x.requires_grad_(),), {}), Payload.flatten((g,)), 77
+    )
+    first, again = server.handle(request), server.handle(request)
+    assert first.error is None and again.error is None
+    torch.testing.assert_close(first.outputs.rebuild(), again.outputs.rebuild())  # the caller gets its reply
+    assert _accumulated(server) == 3 and server.samples_processed == 3  # ... but it counts once
+    request.request_id, request.commit_by = 78, time.time() - 1.0
+    late = server.handle(request)
+    assert (
+        late.error is not None and late.error.category == UNAVAILABLE and "not applied" in late.error.message
+    )
+    assert _accumulated(server) == 3
+
+
+@pytest.mark.timeout(180)
+def test_serving_continues_during_an_averaging_round(dhts, cleanup) -> None:  # noqa: F811
+    """Peer A reaches the target batch while its partner B is busy: A's averaging round waits for B until it gives
+    up (matchmaking, then local gradients), and all that time A answers forward calls at once."""
+    torch.manual_seed(0)
+    run_id = _run_id("avg")
+    opts = {"target_batch_size": 4, "matchmaking_time": 3.0, "averaging_timeout": 8.0}
+    a = _serve(cleanup, dhts["server1"], run_id, nn.Linear(4, 4), **opts)
+    b = _serve(cleanup, dhts["server2"], run_id, nn.Linear(4, 4), **opts)
+    client = _client(cleanup, dhts["trainer"], run_id)
+    uid = stage_uid(run_id, 0)
+
+    def call(server, kind: str, batch: int, request_id: int) -> float:
+        x = torch.randn(batch, 4, requires_grad=kind == "backward")
+        grads = Payload.flatten((torch.ones(batch, 4),)) if kind == "backward" else None
+        request = StageRequest(kind, uid, Payload.call((x,), {}), grads, request_id)
+        start = time.monotonic()
+        reply, _, _ = client._transport(server.peer_id, 0).call(request, encode_request(request, "none"))
+        assert reply.error is None, reply.error
+        return time.monotonic() - start
+
+    call(b, "backward", 1, 1)  # B reports progress, so A counts it as a partner once A's tracker looked
+    during_rounds: list[float] = []
+    with b._step_lock:  # B is busy: it does not come to A's rounds, which wait for it until they give up
+        deadline = time.monotonic() + 90
+        while len(during_rounds) < 5 and time.monotonic() < deadline:
+            call(a, "backward", 1, 1000 + int(time.monotonic() * 1000))  # A's stepper gets work...
+            for _ in range(3):  # ... while forwards keep coming
+                in_round = a._step_lock.locked()
+                latency = call(a, "forward", 4, 0)
+                if in_round and a._step_lock.locked():
+                    during_rounds.append(latency)
+                time.sleep(0.1)
+    assert len(during_rounds) >= 5, "A never ran a long averaging round"
+    assert max(during_rounds) < 1.5, during_rounds
+    assert a.optimizer.local_epoch >= 1  # the rounds ended, and A stepped with its own gradients
+
+
+@pytest.mark.timeout(120)
+def test_handshake_waits_are_bounded_and_unknown_is_not_empty(dhts) -> None:  # noqa: F811
+    run_id = _run_id("presence")
+    server = Presence(dhts["server1"], run_id, "server", period=0.5, trainer=False)
+    server.start()
+    server.set_phase(FINISHED)  # as a server-only peer does: it serves until the trainers are done
+    try:
+        # a server-only peer started before any trainer waits for one to appear (it used to leave at once)
+        start = time.monotonic()
+        assert not server.wait_for(FINISHED, None, timeout=2.0, trainers_only=True)
+        assert time.monotonic() - start >= 2.0
+        trainer = Presence(dhts["server2"], run_id, "trainer", period=0.5, trainer=True)
+        trainer.start()
+        assert not server.wait_for(FINISHED, None, timeout=1.5, trainers_only=True)  # it trains
+        trainer.set_phase(FINISHED)
+        assert server.wait_for(FINISHED, None, timeout=10.0, trainers_only=True)
+        # a peer of a local swarm that appeared and died does not hold the others (its record expires)
+        dying = Presence(dhts["trainer"], run_id, "dying", period=0.5, trainer=True)
+        dying.start()
+        assert not server.wait_for(FINISHED, 3, timeout=1.0)
+        dying.shutdown()
+        start = time.monotonic()
+        assert server.wait_for(FINISHED, 3, timeout=20.0)
+        assert time.monotonic() - start < 10.0
+        trainer.shutdown()
+    finally:
+        server.shutdown()
+    # an unreadable DHT is unknown, not "nobody is here": the wait gives up after unreadable_timeout
+    dead = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    lonely = Presence(dead, run_id, "lonely", period=0.5, unreadable_timeout=1.0)
+    dead.shutdown()
+    assert lonely.records() is None
+    start = time.monotonic()
+    assert not lonely.wait_for(FINISHED, None, timeout=30.0)
+    assert time.monotonic() - start < 10.0
