@@ -51,16 +51,22 @@ class _Killer(nn.Module):
 
 
 class _KillDuringAveraging(StageServer):
+    """SIGKILLs this process ``kill_delay`` seconds after it began its first gradient averaging round with partners
+    (hivemind begins one only when the stage has other peers)."""
+
     kill_delay = 0.5
 
-    def step_pending(self) -> bool:
-        opt = self.optimizer
-        if opt is not None and opt.tracker.global_progress.num_peers > 1 and self._pending is not None:
-            if opt.tracker.ready_to_update_epoch or (
-                opt.grad_averager.local_samples_accumulated + self._pending_samples >= opt.target_batch_size
-            ):
-                threading.Timer(self.kill_delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        return super().step_pending()
+    def start(self) -> StageServer:
+        super().start()
+        averager = self.optimizer.grad_averager
+        begin = averager.step
+
+        def step(*args, **kwargs):
+            threading.Timer(self.kill_delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            return begin(*args, **kwargs)
+
+        averager.step = step
+        return self
 
 
 def main() -> None:

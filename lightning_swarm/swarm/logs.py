@@ -35,6 +35,12 @@ _ROUTINE: list[tuple[str, re.Pattern[str], int, str | None]] = [
         logging.DEBUG,
         None,
     ),
+    ("hivemind.averaging", re.compile(r"Averager shutdown has no effect"), logging.DEBUG, None),
+    # a request reached the DHT process from a process that has exited: its pipe can no longer be fetched
+    ("hivemind.dht", re.compile(r"rebuild_connection|resource_sharer"), logging.DEBUG, None),
+    # hivemind's averager finishing a round that its optimizer had just cancelled (a benign race in 1.1.12)
+    ("asyncio", re.compile(r"Can't set_result to a future that is CANCELLED"), logging.DEBUG, None),
+    ("asyncio", re.compile(r"Task was destroyed but it is pending.*hivemind", re.S), logging.DEBUG, None),
 ]
 
 
