@@ -6,6 +6,7 @@ writes the results (final state dict, per-step losses, swarm stats) to ``out`` w
 
 import json
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,6 +83,32 @@ def regression_data(n: int = 64) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False)
 
 
+class Chaos(Callback):
+    """Writes this peer's process tree to ``pids_dir`` once training runs; SIGKILLs peer ``rank`` at ``step``."""
+
+    def __init__(self, pids_dir: str | None, kill: dict | None) -> None:
+        self.pids_dir, self.kill = pids_dir, kill or {}
+
+    def on_train_start(self, trainer, pl_module):
+        if self.pids_dir:
+            pids = [os.getpid(), *_descendants(os.getpid())]
+            with open(os.path.join(self.pids_dir, f"pids{trainer.global_rank}"), "w") as f:
+                f.write(" ".join(map(str, pids)))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.kill.get("rank") and batch_idx == self.kill.get("step"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    return [d for c in children for d in (c, *_descendants(c))]
+
+
 class RecordLoss(Callback):
     def __init__(self) -> None:
         self.losses = []
@@ -115,13 +142,15 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[record],
+        callbacks=[record, Chaos(cfg.get("pids_dir"), cfg.get("kill"))],
     )
     if isinstance(data, DataLoader):
         trainer.fit(model, data)
     else:
         trainer.fit(model, datamodule=data)
     result = {"losses": record.losses}
+    launcher = getattr(trainer.strategy, "_launcher", None)
+    result["deaths"] = list(getattr(launcher, "deaths", []))
     if cfg.get(
         "evaluate"
     ):  # a second and third run of the same Trainer: test and predict through a new swarm

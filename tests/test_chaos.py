@@ -155,3 +155,44 @@ def test_servers_killed_mid_forward_backward_and_averaging_cost_retries_not_the_
         leftovers = [pid for pid in leftovers if _alive(pid)]
     assert leftovers == [], "processes of killed or stopped peers are still running"
     assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_killing_one_peer_of_a_local_swarm_leaves_the_others_training_to_the_end(tmp_path) -> None:
+    """``devices=4`` on this machine: peer 3 (a trainer serving stage 1) is SIGKILLed at its 8th step; the
+    launcher reports it once, the other three train all their steps, and no process of the run is left."""
+    from tests.test_swarm_strategy import run_job
+
+    steps = 30
+    cfg = {
+        "model": "seq",
+        "devices": 4,
+        "max_steps": steps,
+        "out": str(tmp_path / "out.pt"),
+        "pids_dir": str(tmp_path),
+        "kill": {"rank": 3, "step": 8},
+        "strategy": {
+            "pipeline": "layers",
+            "num_stages": 2,
+            "compression": "none",
+            "target_batch_size": 32,
+            "matchmaking_time": 1.0,
+            "averaging_timeout": 5.0,
+            "request_timeout": 10.0,
+            "linger_timeout": 60.0,
+            "run_id": "chaos_local",
+        },
+    }
+    start = time.monotonic()
+    result = run_job(cfg, timeout=560)
+    assert len(result["losses"]) == steps  # peer 0 trained to the end
+    assert result["deaths"] == [[3, -signal.SIGKILL]] or result["deaths"] == [(3, -signal.SIGKILL)]
+    assert result["stderr"].count("died (signal 9)") == 1
+    assert "Traceback" not in result["stderr"] and "ERROR" not in result["stderr"], result["stderr"][-5000:]
+    pids = [int(p) for f in tmp_path.glob("pids?") for p in f.read_text().split()]
+    assert len(list(tmp_path.glob("pids?"))) == 4 and len(pids) >= 4 * 3  # each peer: itself, DHT, p2pd...
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in pids if _alive(p)] == [], "processes of the local swarm outlived it"
+    print(f"local swarm with a killed peer: {time.monotonic() - start:.0f} s")

@@ -33,7 +33,9 @@ def run_job(cfg: dict, timeout: float) -> dict:
         raise AssertionError(
             f"swarm job failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
-    return torch.load(cfg["out"], weights_only=False)
+    result = torch.load(cfg["out"], weights_only=False)
+    result["stderr"] = proc.stderr
+    return result
 
 
 def test_registered_names_and_defaults():
@@ -175,6 +177,10 @@ def test_four_peers_train_a_transformer_lm_and_8bit_matches_uncompressed(tmp_pat
         finals[compression] = last
         # the gathered model is whole again: every block of the pipeline came back from the swarm
         assert sum(k.startswith("layers.") for k in result["state"]) == 4 * 12
+        # a healthy run is quiet: no tracebacks, no ERROR lines (from any of the 4 peers or their helpers)
+        assert "Traceback" not in result["stderr"] and "ERROR" not in result["stderr"], result["stderr"][
+            -5000:
+        ]
     assert abs(finals["8bit"] - finals["none"]) <= 0.05 * finals["none"], finals
 
 

@@ -225,6 +225,8 @@ class SwarmStrategy(ParallelStrategy):
             self.peer.serve_until_trainers_finish()
             assert self.lightning_module is not None
             self.lightning_module.trainer.should_stop = True
+        elif self.peer.local_swarm_size is not None:
+            self.peer.wait_for_stages()  # the other local peers may still be starting
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

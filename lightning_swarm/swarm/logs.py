@@ -36,6 +36,10 @@ _ROUTINE: list[tuple[str, re.Pattern[str], int, str | None]] = [
         None,
     ),
     ("hivemind.averaging", re.compile(r"Averager shutdown has no effect"), logging.DEBUG, None),
+    ("hivemind.averaging", re.compile(r"Another look_for_group is already in progress"), logging.DEBUG, None),
+    # matchmaking cancelled when a round ends or gives up: its tasks are closed mid-await
+    ("hivemind.utils.asyncio", re.compile(r"GeneratorExit|CancelledError"), logging.DEBUG, None),
+    ("asyncio", re.compile(r"aclose\(\): asynchronous generator is already running"), logging.DEBUG, None),
     # a request reached the DHT process from a process that has exited: its pipe can no longer be fetched
     ("hivemind.dht", re.compile(r"rebuild_connection|resource_sharer"), logging.DEBUG, None),
     # hivemind's averager finishing a round that its optimizer had just cancelled (a benign race in 1.1.12)

@@ -21,7 +21,7 @@ from torch import nn
 from .client import SwarmClient
 from .logs import quiet_routine_logs
 from .partition import Partition
-from .presence import FINISHED, LEAVING, Presence
+from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, Presence
 from .records import get_stage_peers
 from .server import StageServer, initialize_optimizer_state
 from .settings import SwarmSettings
@@ -273,6 +273,23 @@ class SwarmPeer:
         state = dict(module.state_dict())
         state.update(self.partition.full_state_keys(self.gather_stage_states()))
         return state
+
+    def wait_for_stages(self, timeout: float = APPEAR_TIMEOUT) -> bool:
+        """Wait until every stage has at least one announced server, at most ``timeout`` seconds (a local swarm's
+        peers start together, and on a busy machine some take a minute to come up); returns whether they did. A
+        stage still missing then is reported by the first call to it, after ``no_peers_timeout``."""
+        assert self.client is not None
+        deadline = time.monotonic() + timeout
+        missing = list(range(self.settings.num_stages))
+        while missing:
+            try:
+                missing = [k for k in missing if not self.client.peers(k)]
+            except Exception as e:
+                logger.debug(f"DHT lookup of the stages failed: {e!r}")
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        return not missing
 
     # ------------------------------------------------------------------ leave
     def serve_until_trainers_finish(self) -> None:
