@@ -96,7 +96,7 @@ class Chaos(Callback):
                 f.write(" ".join(map(str, pids)))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_rank == self.kill.get("rank") and batch_idx == self.kill.get("step"):
+        if trainer.global_rank == self.kill.get("rank") and trainer.global_step == self.kill.get("step"):
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,0 +1,249 @@
+"""Throughput of a swarm while one of its servers is killed and restarted, next to a fixed pipeline's.
+
+Two configurations, in one run, with the same trainer, transport, stages, microbatch and cores:
+
+- ``swarm``: 2 stages x 2 server peers (``tests/_stage_peer.py`` processes); the trainer routes each microbatch
+  through one peer per stage and retries failed calls on the other peer of the stage;
+- ``fixed``: 2 stages x 1 server peer, the same client: a fixed pipeline, nothing to reroute to.
+
+The trainer keeps ``--concurrency`` microbatches in flight (forward through both stages, then backward). Each
+configuration is measured without faults, then under faults: one stage-1 server is SIGKILLed, a replacement
+process is started at once (a preempted machine coming back: its start-up is the downtime), and once it serves,
+the next kill waits three times that downtime, so that one peer in four (in the swarm) is down a quarter of the
+time. ``retained`` = samples/s with faults / samples/s without.
+
+Usage: ``python benchmarks/swarm_faults.py [--quick]``. The last stdout line is one JSON object with
+``throughput_no_faults``, ``throughput_with_faults``, ``retained`` (swarm), ``fixed_pipeline_retained``,
+``kills``, the measured ``down_fraction`` per configuration and the load average; ``swarm_faults.png`` (samples/s
+over time for both, downtimes shaded) is written next to the JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import hivemind
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_swarm.swarm import SwarmClient, SwarmSettings  # noqa: E402
+from lightning_swarm.swarm.lifetime import die_with_parent  # noqa: E402
+from lightning_swarm.swarm.logs import quiet_routine_logs  # noqa: E402
+
+PEER = ROOT / "tests" / "_stage_peer.py"
+WIDTH, BLOCKS, BATCH = 256, 2, 16
+TIMEOUTS = {"request_timeout": 5.0, "matchmaking_time": 1.0, "averaging_timeout": 5.0}
+
+
+class Peer:
+    def __init__(self, cfg: dict) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+        )
+
+    def wait_ready(self) -> None:
+        if not self.proc.stdout.readline():
+            raise RuntimeError(f"a stage peer failed to start (exit code {self.proc.poll()})")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Trainer:
+    """``concurrency`` threads, each running forward + backward microbatches through both stages."""
+
+    def __init__(self, client: SwarmClient, concurrency: int) -> None:
+        self.client, self.concurrency = client, concurrency
+        self.done: list[float] = []  # completion time of every microbatch
+        self.errors = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(concurrency)]
+
+    def _work(self) -> None:
+        torch.set_num_threads(1)
+        while not self._stop.is_set():
+            x = torch.randn(BATCH, WIDTH, requires_grad=True)
+            try:
+                self.client.call_stage(1, self.client.call_stage(0, x)).pow(2).mean().backward()
+                self.done.append(time.monotonic())
+            except Exception:
+                self.errors += 1
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+
+    def rate(self, start: float, end: float) -> float:
+        return sum(start <= t < end for t in self.done) * BATCH / (end - start)
+
+
+def run_config(name: str, peers_per_stage: int, args: argparse.Namespace, dht: hivemind.DHT) -> dict:
+    run_id = f"faults_{name}_{os.getpid()}"
+    base = {
+        "run_id": run_id,
+        "num_stages": 2,
+        "width": WIDTH,
+        "blocks": BLOCKS,
+        "target_batch_size": 256,
+        "initial_peers": [str(a) for a in dht.get_visible_maddrs()],
+        **TIMEOUTS,
+    }
+    peers = {(k, i): Peer({**base, "stage": k}) for k in range(2) for i in range(peers_per_stage)}
+    for peer in peers.values():
+        peer.wait_ready()
+    settings = SwarmSettings(
+        run_id=run_id, num_stages=2, compression="8bit", no_peers_timeout=120.0, **TIMEOUTS
+    )
+    client = SwarmClient(dht, settings)
+    trainer = Trainer(client, args.concurrency)
+    trainer.start()
+    time.sleep(args.warmup)
+    t0 = time.monotonic()
+    time.sleep(args.phase)
+    t1 = time.monotonic()
+    downs: list[tuple[float, float]] = []
+    victim = (1, 0)
+    while time.monotonic() - t1 < 2 * args.phase:
+        killed_at = time.monotonic()
+        peers[victim].kill()
+        replacement = Peer({**base, "stage": 1})
+        replacement.wait_ready()
+        peers[victim] = replacement
+        back_at = time.monotonic()
+        downs.append((killed_at, back_at))
+        time.sleep(min(3 * (back_at - killed_at), max(0.0, t1 + 2 * args.phase - time.monotonic())))
+    t2 = time.monotonic()
+    trainer.stop()
+    stats = client.stats()
+    client.shutdown()
+    for peer in peers.values():
+        peer.stop()
+    down = sum(min(b, t2) - a for a, b in downs)
+    bins = [(t - t0, trainer.rate(t, t + args.bin)) for t in _frange(t0, t2 - args.bin, args.bin)]
+    return {
+        "throughput_no_faults": trainer.rate(t0, t1),
+        "throughput_with_faults": trainer.rate(t1, t2),
+        "kills": len(downs),
+        "down_fraction": down / (t2 - t1),
+        "downtime_s": [round(b - a, 2) for a, b in downs],
+        "retries": stats.get("swarm/retries", 0),
+        "failed_microbatches": trainer.errors,
+        "series": bins,
+        "downs": [(a - t0, b - t0) for a, b in downs],
+        "faults_start": t1 - t0,
+    }
+
+
+def _frange(start: float, stop: float, step: float) -> list[float]:
+    out, t = [], start
+    while t <= stop:
+        out.append(t)
+        t += step
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for ax, (name, r) in zip(axes, results.items(), strict=True):
+        ax.plot([t for t, _ in r["series"]], [v for _, v in r["series"]], label=f"{name} samples/s")
+        for a, b in r["downs"]:
+            ax.axvspan(a, b, color="red", alpha=0.2)
+        ax.axvline(r["faults_start"], color="gray", linestyle="--")
+        ax.set_ylabel("samples/s")
+        ax.set_title(f"{name}: retained {r['retained']:.2f} (one stage-1 server down: shaded)")
+    axes[-1].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short phases (under 5 minutes on 2 cores)")
+    parser.add_argument("--concurrency", type=int, default=4, help="microbatches in flight")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for swarm_faults.png")
+    args = parser.parse_args()
+    args.phase = 20.0 if args.quick else 60.0  # the no-fault phase; the fault phase lasts twice as long
+    args.warmup = 5.0 if args.quick else 10.0
+    args.bin = 2.0
+    die_with_parent()
+    quiet_routine_logs()
+    torch.set_num_threads(1)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        results = {}
+        for name, per_stage in (("swarm", 2), ("fixed", 1)):
+            r = run_config(name, per_stage, args, dht)
+            r["retained"] = r["throughput_with_faults"] / max(r["throughput_no_faults"], 1e-9)
+            results[name] = r
+            print(
+                f"{name}: {r['throughput_no_faults']:.1f} -> {r['throughput_with_faults']:.1f} samples/s "
+                f"(retained {r['retained']:.2f}, {r['kills']} kills, down {r['down_fraction']:.0%})",
+                flush=True,
+            )
+    finally:
+        dht.shutdown()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(results, out / "swarm_faults.png")
+    s, f = results["swarm"], results["fixed"]
+    summary = {
+        "throughput_no_faults": round(s["throughput_no_faults"], 2),
+        "throughput_with_faults": round(s["throughput_with_faults"], 2),
+        "retained": round(s["retained"], 3),
+        "kills": s["kills"],
+        "down_fraction": round(s["down_fraction"], 3),
+        "downtime_s": s["downtime_s"],
+        "retries": s["retries"],
+        "failed_microbatches": s["failed_microbatches"],
+        "fixed_pipeline_throughput_no_faults": round(f["throughput_no_faults"], 2),
+        "fixed_pipeline_throughput_with_faults": round(f["throughput_with_faults"], 2),
+        "fixed_pipeline_retained": round(f["retained"], 3),
+        "fixed_pipeline_kills": f["kills"],
+        "fixed_pipeline_down_fraction": round(f["down_fraction"], 3),
+        "concurrency": args.concurrency,
+        "microbatch": BATCH,
+        "width": WIDTH,
+        "quick": args.quick,
+        "plot": str(out / "swarm_faults.png"),
+        "loadavg": os.getloadavg(),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
