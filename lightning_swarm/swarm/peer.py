@@ -97,6 +97,7 @@ class SwarmPeer:
         self._trainer_optimizer: hivemind.Optimizer | None = None
         self._batch_size = 1
         self._stage_optimizer: _OptimizerTemplate | None = None
+        self._pipeline_ids: set[int] = set()
         self._migration_lock = threading.Lock()
         self._stop_rebalancing = threading.Event()
         self._rebalancer: threading.Thread | None = None
@@ -171,6 +172,7 @@ class SwarmPeer:
         s = self.settings
         assert self.dht is not None, "start_dht() first"
         self.partition = Partition(module, s.pipeline or find_pipeline(module), s.num_stages)
+        self._pipeline_ids = {id(p) for p in self.partition.container.parameters()}  # before any reallocation
         self.stage = self._choose_stage()
         optimizer = optimizers[0] if training and optimizers else None
         if optimizer is not None:
@@ -215,8 +217,9 @@ class SwarmPeer:
                 loads.append(PeerLoad(p.peer_id.to_base58(), stage, p.throughput, p.state))
         return loads
 
-    def _make_server(self, stage: int) -> StageServer:
-        """A (not yet started) server of ``stage``, its blocks allocated on this peer's device."""
+    def _make_server(self, stage: int, throughput: float | None = None) -> StageServer:
+        """A (not yet started) server of ``stage``, its blocks allocated on this peer's device, announcing
+        ``throughput`` until it has measured its own (``None``: estimate it)."""
         assert self.partition is not None and self.dht is not None
         self.partition.materialize(stage, self.device, seed=_stage_seed(self.settings.run_id, stage))
         stage_module = self.partition.stage_module(stage).to(self.device)
@@ -229,6 +232,7 @@ class SwarmPeer:
             settings=self.settings,
             optimizer_factory=factory,
             param_groups=groups,
+            throughput=throughput,
         )
 
     def _start_server(self, server: StageServer) -> None:
@@ -287,13 +291,29 @@ class SwarmPeer:
             old = self.server
             if stage == old.stage:
                 return
+            # this peer's speed on the new stage, until measured there: what it announced (and the policy assumed)
+            # scaled by the stages' sizes, as compute per sample grows with the parameters
+            size_old = sum(p.numel() for p in old.module.parameters()) or 1
+            size_new = (
+                sum(b.numel() for blk in self.partition.stage_blocks(stage) for b in blk.parameters()) or 1
+            )
+            throughput = old.throughput.value * size_old / size_new
             old.drain()
             self.client.set_local_server(old.stage, None)
             old.shutdown()
             self.server = None
-            self.partition.release(keep=[stage])
-            new = self._make_server(stage)
-            self._start_server(new)
+            try:
+                self.partition.release(keep=[stage])
+                new = self._make_server(stage, throughput)
+                self._start_server(new)
+            except Exception:
+                # serve the old stage again (its state comes back from its peers) rather than nothing
+                self.partition.release(keep=[old.stage])
+                new = self._make_server(old.stage)
+                self._start_server(new)
+                self.server = new
+                self.client.set_local_server(old.stage, new)
+                raise
             self.server, self.stage = new, stage
             self.client.set_local_server(stage, new)
 
@@ -308,7 +328,7 @@ class SwarmPeer:
         """Drop the pipeline's parameters from the trainer's optimizers (the stages' servers own them) and, when
         several trainers feed the swarm, average the remaining (trainer-local) parameters' gradients among them."""
         assert self.partition is not None
-        pipeline = {id(p) for p in self.partition.container.parameters()}
+        pipeline = self._pipeline_ids | {id(p) for p in self.partition.container.parameters()}
         for opt in optimizers:
             for group in opt.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in pipeline]

@@ -182,7 +182,9 @@ class StageServer(StageService):
                     "initialize_optimizer": False,
                     "allow_state_sharing": not joining,  # a joiner's state is not worth downloading
                 },
-                grad_averager_factory=functools.partial(GradientAverager, request_timeout=request_timeout),
+                grad_averager_factory=functools.partial(
+                    _GradientAverager, request_timeout=request_timeout, allow_state_sharing=False
+                ),  # joiners download the state averager's state; a gradient buffer is not worth a download
                 verbose=False,
             )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}-compute")
@@ -530,8 +532,25 @@ class _LoadProbe(DecentralizedAverager):
         return result
 
 
-class _StateAverager(TrainingStateAverager, _LoadProbe):
+class _StartsInAnyThread:
+    """hivemind's averagers set SIGINT to be ignored in the calling process when they start, which only the main
+    thread may do; a peer that migrates starts its new stage's averagers in a background thread. There they start
+    without touching the signal (the process already ignores SIGINT since its first averager started)."""
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        if threading.current_thread() is threading.main_thread():
+            return super().run_in_background(await_ready=await_ready, timeout=timeout)  # type: ignore[misc]
+        self.start()  # type: ignore[attr-defined]
+        if await_ready:
+            self.wait_until_ready(timeout)  # type: ignore[attr-defined]
+
+
+class _StateAverager(_StartsInAnyThread, TrainingStateAverager, _LoadProbe):
     """hivemind's state averager of a stage, telling whether a joiner's download succeeded."""
+
+
+class _GradientAverager(_StartsInAnyThread, GradientAverager):
+    """hivemind's gradient averager, startable from any thread."""
 
 
 class _StageOptimizer(hivemind.Optimizer):
