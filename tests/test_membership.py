@@ -160,7 +160,7 @@ def test_three_and_one_become_two_and_two_and_stay() -> None:
         for stage in (0, 0, 0, 1):
             peer, _ = _peer(settings.replace(stage=stage, role="server"), seed=0, maddrs=maddrs)
             # same speed: announce the same throughput (nothing is measured without trainers)
-            peer.server.throughput.value = 100.0
+            peer.server.throughput.value, peer.server.throughput.measured = 100.0, True
             peer.server.set_state(ONLINE)
             peers.append(peer)
             maddrs = maddrs or _maddrs(peer)

@@ -25,6 +25,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import hivemind
@@ -98,6 +99,7 @@ class SwarmPeer:
         self._batch_size = 1
         self._stage_optimizer: _OptimizerTemplate | None = None
         self._pipeline_ids: set[int] = set()
+        self._measured_since: _Since | None = None
         self._migration_lock = threading.Lock()
         self._stop_rebalancing = threading.Event()
         self._rebalancer: threading.Thread | None = None
@@ -264,9 +266,21 @@ class SwarmPeer:
 
     def rebalance_once(self) -> Move | None:
         """Read every stage's records and, if :func:`~.rebalance.plan_move` names this peer, migrate; returns the
-        move made. Nothing is planned when a stage lists no peer at all (an unreadable DHT is not an empty
-        stage) or when this peer's own record is not there yet."""
+        move made. Nothing is planned until this peer has measured its own throughput for a while (the longer of
+        three announce periods and half a rebalance period, so that the figures of the others settle too), when a
+        stage lists no peer at all (an unreadable DHT is not an empty stage) or when this peer's own record is not
+        there yet."""
         assert self.dht is not None
+        if self.server is None or not self.server.throughput.measured:
+            self._measured_since = None
+            return None  # an estimate is no ground for a move; without trainers there is nothing to speed up
+        now = time.monotonic()
+        if self._measured_since is None or self._measured_since.server is not self.server:
+            self._measured_since = _Since(self.server, now)
+        # every peer's announced figure should rest on more than its first calls before anyone moves
+        settle = max(3 * self.settings.announce_period, self.settings.rebalance_period / 2)
+        if now - self._measured_since.time < settle:
+            return None
         loads = self.peer_loads()
         me = self.dht.peer_id.to_base58()
         listed = {p.stage for p in loads}
@@ -525,6 +539,14 @@ class _OptimizerTemplate:
             return cls(params, **defaults)
 
         return make, groups
+
+
+@dataclass
+class _Since:
+    """When this peer's current server was first seen with a measured throughput."""
+
+    server: StageServer
+    time: float
 
 
 def _stage_seed(run_id: str, stage: int) -> int:
