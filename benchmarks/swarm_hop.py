@@ -1,23 +1,27 @@
-"""One SWARM stage hop versus a raw hivemind P2P echo of the same activations.
+"""One SWARM stage hop versus an echo of the same activations over the same transport, on a shaped link.
 
 A server process (its own DHT node and p2p daemon) hosts identity stages that reply in "8bit", "fp16" and
 "none", plus trivial ``ServicerBase`` echo handlers. The trainer process times, interleaved and many times:
 
 - ``hop_<compression>``: ``SwarmClient.call_stage`` on 1 MiB of fp32 activations ([64, 4096]) under
   ``torch.no_grad()``: encode with the codec, send over the swarm's channel to the peer, identity stage, encode
-  the reply (the stage's output is a new tensor, so it is quantized like any stage output), reply, decode;
-- ``raw_echo``: the same 1 MiB as a raw fp32 buffer through a unary echo handler (tensor -> bytes -> RPC ->
-  bytes -> tensor): the plain way to call a hivemind peer, and the baseline of ``overhead_ratio``;
-- ``raw_stream_echo``: the same through one long-lived echo stream, one message each way: the transport the
-  swarm's channels use, reported so that the codec's share of the gain can be told from the transport's.
+  the reply (the stage's output is a new tensor, so it is quantized like any stage output), reply, decode (one message
+  each way; payloads over 2 MB travel in block-aligned parts, with encoding, transfer and decoding overlapped);
+- ``raw_stream_echo``: the same 1 MiB as a raw fp32 buffer through one long-lived echo stream, one message each
+  way: the transport the swarm's channels use, and the baseline of the headline ``ratio_vs_stream_echo``;
+- ``raw_echo``: the same through a unary echo handler (the plain way to call a hivemind peer; reported as
+  ``overhead_ratio``, which mixes the codec's gain with the stream's).
 
-Usage: ``python benchmarks/swarm_hop.py [--quick]``. The last stdout line is one JSON object with the medians,
-``overhead_ratio = hop_ms / raw_echo_ms`` (8-bit), ``ratio_vs_stream_echo`` (8-bit hop against the stream
-echo), ``ratio_8bit_vs_none`` (the codec's effect through the same stack) and the bytes on the wire.
+Usage: ``python benchmarks/swarm_hop.py [--quick] [--link-mbit 1000]``. With ``--link-mbit`` (root) the trainer
+and the server run in two network namespaces joined by a ``tc``-shaped veth link: that is where SWARM lives, and
+where the headline is measured (``--link-mbit 1000`` and ``--link-mbit 100``). The last stdout line is one JSON
+object with the medians, ``ratio_vs_stream_echo`` (8-bit hop / stream echo), ``floor_ms`` (wire time of the
+8-bit hop's encoded bytes, both ways, at the link rate: the physical limit), ``echo_floor_ms`` (the same for the
+echo's fp32 bytes), ``ratio_8bit_vs_none`` (the codec's effect through the same stack), the bytes on the wire and
+the load average.
 
-On a loopback link the 8-bit hop trades 3/4 of the transfer for two bitsandbytes quantizations (~2 ms per MiB
-on one core, ~1.4 ms with a helper thread; the client's request and the server's reply), so the ratios depend
-on how busy the CPUs are: the JSON records the load average next to the figures.
+The 8-bit hop does two bitsandbytes quantizations (~2.5 ms per MiB on one core; the client's request and the
+server's reply), so on a busy machine the ratios move: the JSON records the load average next to the figures.
 """
 
 from __future__ import annotations
@@ -266,7 +270,16 @@ def main() -> None:
         raise RuntimeError(f"the trainer process failed ({client.returncode}); see its stderr above")
     print("\n".join(lines[:-1]))
     result = json.loads(lines[-1])
-    result.update(link_mbit=args.link_mbit, delay_ms=args.delay_ms)
+    # the physical limit: the encoded bytes, both ways, at the link rate
+    floor_ms = 2 * result["bytes_on_wire"] * 8 / (args.link_mbit * 1e6) * 1e3
+    echo_floor_ms = 2 * result["bytes_fp32"] * 8 / (args.link_mbit * 1e6) * 1e3
+    result.update(
+        link_mbit=args.link_mbit,
+        delay_ms=args.delay_ms,
+        floor_ms=round(floor_ms, 3),
+        hop_vs_floor=round(result["hop_ms"] / floor_ms, 3),
+        echo_floor_ms=round(echo_floor_ms, 3),
+    )
     print(json.dumps(result))
 
 

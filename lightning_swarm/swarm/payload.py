@@ -121,7 +121,7 @@ class EncodedPayload:
         self.metadata: bytes = payload.metadata()
         self.num_tensors = len(payload.tensors)
         self.estimated_bytes = len(self.metadata) + payload.estimated_bytes(compression)
-        split = self.estimated_bytes > split_above
+        split = self.split = self.estimated_bytes > split_above
         self._pending = (part for t in payload.tensors for part in encode_parts(t, compression, split))
         self._done: list[runtime_pb2.Tensor] = []
         self._complete = False

@@ -555,20 +555,37 @@ class StageServer(StageService):
             if not receiver.feed(message):
                 continue
             received, receiver = receiver, MessageReceiver()
-            outbox: asyncio.Queue = asyncio.Queue()
-
-            def serve(received: MessageReceiver = received, outbox: asyncio.Queue = outbox) -> None:
-                for reply in self._serve_received(received):
-                    loop.call_soon_threadsafe(outbox.put_nowait, reply)
-
             if self._executor is None or not self._started:
                 error = _error(-1, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running"))
                 yield runtime_pb2.ExpertResponse(metadata=encode_reply_header(error, None))
                 continue
+            outbox: asyncio.Queue = asyncio.Queue()
+
+            def serve(
+                received: MessageReceiver = received, outbox: asyncio.Queue = outbox
+            ) -> runtime_pb2.ExpertResponse:
+                # every message but the last is handed over as soon as it is encoded (a pipelined reply); the
+                # last comes back as the result, so a one-message reply costs a single wake-up of the loop
+                last = None
+                for reply in self._serve_received(received):
+                    if last is not None:
+                        loop.call_soon_threadsafe(outbox.put_nowait, last)
+                    last = reply
+                assert last is not None
+                return last
+
             done = loop.run_in_executor(self._executor, serve)
-            done.add_done_callback(lambda _, outbox=outbox: outbox.put_nowait(None))  # after every message
-            while (reply := await outbox.get()) is not None:
-                yield reply
+            while True:
+                getter = asyncio.ensure_future(outbox.get())
+                finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in finished:
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                break
+            while not outbox.empty():  # handed over just before the last one
+                yield outbox.get_nowait()
+            yield done.result()
 
     def _serve_received(self, received: MessageReceiver) -> Iterator[runtime_pb2.ExpertResponse]:
         """Serve a received call and yield its reply messages (runs in the compute thread; never raises)."""

@@ -50,9 +50,11 @@ Msg = TypeVar("Msg", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 # a message is sent once it holds this many bytes of parts: one 8-bit part of 64 Ki elements (66 KB) goes out
 # on its own, so that sending overlaps with quantizing; small tensors share messages
 MESSAGE_BYTES = 64 * 1024
-# Payloads above this are cut into parts and pipelined. Below it, one message each way is faster on a small
-# box with both peers on loopback (while choosing this design, a pipelined 1 MiB hop measured 17 ms on 2 cores
-# against 11 ms as one message, since the threads and both p2p daemons all compete for the cores).
+# Payloads whose encoded size exceeds this are cut into block-aligned parts (64 Ki elements each, see
+# codec.PART_ELEMENTS) and pipelined: the sender encodes part i + 1 while part i is on the wire, the receiver
+# decodes part i while part i + 1 is in flight. Smaller payloads go as one message each way: every extra message
+# costs thread wake-ups, and on a busy 2-core box those cost more than the overlap saves (benchmarks/swarm_hop.py
+# --link-mbit 1000, 1 MiB of fp32 in 8 bits at load 8-11: 18.7 ms as one message, 23.6 ms in four parts).
 SPLIT_ABOVE = 2 * 1024 * 1024 - 64 * 1024
 _END = object()
 
@@ -176,7 +178,8 @@ class P2PTransport:
             try:
                 parts = itertools.chain.from_iterable(p.parts() for p in payloads)
                 outgoing = messages(runtime_pb2.ExpertRequest, parts, header)
-                reply_header, tensors, sent, recv = channel.call(outgoing, self.timeout)
+                streamed = any(p.split for p in payloads)
+                reply_header, tensors, sent, recv = channel.call(outgoing, self.timeout, streamed)
             except Exception as e:
                 channel.close()
                 if reused and not fresh_attempt and not isinstance(e, TimeoutError):
@@ -248,10 +251,42 @@ class _Channel:
             if message.metadata:
                 return
 
+    async def _roundtrip(self, message: runtime_pb2.ExpertRequest) -> list[runtime_pb2.ExpertResponse]:
+        """Send a one-message request and collect the reply's messages (runs on the swarm event loop)."""
+        if self._replies is None:
+            await self._open()
+        assert self._outbox is not None
+        self._outbox.put_nowait(message)
+        replies = []
+        while True:
+            try:
+                reply = await self._replies.__anext__()
+            except StopAsyncIteration:
+                raise TransportError("the peer closed the channel") from None
+            replies.append(reply)
+            if reply.metadata:
+                return replies
+
     def call(
-        self, outgoing: Iterator[runtime_pb2.ExpertRequest], timeout: float
+        self, outgoing: Iterator[runtime_pb2.ExpertRequest], timeout: float, streamed: bool = True
     ) -> tuple[bytes, list, int, int]:
-        """Send the messages (encoded lazily, here) and decode the reply's as they come; bounded by ``timeout``."""
+        """Send the messages and decode the reply's; bounded by ``timeout``.
+
+        ``streamed``: the request is several messages, encoded lazily here and sent one by one as they are ready
+        while the reply is decoded as it comes. Otherwise the one message makes a single round trip on the event
+        loop (fewer thread wake-ups, which matter on a busy machine).
+        """
+        if not streamed:
+            (message,) = list(outgoing)
+            replies = run_coroutine(asyncio.wait_for(self._roundtrip(message), timeout), timeout=timeout + 5)
+            receiver = MessageReceiver()
+            for reply in replies:
+                receiver.feed(reply)
+            try:
+                header, tensors = receiver.result()
+            except CodecError as e:
+                raise ProtocolError(f"the reply's tensors are malformed: {e}") from e
+            return header, tensors, message.ByteSize(), sum(reply.ByteSize() for reply in replies)
         loop = get_loop()
         deadline = time.monotonic() + timeout
         if self._replies is None:
