@@ -22,6 +22,14 @@ three integers: "have a batch" and a fingerprint of its contents): when one rank
 end the epoch together, and ranks that were given different batches stop with an error instead of training
 on garbage.
 
+Process group lifetime: the gloo group is created in ``setup_environment`` and lives until the process ends,
+because collectives still run after ``fit`` (``trainer.save_checkpoint`` gathers the shards, the sharded top-k
+merges every rank's). It is destroyed explicitly at interpreter exit (a gloo group left to the interpreter's
+teardown can abort the process with "terminate called without an active exception" after a successful run), and
+at once when ``fit`` fails, so that the other ranks, blocked in a collective, fail fast instead of waiting for the
+timeout. Rank 0 of a ``devices=N`` run also waits (up to ``child_exit_timeout`` seconds) for the ranks Lightning's
+launcher started before it exits: it hosts the rendezvous store they use, and a parent should not leave orphans.
+
 Checkpoints: ``trainer.save_checkpoint`` gathers the full layers and the optimizer state into one ordinary
 Lightning checkpoint, the one a single-process run would write; it loads into the plain LightningModule, and a
 sharded run on any number of ranks resumes from it (each rank keeps its rows).
@@ -29,17 +37,21 @@ sharded run on any number of ranks resumes from it (each rank keeps its rows).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import subprocess
 from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
@@ -48,7 +60,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_swarm.layers.distributed import CommStats, ShardGroup
-from lightning_swarm.strategy._dslide_shard import (
+from lightning_swarm.layers.shard_plan import (
     LockStepLoader,
     ShardPlan,
     gather_optimizer_state,
@@ -78,6 +90,8 @@ class DSlideStrategy(DDPStrategy):
         start_method: ``"popen"`` runs the script once per process (like ``strategy="ddp"``); ``"spawn"``,
             ``"fork"`` or ``"forkserver"`` start processes from the calling one (like ``"ddp_spawn"``).
         log_bytes: log the bytes sent per step (``dslide/bytes_per_step``) through ``LightningModule.log``.
+        child_exit_timeout: seconds rank 0 waits at exit for the processes Lightning's launcher started (then it
+            kills them).
     """
 
     strategy_name = "dslide"
@@ -93,6 +107,7 @@ class DSlideStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         log_bytes: bool = True,
+        child_exit_timeout: float = 120.0,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -105,6 +120,7 @@ class DSlideStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._log_bytes = log_bytes
+        self._child_exit_timeout = child_exit_timeout
         self._shard_group = ShardGroup()
         self._plan: ShardPlan | None = None
         self._last_step_bytes: dict[str, int] = {}
@@ -148,6 +164,7 @@ class DSlideStrategy(DDPStrategy):
                 "Use `DSlideStrategy(process_group_backend='gloo')`."
             )
         super().setup_environment()
+        _EXIT.watch(self)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -174,6 +191,13 @@ class DSlideStrategy(DDPStrategy):
         # No DistributedDataParallel: sharded layers talk through their own collectives and the replicated
         # parameters are reduced in `post_backward`.
         return model
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        # The other ranks are (or soon will be) blocked in a collective with this one: closing this rank's
+        # connections makes theirs fail now rather than after the timeout.
+        _destroy_process_group()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -239,3 +263,45 @@ class DSlideStrategy(DDPStrategy):
             cls,
             description="D-SLIDE: sparse layers sharded by neurons across CPU processes (gloo)",
         )
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _ExitHandler:
+    """Ends this process's part of a D-SLIDE run at interpreter exit: waits for the ranks Lightning's launcher
+    started (killing them after the strategy's timeout), then destroys the process group."""
+
+    def __init__(self) -> None:
+        self._children: list[subprocess.Popen] = []
+        self._timeout = 0.0
+        self._registered = False
+
+    def watch(self, strategy: DSlideStrategy) -> None:
+        launcher = strategy.launcher
+        if isinstance(launcher, _SubprocessScriptLauncher):
+            self._children.extend(p for p in launcher.procs if p not in self._children)
+        self._timeout = max(self._timeout, strategy._child_exit_timeout)
+        if not self._registered:
+            self._registered = True
+            atexit.register(self.run)
+
+    def run(self) -> None:
+        for proc in self._children:
+            try:
+                proc.wait(timeout=self._timeout)
+            except subprocess.TimeoutExpired:
+                log.error(
+                    "DSlideStrategy: rank process %d did not exit %.0f s after rank 0 finished; killing it.",
+                    proc.pid,
+                    self._timeout,
+                )
+                proc.kill()
+                proc.wait()
+        self._children.clear()
+        _destroy_process_group()
+
+
+_EXIT = _ExitHandler()

@@ -1,4 +1,4 @@
-"""Pieces of the DSlideStrategy that do not need the Trainer: which layers get sharded, how the replicated rest
+"""The D-SLIDE shard plan, free of Lightning: which layers of a module tree get sharded, how the replicated rest
 is kept in sync, how full checkpoints are gathered and split again, and the lock-step data loader."""
 
 from __future__ import annotations
