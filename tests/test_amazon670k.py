@@ -372,7 +372,9 @@ def test_model_rejects_an_unknown_output_kind() -> None:
 def test_model_reports_only_the_p_at_k_that_the_label_space_allows() -> None:
     from examples.amazon670k.model import XCModel
 
-    model = XCModel(num_features=10, num_labels=3, output="sparse", num_active=3).eval()
+    model = XCModel(num_features=10, num_labels=3, output="sparse", num_active=3)
+    model.configure_model()
+    model.eval()
     batch = collate_sparse([(np.array([0, 2]), np.array([1, 4]), np.array([0.5, 1.0], np.float32))] * 2)
     model.validation_step(batch, 0)
     assert set(model.val_precision.compute()) == {"p@1", "p@3"}

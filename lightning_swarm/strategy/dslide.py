@@ -40,6 +40,8 @@ from __future__ import annotations
 import atexit
 import logging
 import subprocess
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -60,6 +62,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_swarm.layers.distributed import CommStats, ShardGroup
+from lightning_swarm.layers.init import sharded_init
 from lightning_swarm.layers.shard_plan import (
     LockStepLoader,
     ShardPlan,
@@ -178,13 +181,17 @@ class DSlideStrategy(DDPStrategy):
             )
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        assert self.lightning_module is not None
-        if self._plan is None or not self._plan.is_applied_to(self.lightning_module):
-            self._plan = shard_lightning_module(self.lightning_module, self._shard_group)
-        self._plan.sync_replicated()
+        self._ensure_plan().sync_replicated()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # Wide layers created in `LightningModule.configure_model` are born as this rank's shard.
+        with sharded_init(self._shard_group):
+            yield
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -237,11 +244,8 @@ class DSlideStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        if self._plan is None:
-            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
-        else:
-            self._plan.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+        # Lightning restores the model before `setup`: shard it first (collective) if that has not happened yet.
+        self._ensure_plan().load_full_state_dict(checkpoint["state_dict"], strict=strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -254,6 +258,12 @@ class DSlideStrategy(DDPStrategy):
         assert self._plan is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             optimizer.load_state_dict(shard_optimizer_state(state, optimizer, self._plan))
+
+    def _ensure_plan(self) -> ShardPlan:
+        assert self.lightning_module is not None
+        if self._plan is None or not self._plan.is_applied_to(self.lightning_module):
+            self._plan = shard_lightning_module(self.lightning_module, self._shard_group)
+        return self._plan
 
     @classmethod
     @override
