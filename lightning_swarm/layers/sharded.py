@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_swarm.layers.checkpoint import StreamedTensor
 from lightning_swarm.layers.distributed import ShardGroup, all_gather_columns, shard_range, shard_sizes
 from lightning_swarm.layers.init import skip_init
 from lightning_swarm.layers.loss import _label_positions
@@ -113,11 +114,12 @@ class ShardedLayer(nn.Module):
                 dist.recv(buffer, src=_global(group, 0), group=group.group)
                 mine.copy_(buffer)
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """The state dict of the unsharded layer (collective: every rank must call it)."""
+    def streamed_state_dict(self) -> dict[str, Any]:
+        """The unsharded layer's state dict, its sharded tensors as :class:`StreamedTensor` (no communication;
+        ``save_streamed`` writes it shard by shard)."""
         state = self.state_dict()
         for name, dim in self.shard_dims.items():
-            state[name] = self._gather(state[name], name, dim)
+            state[name] = StreamedTensor(state[name].detach(), self.full_shapes[name], dim)
         return state
 
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -134,13 +136,6 @@ class ShardedLayer(nn.Module):
             lo, hi = self.shard_slices[name]
             mine[name] = mine[name].narrow(dim, lo, hi - lo).clone()
         self.load_state_dict(mine)
-
-    def _gather(self, tensor: Tensor, name: str, dim: int) -> Tensor:
-        world = self.shard_group.world_size
-        if world == 1:
-            return tensor.detach().clone()
-        sizes = shard_sizes(self.full_shapes[name][dim], world)
-        return self.shard_group.all_gather_cat(tensor.detach(), "checkpoint_gather", dim=dim, sizes=sizes)
 
 
 def _global(group: ShardGroup, rank: int) -> int:

@@ -30,9 +30,16 @@ at once when ``fit`` fails, so that the other ranks, blocked in a collective, fa
 timeout. Rank 0 of a ``devices=N`` run also waits (up to ``child_exit_timeout`` seconds) for the ranks Lightning's
 launcher started before it exits: it hosts the rendezvous store they use, and a parent should not leave orphans.
 
-Checkpoints: ``trainer.save_checkpoint`` gathers the full layers and the optimizer state into one ordinary
-Lightning checkpoint, the one a single-process run would write; it loads into the plain LightningModule, and a
-sharded run on any number of ranks resumes from it (each rank keeps its rows).
+Memory: wide layers created in ``LightningModule.configure_model`` are born sharded (each rank allocates and
+initialises only its rows, with the values a single process would give them, ``lightning_swarm.layers.init``);
+layers created in ``__init__`` exist whole on every rank until ``setup`` keeps each rank's rows (fine for small
+models). Gradients are row-sparse and the optimizer state is per shard.
+
+Checkpoints: ``trainer.save_checkpoint`` writes one ordinary Lightning checkpoint, the one a single-process run
+would write (full layers and optimizer state), streamed shard by shard to rank 0's file
+(``lightning_swarm.layers.checkpoint``): saving needs no whole layer in any process. It loads into the plain
+LightningModule, and a sharded run on any number of ranks resumes from it (memory-mapped: each rank reads its
+rows).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -61,14 +69,15 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_swarm.layers.checkpoint import save_streamed
 from lightning_swarm.layers.distributed import CommStats, ShardGroup
 from lightning_swarm.layers.init import sharded_init
 from lightning_swarm.layers.shard_plan import (
     LockStepLoader,
     ShardPlan,
-    gather_optimizer_state,
     shard_lightning_module,
     shard_optimizer_state,
+    streamed_optimizer_state,
 )
 
 log = logging.getLogger(__name__)
@@ -239,8 +248,8 @@ class DSlideStrategy(DDPStrategy):
         assert self.lightning_module is not None
         if self._plan is None:
             return self.lightning_module.state_dict()
-        # Collective: every rank takes part, the full tensors end up on every rank.
-        return self._plan.full_state_dict()
+        # The sharded tensors stay where they are: `save_checkpoint` streams them into the file.
+        return self._plan.streamed_state_dict()
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -251,7 +260,25 @@ class DSlideStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._plan is None:
             return super().optimizer_state(optimizer)
-        return gather_optimizer_state(optimizer, self._plan)
+        return streamed_optimizer_state(optimizer, self._plan)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Collective: rank 0 writes one ordinary ``torch.save`` file, receiving each sharded tensor from its
+        owners a few MB at a time; no process ever holds a whole wide layer."""
+        if storage_options is not None:
+            raise TypeError(
+                "When using the DSlideStrategy, `storage_options` are not supported by `save_checkpoint`: the "
+                "strategy writes the checkpoint itself (streamed). Save without them."
+            )
+        save_streamed(checkpoint, filepath, self._shard_group)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        # Memory-mapped: each rank reads only the rows it keeps, never the whole file into memory.
+        return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
