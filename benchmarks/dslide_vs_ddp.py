@@ -1,23 +1,33 @@
-"""D-SLIDE vs DDP on an Amazon-670K-shaped network over simulated 1 Gbit/s Ethernet.
+"""D-SLIDE vs the alternatives on an Amazon-670K-shaped network, over loopback and simulated 1 Gbit/s Ethernet.
 
     python benchmarks/dslide_vs_ddp.py [--quick]      (as root: creates network namespaces)
 
-Every rank runs in its own network namespace, joined to the others by a veth pair through a bridge (in a
-namespace of its own), each link limited with ``tc`` (token bucket) to ``--rate-mbit`` in both directions.
-The full run measures 4 and 2 ranks, each at that rate and with no limit; ``--quick`` measures 4 ranks at that
-rate only, with batch 128 and fewer steps. The processes are started the way several machines would be: one
-process per "node" (``num_nodes=ranks``, ``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``), no launcher.
+The network: 135,909 sparse features -> 128 ReLU -> 670,091 labels (~103M parameters), LazyAdam, global batch 256
+for every variant (a D-SLIDE rank works on the whole batch, a DDP rank on ``batch / ranks``):
 
-The same network (135,909 sparse features -> 128 ReLU -> 670,091 labels, ~103M parameters, batch 256) is
-trained with ``strategy="dslide"`` (SparseLSHLinear output, sharded) and with Lightning's ``"ddp"`` (gloo,
-dense ``nn.Linear`` output, the gradients of all parameters all-reduced every step), with the same global
-batch per optimizer step (every D-SLIDE rank works on the whole batch; each DDP rank on ``batch / ranks``).
-Step time is the mean interval between consecutive batches after the warm-up steps; bytes per step are the
-logical payload of the collectives (the strategy's own count for D-SLIDE; every gradient's size for DDP) and,
-measured, the bytes each rank sent on its veth (``/sys/class/net/eth0/statistics/tx_bytes``) per step.
+- ``single``: one process of the sparse model (``SparseLSHLinear``, LSH active set) with as many threads as the
+  ranks it is compared with use together (2 threads vs 2 ranks of 1 thread);
+- ``dslide``: ``strategy="dslide"``, the same sparse model sharded by neurons, one thread per rank;
+- ``ddp_sparse``: Lightning's ``"ddp"`` (torch DDP, gloo) of the same sparse model, with the wide layers' weights
+  held by ``nn.EmbeddingBag``/``nn.Embedding(sparse=True)`` so that torch DDP exchanges their gradients sparsely
+  (all-gather of the touched rows, which is how torch DDP reduces sparse gradients); the output bias keeps a
+  dense gradient (torch DDP reduces a parameter either sparse or dense);
+- ``ddp``: the paper's baseline, Lightning's ``"ddp"`` of the dense model (``nn.Linear`` output, full softmax,
+  dense gradients of both layers all-reduced every step).
 
-The last stdout line is one JSON object: the 4-rank figures at the top level, all runs in ``runs``.
-Note: on a small machine all ranks share its cores, so compute is oversubscribed for both strategies.
+Ranks run in their own network namespaces, joined through a bridge by veth pairs shaped with ``tc`` to
+``--rate-mbit`` (``benchmarks/_netns.py``), or on loopback (127.0.0.1, same namespace). Processes are started
+like separate machines (``num_nodes=ranks``, ``NODE_RANK``/``MASTER_ADDR``). Step time: mean interval between
+consecutive batches after the warm-up steps (the first steps include the first hash-table build; the timed steps
+contain no rebuild, for the sparse variants alike). Bytes per step: ``bytes_per_step_*`` is the logical payload
+(the strategy's own count for D-SLIDE; for DDP the size of every gradient it reduces: dense ones whole, sparse
+ones as the rows every rank contributes, gathered), ``tx_bytes_per_step_per_rank_*`` what each rank really sent
+on its veth. ``peak_rss_mb_per_rank``: the largest ``ru_maxrss`` over the ranks (1 rank: the single process).
+
+Headline: ``comm_reduction`` (1 - D-SLIDE / DDP-dense bytes sent on the veths, 1 Gbit/s, at 4 ranks; 2 with
+``--quick``) and ``parallel_efficiency`` (``single`` step time / 2-rank D-SLIDE step time). ``--quick`` (< 5 min on
+an idle 2-core box) runs fewer steps and only: single, D-SLIDE at 2 ranks (loopback and 1 Gbit/s) and 4 ranks,
+DDP-sparse and DDP-dense at 2 ranks (1 Gbit/s). The last stdout line is one JSON object (with the load average).
 """
 
 from __future__ import annotations
@@ -25,10 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +61,14 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
     from lightning.pytorch import Callback, Trainer, seed_everything
+    from torch import nn
 
     import lightning_swarm  # noqa: F401
     from examples.amazon670k.data import XCDataModule
     from examples.amazon670k.model import XCModel
-    from lightning_swarm.layers import SparseInputLinear
     from lightning_swarm.strategy.dslide import DSlideStrategy
+
+    torch.set_num_threads(args.threads)
 
     class StepClock(Callback):
         def __init__(self) -> None:
@@ -69,27 +83,77 @@ def worker(args: argparse.Namespace) -> None:
             self.times.append(time.perf_counter())
             self.tx.append(_tx_bytes())
 
-    class DenseGradInputLinear(SparseInputLinear):
-        """The same input layer with a dense gradient: DDP cannot all-reduce sparse gradients."""
+    class DDPSparseXCModel(XCModel):
+        """The sparse model with its wide weights held by sparse embedding modules, so torch DDP reduces them as
+        sparse gradients; the output bias gets a dense gradient. Records the gradient bytes DDP reduces."""
 
-        def forward(self, indices: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-            out = F.embedding_bag(indices, self.weight, offsets, mode="sum", per_sample_weights=values)
-            return out + self.bias
+        def configure_model(self) -> None:
+            super().configure_model()
+            inp, out = self.input_layer, self.output_layer
+            bag = nn.EmbeddingBag(
+                inp.in_features, inp.out_features, mode="sum", sparse=True, _weight=inp.weight.data
+            )
+            rows = nn.Embedding(out.total_out, out.in_features, sparse=True, _weight=out.weight.data)
+            for layer, owner in ((inp, bag), (out, rows)):
+                del layer._parameters["weight"]
+                object.__setattr__(
+                    layer, "weight", owner.weight
+                )  # the layers compute with the module's weight
+            self.sparse_weights = nn.ModuleList([bag, rows])
+
+            def active_logits(layer: Any, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                from lightning_swarm.layers.sparse_linear import gather_rows
+
+                w = gather_rows(layer.weight, ids[0])  # sparse gradient (an nn.Embedding's weight for DDP)
+                return torch.addmm(layer.bias.index_select(0, ids[0]), x, w.t())  # dense bias gradient
+
+            out.active_logits = types.MethodType(active_logits, out)
+            self.grad_bytes: dict[str, int] = {}
+            for name, param in self.named_parameters():
+                param.register_hook(lambda g, name=name: self._count(name, g))
+
+        def _count(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+            if grad.is_sparse:  # every rank contributes its touched rows (indices + values), gathered
+                rows = grad.coalesce().indices().size(1)
+                row_bytes = grad.size(1) * grad.element_size() + 8
+                self.grad_bytes[name] = rows * row_bytes * args.ranks
+            else:
+                self.grad_bytes[name] = grad.numel() * grad.element_size()
+            return grad
+
+    class DenseXCModel(XCModel):
+        """The paper's baseline: dense output layer, and a dense gradient for the input layer too (Horovod/DDP
+        all-reduce every parameter's whole gradient)."""
+
+        def configure_model(self) -> None:
+            super().configure_model()
+
+            def forward(
+                layer: Any, indices: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor
+            ) -> torch.Tensor:
+                out = F.embedding_bag(indices, layer.weight, offsets, mode="sum", per_sample_weights=values)
+                return out + layer.bias
+
+            self.input_layer.forward = types.MethodType(forward, self.input_layer)
 
     seed_everything(0)
-    dslide = args.strategy == "dslide"
-    model = XCModel(output="sparse" if dslide else "dense", hidden=HIDDEN, num_active=4096, lr=1e-4)
-    if not dslide:
-        dense_input = DenseGradInputLinear(model.input_layer.in_features, HIDDEN)
-        dense_input.load_state_dict(model.input_layer.state_dict())
-        model.input_layer = dense_input
+    if args.strategy == "ddp":
+        model: XCModel = DenseXCModel(output="dense", hidden=HIDDEN, num_active=4096, lr=1e-4)
+    elif args.strategy == "ddp_sparse":
+        model: XCModel = DDPSparseXCModel(hidden=HIDDEN, num_active=4096, lr=1e-4)
+    else:
+        model = XCModel(
+            output="dense" if args.strategy == "ddp" else "sparse", hidden=HIDDEN, num_active=4096, lr=1e-4
+        )
     data = XCDataModule(data_dir=args.data_dir, batch_size=args.batch)
     clock = StepClock()
-    strategy = DSlideStrategy() if dslide else "ddp"
+    strategy: Any = {"single": "auto", "dslide": DSlideStrategy(), "ddp": "ddp", "ddp_sparse": "ddp"}[
+        args.strategy
+    ]
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        num_nodes=args.ranks,
+        num_nodes=args.ranks if args.strategy != "single" else 1,
         strategy=strategy,
         max_steps=args.steps,
         logger=False,
@@ -106,22 +170,51 @@ def worker(args: argparse.Namespace) -> None:
     step_s = (clock.times[-1] - clock.times[warm]) / steps
     tx = clock.tx
     tx_per_step = (tx[-1] - tx[warm]) / steps if tx[-1] is not None and tx[warm] is not None else None
-    if dslide:
+    output_grad_bytes = None
+    if args.strategy == "dslide":
         payload = sum(trainer.strategy.last_step_bytes.values())
-    else:  # DDP all-reduces the gradient of every parameter; sparse ones as indices + values
+    elif args.strategy == "ddp_sparse":
+        payload = sum(model.grad_bytes.values())
+        output_grad_bytes = sum(
+            v for k, v in model.grad_bytes.items() if k.startswith(("output_layer", "sparse_weights.1"))
+        )
+    elif args.strategy == "ddp":  # DDP all-reduces the (dense) gradient of every parameter
         payload = sum(p.numel() * p.element_size() for p in model.parameters())
+    else:
+        payload = 0
     result = {
         "rank": trainer.global_rank,
         "step_ms": 1000 * step_s,
         "timed_steps": steps,
         "payload_bytes_per_step": payload,
+        "output_grad_bytes": output_grad_bytes,
         "tx_bytes_per_step": tx_per_step,
         "threads": torch.get_num_threads(),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
     }
     (Path(args.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 # ----------------------------------------------------------------------------------- harness
+class Loopback:
+    """The ``VirtualCluster`` interface on 127.0.0.1 in this namespace (no shaping, no per-rank byte counter)."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+
+    def __enter__(self) -> Loopback:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def address(self, rank: int) -> str:
+        return "127.0.0.1"
+
+    def popen(self, rank: int, cmd: list[str], env: dict[str, str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(cmd, env={**os.environ, **env}, **kwargs)
+
+
 def make_data(directory: Path, num_samples: int) -> None:
     """Amazon-670K-shaped synthetic points, written once in the repository format for every rank to read."""
     sys.path.insert(0, str(REPO))
@@ -135,43 +228,42 @@ def run_one(
     net: Any,
     strategy: str,
     ranks: int,
+    threads: int,
     steps: int,
     warmup: int,
     batch: int,
     data_dir: Path,
     out: Path,
-    timeout: float,
 ) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // ranks)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--strategy", strategy]
-    cmd += ["--ranks", str(ranks), "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
-    # Same global batch for both: D-SLIDE ranks all work on the whole batch, DDP ranks on 1/ranks of it each.
-    per_rank_batch = batch if strategy == "dslide" else batch // ranks
-    cmd += ["--batch", str(per_rank_batch), "--data-dir", str(data_dir)]
-    procs = []
-    logs = []
+    cmd += ["--ranks", str(ranks), "--threads", str(threads), "--steps", str(steps), "--warmup", str(warmup)]
+    # Same global batch for all: D-SLIDE ranks all work on the whole batch, DDP ranks on 1/ranks of it each.
+    per_rank_batch = batch // ranks if strategy.startswith("ddp") else batch
+    cmd += ["--batch", str(per_rank_batch), "--data-dir", str(data_dir), "--out", str(out)]
+    procs, logs = [], []
+    port = str(29533 + (os.getpid() % 500))
     try:
         for rank in range(ranks):
             env = {
                 "MASTER_ADDR": net.address(0),
-                "MASTER_PORT": "29533",
+                "MASTER_PORT": port,
                 "NODE_RANK": str(rank),
                 "LOCAL_RANK": "0",
                 "WORLD_SIZE": str(ranks),
                 "OMP_NUM_THREADS": str(threads),
                 "PYTHONWARNINGS": "ignore",
             }
+            if strategy == "single":
+                env = {"OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
             log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
             logs.append(log)
             procs.append(net.popen(rank, cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + 900
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(
-            f"{strategy} with {ranks} ranks did not finish in {timeout:.0f} s; logs in {out}"
-        ) from exc
+        raise RuntimeError(f"{strategy} with {ranks} ranks did not finish in time; logs in {out}") from exc
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -188,8 +280,10 @@ def run_one(
     return {
         "step_ms": max(r["step_ms"] for r in per_rank),
         "timed_steps": per_rank[0]["timed_steps"],
-        "payload_bytes_per_step": per_rank[0]["payload_bytes_per_step"],
+        "payload_bytes_per_step": max(r["payload_bytes_per_step"] for r in per_rank),
+        "output_grad_bytes": per_rank[0]["output_grad_bytes"],
         "tx_bytes_per_step_per_rank": (sum(tx) / len(tx)) if all(t is not None for t in tx) else None,
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in per_rank),
     }
 
 
@@ -197,16 +291,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="4 ranks at --rate-mbit only, batch 128, fewer steps (under 5 minutes)",
-    )
-    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="link rate of the limited runs")
-    parser.add_argument("--batch", type=int, default=None, help="batch size (default 256; 128 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="fewer runs and steps (under 5 minutes)")
+    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="link rate of the shaped runs")
+    parser.add_argument("--batch", type=int, default=256, help="global batch size")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="dslide", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -219,44 +310,97 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _netns import VirtualCluster
 
-    if args.quick:
-        settings = [(4, args.rate_mbit)]  # the headline only; the full run adds 2 ranks and unlimited links
-        steps = {"dslide": (8, 2), "ddp": (2, 1)}
-    else:
-        settings = [(4, args.rate_mbit), (2, args.rate_mbit), (4, None), (2, None)]
-        steps = {"dslide": (40, 3), "ddp": (6, 2)}
-    batch = args.batch or (128 if args.quick else 256)
-    runs = []
+    rate = args.rate_mbit
+    cores = os.cpu_count() or 1
+    # (name, strategy, ranks, link): every rank gets one thread; the single process gets the 2 ranks' 2 threads.
+    plan = [
+        ("single", "single", 1, "loopback"),
+        ("dslide_2_loopback", "dslide", 2, "loopback"),
+        ("dslide_2_link", "dslide", 2, rate),
+        ("ddp_sparse_2_link", "ddp_sparse", 2, rate),
+        ("ddp_2_link", "ddp", 2, rate),
+        ("dslide_4_link", "dslide", 4, rate),
+    ]
+    if not args.quick:
+        plan += [("ddp_sparse_4_link", "ddp_sparse", 4, rate), ("ddp_4_link", "ddp", 4, rate)]
+    steps = {"ddp": (2, 1)} if args.quick else {"ddp": (6, 2)}
+    sparse_steps = (10, 3) if args.quick else (40, 5)
+    runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="dslide_vs_ddp_") as tmp:
         data_dir = Path(tmp) / "data"
         data_dir.mkdir()
-        make_data(data_dir, batch * (max(n for n, _ in steps.values()) + 1))
-        for index, (ranks, rate) in enumerate(settings):
-            with VirtualCluster(ranks, rate_mbit=rate, net=index) as net:
-                row: dict[str, Any] = {"ranks": ranks, "link_mbit": rate}
-                for strategy in ("dslide", "ddp"):
-                    n, warm = steps[strategy]
-                    started = time.monotonic()
-                    out = Path(tmp) / f"{index}-{strategy}"
-                    res = run_one(net, strategy, ranks, n, warm, batch, data_dir, out, timeout=900)
-                    print(
-                        f"[{ranks} ranks, {rate or 'unlimited'} Mbit/s] {strategy}: {res['step_ms']:.0f} ms/step, "
-                        f"{res['payload_bytes_per_step']:,} B/step payload, "
-                        f"{(res['tx_bytes_per_step_per_rank'] or 0):,.0f} B/step sent per rank "
-                        f"({time.monotonic() - started:.0f} s)",
-                        flush=True,
-                    )
-                    row[f"step_ms_{strategy}"] = round(res["step_ms"], 1)
-                    row[f"bytes_per_step_{strategy}"] = res["payload_bytes_per_step"]
-                    row[f"tx_bytes_per_step_per_rank_{strategy}"] = res["tx_bytes_per_step_per_rank"]
-                    row[f"timed_steps_{strategy}"] = res["timed_steps"]
-                row["speedup"] = round(row["step_ms_ddp"] / row["step_ms_dslide"], 2)
-                row["comm_reduction"] = round(1 - row["bytes_per_step_dslide"] / row["bytes_per_step_ddp"], 6)
-                tx_d, tx_p = row["tx_bytes_per_step_per_rank_dslide"], row["tx_bytes_per_step_per_rank_ddp"]
-                row["comm_reduction_measured"] = round(1 - tx_d / tx_p, 6) if tx_d and tx_p else None
-                runs.append(row)
-    headline = next(r for r in runs if r["ranks"] == 4 and r["link_mbit"] == args.rate_mbit)
-    summary = {**headline, "batch": batch, "cpu_cores": os.cpu_count(), "quick": args.quick, "runs": runs}
+        make_data(data_dir, args.batch * (sparse_steps[0] + 1))
+        for index, (name, strategy, ranks, link) in enumerate(plan):
+            n, warm = steps.get(strategy, sparse_steps)
+            threads = 2 if strategy == "single" else 1
+            started = time.monotonic()
+            cluster = (
+                Loopback(ranks) if link == "loopback" else VirtualCluster(ranks, rate_mbit=link, net=index)
+            )
+            with cluster as net:
+                res = run_one(net, strategy, ranks, threads, n, warm, args.batch, data_dir, Path(tmp) / name)
+            res.update(strategy=strategy, ranks=ranks, link_mbit=None if link == "loopback" else link)
+            runs[name] = res
+            print(
+                f"[{name}] {res['step_ms']:.0f} ms/step, {res['payload_bytes_per_step']:,} B/step payload, "
+                f"{(res['tx_bytes_per_step_per_rank'] or 0):,.0f} B/step sent per rank, peak RSS "
+                f"{res['peak_rss_mb']:.0f} MB ({time.monotonic() - started:.0f} s)",
+                flush=True,
+            )
+
+    def tx(name: str) -> float | None:
+        return runs[name]["tx_bytes_per_step_per_rank"]
+
+    n = (
+        4 if "ddp_4_link" in runs else 2
+    )  # the headline compares D-SLIDE and DDP at the most ranks run for both
+    d, p = tx(f"dslide_{n}_link"), tx(f"ddp_{n}_link")
+    single = runs["single"]
+    summary = {
+        "batch": args.batch,
+        "link_mbit": rate,
+        "comm_reduction": round(1 - d / p, 6) if d and p else None,
+        "comm_reduction_ranks": n,
+        "comm_reduction_payload": round(
+            1
+            - runs[f"dslide_{n}_link"]["payload_bytes_per_step"]
+            / runs[f"ddp_{n}_link"]["payload_bytes_per_step"],
+            6,
+        ),
+        "speedup_vs_ddp_dense": round(
+            runs[f"ddp_{n}_link"]["step_ms"] / runs[f"dslide_{n}_link"]["step_ms"], 2
+        ),
+        "speedup_vs_ddp_sparse": round(
+            runs["ddp_sparse_2_link"]["step_ms"] / runs["dslide_2_link"]["step_ms"], 2
+        ),
+        "parallel_efficiency": {
+            "loopback": round(single["step_ms"] / runs["dslide_2_loopback"]["step_ms"], 3),
+            f"{rate:g}mbit": round(single["step_ms"] / runs["dslide_2_link"]["step_ms"], 3),
+        },
+        "step_ms_single_sparse": round(single["step_ms"], 1),
+        "step_ms_dslide_2": round(runs["dslide_2_link"]["step_ms"], 1),
+        "step_ms_dslide_2_loopback": round(runs["dslide_2_loopback"]["step_ms"], 1),
+        "step_ms_dslide_4": round(runs["dslide_4_link"]["step_ms"], 1),
+        "step_ms_ddp_sparse": round(runs["ddp_sparse_2_link"]["step_ms"], 1),
+        "step_ms_ddp_dense": round(runs[f"ddp_{n}_link"]["step_ms"], 1),
+        "bytes_per_step_dslide_2": runs["dslide_2_link"]["payload_bytes_per_step"],
+        "bytes_per_step_dslide_4": runs["dslide_4_link"]["payload_bytes_per_step"],
+        "bytes_per_step_ddp_sparse": runs["ddp_sparse_2_link"]["payload_bytes_per_step"],
+        "bytes_output_grad_ddp_sparse": runs["ddp_sparse_2_link"]["output_grad_bytes"],
+        "bytes_per_step_ddp_dense": runs[f"ddp_{n}_link"]["payload_bytes_per_step"],
+        "tx_bytes_per_step_per_rank": {name: tx(name) for name in runs},
+        "peak_rss_mb_per_rank": {
+            "1": round(single["peak_rss_mb"]),
+            "2": round(runs["dslide_2_link"]["peak_rss_mb"]),
+            "4": round(runs["dslide_4_link"]["peak_rss_mb"]),
+        },
+        "peak_rss_ratio_4_ranks": round(runs["dslide_4_link"]["peak_rss_mb"] / single["peak_rss_mb"], 3),
+        "threads": {"single": 2, "per_rank": 1},
+        "cpu_cores": cores,
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "quick": args.quick,
+        "runs": runs,
+    }
     print(json.dumps(summary))
 
 

@@ -1,25 +1,32 @@
-"""SLIDE output layer vs dense output layer on Amazon-670K-shaped data, side by side.
+"""SLIDE output layer vs dense output layer on Amazon-670K-shaped data: speed per step and time to accuracy.
 
-Both variants train the same network, ``SparseInputLinear(135909 -> 128) -> ReLU -> output``,
-on the same generated data (``examples/amazon670k/data.py: make_synthetic``) for the same
-number of steps, batch 256, ``torch.set_num_threads(2)``:
+Both variants train the same network, ``SparseInputLinear(135909 -> 128) -> ReLU -> output``, batch 256,
+``torch.set_num_threads(2)``:
 
 - ``sparse``: output ``SparseLSHLinear`` (LSH active set) + ``active_set_loss`` + ``LazyAdam``;
-- ``dense``: output ``nn.Linear`` + full softmax with the same soft targets (``1/|Y|``)
-  + ``torch.optim.Adam`` (the input layer uses ``LazyAdam`` in both).
+- ``dense``: output ``nn.Linear`` + full softmax with the same soft targets (``1/|Y|``) + ``torch.optim.Adam``
+  (the input layer uses ``LazyAdam`` in both).
 
-Step times (``step_ms_*``, ``speedup``) come from one child process that holds both networks
-at full size and interleaves 10 sparse steps with 1 dense step, so load from other
-processes on the box hits both alike; the sparse steps include the table rebuilds at their
-amortised rate. ``speedup_cpu_time`` is the same ratio in process CPU time, and
-``load_average_1min`` says how busy the box was. Quality runs each variant in its own child
-process (same data, same steps), which also gives the peak RSS per variant. P@1/P@5 are
-measured on held-out points with the exact top-k. ``--quick`` (< 5 min) times steps at
-full size but measures P@k on a 20,000-label version of the data (reported as
-``quality_labels``), because a dense 670k-way model needs far more steps than 5 minutes
-allow to learn anything. The last stdout line is one JSON object.
+Step times (``step_ms_*``, ``speedup``) come from one child process that holds both networks at full size and
+interleaves 10 sparse steps with 1 dense step, so load from other processes on the box hits both alike; the
+sparse steps include the table rebuilds at their amortised rate.
 
-Usage: ``python benchmarks/sparse_vs_dense.py [--quick]``.
+Quality is time to accuracy, each variant in its own child process: first a learning-rate sweep (the same
+``--lrs`` for both, a short wall-clock budget each, best held-out P@1 wins), then a run with the best rate that
+evaluates P@1 on held-out points (evaluation time not counted) and stops when P@1
+has not improved for ``--patience`` evaluations or the training clock reaches the budget. Evaluations
+happen at training times growing geometrically (``--first-eval-s``, ``--eval-growth``), the same for both.
+``time_to_p1_dense`` / ``time_to_p1_sparse``: training seconds each needed to reach the dense model's best P@1
+(``null`` if it never did); ``time_to_p1_ratio`` their ratio.
+
+Data: synthetic, with Amazon-670K's shape and label skew (``examples/amazon670k/data.py: make_synthetic``); it is
+easier than the real data set, so its P@1 values say that both variants learn, not how good either is on
+Amazon-670K. With ``--data-dir`` the quality part reads the real files instead (``train.txt``/``test.txt`` in the
+Extreme Classification Repository format). ``--quick`` (< 5 min) sweeps two rates for 4 s each and trains 40 s per
+variant, evaluating on 256 held-out points: an early-training comparison. The last stdout line is one JSON
+object, with the load average.
+
+Usage: ``python benchmarks/sparse_vs_dense.py [--quick] [--data-dir /path/to/Amazon-670K]``.
 """
 
 from __future__ import annotations
@@ -106,7 +113,8 @@ class Net:
         """P@1 and P@5 on ``data`` with the exact top-5."""
         metric = PrecisionAtK(ks=(1, 5))
         self.out.eval()
-        for idx, off, val, lab in batches(data, torch.arange(len(data))):
+        for lo in range(0, len(data), BATCH):
+            idx, off, val, lab = collate_sparse([data.row(i) for i in range(lo, min(lo + BATCH, len(data)))])
             h = F.relu(self.hidden(idx, off, val))
             if self.variant == "sparse":
                 _, top = self.out.topk(h, 5, mode="exact")
@@ -117,35 +125,66 @@ class Net:
         return {k: float(v) for k, v in metric.compute().items()}
 
 
-def run_variant(args: argparse.Namespace) -> dict:
-    """Train and evaluate one variant in this process; returns its figures."""
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
+def load_quality_data(args: argparse.Namespace) -> tuple[XCData, XCData]:
+    """The training and held-out points of the quality runs: real files or synthetic data."""
+    if args.data_dir:
+        from examples.amazon670k.data import read_xc_file
+
+        return read_xc_file(os.path.join(args.data_dir, "train.txt")), read_xc_file(
+            os.path.join(args.data_dir, "test.txt")
+        )
     train = make_synthetic(args.train, FEATURES, args.labels, seed=0)
     test = make_synthetic(args.test, FEATURES, args.labels, seed=0, sample_seed=1)
-    net = Net(args.variant, args.labels, args)
-    step_times: list[float] = []
-    losses: list[float] = []
+    return train, test
+
+
+def run_variant(args: argparse.Namespace) -> dict:
+    """Train one variant at one learning rate in this process, evaluating as it goes; returns the curve."""
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    train, test = load_quality_data(args)
+    global FEATURES
+    FEATURES = train.num_features
+    net = Net(args.variant, train.num_labels, args)
     gen = torch.Generator().manual_seed(0)
-    for _epoch in range(args.epochs):
-        for batch in batches(train, torch.randperm(len(train), generator=gen)):
+    curve: list[tuple[float, float]] = []  # (training seconds, held-out P@1)
+    train_s, steps, best, since_best = 0.0, 0, -1.0, 0
+    next_eval = args.first_eval_s
+    losses: list[float] = []
+    done = False
+    while not done:
+        order = torch.randperm(len(train), generator=gen)
+        for lo in range(0, len(order) - BATCH + 1, BATCH):
+            batch = collate_sparse([train.row(int(i)) for i in order[lo : lo + BATCH]])
             start = time.perf_counter()
             losses.append(net.train_step(batch))
-            step_times.append(time.perf_counter() - start)
-    warm = step_times[3:] if len(step_times) > 6 else step_times
-    p = net.precision(test)
-    result = {
-        "step_ms": 1000.0 * sum(warm) / len(warm),
-        "steps": len(step_times),
-        "p_at_1": p["p@1"],
-        "p_at_5": p["p@5"],
+            train_s += time.perf_counter() - start
+            steps += 1
+            if train_s >= next_eval or train_s >= args.budget_s:
+                next_eval = max(next_eval * args.eval_growth, train_s)
+                p1 = net.precision(test)["p@1"]
+                curve.append((round(train_s, 2), round(p1, 4)))
+                best, since_best = (p1, 0) if p1 > best else (best, since_best + 1)
+                if since_best >= args.patience or train_s >= args.budget_s:
+                    done = True
+                    break
+    return {
+        "lr": args.lr,
+        "steps": steps,
+        "train_s": round(train_s, 1),
+        "step_ms": round(1000 * train_s / steps, 1),
+        "best_p_at_1": round(best, 4),
+        "curve": curve,
         "first_loss": losses[0],
         "last_loss": sum(losses[-10:]) / len(losses[-10:]),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "rebuilds": net.out.num_rebuilds if args.variant == "sparse" else None,
     }
-    if args.variant == "sparse":
-        result["rebuilds"] = net.out.num_rebuilds
-    return result
+
+
+def time_to(curve: list[list[float]], target: float) -> float | None:
+    """Training seconds at the first evaluation whose P@1 reached ``target``."""
+    return next((t for t, p in curve if p >= target - 1e-9), None)
 
 
 def run_timing(args: argparse.Namespace) -> dict:
@@ -200,17 +239,51 @@ def child(variant: str, **kw: object) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def reader_speed() -> dict:
+    """Lines per second of ``read_xc_file`` (vectorised) and of the line-by-line parser, on the same file."""
+    import tempfile
+
+    from examples.amazon670k.data import _read_xc_file_by_lines, read_xc_file, write_xc_file
+
+    data = make_synthetic(20_000, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "train.txt")
+        write_xc_file(path, data)
+        times = {}
+        for name, reader in (("vectorised", read_xc_file), ("line_by_line", _read_xc_file_by_lines)):
+            start = time.perf_counter()
+            reader(path)
+            times[name] = time.perf_counter() - start
+        size = os.path.getsize(path)
+    return {
+        "reader_lines_per_s": round(len(data) / times["vectorised"]),
+        "reader_lines_per_s_line_by_line": round(len(data) / times["line_by_line"]),
+        "reader_mb_per_s": round(size / 1e6 / times["vectorised"], 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="finish in < 5 minutes (quality on 20k labels)")
+    parser.add_argument("--data-dir", default="", help="real data for the quality part (train.txt, test.txt)")
     parser.add_argument("--variant", choices=["sparse", "dense", "timing"], help=argparse.SUPPRESS)
     parser.add_argument("--labels", type=int, default=LABELS, help=argparse.SUPPRESS)
     parser.add_argument("--train", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--test", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--dense-steps", type=int, default=10, help=argparse.SUPPRESS)
+    parser.add_argument("--budget-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--first-eval-s", type=float, default=0.5, help="training seconds before the first evaluation"
+    )
+    parser.add_argument(
+        "--eval-growth", type=float, default=1.5, help="each evaluation interval is this much longer"
+    )
+    parser.add_argument(
+        "--patience", type=int, default=4, help="evaluations without improvement before stopping"
+    )
+    parser.add_argument("--lrs", default="0.001,0.003,0.01", help="learning rates swept for both variants")
     parser.add_argument("--num-active", type=int, default=4096, help="active neurons per sample (sparse)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="learning rate of both variants")
+    parser.add_argument("--lr", type=float, default=2e-3, help=argparse.SUPPRESS)
     parser.add_argument("--num-bits", type=int, default=14, help="K: bits per hash code")
     parser.add_argument("--num-tables", type=int, default=8, help="L: hash tables")
     parser.add_argument("--rebuild-every", type=int, default=50, help="steps between table rebuilds")
@@ -229,17 +302,32 @@ def main() -> None:
         "batch": BATCH,
         "quick": args.quick,
     }
-    active = args.num_active
-    lsh = dict(
-        num_bits=args.num_bits, num_tables=args.num_tables, rebuild_every=args.rebuild_every, lr=args.lr
+    lsh = dict(num_bits=args.num_bits, num_tables=args.num_tables, rebuild_every=args.rebuild_every)
+    result.update(reader_speed())
+    timing = child(
+        "timing", num_active=args.num_active, dense_steps=6 if args.quick else 12, lr=args.lr, **lsh
     )
-    timing = child("timing", num_active=active, dense_steps=6 if args.quick else 12, **lsh)
-    if args.quick:  # quality on a 20k-label problem: a 670k-way dense model learns little in 5 minutes
-        quality = dict(labels=20_000, train=BATCH * 100, test=4096, epochs=2, num_active=1024)
+    if args.quick:  # short budgets, few held-out points (exact top-k over 670k labels is costly)
+        quality = dict(labels=LABELS, train=BATCH * 400, test=256, num_active=args.num_active)
+        sweep_s, budget_s, lrs = 4.0, 40.0, [0.002, 0.01]
     else:
-        quality = dict(labels=LABELS, train=BATCH * 200, test=4096, epochs=1, num_active=active)
-    q_sparse = child("sparse", **quality, **lsh)
-    q_dense = child("dense", **quality, **lsh)
+        quality = dict(labels=LABELS, train=BATCH * 2000, test=2048, num_active=args.num_active)
+        sweep_s, budget_s, lrs = 60.0, 900.0, [float(x) for x in args.lrs.split(",")]
+    if args.data_dir:
+        quality["data_dir"] = args.data_dir
+    common = dict(**quality, **lsh, patience=args.patience, eval_growth=args.eval_growth)
+    chosen, sweeps, runs = {}, {}, {}
+    for variant in ("sparse", "dense"):
+        sweeps[variant] = {
+            lr: child(variant, lr=lr, budget_s=sweep_s, first_eval_s=sweep_s, **common)["best_p_at_1"]
+            for lr in lrs
+        }
+        chosen[variant] = max(lrs, key=lambda lr: sweeps[variant][lr])
+        runs[variant] = child(
+            variant, lr=chosen[variant], budget_s=budget_s, first_eval_s=args.first_eval_s, **common
+        )
+    target = runs["dense"]["best_p_at_1"]
+    t_sparse, t_dense = time_to(runs["sparse"]["curve"], target), time_to(runs["dense"]["curve"], target)
     result.update(
         step_ms_dense=round(timing["step_ms_dense"], 1),
         step_ms_sparse=round(timing["step_ms_sparse"], 1),
@@ -247,27 +335,33 @@ def main() -> None:
         cpu_ms_per_step_dense=round(timing["cpu_ms_dense"], 1),
         cpu_ms_per_step_sparse=round(timing["cpu_ms_sparse"], 1),
         speedup_cpu_time=round(timing["cpu_ms_dense"] / timing["cpu_ms_sparse"], 2),
-        load_average_1min=round(os.getloadavg()[0], 2),
-        active_fraction=round(active / LABELS, 5),
-        num_active=active,
-        num_bits=args.num_bits,
-        num_tables=args.num_tables,
+        num_active=args.num_active,
+        active_fraction=round(args.num_active / LABELS, 5),
         timed_steps_dense=timing["timed_steps_dense"],
         timed_steps_sparse=timing["timed_steps_sparse"],
         rebuilds_in_timed_sparse_steps=timing["rebuilds_timed"],
+        quality_data="real files" if args.data_dir else "synthetic, Amazon-670K-shaped",
         quality_labels=quality["labels"],
         quality_num_active=quality["num_active"],
-        quality_train_steps=q_sparse["steps"],
-        p_at_1_dense=round(q_dense["p_at_1"], 4),
-        p_at_1_sparse=round(q_sparse["p_at_1"], 4),
-        p_at_5_dense=round(q_dense["p_at_5"], 4),
-        p_at_5_sparse=round(q_sparse["p_at_5"], 4),
-        loss_first_last_dense=[round(q_dense["first_loss"], 3), round(q_dense["last_loss"], 3)],
-        loss_first_last_sparse=[round(q_sparse["first_loss"], 3), round(q_sparse["last_loss"], 3)],
-        training_step_ms_dense=round(q_dense["step_ms"], 1),
-        training_step_ms_sparse=round(q_sparse["step_ms"], 1),
-        peak_rss_mb_sparse=round(q_sparse["peak_rss_mb"], 1),
-        peak_rss_mb_dense=round(q_dense["peak_rss_mb"], 1),
+        lr_sweep={v: {str(lr): p for lr, p in sweeps[v].items()} for v in sweeps},
+        lr_sparse=chosen["sparse"],
+        lr_dense=chosen["dense"],
+        sweep_budget_s=sweep_s,
+        budget_s=budget_s,
+        best_p_at_1_sparse=runs["sparse"]["best_p_at_1"],
+        best_p_at_1_dense=runs["dense"]["best_p_at_1"],
+        time_to_p1_sparse=t_sparse,
+        time_to_p1_dense=t_dense,
+        time_to_p1_ratio=round(t_dense / t_sparse, 2) if t_sparse and t_dense else None,
+        stopped_dense="budget" if runs["dense"]["train_s"] >= budget_s else "plateau",
+        stopped_sparse="budget" if runs["sparse"]["train_s"] >= budget_s else "plateau",
+        curve_sparse=runs["sparse"]["curve"],
+        curve_dense=runs["dense"]["curve"],
+        training_step_ms_dense=runs["dense"]["step_ms"],
+        training_step_ms_sparse=runs["sparse"]["step_ms"],
+        peak_rss_mb_sparse=round(runs["sparse"]["peak_rss_mb"], 1),
+        peak_rss_mb_dense=round(runs["dense"]["peak_rss_mb"], 1),
+        load_average_1min=round(os.getloadavg()[0], 2),
     )
     print(json.dumps(result))
 

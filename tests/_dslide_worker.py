@@ -2,13 +2,23 @@
 
 With ``--devices > 1`` (or ``--strategy dslide``) Lightning's own launcher starts the other ranks by running
 this script again, exactly as a user's ``train.py`` would be. Rank 0 writes what it saw to ``--out``.
+
+``--repeat N`` runs the two-rank training ``N`` times as two "nodes" (``num_nodes=2``, ``NODE_RANK``), each rank a
+child forked from this process after the imports (so a run costs the training, not 10 s of imports), each child
+leaving through the normal interpreter exit like a user's script. The exit status of every rank is written to
+``--out``/repeat.json; ``--fail-rank R`` makes rank ``R`` raise in its second training step.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import os
+import signal
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +96,95 @@ def predictions(model: XCModel) -> tuple[torch.Tensor, torch.Tensor]:
         return model.top_labels(indices, offsets, values, k=5)
 
 
+class FailingXCModel(XCModel):
+    """Raises in the second training step on one rank (the other ranks are then waiting in a collective)."""
+
+    fail_rank = -1
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1 and self.global_rank == self.fail_rank:
+            raise ValueError(f"deliberate failure on rank {self.global_rank}")
+        return super().training_step(batch, batch_idx)
+
+
+def repeated_rank(rank: int, port: int, out: Path, fail_rank: int) -> None:
+    """One rank of a two-node run: train 2 steps, gather a checkpoint, predict with the sharded top-k."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0"
+    )
+    # Registered before the strategy's own exit handler, so it runs after it (atexit is last in, first out).
+    atexit.register(_record_group_state_at_exit, out / f"rank{rank}.exit.json")
+    seed_everything(0, verbose=False)
+    FailingXCModel.fail_rank = fail_rank
+    model = FailingXCModel(**MODEL)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=2,
+        strategy="dslide",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, data_module())
+    trainer.save_checkpoint(out / "model.ckpt")  # collective: gathers the shards
+    predictions(model)  # collective: the sharded top-k
+
+
+def _record_group_state_at_exit(path: Path) -> None:
+    path.write_text(json.dumps({"process_group_alive": torch.distributed.is_initialized()}))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def repeat(times: int, out: Path, fail_rank: int, timeout: float = 120.0) -> None:
+    """Run the two-node training ``times`` times, then once more with a failure on ``fail_rank`` (if >= 0).
+
+    Records every rank's exit status (negative: killed by that signal; ``None``: hung and killed).
+    """
+    runs, started = [], time.monotonic()
+    for run in range(times + (fail_rank >= 0)):
+        failing = fail_rank if run == times else -1
+        run_dir = out / f"run{run}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        port = _free_port()
+        pids = []
+        for rank in range(2):
+            pid = os.fork()
+            if pid == 0:  # the child: this rank's whole life, then the ordinary interpreter exit
+                log = os.open(run_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                repeated_rank(rank, port, run_dir, failing)
+                sys.exit(0)
+            pids.append(pid)
+        statuses: dict[int, int] = {}
+        deadline = time.monotonic() + timeout
+        while len(statuses) < len(pids) and time.monotonic() < deadline:
+            for rank, pid in enumerate(pids):
+                if rank not in statuses:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        statuses[rank] = os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        for rank, pid in enumerate(pids):  # a hung rank is killed and reported as None
+            if rank not in statuses:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                statuses[rank] = None  # type: ignore[assignment]
+        runs.append([statuses[0], statuses[1]])
+    (out / "repeat.json").write_text(json.dumps(runs))
+    print(f"{len(runs)} runs in {time.monotonic() - started:.1f} s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=1)
@@ -93,7 +192,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--repeat", type=int, default=0)
+    parser.add_argument("--fail-rank", type=int, default=-1)
     args = parser.parse_args()
+    if args.repeat:
+        repeat(args.repeat, Path(args.out), args.fail_rank)
+        return
     seed_everything(0)
     model = XCModel(**MODEL)
     recorder = Recorder()

@@ -3,6 +3,7 @@ batching, and end-to-end training through LightningCLI."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,8 @@ import torch
 from examples.amazon670k.data import (
     XCData,
     XCDataModule,
+    _parse_lines,
+    _read_xc_file_by_lines,
     collate_sparse,
     iter_xc_file,
     make_synthetic,
@@ -92,6 +95,62 @@ def test_writer_reader_round_trip(tmp_path: Path) -> None:
     for name in ("label_indptr", "labels", "feature_indptr", "feature_ids", "feature_values"):
         np.testing.assert_array_equal(getattr(back, name), getattr(data, name), err_msg=name)
     assert (back.num_features, back.num_labels) == (500, 200)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_vectorised_reader_equals_the_line_parser(tmp_path: Path, corrupt: bool) -> None:
+    """Random files with every value syntax float() accepts here (exponents, signs, '.5', '5.', 20 digits, CRLF,
+    lines without labels); with ``corrupt`` one character is inserted somewhere: same data or same error."""
+    rng = random.Random(7)
+    values = [
+        lambda: str(rng.randint(0, 99)), lambda: f"{rng.random():.6f}", lambda: f"{rng.random() * 1e-7:.9g}",
+        lambda: f"-{rng.random():.3e}", lambda: f".{rng.randint(0, 999)}", lambda: f"{rng.randint(1, 9)}.",
+        lambda: f"{rng.random():.20f}", lambda: f"1e{rng.randint(-30, 30)}", lambda: f"+{rng.random():.4f}",
+        lambda: f"{rng.random() * 1e30:.17g}",
+    ]  # fmt: skip
+    for trial in range(12):
+        lines = []
+        for _ in range(200):
+            labels = [str(rng.randint(0, 49)) for _ in range(rng.randint(0, 3))]
+            feats = [f"{rng.randint(0, 99)}:{rng.choice(values)()}" for _ in range(rng.randint(0, 6))] or [
+                "1:1"
+            ]
+            lead = " " if not labels and rng.random() < 0.5 else ""
+            gap = rng.choice([" ", "  "])
+            lines.append(
+                lead
+                + ",".join(labels)
+                + (gap if labels else "")
+                + gap.join(feats)
+                + rng.choice(["", " ", "\r"])
+            )
+        if corrupt:
+            i = rng.randrange(len(lines))
+            cut = rng.randrange(len(lines[i]) + 1)
+            bad = rng.choice([":", ",", " ", "x", "-", ".", "e", "\t", "::", ", ", "99999"])
+            lines[i] = lines[i][:cut] + bad + lines[i][cut:]
+        path = tmp_path / f"t{trial}.txt"
+        path.write_text(f"{len(lines)} 100 50\n" + "\n".join(lines) + rng.choice(["", "\n"]), newline="")
+        outcomes = []
+        for reader in (read_xc_file, _read_xc_file_by_lines):
+            try:
+                outcomes.append(reader(path))
+            except ValueError as err:
+                outcomes.append(str(err))
+        if isinstance(outcomes[1], str):
+            assert outcomes[0] == outcomes[1]
+        else:
+            assert _csr_equal(outcomes[0], outcomes[1]) and outcomes[0].feature_values.dtype == np.float32
+
+
+def test_vectorised_reader_takes_the_fast_path_on_written_files(tmp_path: Path) -> None:
+    data = make_synthetic(500, num_features=2000, num_labels=900, seed=4)
+    path = tmp_path / "train.txt"
+    write_xc_file(path, data)
+    body = path.read_bytes().split(b"\n", 1)[1]
+    parsed = _parse_lines(body, 2000, 900)
+    assert parsed is not None and parsed.num_lines == 500  # no fallback: the vectorised parser did the work
+    assert _csr_equal(read_xc_file(path), data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +372,9 @@ def test_model_rejects_an_unknown_output_kind() -> None:
 def test_model_reports_only_the_p_at_k_that_the_label_space_allows() -> None:
     from examples.amazon670k.model import XCModel
 
-    model = XCModel(num_features=10, num_labels=3, output="sparse", num_active=3).eval()
+    model = XCModel(num_features=10, num_labels=3, output="sparse", num_active=3)
+    model.configure_model()
+    model.eval()
     batch = collate_sparse([(np.array([0, 2]), np.array([1, 4]), np.array([0.5, 1.0], np.float32))] * 2)
     model.validation_step(batch, 0)
     assert set(model.val_precision.compute()) == {"p@1", "p@3"}

@@ -71,29 +71,39 @@ class XCModel(L.LightningModule):
         if output not in ("sparse", "dense"):
             raise ValueError(f"XCModel: output must be 'sparse' or 'dense', got {output!r}.")
         self.save_hyperparameters()
-        self.input_layer = SparseInputLinear(num_features, hidden)
-        if output == "sparse":
-            self.output_layer = SparseLSHLinear(
-                hidden,
-                num_labels,
-                num_active=min(num_active, num_labels),
-                hash_family=hash_family,
-                num_bits=num_bits,
-                num_tables=num_tables,
-                bucket_cap=bucket_cap,
-                rebuild_every=rebuild_every,
-                rebuild_growth=rebuild_growth,
-                reseed_every=reseed_every,
-                eval_topk=eval_topk,
-                active_set=active_set,
-                seed=seed,
-            )
-        else:
-            self.output_layer = nn.Linear(hidden, num_labels)
+        self.input_layer: SparseInputLinear
+        self.output_layer: SparseLSHLinear | nn.Linear
         ks = tuple(k for k in (1, 3, 5) if k <= num_labels)  # P@1/3/5, all that the label space allows
         self.eval_k = max(ks)
         self.val_precision = PrecisionAtK(ks=ks)
         self.test_precision = PrecisionAtK(ks=ks)
+
+    def configure_model(self) -> None:
+        """Create the two wide layers. Lightning calls this once the strategy is set up (and
+        ``load_from_checkpoint`` calls it too): under ``DSlideStrategy`` each rank then creates only
+        its shard of them, so no process ever holds the whole network."""
+        if "output_layer" in self._modules:  # a second fit() keeps the trained layers
+            return
+        hp = self.hparams
+        self.input_layer = SparseInputLinear(hp.num_features, hp.hidden)
+        if hp.output == "sparse":
+            self.output_layer = SparseLSHLinear(
+                hp.hidden,
+                hp.num_labels,
+                num_active=min(hp.num_active, hp.num_labels),
+                hash_family=hp.hash_family,
+                num_bits=hp.num_bits,
+                num_tables=hp.num_tables,
+                bucket_cap=hp.bucket_cap,
+                rebuild_every=hp.rebuild_every,
+                rebuild_growth=hp.rebuild_growth,
+                reseed_every=hp.reseed_every,
+                eval_topk=hp.eval_topk,
+                active_set=hp.active_set,
+                seed=hp.seed,
+            )
+        else:
+            self.output_layer = nn.Linear(hp.hidden, hp.num_labels)
 
     def hidden_activations(self, indices: Tensor, offsets: Tensor, values: Tensor) -> Tensor:
         return F.relu(self.input_layer(indices, offsets, values))

@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_swarm.layers.checkpoint import StreamedTensor
 from lightning_swarm.layers.distributed import ShardGroup, all_gather_columns, shard_range, shard_sizes
+from lightning_swarm.layers.init import skip_init
 from lightning_swarm.layers.loss import _label_positions
 from lightning_swarm.layers.sparse_input import SparseInputLinear
 from lightning_swarm.layers.sparse_linear import (
@@ -58,12 +60,34 @@ class ShardedLayer(nn.Module):
     shard_slices: dict[str, tuple[int, int]]
 
     def _init_shard(
-        self, shard_group: ShardGroup, lo: int, hi: int, full: nn.Module, dims: dict[str, int]
+        self,
+        shard_group: ShardGroup,
+        lo: int,
+        hi: int,
+        full: nn.Module,
+        layout: dict[str, tuple[int, tuple[int, ...]]],
     ) -> None:
+        """Record how each parameter is split (``layout``: name -> (shard dim, shape of the whole layer's)) and
+        take this rank's parameters: a layer born sharded as exactly this shard gives its own, else rank 0 sends
+        slices of its full ones."""
         self.shard_group = shard_group
-        self.shard_dims = {name: dim for name, dim in dims.items() if getattr(full, name, None) is not None}
-        self.full_shapes = {name: tuple(getattr(full, name).shape) for name in self.shard_dims}
+        layout = {name: spec for name, spec in layout.items() if getattr(full, name, None) is not None}
+        self.shard_dims = {name: dim for name, (dim, _) in layout.items()}
+        self.full_shapes = {name: shape for name, (_, shape) in layout.items()}
         self.shard_slices = dict.fromkeys(self.shard_dims, (lo, hi))
+        self.init_seed = full.init_seed
+        if getattr(full, "born_sharded", False):
+            for name in self.shard_dims:
+                mine, theirs = getattr(self, name), getattr(full, name)
+                if theirs.shape != mine.shape:
+                    raise ValueError(
+                        f"{type(self).__name__}: a layer born sharded has {name} of shape {tuple(theirs.shape)} "
+                        f"on rank {shard_group.rank}, expected {tuple(mine.shape)}: create the model inside the "
+                        "strategy's sharded_init with the same number of ranks."
+                    )
+                setattr(self, name, theirs)  # adopt: no copy, no transfer
+        else:
+            self._receive_from_rank0(full)
 
     @torch.no_grad()
     def _receive_from_rank0(self, full: nn.Module) -> None:
@@ -90,11 +114,12 @@ class ShardedLayer(nn.Module):
                 dist.recv(buffer, src=_global(group, 0), group=group.group)
                 mine.copy_(buffer)
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """The state dict of the unsharded layer (collective: every rank must call it)."""
+    def streamed_state_dict(self) -> dict[str, Any]:
+        """The unsharded layer's state dict, its sharded tensors as :class:`StreamedTensor` (no communication;
+        ``save_streamed`` writes it shard by shard)."""
         state = self.state_dict()
         for name, dim in self.shard_dims.items():
-            state[name] = self._gather(state[name], name, dim)
+            state[name] = StreamedTensor(state[name].detach(), self.full_shapes[name], dim)
         return state
 
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -112,13 +137,6 @@ class ShardedLayer(nn.Module):
             mine[name] = mine[name].narrow(dim, lo, hi - lo).clone()
         self.load_state_dict(mine)
 
-    def _gather(self, tensor: Tensor, name: str, dim: int) -> Tensor:
-        world = self.shard_group.world_size
-        if world == 1:
-            return tensor.detach().clone()
-        sizes = shard_sizes(self.full_shapes[name][dim], world)
-        return self.shard_group.all_gather_cat(tensor.detach(), "checkpoint_gather", dim=dim, sizes=sizes)
-
 
 def _global(group: ShardGroup, rank: int) -> int:
     return rank if group.group is None else dist.get_global_rank(group.group, rank)
@@ -133,12 +151,16 @@ class ShardedSparseInputLinear(SparseInputLinear, ShardedLayer):
     """
 
     def __init__(self, full: SparseInputLinear, shard_group: ShardGroup) -> None:
-        lo, hi = shard_range(full.out_features, shard_group.rank, shard_group.world_size)
-        SparseInputLinear.__init__(self, full.in_features, hi - lo, bias=full.bias is not None)
-        self._init_shard(shard_group, lo, hi, full, {"weight": 1, "bias": 0})
-        self.full_out_features = full.out_features
-        self.hidden_sizes = shard_sizes(full.out_features, shard_group.world_size)
-        self._receive_from_rank0(full)
+        total = full.total_out
+        lo, hi = shard_range(total, shard_group.rank, shard_group.world_size)
+        with skip_init():
+            SparseInputLinear.__init__(self, full.in_features, hi - lo, bias=full.bias is not None)
+        self.col_offset, self.total_out = lo, total
+        self._init_shard(
+            shard_group, lo, hi, full, {"weight": (1, (full.in_features, total)), "bias": (0, (total,))}
+        )
+        self.full_out_features = total
+        self.hidden_sizes = shard_sizes(total, shard_group.world_size)
 
     def extra_repr(self) -> str:
         lo, hi = self.shard_slices["weight"]
@@ -162,32 +184,34 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
     """
 
     def __init__(self, full: SparseLSHLinear, shard_group: ShardGroup) -> None:
-        if full.row_offset != 0 or full.total_out != full.out_features:
+        born = getattr(full, "born_sharded", False)
+        if not born and (full.row_offset != 0 or full.total_out != full.out_features):
             raise ValueError("ShardedSparseLSHLinear: shard a whole SparseLSHLinear, not a shard of one.")
-        lo, hi = shard_range(full.out_features, shard_group.rank, shard_group.world_size)
-        SparseLSHLinear.__init__(
-            self,
-            full.in_features,
-            hi - lo,
-            num_active=full.num_active,
-            hash_family=full.hash_family,
-            num_bits=full.num_bits,
-            num_tables=full.num_tables,
-            bucket_cap=full.bucket_cap,
-            rebuild_every=full.rebuild_every,
-            rebuild_growth=full.rebuild_growth,
-            reseed_every=full.reseed_every,
-            eval_topk=full.eval_topk,
-            seed=full.seed,
-            active_set=full.active_set,
-            row_offset=lo,
-            total_out=full.out_features,
-        )
-        self._init_shard(shard_group, lo, hi, full, {"weight": 0, "bias": 0})
+        lo, hi = shard_range(full.total_out, shard_group.rank, shard_group.world_size)
+        with skip_init():
+            SparseLSHLinear.__init__(
+                self,
+                full.in_features,
+                hi - lo,
+                num_active=full.num_active,
+                hash_family=full.hash_family,
+                num_bits=full.num_bits,
+                num_tables=full.num_tables,
+                bucket_cap=full.bucket_cap,
+                rebuild_every=full.rebuild_every,
+                rebuild_growth=full.rebuild_growth,
+                reseed_every=full.reseed_every,
+                eval_topk=full.eval_topk,
+                seed=full.seed,
+                active_set=full.active_set,
+                row_offset=lo,
+                total_out=full.total_out,
+            )
+        layout = {"weight": (0, (full.total_out, full.in_features)), "bias": (0, (full.total_out,))}
+        self._init_shard(shard_group, lo, hi, full, layout)
         self.num_steps.copy_(full.num_steps)
         self._period = full._period
         self.num_rebuilds = full.num_rebuilds
-        self._receive_from_rank0(full)
 
     # ------------------------------------------------------------ training
     def forward(self, x: Tensor, labels: Tensor | None = None) -> tuple[Tensor, Tensor]:

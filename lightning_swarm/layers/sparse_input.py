@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_swarm.layers.distributed import shard_range
+from lightning_swarm.layers.init import born_shard_group, draw_init_seed, initialising, uniform_rows_
+
 
 class SparseInputLinear(nn.Module):
     """Linear layer on a sparse input given as a flat bag of ``(feature, value)`` pairs.
@@ -30,10 +33,27 @@ class SparseInputLinear(nn.Module):
             raise ValueError(
                 f"SparseInputLinear: in_features and out_features must be positive, got {in_features}, {out_features}."
             )
+        self.total_out, self.col_offset = out_features, 0
+        group = born_shard_group()
+        # Created whole inside `sharded_init`: hold only this rank's hidden units (lightning_swarm.layers.init).
+        self.born_sharded = group is not None and out_features >= group.world_size
+        if self.born_sharded:
+            self.col_offset, hi = shard_range(out_features, group.rank, group.world_size)
+            out_features = hi - self.col_offset
         self.in_features, self.out_features = in_features, out_features
-        bound = 1.0 / math.sqrt(in_features)
-        self.weight = nn.Parameter(torch.empty(in_features, out_features).uniform_(-bound, bound))
-        self.bias = nn.Parameter(torch.empty(out_features).uniform_(-bound, bound)) if bias else None
+        self.init_seed = draw_init_seed() if initialising() else 0
+        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        if initialising():
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``U(-1/sqrt(in), 1/sqrt(in))`` like ``nn.Linear``, drawn by blocks of hidden units from ``init_seed``, so
+        a shard's columns get exactly the values the whole layer's would (``lightning_swarm.layers.init``)."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        uniform_rows_(self.weight.data.t(), self.col_offset, self.init_seed, 0, bound)
+        if self.bias is not None:
+            uniform_rows_(self.bias.data.unsqueeze(1), self.col_offset, self.init_seed, 1, bound)
 
     def extra_repr(self) -> str:
         return (

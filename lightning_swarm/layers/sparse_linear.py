@@ -38,7 +38,9 @@ import math
 import torch
 from torch import Tensor, nn
 
+from lightning_swarm.layers.distributed import shard_range
 from lightning_swarm.layers.hashing import DWTAHash, SimHash, make_hash
+from lightning_swarm.layers.init import born_shard_group, draw_init_seed, initialising, uniform_rows_
 from lightning_swarm.layers.tables import LSHTables, pseudo_uniform
 
 _LABEL_PRIORITY = float(2**40)
@@ -160,6 +162,15 @@ class SparseLSHLinear(nn.Module):
         total_out: int | None = None,
     ) -> None:
         super().__init__()
+        group = born_shard_group()
+        # Created whole inside `sharded_init`: hold only this rank's rows (see lightning_swarm.layers.init).
+        self.born_sharded = (
+            group is not None and row_offset == 0 and total_out is None and out_features >= group.world_size
+        )
+        if self.born_sharded:
+            total_out = out_features
+            row_offset, hi = shard_range(out_features, group.rank, group.world_size)
+            out_features = hi - row_offset
         total = row_offset + out_features if total_out is None else total_out
         name = "SparseLSHLinear"
         if in_features <= 0 or out_features <= 0:
@@ -201,11 +212,11 @@ class SparseLSHLinear(nn.Module):
         )
         self.eval_topk, self.seed, self.active_set = eval_topk, seed, active_set
         self.row_offset, self.total_out = row_offset, total
+        self.init_seed = draw_init_seed() if initialising() else 0
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features))
-        bound = 1.0 / math.sqrt(in_features)  # nn.Linear's default init
-        nn.init.uniform_(self.weight, -bound, bound)
-        nn.init.uniform_(self.bias, -bound, bound)
+        if initialising():
+            self.reset_parameters()
         self.register_buffer("num_steps", torch.zeros((), dtype=torch.long))
         self._hash: SimHash | DWTAHash | None = None
         self._hash_version = -1
@@ -222,6 +233,14 @@ class SparseLSHLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, num_active={self.num_active}, "
             f"hash_family={self.hash_family}, K={self.num_bits}, L={self.num_tables}, active_set={self.active_set}"
         )
+
+    def reset_parameters(self) -> None:
+        """``U(-1/sqrt(in), 1/sqrt(in))`` like ``nn.Linear``, drawn by blocks of rows from ``init_seed``: a shard's
+        rows get exactly the values the whole layer's rows would (``lightning_swarm.layers.init``)."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        uniform_rows_(self.weight.data, self.row_offset, self.init_seed, 0, bound)
+        uniform_rows_(self.bias.data.unsqueeze(1), self.row_offset, self.init_seed, 1, bound)
+        self.invalidate_tables()
 
     # ----------------------------------------------------------------- tables
     def invalidate_tables(self) -> None:

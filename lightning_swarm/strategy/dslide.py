@@ -22,24 +22,46 @@ three integers: "have a batch" and a fingerprint of its contents): when one rank
 end the epoch together, and ranks that were given different batches stop with an error instead of training
 on garbage.
 
-Checkpoints: ``trainer.save_checkpoint`` gathers the full layers and the optimizer state into one ordinary
-Lightning checkpoint, the one a single-process run would write; it loads into the plain LightningModule, and a
-sharded run on any number of ranks resumes from it (each rank keeps its rows).
+Process group lifetime: the gloo group is created in ``setup_environment`` and lives until the process ends,
+because collectives still run after ``fit`` (``trainer.save_checkpoint`` gathers the shards, the sharded top-k
+merges every rank's). It is destroyed explicitly at interpreter exit (a gloo group left to the interpreter's
+teardown can abort the process with "terminate called without an active exception" after a successful run), and
+at once when ``fit`` fails, so that the other ranks, blocked in a collective, fail fast instead of waiting for the
+timeout. Rank 0 of a ``devices=N`` run also waits (up to ``child_exit_timeout`` seconds) for the ranks Lightning's
+launcher started before it exits: it hosts the rendezvous store they use, and a parent should not leave orphans.
+
+Memory: wide layers created in ``LightningModule.configure_model`` are born sharded (each rank allocates and
+initialises only its rows, with the values a single process would give them, ``lightning_swarm.layers.init``);
+layers created in ``__init__`` exist whole on every rank until ``setup`` keeps each rank's rows (fine for small
+models). Gradients are row-sparse and the optimizer state is per shard.
+
+Checkpoints: ``trainer.save_checkpoint`` writes one ordinary Lightning checkpoint, the one a single-process run
+would write (full layers and optimizer state), streamed shard by shard to rank 0's file
+(``lightning_swarm.layers.checkpoint``): saving needs no whole layer in any process. It loads into the plain
+LightningModule, and a sharded run on any number of ranks resumes from it (memory-mapped: each rank reads its
+rows).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import subprocess
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
@@ -47,13 +69,15 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_swarm.layers.checkpoint import save_streamed
 from lightning_swarm.layers.distributed import CommStats, ShardGroup
-from lightning_swarm.strategy._dslide_shard import (
+from lightning_swarm.layers.init import sharded_init
+from lightning_swarm.layers.shard_plan import (
     LockStepLoader,
     ShardPlan,
-    gather_optimizer_state,
     shard_lightning_module,
     shard_optimizer_state,
+    streamed_optimizer_state,
 )
 
 log = logging.getLogger(__name__)
@@ -78,6 +102,8 @@ class DSlideStrategy(DDPStrategy):
         start_method: ``"popen"`` runs the script once per process (like ``strategy="ddp"``); ``"spawn"``,
             ``"fork"`` or ``"forkserver"`` start processes from the calling one (like ``"ddp_spawn"``).
         log_bytes: log the bytes sent per step (``dslide/bytes_per_step``) through ``LightningModule.log``.
+        child_exit_timeout: seconds rank 0 waits at exit for the processes Lightning's launcher started (then it
+            kills them).
     """
 
     strategy_name = "dslide"
@@ -93,6 +119,7 @@ class DSlideStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         log_bytes: bool = True,
+        child_exit_timeout: float = 120.0,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -105,6 +132,7 @@ class DSlideStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._log_bytes = log_bytes
+        self._child_exit_timeout = child_exit_timeout
         self._shard_group = ShardGroup()
         self._plan: ShardPlan | None = None
         self._last_step_bytes: dict[str, int] = {}
@@ -148,6 +176,7 @@ class DSlideStrategy(DDPStrategy):
                 "Use `DSlideStrategy(process_group_backend='gloo')`."
             )
         super().setup_environment()
+        _EXIT.watch(self)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -161,19 +190,30 @@ class DSlideStrategy(DDPStrategy):
             )
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        assert self.lightning_module is not None
-        if self._plan is None or not self._plan.is_applied_to(self.lightning_module):
-            self._plan = shard_lightning_module(self.lightning_module, self._shard_group)
-        self._plan.sync_replicated()
+        self._ensure_plan().sync_replicated()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # Wide layers created in `LightningModule.configure_model` are born as this rank's shard.
+        with sharded_init(self._shard_group):
+            yield
 
     @override
     def _setup_model(self, model: Module) -> Module:
         # No DistributedDataParallel: sharded layers talk through their own collectives and the replicated
         # parameters are reduced in `post_backward`.
         return model
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        # The other ranks are (or soon will be) blocked in a collective with this one: closing this rank's
+        # connections makes theirs fail now rather than after the timeout.
+        _destroy_process_group()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -208,28 +248,49 @@ class DSlideStrategy(DDPStrategy):
         assert self.lightning_module is not None
         if self._plan is None:
             return self.lightning_module.state_dict()
-        # Collective: every rank takes part, the full tensors end up on every rank.
-        return self._plan.full_state_dict()
+        # The sharded tensors stay where they are: `save_checkpoint` streams them into the file.
+        return self._plan.streamed_state_dict()
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        if self._plan is None:
-            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
-        else:
-            self._plan.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+        # Lightning restores the model before `setup`: shard it first (collective) if that has not happened yet.
+        self._ensure_plan().load_full_state_dict(checkpoint["state_dict"], strict=strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._plan is None:
             return super().optimizer_state(optimizer)
-        return gather_optimizer_state(optimizer, self._plan)
+        return streamed_optimizer_state(optimizer, self._plan)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Collective: rank 0 writes one ordinary ``torch.save`` file, receiving each sharded tensor from its
+        owners a few MB at a time; no process ever holds a whole wide layer."""
+        if storage_options is not None:
+            raise TypeError(
+                "When using the DSlideStrategy, `storage_options` are not supported by `save_checkpoint`: the "
+                "strategy writes the checkpoint itself (streamed). Save without them."
+            )
+        save_streamed(checkpoint, filepath, self._shard_group)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        # Memory-mapped: each rank reads only the rows it keeps, never the whole file into memory.
+        return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         assert self._plan is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             optimizer.load_state_dict(shard_optimizer_state(state, optimizer, self._plan))
+
+    def _ensure_plan(self) -> ShardPlan:
+        assert self.lightning_module is not None
+        if self._plan is None or not self._plan.is_applied_to(self.lightning_module):
+            self._plan = shard_lightning_module(self.lightning_module, self._shard_group)
+        return self._plan
 
     @classmethod
     @override
@@ -239,3 +300,45 @@ class DSlideStrategy(DDPStrategy):
             cls,
             description="D-SLIDE: sparse layers sharded by neurons across CPU processes (gloo)",
         )
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _ExitHandler:
+    """Ends this process's part of a D-SLIDE run at interpreter exit: waits for the ranks Lightning's launcher
+    started (killing them after the strategy's timeout), then destroys the process group."""
+
+    def __init__(self) -> None:
+        self._children: list[subprocess.Popen] = []
+        self._timeout = 0.0
+        self._registered = False
+
+    def watch(self, strategy: DSlideStrategy) -> None:
+        launcher = strategy.launcher
+        if isinstance(launcher, _SubprocessScriptLauncher):
+            self._children.extend(p for p in launcher.procs if p not in self._children)
+        self._timeout = max(self._timeout, strategy._child_exit_timeout)
+        if not self._registered:
+            self._registered = True
+            atexit.register(self.run)
+
+    def run(self) -> None:
+        for proc in self._children:
+            try:
+                proc.wait(timeout=self._timeout)
+            except subprocess.TimeoutExpired:
+                log.error(
+                    "DSlideStrategy: rank process %d did not exit %.0f s after rank 0 finished; killing it.",
+                    proc.pid,
+                    self._timeout,
+                )
+                proc.kill()
+                proc.wait()
+        self._children.clear()
+        _destroy_process_group()
+
+
+_EXIT = _ExitHandler()

@@ -1,5 +1,5 @@
-"""Pieces of the DSlideStrategy that do not need the Trainer: which layers get sharded, how the replicated rest
-is kept in sync, how full checkpoints are gathered and split again, and the lock-step data loader."""
+"""The D-SLIDE shard plan, free of Lightning: which layers of a module tree get sharded, how the replicated rest
+is kept in sync, how full checkpoints are written shard by shard and split again, and the lock-step data loader."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
-from lightning_swarm.layers.distributed import ShardGroup, shard_sizes
+from lightning_swarm.layers.checkpoint import StreamedTensor
+from lightning_swarm.layers.distributed import ShardGroup
 from lightning_swarm.layers.sharded import ShardedLayer, make_sharded, sharded_types
 from lightning_swarm.layers.sparse_linear import SparseLSHLinear
 
@@ -72,16 +73,12 @@ class ShardPlan:
             p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
             offset += g.numel()
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """The state dict the unsharded module would have (collective: all ranks must call it)."""
-        state = self.root.state_dict()
-        full: dict[str, Any] = {}
-        for key, value in state.items():
-            owner = self._owner(key)
-            if owner is None:
-                full[key] = value
+    def streamed_state_dict(self) -> dict[str, Any]:
+        """The state dict the unsharded module would have, each sharded tensor as a ``StreamedTensor`` (this
+        rank's part): ``lightning_swarm.layers.checkpoint.save_streamed`` writes it without gathering."""
+        full = {key: value for key, value in self.root.state_dict().items() if self._owner(key) is None}
         for name, layer in self.sharded.items():
-            for key, value in layer.full_state_dict().items():
+            for key, value in layer.streamed_state_dict().items():
                 full[f"{name}.{key}"] = value
         return full
 
@@ -139,8 +136,8 @@ def shard_lightning_module(root: Module, shard_group: ShardGroup) -> ShardPlan:
     return plan
 
 
-def gather_optimizer_state(optimizer: Optimizer, plan: ShardPlan) -> dict[str, Any]:
-    """The optimizer state dict an unsharded run would have: sharded rows are all-gathered (collective)."""
+def streamed_optimizer_state(optimizer: Optimizer, plan: ShardPlan) -> dict[str, Any]:
+    """The optimizer state dict an unsharded run would have, sharded rows as ``StreamedTensor`` (no communication)."""
     if hasattr(optimizer, "_optimizer"):  # LightningOptimizer
         optimizer = optimizer._optimizer
     state_dict = optimizer.state_dict()
@@ -151,10 +148,9 @@ def gather_optimizer_state(optimizer: Optimizer, plan: ShardPlan) -> dict[str, A
         if owner is None or index not in state:
             continue
         layer, pname = owner
-        dim = layer.shard_dims[pname]
-        sizes = shard_sizes(layer.full_shapes[pname][dim], plan.shard_group.world_size)
+        dim, full_shape = layer.shard_dims[pname], layer.full_shapes[pname]
         state[index] = {
-            key: plan.shard_group.all_gather_cat(value, "checkpoint_gather", dim=dim, sizes=sizes)
+            key: StreamedTensor(value, full_shape if value.shape == param.shape else (full_shape[0],), dim)
             if _is_row_state(value, param.shape, dim)
             else value
             for key, value in state[index].items()

@@ -1,0 +1,237 @@
+"""D-SLIDE at the paper's scale: the Amazon-670K shape with a 1024-wide hidden layer (~825M parameters) on 4 ranks.
+
+    python benchmarks/dslide_scale.py [--quick]
+
+The network 135,909 sparse features -> 1024 ReLU -> 670,091 labels (``examples/amazon670k/configs/dslide_825m.yaml``)
+trains with ``Trainer(strategy="dslide")`` and LazyAdam on synthetic Amazon-670K-shaped data, 4 ranks started like
+4 machines on loopback (one thread each), for ``--steps`` steps at batch 256. Every rank builds only its shard of
+the wide layers (``configure_model`` under the strategy's sharded init). Measured:
+
+- ``step_ms``: mean step time after the warm-up steps (max over ranks);
+- ``rebuild_ms``: a full rebuild of a rank's hash tables (all its rows re-hashed: the first build and every new
+  hash function), max over ranks, and ``rebuild_ms_incremental`` (the periodic rebuild, rows active since the last
+  one), against ``steps_between_rebuilds`` x ``step_ms``;
+- ``p_at_1_first`` / ``p_at_1_last``: exact P@1 on held-out synthetic points before and after training;
+- ``checkpoint_mb``: ``trainer.save_checkpoint`` (streamed shard by shard to rank 0; weights only, the optimizer
+  state would triple it), then loaded back memory-mapped and checked against the ranks' rows;
+- ``peak_rss_mb_per_rank``: the largest ``ru_maxrss`` over the ranks; ``peak_rss_mb_single``: the same network's
+  first steps in one process (2 threads), or ``null`` when it would not fit in the memory this machine has free.
+
+``--quick`` (< 5 min) uses a quarter of the hidden size (256, ~206M parameters) and says so (``hidden``). The last
+stdout line is one JSON object, with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+FEATURES, LABELS = 135_909, 670_091
+
+
+def worker(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(REPO))
+    import torch
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    import lightning_swarm  # noqa: F401
+    from examples.amazon670k.data import XCDataModule
+    from examples.amazon670k.model import XCModel
+    from lightning_swarm.strategy.dslide import DSlideStrategy
+
+    torch.set_num_threads(args.threads)
+
+    class Clock(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, *_: Any) -> None:
+            self.times.append(time.perf_counter())
+
+        def on_train_end(self, *_: Any) -> None:
+            self.times.append(time.perf_counter())
+
+    seed_everything(0)
+    model = XCModel(hidden=args.hidden, num_active=4096, num_bits=14, num_tables=8, lr=1e-3, rebuild_every=50)
+    data = XCDataModule(
+        synthetic_samples=args.batch * args.steps, synthetic_test_samples=args.test, batch_size=args.batch
+    )
+    clock = Clock()
+    single = args.ranks == 1
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=args.ranks,
+        strategy="auto" if single else DSlideStrategy(),
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=10**6,  # no validation inside fit: P@1 is measured before and after
+        callbacks=[clock],
+    )
+    result: dict[str, Any] = {}
+    if not single:
+        result["p_at_1_first"] = float(trainer.validate(model, data, verbose=False)[0]["val/p@1"])
+    trainer.fit(model, data)
+    warm = min(args.warmup, len(clock.times) - 2)
+    result["step_ms"] = 1000 * (clock.times[-1] - clock.times[warm]) / (len(clock.times) - 1 - warm)
+    layer = model.output_layer
+    start = time.perf_counter()
+    layer._built_at = None  # force the periodic (incremental) rebuild now: the rows active since the last one
+    layer.maybe_rebuild()
+    result["rebuild_ms_incremental"] = 1000 * (time.perf_counter() - start)
+    start = time.perf_counter()
+    layer.invalidate_tables()
+    layer.maybe_rebuild()  # every row of this rank re-hashed
+    result["rebuild_ms"] = 1000 * (time.perf_counter() - start)
+    if not single:
+        result["p_at_1_last"] = float(trainer.validate(model, data, verbose=False)[0]["val/p@1"])
+        path = Path(args.out) / "model.ckpt"
+        start = time.perf_counter()
+        trainer.save_checkpoint(path, weights_only=True)
+        result["checkpoint_s"] = time.perf_counter() - start
+        if trainer.global_rank == 0:
+            result["checkpoint_mb"] = path.stat().st_size / 1e6
+        lo = layer.row_offset
+        rows = layer.weight.detach()[:3].clone()
+        loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")["state_dict"]
+        result["checkpoint_rows_match"] = bool(torch.equal(loaded["output_layer.weight"][lo : lo + 3], rows))
+        result["checkpoint_shape"] = list(loaded["output_layer.weight"].shape)
+        del loaded
+    result["params"] = sum(p.numel() for p in model.parameters()) * (1 if single else args.ranks)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    (Path(args.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def launch(
+    args: argparse.Namespace, ranks: int, threads: int, steps: int, out: Path, timeout: float
+) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--ranks",
+        str(ranks),
+        "--threads",
+        str(threads),
+    ]
+    cmd += ["--hidden", str(args.hidden), "--steps", str(steps), "--warmup", str(args.warmup)]
+    cmd += ["--batch", str(args.batch), "--test", str(args.test), "--out", str(out)]
+    port = str(29600 + os.getpid() % 300)
+    procs, logs = [], []
+    try:
+        for rank in range(ranks):
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
+            if ranks > 1:
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(rank), LOCAL_RANK="0")
+                env.update(WORLD_SIZE=str(ranks))
+            log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"rank {failed[0]} failed:\n{(out / f'rank{failed[0]}.log').read_text()[-3000:]}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def available_mb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a quarter of the hidden size (256), fewer steps"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="training steps (default 60; 24 with --quick)"
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ranks", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--hidden", type=int, default=1024, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=256, help=argparse.SUPPRESS)
+    parser.add_argument("--test", type=int, default=256, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.quick:
+        args.hidden = 256
+    steps = args.steps or (24 if args.quick else 60)
+    params = FEATURES * args.hidden + args.hidden + (args.hidden + 1) * LABELS
+    with tempfile.TemporaryDirectory(prefix="dslide_scale_") as tmp:
+        ranks = launch(args, 4, 1, steps, Path(tmp) / "dslide", timeout=3000)
+        # One process: weights, LazyAdam's two moments, the interpreter (~0.5 GB) and room to spare.
+        need_mb = params * 12 / 1e6 + 1500
+        single = None
+        if need_mb < available_mb() - 2000:
+            single = launch(args, 1, 2, args.warmup + 3, Path(tmp) / "single", timeout=3000)[0]
+    rank0 = ranks[0]
+    peak = max(r["peak_rss_mb"] for r in ranks)
+    summary = {
+        "params": rank0["params"],
+        "params_formula": params,
+        "hidden": args.hidden,
+        "quick": args.quick,
+        "ranks": 4,
+        "threads_per_rank": 1,
+        "batch": args.batch,
+        "steps": steps,
+        "step_ms": round(max(r["step_ms"] for r in ranks), 1),
+        "rebuild_ms": round(max(r["rebuild_ms"] for r in ranks), 1),
+        "rebuild_ms_incremental": round(max(r["rebuild_ms_incremental"] for r in ranks), 1),
+        "steps_between_rebuilds": 50,
+        "p_at_1_first": round(rank0["p_at_1_first"], 4),
+        "p_at_1_last": round(rank0["p_at_1_last"], 4),
+        "held_out_points": args.test,
+        "checkpoint_mb": round(rank0["checkpoint_mb"], 1),
+        "checkpoint_weights_only": True,
+        "checkpoint_s": round(rank0["checkpoint_s"], 1),
+        "checkpoint_rows_match": all(r["checkpoint_rows_match"] for r in ranks),
+        "checkpoint_shape_output_weight": rank0["checkpoint_shape"],
+        "peak_rss_mb_per_rank": round(peak),
+        "peak_rss_mb_single": round(single["peak_rss_mb"]) if single else None,
+        "single_not_run_reason": None
+        if single
+        else f"needs ~{need_mb:.0f} MB, {available_mb():.0f} MB available",
+        "step_ms_single_first_steps": round(single["step_ms"], 1) if single else None,
+        "peak_rss_ratio": round(peak / single["peak_rss_mb"], 3) if single else None,
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "cpu_cores": os.cpu_count(),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Writing one ordinary ``torch.save`` checkpoint of a model whose wide layers are spread over ranks, shard by shard.
+
+A D-SLIDE rank never holds a whole wide layer, so its checkpoint cannot be gathered into one process's memory
+first. Instead the state dict names each sharded tensor with a :class:`StreamedTensor` (this rank's part plus the
+whole tensor's shape), and :func:`save_streamed` (collective) has rank 0 write the file in the format of
+``torch.save`` (a zip archive: the pickled structure, then one record per storage, 64-byte aligned), receiving
+each sharded tensor from its owners a few MB at a time and appending it to its record. The result loads with
+plain ``torch.load`` (and so ``LightningModule.load_from_checkpoint``) by anyone with the memory for it, or with
+``torch.load(..., mmap=True)`` without that memory.
+
+Free of Lightning.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import struct
+import sys
+import warnings
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_swarm.layers.distributed import ShardGroup, shard_range
+
+_CHUNK_BYTES = 16 << 20  # bytes moved and written at once per sharded tensor
+_ALIGN = 64  # torch.save aligns storage records to 64 bytes (what torch.load(mmap=True) expects)
+
+
+@dataclass
+class StreamedTensor:
+    """A tensor split over the ranks along ``dim`` (contiguous, sizes by ``shard_range``), in a state dict.
+
+    Args:
+        local: this rank's part.
+        full_shape: the whole tensor's shape.
+        dim: the dimension it is split along (0, or 1 for a 2-D tensor).
+    """
+
+    local: Tensor
+    full_shape: tuple[int, ...]
+    dim: int
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "A StreamedTensor (a part of a tensor spread over D-SLIDE ranks) can only be saved by "
+            "lightning_swarm.layers.checkpoint.save_streamed, on every rank."
+        )
+
+
+def save_streamed(
+    obj: Any, path: str | os.PathLike, shard_group: ShardGroup, chunk_bytes: int = _CHUNK_BYTES
+) -> int:
+    """Write ``obj`` (with :class:`StreamedTensor` leaves) to ``path`` as ``torch.save`` would write the whole object.
+
+    Collective: every rank calls it with structurally the same ``obj``; rank 0 writes the file. Memory: the
+    pickled structure and its ordinary tensors, plus one chunk of a sharded tensor at a time.
+
+    Args:
+        obj: what to save (a Lightning checkpoint dict, say).
+        path: the file rank 0 writes (through ``<path>.partial``, renamed when complete).
+        shard_group: the ranks.
+        chunk_bytes: bytes of a sharded tensor moved and written at once (bounds the extra memory).
+
+    Returns:
+        the file size in bytes on rank 0, 0 elsewhere.
+    """
+    streamed = list(_find_streamed(obj))
+    if shard_group.rank != 0:
+        for tensor in streamed:
+            for _ in _chunks(tensor, shard_group, chunk_bytes):
+                pass
+        return 0
+    buffer, storages, keys = io.BytesIO(), {}, {}
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "ignore", UserWarning
+        )  # TypedStorage is deprecated, but it is what torch pickles
+        _Pickler(buffer, storages, keys).dump(obj)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.partial"
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        _record(archive, "data.pkl", [buffer.getvalue()])
+        _record(archive, ".format_version", [b"1"])
+        _record(archive, ".storage_alignment", [str(_ALIGN).encode()])
+        _record(archive, "byteorder", [sys.byteorder.encode()])
+        for key, storage in storages.items():
+            _record(archive, f"data/{key}", [_storage_bytes(storage)])
+        for tensor in streamed:
+            _record(
+                archive,
+                f"data/{keys[id(tensor)]}",
+                (memoryview(c.numpy()).cast("B") for c in _chunks(tensor, shard_group, chunk_bytes)),
+            )
+        _record(archive, "version", [b"3\n"])
+    os.replace(tmp, path)
+    return os.path.getsize(path)
+
+
+def _find_streamed(obj: Any) -> Iterator[StreamedTensor]:
+    """The StreamedTensors of ``obj`` in a deterministic order (the same on every rank)."""
+    if isinstance(obj, StreamedTensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _find_streamed(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _find_streamed(value)
+
+
+def _chunks(tensor: StreamedTensor, group: ShardGroup, chunk_bytes: int) -> Iterator[Tensor]:
+    """On rank 0: the whole tensor's bytes in order, as contiguous chunks; elsewhere: sends this rank's parts."""
+    world, rank, full = group.world_size, group.rank, tensor.full_shape
+    local = tensor.local.detach()
+    row_numel = 1
+    for size in full[1:]:
+        row_numel *= size
+    rows_per_chunk = max(1, chunk_bytes // max(1, row_numel * local.element_size()))
+    if tensor.dim == 0:
+        for owner in range(world):
+            lo, hi = shard_range(full[0], owner, world)
+            for a in range(0, hi - lo, rows_per_chunk):
+                b = min(hi - lo, a + rows_per_chunk)
+                if owner == rank == 0:
+                    yield local[a:b].contiguous()
+                elif rank == 0:
+                    part = torch.empty((b - a, *full[1:]), dtype=local.dtype)
+                    dist.recv(part, src=_global(group, owner), group=group.group)
+                    group.stats.add("checkpoint_stream", part)
+                    yield part
+                elif rank == owner:
+                    dist.send(local[a:b].contiguous(), dst=_global(group, 0), group=group.group)
+    elif tensor.dim == 1 and len(full) == 2:
+        widths = [hi - lo for lo, hi in (shard_range(full[1], r, world) for r in range(world))]
+        rows_per_chunk = max(1, chunk_bytes // max(1, full[1] * local.element_size()))
+        for a in range(0, full[0], rows_per_chunk):
+            b = min(full[0], a + rows_per_chunk)
+            if rank != 0:
+                dist.send(local[a:b].contiguous(), dst=_global(group, 0), group=group.group)
+                continue
+            parts = [local[a:b]]
+            for owner in range(1, world):
+                part = torch.empty((b - a, widths[owner]), dtype=local.dtype)
+                dist.recv(part, src=_global(group, owner), group=group.group)
+                group.stats.add("checkpoint_stream", part)
+                parts.append(part)
+            yield torch.cat(parts, dim=1)
+    else:
+        raise ValueError(
+            f"save_streamed: cannot stream a tensor of shape {full} split along dim {tensor.dim}."
+        )
+
+
+def _global(group: ShardGroup, rank: int) -> int:
+    return rank if group.group is None else dist.get_global_rank(group.group, rank)
+
+
+class _Pickler(pickle.Pickler):
+    """``torch.save``'s pickling: storages become persistent ids ``("storage", type, key, "cpu", numel)``; a
+    StreamedTensor is pickled as the whole tensor it stands for, with a storage record that is streamed later."""
+
+    def __init__(self, file: io.BytesIO, storages: dict[str, Any], keys: dict[int, str]) -> None:
+        super().__init__(file, protocol=2)
+        self.storages, self.keys = storages, keys
+        self._ids: dict[Any, str] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, StreamedTensor):
+            numel = 1
+            for size in obj.full_shape:
+                numel *= size
+            stride = _stride(obj.full_shape)
+            return (
+                torch._utils._rebuild_tensor_v2,
+                (
+                    _Placeholder(obj, numel),
+                    0,
+                    tuple(obj.full_shape),
+                    stride,
+                    False,
+                    collections.OrderedDict(),
+                ),
+            )
+        return NotImplemented
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _Placeholder):
+            key = self._ids.setdefault(id(obj.tensor), str(len(self._ids)))
+            self.keys[id(obj.tensor)] = key
+            storage_type = getattr(
+                torch, torch.TypedStorage(0, dtype=obj.tensor.local.dtype)._pickle_storage_type()
+            )
+            return ("storage", storage_type, key, "cpu", obj.numel)
+        if isinstance(obj, torch.storage.TypedStorage):
+            storage = obj._untyped_storage
+            key = self._ids.setdefault(storage._cdata, str(len(self._ids)))
+            self.storages[key] = storage
+            return ("storage", getattr(torch, obj._pickle_storage_type()), key, "cpu", obj._size())
+        if torch.is_storage(obj):
+            key = self._ids.setdefault(obj._cdata, str(len(self._ids)))
+            self.storages[key] = obj
+            return ("storage", torch.UntypedStorage, key, "cpu", obj.nbytes())
+        return None
+
+
+@dataclass
+class _Placeholder:
+    tensor: StreamedTensor
+    numel: int
+
+
+def _stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
+
+
+def _storage_bytes(storage: Any) -> memoryview:
+    flat = torch.empty(0, dtype=torch.uint8)
+    flat.set_(storage.cpu() if storage.device.type != "cpu" else storage)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def _record(archive: zipfile.ZipFile, name: str, chunks: Any) -> None:
+    """One uncompressed record whose data starts at a multiple of ``_ALIGN`` bytes (padding in an extra field)."""
+    info = zipfile.ZipInfo(f"archive/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    start = (
+        archive.fp.tell() + 30 + len(info.filename.encode()) + 20 + 4
+    )  # header, name, zip64 extra, pad header
+    pad = -start % _ALIGN
+    info.extra = struct.pack("<HH", 0x4246, pad) + b"\0" * pad  # 'FB': the id torch uses for its padding
+    with archive.open(info, "w", force_zip64=True) as out:
+        for chunk in chunks:
+            out.write(chunk)
