@@ -134,6 +134,7 @@ class TrainingHistory(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        loss = float(loss) * trainer.accumulate_grad_batches  # Lightning hands over loss / accumulation
         r = self.record
         r["step"].append(trainer.global_step)
         r["loss"].append(float(loss))

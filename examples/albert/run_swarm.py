@@ -46,7 +46,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--baseline-config", default=str(HERE / "configs" / "single.yaml"))
     p.add_argument("--stages", type=int, default=2, help="pipeline stages (= model.num_groups)")
     p.add_argument("--peers-per-stage", type=int, default=2, help="server peers started for each stage")
-    p.add_argument("--trainers", type=int, default=1, help="trainer peers (feed data)")
+    p.add_argument("--trainers", type=int, default=2, help="how many peers feed data (the first ones)")
+    p.add_argument(
+        "--separate-trainers",
+        action="store_true",
+        help="trainers are peers of their own (role trainer) instead of also serving a stage (role both)",
+    )
     p.add_argument(
         "--steps", type=int, default=None, help="optimizer steps (default: the config's max_steps)"
     )
@@ -64,6 +69,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         p.error("--stages, --peers-per-stage and --trainers must be at least 1")
     if args.kill_peer_halfway and args.peers_per_stage < 2:
         p.error("--kill-peer-halfway needs --peers-per-stage >= 2 (a stage must keep a live peer)")
+    if not args.separate_trainers and args.trainers > args.stages * args.peers_per_stage:
+        p.error(
+            "--trainers cannot exceed the number of peers (stages x peers-per-stage) without --separate-trainers"
+        )
+    if (
+        args.kill_peer_halfway
+        and not args.separate_trainers
+        and args.trainers > args.stages * (args.peers_per_stage - 1)
+    ):
+        p.error("--kill-peer-halfway kills a server-only peer of the last stage: use fewer --trainers")
     return args, extra
 
 
@@ -123,13 +138,29 @@ def peer_cmd(config: str, role: str, stage: int | None, history: Path | None, ex
     if stage is not None:
         cmd.append(f"{S}.stage={stage}")
     if history is not None:
-        cmd += [
-            "--trainer.callbacks+=examples.albert.callbacks.TrainingHistory",
-            f"--trainer.callbacks.path={history}",
+        callbacks = [
+            {"class_path": "examples.albert.callbacks.SwarmProgressBar"},
+            {"class_path": "examples.albert.callbacks.TrainingHistory", "init_args": {"path": str(history)}},
         ]
+        cmd.append(f"--trainer.callbacks={json.dumps(callbacks)}")
     else:
         cmd += ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
     return cmd + extra
+
+
+def config_value(config: str, extra: list[str], key: str) -> object:
+    """The value of ``key`` (dotted) for a peer: the last ``--key=value`` override in ``extra``, else the config."""
+    import yaml
+
+    for arg in reversed(extra):
+        if arg.startswith(f"--{key}="):
+            return yaml.safe_load(arg.split("=", 1)[1])
+    node: object = yaml.safe_load(open(config)) or {}
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise RuntimeError(f"{config} has no {key}; pass --{key}=VALUE after `--`.")
+        node = node[part]
+    return node
 
 
 def prepare_data(config: str, extra: list[str]) -> None:
@@ -174,23 +205,34 @@ def run_swarm(args: argparse.Namespace, extra: list[str]) -> dict:
     events: list[str] = []
     started = time.monotonic()
     try:
-        for k in range(args.stages):
-            for j in range(args.peers_per_stage):
-                name = f"server-s{k}-{j}"
-                peer = Peer(name, peer_cmd(args.config, "server", k, None, extra), env, logs / f"{name}.log")
+        index = 0
+        for j in range(args.peers_per_stage):
+            for k in range(args.stages):
+                # the first `trainers` peers of the swarm also train, unless trainers run as peers of their own
+                trains = not args.separate_trainers and index < args.trainers
+                role = "both" if trains else "server"
+                name = f"{'trainer' if trains else 'server'}{len(trainers) if trains else ''}-s{k}-{j}"
+                history = out / f"trainer{len(trainers)}.json" if trains else None
+                seed = [f"--data.seed={len(trainers)}"] if trains else []
+                log = None if trains and not trainers else logs / f"{name}.log"
+                peer = Peer(name, peer_cmd(args.config, role, k, history, extra + seed), env, log)
                 peers.append(peer)
-                servers[name] = (peer, k)
-        for t in range(args.trainers):
+                if trains:
+                    history.unlink(missing_ok=True)
+                    trainers.append((peer, history))
+                else:
+                    servers[name] = (peer, k)
+                index += 1
+        for t in range(args.trainers if args.separate_trainers else 0):
             history = out / f"trainer{t}.json"
             history.unlink(missing_ok=True)
             cmd = peer_cmd(args.config, "trainer", None, history, extra + [f"--data.seed={t}"])
-            log = None if t == 0 else logs / f"trainer{t}.log"
-            peer = Peer(f"trainer{t}", cmd, env, log)
+            peer = Peer(f"trainer{t}", cmd, env, None if t == 0 else logs / f"trainer{t}.log")
             peers.append(peer)
             trainers.append((peer, history))
         print(
-            f"Started {len(servers)} server peers ({args.peers_per_stage} per stage, {args.stages} stages) and "
-            f"{args.trainers} trainer peer(s); logs in {logs}",
+            f"Started a swarm of {len(peers)} peers: {args.stages} stages x {args.peers_per_stage} peers, "
+            f"{args.trainers} of them {'separate ' if args.separate_trainers else ''}trainers; logs in {logs}",
             flush=True,
         )
         kill_at = None
@@ -209,7 +251,7 @@ def run_swarm(args: argparse.Namespace, extra: list[str]) -> dict:
                 kill_at = progress["max_steps"] // 2
             step = progress.get("step", [0])[-1] if progress.get("step") else 0
             if args.kill_peer_halfway and not replaced and kill_at is not None and step >= kill_at:
-                name = f"server-s{args.stages - 1}-0"
+                name = [n for n, (_, k) in servers.items() if k == args.stages - 1][0]
                 victim, stage = servers[name]
                 victim.kill()
                 new = f"server-s{stage}-replacement"
@@ -234,6 +276,11 @@ def run_swarm(args: argparse.Namespace, extra: list[str]) -> dict:
         for p in peers:
             p.stop()
         dht.shutdown()
+    for p, _ in trainers:
+        if p.poll() != 0:
+            raise RuntimeError(
+                f"{p.name} failed with exit code {p.poll()} (see {p.log or 'its output above'})."
+            )
     histories = [read_json(h) for _, h in trainers]
     if not all(h and h.get("done") for h in histories):
         raise RuntimeError(f"A trainer ended without writing its results (see {logs}).")
@@ -250,9 +297,18 @@ def run_baseline(args: argparse.Namespace, extra: list[str], steps: int) -> dict
         "fit",
         "--config",
         args.baseline_config,
-        "--trainer.enable_progress_bar=false",
     ]
-    cmd += [f"--trainer.callbacks.path={history}", f"--model.num_groups={args.stages}", *keep]
+    callbacks = [
+        {"class_path": "examples.albert.callbacks.SwarmProgressBar"},
+        {"class_path": "examples.albert.callbacks.TrainingHistory", "init_args": {"path": str(history)}},
+    ]
+    cmd += [f"--trainer.callbacks={json.dumps(callbacks)}", f"--model.num_groups={args.stages}", *keep]
+    # the same global batch as the swarm's optimizer steps: target_batch_size samples in microbatches
+    target = int(config_value(args.config, extra, "trainer.strategy.init_args.target_batch_size"))
+    batch = int(config_value(args.config, extra, "data.batch_size"))
+    if target % batch:
+        raise RuntimeError(f"target_batch_size={target} must be a multiple of data.batch_size={batch}.")
+    cmd.append(f"--trainer.accumulate_grad_batches={target // batch}")
     cmd.append(f"--trainer.max_steps={steps}")
     print(
         f"\nTraining the same model in one plain Lightning process for {steps} optimizer steps ...",
@@ -328,6 +384,15 @@ def summarize(args: argparse.Namespace, swarm: dict, baseline: dict | None) -> d
 
 def main(argv: list[str] | None = None) -> None:
     args, extra = parse_args(argv)
+    try:
+        run(args, extra)
+    except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"run_swarm: {e}") from None
+    except KeyboardInterrupt:
+        raise SystemExit("run_swarm: interrupted; every peer was stopped.") from None
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> None:
     swarm = run_swarm(args, extra)
     steps = max(h["step"][-1] for h in swarm["histories"])
     baseline = None if args.no_baseline else run_baseline(args, extra, steps)

@@ -27,7 +27,8 @@ class AlbertCLI(LightningCLI):
 
 
 def main() -> None:
-    AlbertCLI(Albert, AlbertDataModule)
+    # every peer of a swarm runs this: no config.yaml written to the working directory
+    AlbertCLI(Albert, AlbertDataModule, save_config_callback=None)
 
 
 if __name__ == "__main__":
