@@ -58,7 +58,6 @@ def main() -> None:
             "1",
             "--trainers",
             "1",
-            "--separate-trainers",
             "--steps",
             str(steps),
             "--out",

@@ -63,7 +63,7 @@ def train_tokenizer(text: str, vocab_size: int, cache_dir: str | os.PathLike) ->
     from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
     key = hashlib.sha256(f"{vocab_size}\0{text}".encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"wordpiece-{vocab_size}-{key}.json"
+    path = Path(cache_dir) / f"wordpiece-v2-{vocab_size}-{key}.json"
     if path.is_file():
         return Tokenizer.from_file(str(path))
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -74,6 +74,11 @@ def train_tokenizer(text: str, vocab_size: int, cache_dir: str | os.PathLike) ->
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False
     )
     tokenizer.train_from_iterator(text.splitlines(), trainer=trainer)
+    # the trainer finds the same vocabulary every time but numbers it in hash-map order: renumber it (special tokens
+    # first, then sorted), so every peer and every machine maps text to the same ids
+    learned = tokenizer.get_vocab()
+    ordered = SPECIAL_TOKENS + sorted(t for t in learned if t not in SPECIAL_TOKENS)
+    tokenizer.model = models.WordPiece({t: i for i, t in enumerate(ordered)}, unk_token="[UNK]")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tokenizer.save(str(tmp))

@@ -46,11 +46,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--baseline-config", default=str(HERE / "configs" / "single.yaml"))
     p.add_argument("--stages", type=int, default=2, help="pipeline stages (= model.num_groups)")
     p.add_argument("--peers-per-stage", type=int, default=2, help="server peers started for each stage")
-    p.add_argument("--trainers", type=int, default=2, help="how many peers feed data (the first ones)")
+    p.add_argument("--trainers", type=int, default=1, help="how many peers feed data")
     p.add_argument(
-        "--separate-trainers",
+        "--trainers-serve",
         action="store_true",
-        help="trainers are peers of their own (role trainer) instead of also serving a stage (role both)",
+        help="the trainers are the first server peers (role both) instead of peers of their own (role trainer)",
     )
     p.add_argument(
         "--steps", type=int, default=None, help="optimizer steps (default: the config's max_steps)"
@@ -69,13 +69,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         p.error("--stages, --peers-per-stage and --trainers must be at least 1")
     if args.kill_peer_halfway and args.peers_per_stage < 2:
         p.error("--kill-peer-halfway needs --peers-per-stage >= 2 (a stage must keep a live peer)")
-    if not args.separate_trainers and args.trainers > args.stages * args.peers_per_stage:
+    if args.trainers_serve and args.trainers > args.stages * args.peers_per_stage:
         p.error(
-            "--trainers cannot exceed the number of peers (stages x peers-per-stage) without --separate-trainers"
+            "with --trainers-serve, --trainers cannot exceed the number of peers (stages x peers-per-stage)"
         )
     if (
         args.kill_peer_halfway
-        and not args.separate_trainers
+        and args.trainers_serve
         and args.trainers > args.stages * (args.peers_per_stage - 1)
     ):
         p.error("--kill-peer-halfway kills a server-only peer of the last stage: use fewer --trainers")
@@ -209,7 +209,7 @@ def run_swarm(args: argparse.Namespace, extra: list[str]) -> dict:
         for j in range(args.peers_per_stage):
             for k in range(args.stages):
                 # the first `trainers` peers of the swarm also train, unless trainers run as peers of their own
-                trains = not args.separate_trainers and index < args.trainers
+                trains = args.trainers_serve and index < args.trainers
                 role = "both" if trains else "server"
                 name = f"{'trainer' if trains else 'server'}{len(trainers) if trains else ''}-s{k}-{j}"
                 history = out / f"trainer{len(trainers)}.json" if trains else None
@@ -223,7 +223,7 @@ def run_swarm(args: argparse.Namespace, extra: list[str]) -> dict:
                 else:
                     servers[name] = (peer, k)
                 index += 1
-        for t in range(args.trainers if args.separate_trainers else 0):
+        for t in range(args.trainers if (not args.trainers_serve) else 0):
             history = out / f"trainer{t}.json"
             history.unlink(missing_ok=True)
             cmd = peer_cmd(args.config, "trainer", None, history, extra + [f"--data.seed={t}"])
@@ -231,8 +231,8 @@ def run_swarm(args: argparse.Namespace, extra: list[str]) -> dict:
             peers.append(peer)
             trainers.append((peer, history))
         print(
-            f"Started a swarm of {len(peers)} peers: {args.stages} stages x {args.peers_per_stage} peers, "
-            f"{args.trainers} of them {'separate ' if args.separate_trainers else ''}trainers; logs in {logs}",
+            f"Started a swarm of {len(peers)} peers: {args.stages} stages x {args.peers_per_stage} servers, "
+            f"{args.trainers} trainer(s){' among them' if args.trainers_serve else ''}; logs in {logs}",
             flush=True,
         )
         kill_at = None
