@@ -196,6 +196,9 @@ class AlbertDataModule(LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
+    def predict_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
 
 def _windows(
     ids: torch.Tensor, num_samples: int, seed: int, seq_len: int, vocab: int, mlm_prob: float

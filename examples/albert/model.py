@@ -166,6 +166,10 @@ class Albert(LightningModule):
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("test_loss", self.mlm_loss(batch), batch_size=len(batch[0]))
 
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The most likely token at every position."""
+        return self.mlm_logits(self(batch[0])).argmax(-1)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
             self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay

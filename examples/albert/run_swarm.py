@@ -24,7 +24,10 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch.jit deprecation notes from dependencies
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -198,6 +201,7 @@ def run_swarm(args: argparse.Namespace, extra: list[str]) -> dict:
     env = dict(os.environ)
     env["LIGHTNING_SWARM_INITIAL_PEERS"] = ",".join(str(a) for a in dht.get_visible_maddrs())
     env["OMP_NUM_THREADS"] = "1"  # several peers share the cores: one compute thread each
+    env["ALBERT_QUIET"] = "1"
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")
     peers: list[Peer] = []
     servers: dict[str, tuple[Peer, int]] = {}
@@ -297,6 +301,7 @@ def run_baseline(args: argparse.Namespace, extra: list[str], steps: int) -> dict
         "fit",
         "--config",
         args.baseline_config,
+        "--trainer.enable_model_summary=false",
     ]
     callbacks = [
         {"class_path": "examples.albert.callbacks.SwarmProgressBar"},
@@ -316,6 +321,7 @@ def run_baseline(args: argparse.Namespace, extra: list[str], steps: int) -> dict
     )
     env = dict(os.environ)
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")
+    env["ALBERT_QUIET"] = "1"
     started = time.monotonic()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     result = read_json(history)

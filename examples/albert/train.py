@@ -7,6 +7,7 @@ python examples/albert/train.py fit --config examples/albert/configs/peer.yaml  
 The main job (`scripts/demo.sh`) starts the peers with `examples/albert/run_swarm.py`.
 """
 
+import logging
 import os
 import sys
 
@@ -17,6 +18,24 @@ from lightning.pytorch.cli import LightningCLI  # noqa: E402
 import lightning_swarm  # noqa: E402,F401  (registers "swarm")
 from examples.albert.data import AlbertDataModule  # noqa: E402
 from examples.albert.model import Albert  # noqa: E402
+
+# hivemind 1.1.12 logs these on healthy runs (a trainer's optimizer is built with hivemind's default request
+# timeout, and its averager process may already be gone when it is shut down): not errors, so not shown
+_BENIGN = ("Averager shutdown has no effect", "It is recommended to use request_timeout smaller")
+
+
+class _DropBenignHivemindLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_BENIGN)
+
+
+for _name in ("hivemind.averaging.averager", "hivemind.averaging.matchmaking"):
+    logging.getLogger(_name).addFilter(_DropBenignHivemindLines())
+if os.environ.get(
+    "ALBERT_QUIET"
+):  # set by run_swarm.py: only the progress bar and the results on the terminal
+    for _name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.seed"):
+        logging.getLogger(_name).setLevel(logging.WARNING)
 
 
 class AlbertCLI(LightningCLI):
