@@ -3,8 +3,11 @@ optimizer steps, trained (a) in one process with plain Lightning and (b) in a lo
 side by side; both evaluated with the same held-out masked-LM loss.
 
 The swarm: 2 server peers (one per stage, each in its own process) and 1 trainer peer, started by
-``examples/albert/run_swarm.py``; ``target_batch_size`` equals the global batch, which is one microbatch, so every
-optimizer step of the stages and of the trainer uses exactly the samples of one single-process step. What differs
+``examples/albert/run_swarm.py``; the global batch is 4 microbatches of 32, the trainer accumulates them
+(``accumulate_grad_batches=4``) and ``target_batch_size`` is 128, so every optimizer step of the stages and of the
+trainer uses the samples of one single-process step (the single process accumulates the same 4 microbatches; the
+JSON's ``stage_steps`` shows the stages' own step count). One microbatch per step is not used: hivemind's progress
+tracker learns of a finished epoch from the DHT a moment later, so back-to-back one-microbatch epochs merge. What differs
 from single-process training is only what the swarm does to the tensors crossing stage boundaries (8-bit blockwise
 quantization of activations and gradients) and the server-side recomputation of the forward pass (the same
 arithmetic). Held-out loss: ``Albert.evaluate`` on the data module's validation windows (from the last 5% of the
@@ -36,16 +39,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps (under 5 minutes on 2 cores)")
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--batch", type=int, default=32, help="global batch = microbatch = target_batch_size")
+    p.add_argument("--batch", type=int, default=32, help="microbatch size")
+    p.add_argument("--accumulate", type=int, default=4, help="microbatches per optimizer step")
     p.add_argument("--compression", default="8bit", choices=["8bit", "fp16", "none"])
     p.add_argument("--out", default=str(ROOT / "runs" / "albert_fidelity"))
     args = p.parse_args()
-    steps = args.steps or (60 if args.quick else 200)
+    steps = args.steps or (20 if args.quick else 60)
     b = args.batch
     overrides = [
         f"--data.batch_size={b}",
-        "--trainer.accumulate_grad_batches=1",
-        f"--trainer.strategy.init_args.target_batch_size={b}",
+        f"--trainer.accumulate_grad_batches={args.accumulate}",
+        f"--trainer.strategy.init_args.target_batch_size={b * args.accumulate}",
         f"--trainer.strategy.init_args.compression={args.compression}",
         "--trainer.val_check_interval=1000000",  # no validation during training: the comparison is at the end
         "--trainer.limit_val_batches=0",
@@ -80,7 +84,9 @@ def main() -> None:
         "steps": steps,
         "steps_swarm": h["step"][-1],
         "steps_single": single["step"][-1],
-        "global_batch": b,
+        "global_batch": b * args.accumulate,
+        "microbatch": b,
+        "stage_steps": h.get("stage_steps"),
         "compression": args.compression,
         "loss_single": round(loss_single, 4),
         "loss_swarm": round(loss_swarm, 4),

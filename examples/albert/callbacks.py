@@ -100,15 +100,16 @@ class SwarmProgressBar(TQDMProgressBar):
 class TrainingHistory(Callback):
     """Records the run and writes it as JSON to ``path`` when ``fit`` ends (nothing is written if ``path`` is None).
 
-    The JSON holds, per optimizer step of this trainer: ``step``, ``loss``, ``time`` (s since the first step) and
-    ``samples``; every ``progress_every`` steps the file is also rewritten (``"done": false``) so a launcher can
-    follow the run. At the end: ``eval_loss`` (held-out MLM loss of the final model, computed in this process with
-    ``Albert.evaluate``), ``val`` (validation losses logged during the run), the swarm's byte and call counters
-    (``swarm``) and ``peers_per_stage`` samples.
+    The JSON holds, per microbatch of this trainer: ``step`` (the optimizer step it belongs to, from 1), ``loss``,
+    ``time`` (s since the start of training) and ``samples`` (so far); every ``progress_every`` microbatches the
+    file is also rewritten (``"done": false``) so a launcher can follow the run. At the end: ``eval_loss`` (held-out
+    MLM loss of the final model, computed in this process with ``Albert.evaluate``), ``val`` (validation losses
+    logged during the run), the swarm's byte and call counters (``swarm``), ``stage_steps`` (optimizer steps of each
+    stage) and ``fp32_boundary_bytes`` (what the stage calls would have moved as fp32).
 
     Args:
         path: where to write the JSON.
-        progress_every: rewrite the file every this many steps.
+        progress_every: rewrite the file every this many microbatches.
     """
 
     def __init__(self, path: str | None = None, progress_every: int = 10) -> None:
@@ -118,6 +119,7 @@ class TrainingHistory(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start = time.monotonic()
+        self._microbatches = 0
         self.record = {
             "step": [],
             "loss": [],
@@ -136,11 +138,13 @@ class TrainingHistory(Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         loss = float(loss) * trainer.accumulate_grad_batches  # Lightning hands over loss / accumulation
         r = self.record
-        r["step"].append(trainer.global_step)
+        self._microbatches += 1
+        # the (1-based) optimizer step this microbatch belongs to
+        r["step"].append(-(-self._microbatches // trainer.accumulate_grad_batches))
         r["loss"].append(float(loss))
         r["time"].append(time.monotonic() - self._start)
         r["samples"].append((r["samples"][-1] if r["samples"] else 0) + len(batch[0]))
-        if self.path and trainer.global_step % self.progress_every == 0:
+        if self.path and self._microbatches % self.progress_every == 0:
             self._write()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -157,6 +161,13 @@ class TrainingHistory(Callback):
             self.record["swarm"] = dict(peer.stats())
             self.record["num_stages"] = peer.settings.num_stages
             self.record["compression"] = peer.settings.compression
+            try:  # optimizer steps the stages took (their hivemind epoch), from every live peer of each stage
+                self.record["stage_steps"] = [
+                    max((int(info.get("epoch", 0)) for info in peer.client.stage_info(k)), default=0)
+                    for k in range(peer.settings.num_stages)
+                ]
+            except Exception:  # a diagnostic only: a stage that does not answer right now is left out
+                pass
 
     def _count_fp32(self, module: Any, args: tuple, output: Any) -> None:
         # what this stage call would move as fp32: the forward's inputs and outputs, and for training calls

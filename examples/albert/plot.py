@@ -26,8 +26,12 @@ def plot_losses(curves: dict[str, dict], path: Path, events: list[str] | None = 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (name, h) in enumerate(curves.items()):
         color = f"C{i}"
-        steps = [s + 1 for s in h["step"]]  # the step a microbatch contributes to
-        ax.plot(steps, smooth(h["loss"]), color=color, alpha=0.9, label=f"{name}: train (smoothed)")
+        per_step: dict[int, list[float]] = {}
+        for step, loss in zip(h["step"], h["loss"], strict=True):
+            per_step.setdefault(step, []).append(loss)
+        steps = sorted(per_step)
+        losses = [sum(per_step[s]) / len(per_step[s]) for s in steps]
+        ax.plot(steps, smooth(losses, 3), color=color, alpha=0.9, label=f"{name}: train (smoothed)")
         if h.get("val"):
             vs, vl = zip(*h["val"], strict=True)
             ax.plot(vs, vl, "o--", color=color, ms=3, alpha=0.7, label=f"{name}: validation")

@@ -349,6 +349,7 @@ def summarize(args: argparse.Namespace, swarm: dict, baseline: dict | None) -> d
         "wire_bytes": sent + recv,
         "fp32_wire_bytes": fp32,
         "bytes_saved_by_compression": max(0.0, fp32 - (sent + recv)),
+        "stage_steps": hs[0].get("stage_steps"),
         "eval_loss_swarm": hs[0].get("eval_loss"),
         "eval_loss_single": baseline.get("eval_loss") if baseline else None,
         "events": swarm["events"],
@@ -366,7 +367,8 @@ def summarize(args: argparse.Namespace, swarm: dict, baseline: dict | None) -> d
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     mb = 1e6
     print("\n================ ALBERT in a swarm: summary ================")
-    print(f"optimizer steps       {steps} (global batch = target_batch_size samples each)")
+    stage_steps = "" if not summary["stage_steps"] else f"; the stages stepped {summary['stage_steps']} times"
+    print(f"optimizer steps       {steps} (global batch = target_batch_size samples each{stage_steps})")
     print(f"samples               {samples} in {train_s:.0f} s: {summary['samples_per_second']} samples/s")
     print(f"bytes on the wire     {(sent + recv) / mb:.1f} MB (8-bit boundaries)")
     if fp32:
