@@ -144,7 +144,13 @@ def lm_job(tmp_path, compression: str) -> dict:
         "max_steps": 100,
         "out": str(tmp_path / f"lm_{compression}.pt"),
         # 4 unshared blocks (4 groups of 1 layer), 2 per stage
-        "model_args": {**ALBERT_SMALL, "hidden_size": 64, "num_groups": 4, "layers_per_group": 1, "seq_len": 64},
+        "model_args": {
+            **ALBERT_SMALL,
+            "hidden_size": 64,
+            "num_groups": 4,
+            "layers_per_group": 1,
+            "seq_len": 64,
+        },
         "data_args": {"seq_len": 64, "batch_size": 16, "vocab_size": 1000},
         "strategy": {
             "pipeline": "layers",
@@ -237,7 +243,13 @@ def test_fit_then_test_and_predict_through_the_swarm_on_the_same_trainer(tmp_pat
         "evaluate": True,
         "out": str(tmp_path / "eval.pt"),
         "model_args": {**ALBERT_SMALL, "num_groups": 2, "seq_len": 32, "vocab_size": 1000},
-        "data_args": {"seq_len": 32, "batch_size": 8, "train_samples": 200, "val_samples": 16, "vocab_size": 1000},
+        "data_args": {
+            "seq_len": 32,
+            "batch_size": 8,
+            "train_samples": 200,
+            "val_samples": 16,
+            "vocab_size": 1000,
+        },
         "strategy": {
             "pipeline": "layers",
             "num_stages": 2,
@@ -255,7 +267,9 @@ def test_fit_then_test_and_predict_through_the_swarm_on_the_same_trainer(tmp_pat
     data.setup("test")
     batches = list(data.test_dataloader())
     with torch.no_grad():
-        expected_loss = sum(float(model.mlm_loss(b)) * len(b[0]) for b in batches) / sum(len(b[0]) for b in batches)
+        expected_loss = sum(float(model.mlm_loss(b)) * len(b[0]) for b in batches) / sum(
+            len(b[0]) for b in batches
+        )
         expected_pred = torch.cat([model.mlm_logits(model(b[0])).argmax(-1) for b in batches])
     assert result["test"][0]["test_loss"] == pytest.approx(expected_loss, rel=1e-4)
     assert torch.equal(torch.cat(result["predictions"]), expected_pred)

@@ -322,7 +322,7 @@ def run_baseline(args: argparse.Namespace, extra: list[str], steps: int) -> dict
     env = dict(os.environ)
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")
     env["ALBERT_QUIET"] = "1"
-    env["OMP_NUM_THREADS"] = "1"  # like each peer: on a shared machine one thread is faster than two contending
+    env["OMP_NUM_THREADS"] = "1"  # like each peer: on shared cores one thread beats two contending
     started = time.monotonic()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     result = read_json(history)
