@@ -62,15 +62,24 @@ def test_extra_arguments_reach_the_body_and_tuples_pass_through():
 
 @pytest.mark.parametrize("kind", ["maxout", "bottleneck"])
 def test_pipeline_with_boundaries_trains(kind):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread avoids OpenMP contention on a busy machine
+    try:
+        _train_with_boundaries(kind)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_with_boundaries(kind: str) -> None:
     torch.manual_seed(0)
     width = 32
     stages = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(2)]
     model = nn.Sequential(*compression_aware(stages, width, kind=kind, factor=4), nn.Linear(width, 1))
-    x = torch.randn(256, width)
+    x = torch.randn(128, width)
     y = x[:, :4].sum(-1, keepdim=True)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     first = None
-    for _ in range(150):
+    for _ in range(60):
         loss = nn.functional.mse_loss(model(x), y)
         first = first if first is not None else float(loss)
         opt.zero_grad()
