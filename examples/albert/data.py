@@ -9,6 +9,7 @@ the corpus and the vocabulary size, so every peer of a swarm loads the same one.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 from pathlib import Path
@@ -60,12 +61,25 @@ def train_tokenizer(text: str, vocab_size: int, cache_dir: str | os.PathLike) ->
 
     Training is deterministic: the same text and ``vocab_size`` give the same vocabulary on every machine.
     """
-    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
-
     key = hashlib.sha256(f"{vocab_size}\0{text}".encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"wordpiece-v2-{vocab_size}-{key}.json"
     if path.is_file():
         return Tokenizer.from_file(str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # peers of a local swarm set up their data at the same time: one trains, the others wait and load its file
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if path.is_file():
+                return Tokenizer.from_file(str(path))
+            return _train_and_save(text, vocab_size, path)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _train_and_save(text: str, vocab_size: int, path: Path) -> Tokenizer:
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -79,7 +93,6 @@ def train_tokenizer(text: str, vocab_size: int, cache_dir: str | os.PathLike) ->
     learned = tokenizer.get_vocab()
     ordered = SPECIAL_TOKENS + sorted(t for t in learned if t not in SPECIAL_TOKENS)
     tokenizer.model = models.WordPiece({t: i for i, t in enumerate(ordered)}, unk_token="[UNK]")
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tokenizer.save(str(tmp))
     os.replace(tmp, path)  # atomic: peers starting together never read a half-written file
