@@ -1,7 +1,7 @@
 """What a peer of the main job costs in memory: its main process plus its helper processes, by PSS.
 
-Runs the main job (``examples/lm/train.py`` with ``examples/lm/configs/swarm.yaml``: a local swarm of 4 peer
-processes, 2 stages) for ``--steps`` steps and samples every process of the job every second from
+Runs ALBERT's local swarm (``examples/albert/train.py`` with ``examples/albert/configs/swarm.yaml``: a local swarm
+of 4 peer processes, 2 stages) for ``--steps`` steps and samples every process of the job every second from
 ``/proc/<pid>/smaps_rollup``. PSS (proportional set size) splits pages shared between processes (the forked
 helpers share most of their parent's memory) so that the sum over processes is the real footprint. Each process
 is attributed to its peer by the ``LOCAL_RANK`` its environment started with (the launcher gives it to each peer
@@ -99,11 +99,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args()
     steps = args.steps or (30 if args.quick else 100)
-    cmd = [sys.executable, "examples/lm/train.py", "fit", "--config", "examples/lm/configs/swarm.yaml"]
+    cmd = [sys.executable, "examples/albert/train.py", "fit", "--config", "examples/albert/configs/swarm.yaml"]
     cmd += [
         f"--trainer.max_steps={steps}",
         "--trainer.limit_val_batches=0",
-        "--trainer.enable_progress_bar=false",
     ]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

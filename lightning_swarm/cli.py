@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-swarm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="host one stage of a swarm (server-only peer)")
-    p_serve.add_argument("module", help="LightningModule class, e.g. examples.lm.model.TinyTransformerLM")
+    p_serve.add_argument("module", help="LightningModule class, e.g. examples.albert.model.Albert")
     p_serve.add_argument("--config", help="LightningCLI YAML with model: and trainer.strategy.init_args:")
     p_status = sub.add_parser("status", help="print a table of the swarm's stages and peers")
     for p in (p_serve, p_status):

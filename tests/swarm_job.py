@@ -17,8 +17,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_swarm  # noqa: E402,F401
-from examples.lm.data import PydocTextDataModule  # noqa: E402
-from examples.lm.model import TinyTransformerLM  # noqa: E402
+from examples.albert.data import AlbertDataModule  # noqa: E402
+from examples.albert.model import Albert  # noqa: E402
 
 
 class SeqModel(LightningModule):
@@ -120,8 +120,8 @@ class RecordLoss(Callback):
 
 def build(cfg: dict):
     seed_everything(cfg.get("seed", 0))
-    if cfg["model"] == "lm":
-        return TinyTransformerLM(**cfg.get("model_args", {})), PydocTextDataModule(**cfg.get("data_args", {}))
+    if cfg["model"] == "albert":
+        return Albert(**cfg.get("model_args", {})), AlbertDataModule(**cfg.get("data_args", {}))
     model = SeqModel() if cfg["model"] == "seq" else ListModel()
     return model, regression_data()
 

@@ -15,17 +15,26 @@ import pytest
 import torch
 import yaml
 
-from examples.lm.model import TinyTransformerLM
+from examples.albert.model import Albert
 from lightning_swarm.swarm import SwarmClient, SwarmSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = {"d_model": 32, "n_layers": 4, "n_heads": 2, "seq_len": 16}
+MODEL = {
+    "vocab_size": 300,
+    "embedding_size": 16,
+    "hidden_size": 32,
+    "num_groups": 4,
+    "layers_per_group": 1,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "seq_len": 16,
+}
 
 
 def _start_server(
     config: Path, run_id: str, stage: int, initial_peers: list[str]
 ) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "lightning_swarm.cli", "serve", "examples.lm.model.TinyTransformerLM"]
+    cmd = [sys.executable, "-m", "lightning_swarm.cli", "serve", "examples.albert.model.Albert"]
     cmd += ["--config", str(config), "--run-id", run_id, "--num-stages", "2", "--stage", str(stage)]
     cmd += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--initial-peers", *initial_peers]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -93,14 +102,13 @@ def test_serve_and_status_form_a_swarm_by_initial_peers(tmp_path: Path) -> None:
         dht = hivemind.DHT(start=True, initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         client = SwarmClient(dht, SwarmSettings(run_id=run_id, num_stages=2, compression="none"))
         torch.manual_seed(0)
-        reference = TinyTransformerLM(**MODEL)  # the servers built theirs from the same seed
-        x = torch.randn(2, 16, MODEL["d_model"])
-        mask = torch.ones(16, 16, dtype=torch.bool).tril()
+        reference = Albert(**MODEL)  # the servers built theirs from the same seed
+        x = torch.randn(2, 16, MODEL["hidden_size"])
         with torch.no_grad():
-            y = client.call_stage(1, client.call_stage(0, x, attn_mask=mask), attn_mask=mask)
+            y = client.call_stage(1, client.call_stage(0, x))
             expected = x
             for block in reference.layers:
-                expected = block(expected, attn_mask=mask)
+                expected = block(expected)
         torch.testing.assert_close(y, expected, atol=1e-5, rtol=0)
     finally:
         if client is not None:

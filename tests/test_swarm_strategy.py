@@ -15,6 +15,7 @@ import lightning_swarm
 from lightning_swarm import SwarmStrategy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALBERT_SMALL = {"embedding_size": 16, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
 JOB = os.path.join(ROOT, "tests", "swarm_job.py")
 
 
@@ -58,8 +59,8 @@ def test_bad_arguments_fail_early_with_the_fix():
 
 
 def test_lightning_cli_yaml_builds_the_strategy(tmp_path):
-    from examples.lm.data import PydocTextDataModule
-    from examples.lm.model import TinyTransformerLM
+    from examples.albert.data import AlbertDataModule
+    from examples.albert.model import Albert
 
     config = {
         "trainer": {
@@ -73,7 +74,7 @@ def test_lightning_cli_yaml_builds_the_strategy(tmp_path):
     }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(config))
-    cli = LightningCLI(TinyTransformerLM, PydocTextDataModule, run=False, args=["--config", str(path)])
+    cli = LightningCLI(Albert, AlbertDataModule, run=False, args=["--config", str(path)])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, SwarmStrategy)
     assert (strategy.settings.compression, strategy.settings.run_id, strategy.settings.pipeline) == (
@@ -140,12 +141,19 @@ def swarm_initial_state(model_kind: str) -> dict:
 
 def lm_job(tmp_path, compression: str) -> dict:
     cfg = {
-        "model": "lm",
+        "model": "albert",
         "devices": 4,
         "max_steps": 100,
         "out": str(tmp_path / f"lm_{compression}.pt"),
-        "model_args": {"d_model": 64, "n_layers": 4, "n_heads": 4, "seq_len": 64},
-        "data_args": {"seq_len": 64, "batch_size": 16},
+        # 4 unshared blocks (4 groups of 1 layer), 2 per stage
+        "model_args": {
+            **ALBERT_SMALL,
+            "hidden_size": 64,
+            "num_groups": 4,
+            "layers_per_group": 1,
+            "seq_len": 64,
+        },
+        "data_args": {"seq_len": 64, "batch_size": 16, "vocab_size": 1000},
         "strategy": {
             "pipeline": "layers",
             "num_stages": 2,
@@ -172,8 +180,8 @@ def test_four_peers_train_a_transformer_lm_and_8bit_matches_uncompressed(tmp_pat
         assert len(losses) == 100
         first, last = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
         print(f"{compression}: loss (mean of first 5 -> last 10 steps) {first:.3f} -> {last:.3f}")  # for -s
-        assert first > 5.0  # ~ln(256) at the start
-        assert last < 0.6 * first, f"{compression}: loss went from {first:.3f} to {last:.3f}"
+        assert first > 5.0  # ~ln(1000) at the start
+        assert last < 0.75 * first, f"{compression}: loss went from {first:.3f} to {last:.3f}"
         finals[compression] = last
         # the gathered model is whole again: every block of the pipeline came back from the swarm
         assert sum(k.startswith("layers.") for k in result["state"]) == 4 * 12
@@ -209,15 +217,15 @@ def test_lightning_cli_yaml_trains_and_validates_through_the_swarm(tmp_path):
                 },
             },
         },
-        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
-        "data": {"seq_len": 32, "batch_size": 8, "train_samples": 400, "val_samples": 32},
+        "model": {**ALBERT_SMALL, "num_groups": 2},
+        "data": {"seq_len": 32, "batch_size": 8, "train_samples": 400, "val_samples": 32, "vocab_size": 1000},
     }
     path = tmp_path / "swarm.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ}
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
-        [sys.executable, "examples/lm/train.py", "fit", "--config", str(path)],
+        [sys.executable, "examples/albert/train.py", "fit", "--config", str(path)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -235,13 +243,19 @@ def test_fit_then_test_and_predict_through_the_swarm_on_the_same_trainer(tmp_pat
     """fit, test and predict on one Trainer: each call starts a fresh swarm, and the forward-only loops give the
     same results as the gathered whole model run locally."""
     cfg = {
-        "model": "lm",
+        "model": "albert",
         "devices": 2,
         "max_steps": 5,
         "evaluate": True,
         "out": str(tmp_path / "eval.pt"),
-        "model_args": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
-        "data_args": {"seq_len": 32, "batch_size": 8, "train_samples": 200, "val_samples": 16},
+        "model_args": {**ALBERT_SMALL, "num_groups": 2, "seq_len": 32, "vocab_size": 1000},
+        "data_args": {
+            "seq_len": 32,
+            "batch_size": 8,
+            "train_samples": 200,
+            "val_samples": 16,
+            "vocab_size": 1000,
+        },
         "strategy": {
             "pipeline": "layers",
             "num_stages": 2,
@@ -259,7 +273,9 @@ def test_fit_then_test_and_predict_through_the_swarm_on_the_same_trainer(tmp_pat
     data.setup("test")
     batches = list(data.test_dataloader())
     with torch.no_grad():
-        expected_loss = sum(float(model._loss(b)) * len(b) for b in batches) / sum(len(b) for b in batches)
-        expected_pred = torch.cat([model(b[:, :-1]).argmax(-1) for b in batches])
+        expected_loss = sum(float(model.mlm_loss(b)) * len(b[0]) for b in batches) / sum(
+            len(b[0]) for b in batches
+        )
+        expected_pred = torch.cat([model.mlm_logits(model(b[0])).argmax(-1) for b in batches])
     assert result["test"][0]["test_loss"] == pytest.approx(expected_loss, rel=1e-4)
     assert torch.equal(torch.cat(result["predictions"]), expected_pred)

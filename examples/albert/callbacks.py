@@ -1,0 +1,209 @@
+"""What the ALBERT example shows while it trains and keeps when it ends.
+
+- :class:`SwarmProgressBar`: Lightning's progress bar with the loss, samples per second, live peers per stage and
+  the bytes this trainer put on (and took off) the wire.
+- :class:`TrainingHistory`: per-step losses, samples and traffic, and, when ``fit`` ends, the MLM loss of the whole
+  trained model on the held-out text (evaluated in this process, the same way for a swarm and a single process),
+  written as JSON for the launcher's summary and plot.
+
+Both read the swarm through what the strategy exposes (``trainer.strategy.peer``: its DHT and client counters) and
+work unchanged without a swarm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+from lightning_swarm.swarm.partition import RemoteStage
+from lightning_swarm.swarm.records import get_stage_peers
+
+
+def swarm_peer(trainer: Trainer) -> Any:
+    """The running swarm peer of ``trainer``, or None without a swarm (or outside a run)."""
+    try:
+        return trainer.strategy.peer
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def live_peers_per_stage(peer: Any) -> list[int]:
+    """How many live peers announce each stage in the DHT right now."""
+    s = peer.settings
+    return [len(get_stage_peers(peer.dht, s.run_id, k)) for k in range(s.num_stages)]
+
+
+def wire_bytes(peer: Any) -> tuple[float, float]:
+    stats = peer.stats()
+    return stats.get("swarm/bytes_sent", 0.0), stats.get("swarm/bytes_recv", 0.0)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f}MB"
+
+
+class SwarmProgressBar(TQDMProgressBar):
+    """Progress bar with ``loss``, ``samples/s``, ``peers`` (live peers per stage, e.g. ``2+2``) and ``wire``
+    (bytes sent + received by this trainer).
+
+    Args:
+        refresh_rate: update the bar every this many batches.
+        peers_every: seconds between DHT lookups of the live peers.
+    """
+
+    def __init__(self, refresh_rate: int = 1, peers_every: float = 5.0) -> None:
+        super().__init__(refresh_rate=refresh_rate)
+        self.peers_every = peers_every
+        self._peers = "-"
+        self._peers_at = 0.0
+        self._start: float | None = None
+        self._start_step = 0
+        self._samples = 0
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._start is None:  # the first step includes start-up: measure from its end
+            self._start, self._start_step = time.monotonic(), 0
+        else:
+            self._samples += len(batch[0])
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        items = {
+            k: v for k, v in super().get_metrics(trainer, pl_module).items() if not k.startswith("swarm/")
+        }
+        items.pop("v_num", None)
+        if "train_loss" in items:
+            items["loss"] = items.pop("train_loss")
+        if self._start is not None and time.monotonic() > self._start:
+            items["samples/s"] = f"{self._samples / (time.monotonic() - self._start):.1f}"
+        peer = swarm_peer(trainer)
+        if peer is not None and peer.dht is not None:
+            if time.monotonic() - self._peers_at > self.peers_every:
+                try:
+                    self._peers = "+".join(str(n) for n in live_peers_per_stage(peer))
+                except Exception:  # the DHT is shutting down at the end of the run
+                    pass
+                self._peers_at = time.monotonic()
+            items["peers"] = self._peers
+            items["wire"] = _mb(sum(wire_bytes(peer)))
+        return items
+
+
+class TrainingHistory(Callback):
+    """Records the run and writes it as JSON to ``path`` when ``fit`` ends (nothing is written if ``path`` is None).
+
+    The JSON holds, per microbatch of this trainer: ``step`` (the optimizer step it belongs to, from 1), ``loss``,
+    ``time`` (s since the start of training) and ``samples`` (so far); every ``progress_every`` microbatches the
+    file is also rewritten (``"done": false``) so a launcher can follow the run. At the end: ``eval_loss`` (held-out
+    MLM loss of the final model, computed in this process with ``Albert.evaluate``), ``val`` (validation losses
+    logged during the run), the swarm's byte and call counters (``swarm``), ``stage_steps`` (optimizer steps of each
+    stage) and ``fp32_boundary_bytes`` (what the stage calls would have moved as fp32).
+
+    Args:
+        path: where to write the JSON.
+        progress_every: rewrite the file every this many microbatches.
+    """
+
+    def __init__(self, path: str | None = None, progress_every: int = 10) -> None:
+        self.path, self.progress_every = path, progress_every
+        self.record: dict[str, Any] = {}
+        self._start = 0.0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start = time.monotonic()
+        self._microbatches = 0
+        self.record = {
+            "step": [],
+            "loss": [],
+            "time": [],
+            "samples": [],
+            "val": [],
+            "done": False,
+            "max_steps": trainer.max_steps,
+            "fp32_boundary_bytes": 0.0,
+        }
+        self._hooks = [stage.register_forward_hook(self._count_fp32) for stage in _remote_stages(pl_module)]
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        loss = float(loss) * trainer.accumulate_grad_batches  # Lightning hands over loss / accumulation
+        r = self.record
+        self._microbatches += 1
+        # the (1-based) optimizer step this microbatch belongs to
+        r["step"].append(-(-self._microbatches // trainer.accumulate_grad_batches))
+        r["loss"].append(float(loss))
+        r["time"].append(time.monotonic() - self._start)
+        r["samples"].append((r["samples"][-1] if r["samples"] else 0) + len(batch[0]))
+        if self.path and self._microbatches % self.progress_every == 0:
+            self._write()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or "val_loss" not in trainer.callback_metrics or not self.record:
+            return
+        self.record["val"].append([trainer.global_step, float(trainer.callback_metrics["val_loss"])])
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        peer = swarm_peer(trainer)
+        for hook in getattr(self, "_hooks", []):
+            hook.remove()
+        self._hooks = []
+        if peer is not None and self.record:
+            self.record["swarm"] = dict(peer.stats())
+            self.record["num_stages"] = peer.settings.num_stages
+            self.record["compression"] = peer.settings.compression
+            try:  # optimizer steps the stages took (their hivemind epoch), from every live peer of each stage
+                self.record["stage_steps"] = [
+                    max((int(info.get("epoch", 0)) for info in peer.client.stage_info(k)), default=0)
+                    for k in range(peer.settings.num_stages)
+                ]
+            except Exception:  # a diagnostic only: a stage that does not answer right now is left out
+                pass
+
+    def _count_fp32(self, module: Any, args: tuple, output: Any) -> None:
+        # what this stage call would move as fp32: the forward's inputs and outputs, and for training calls
+        # the backward's inputs, output gradients and input gradients too
+        n_in = sum(t.numel() for t in args if isinstance(t, torch.Tensor) and t.is_floating_point())
+        n_out = sum(t.numel() for t in _tensors(output) if t.is_floating_point())
+        values = 3 * n_in + 2 * n_out if torch.is_grad_enabled() else n_in + n_out
+        self.record["fp32_boundary_bytes"] += 4.0 * values
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # after the strategy's teardown: the pipeline is whole again, with the stages' final parameters
+        if not self.record:
+            return
+        datamodule = trainer.datamodule
+        if datamodule is not None and hasattr(pl_module, "evaluate"):
+            self.record["eval_loss"] = pl_module.evaluate(datamodule.val_dataloader())
+        self.record["done"] = True
+        if self.path:
+            self._write()
+
+    def _write(self) -> None:
+        assert self.path is not None
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.record, f)
+        os.replace(tmp, self.path)
+
+
+def _remote_stages(module: LightningModule) -> list[RemoteStage]:
+    return [m for m in module.modules() if isinstance(m, RemoteStage)]
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    return []
