@@ -201,6 +201,23 @@ def test_8bit_and_large_payloads_use_streaming(dhts, cleanup) -> None:
     assert client8.stats()["swarm/stage1/forward_bytes_sent"] < 0.27 * big.numel() * 4
 
 
+@pytest.mark.timeout(120)
+def test_medium_calls_of_several_tensors_travel_as_one_message(dhts, cleanup) -> None:
+    """A backward below the streaming limit whose tensors together exceed one message (the forward's inputs plus
+    the output gradients, 256 KiB each) is sent whole: a regression test for calls cut into several messages."""
+    torch.manual_seed(0)
+    run_id = _run_id("medium")
+    stage = nn.Linear(512, 512)
+    _serve(cleanup, dhts["server1"], run_id, copy.deepcopy(stage), stage=0)
+    client = _client(cleanup, dhts["trainer"], run_id, num_stages=1)
+    x = torch.randn(128, 512, requires_grad=True)
+    y = client.call_stage(0, x)
+    torch.testing.assert_close(y, stage(x), atol=1e-5, rtol=0)
+    y.square().sum().backward()
+    expected = torch.autograd.grad(stage(x).square().sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected, atol=1e-4, rtol=1e-4)
+
+
 class RefusingServer(StageServer):
     """A peer that announces itself but cannot serve any call (it replies with an "unavailable" error)."""
 

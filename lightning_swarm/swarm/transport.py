@@ -81,6 +81,16 @@ def messages(
     yield message_type(tensors=batch, metadata=header)
 
 
+def _one_message(outgoing: Iterable[runtime_pb2.ExpertRequest]) -> runtime_pb2.ExpertRequest:
+    """The messages of a call that is not streamed, as one message (several tensors may each fill one)."""
+    batch = list(outgoing)
+    if len(batch) == 1:
+        return batch[0]
+    return runtime_pb2.ExpertRequest(
+        tensors=[t for m in batch for t in m.tensors], metadata=batch[-1].metadata
+    )
+
+
 class MessageReceiver:
     """Decodes the messages of one call as they arrive (see :func:`messages`).
 
@@ -277,7 +287,7 @@ class _Channel:
         loop (fewer thread wake-ups, which matter on a busy machine).
         """
         if not streamed:
-            (message,) = list(outgoing)
+            message = _one_message(outgoing)
             replies = run_coroutine(asyncio.wait_for(self._roundtrip(message), timeout), timeout=timeout + 5)
             receiver = MessageReceiver()
             for reply in replies:
