@@ -12,6 +12,7 @@ from lightning_swarm.layers import BoundaryStage, compression_aware
 from lightning_swarm.layers.boundary import BottleneckCompress, BoundaryExpand, MaxoutCompress
 from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.server import StageServer
+from lightning_swarm.swarm.settings import SwarmSettings
 
 
 @pytest.mark.parametrize("kind", ["maxout", "bottleneck"])
@@ -108,14 +109,15 @@ def test_boundary_bytes_on_the_wire_of_a_swarm_stage_shrink_by_the_factor():
                 0,
                 stage,
                 dht=server_dht,
-                run_id=run_id,
+                settings=SwarmSettings(run_id=run_id, target_batch_size=10**6, compression="8bit"),
                 optimizer_factory=None,
-                target_batch_size=10**6,
-                compression="8bit",
             ).start()
             things.append(server)
             client = SwarmClient(
-                trainer, run_id, 1, compression="8bit", no_peers_timeout=20, request_timeout=20
+                trainer,
+                SwarmSettings(
+                    run_id=run_id, num_stages=1, compression="8bit", no_peers_timeout=20, request_timeout=20
+                ),
             )
             things.append(client)
             x = torch.randn(8, 32, width, requires_grad=True)
