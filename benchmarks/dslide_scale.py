@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -186,6 +187,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    # SIGTERM unwinds like an exception, so the `finally` blocks kill the rank processes started so far.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.quick:
         args.hidden = 256
     steps = args.steps or (24 if args.quick else 60)
