@@ -203,8 +203,8 @@ def main() -> None:
     rank0 = ranks[0]
     peak = max(r["peak_rss_mb"] for r in ranks)
     summary = {
-        "params": rank0["params"],
-        "params_formula": params,
+        "params": params,  # F*H + H + (H + 1) * labels: every parameter of the network once
+        "params_counted_on_rank0_times_ranks": rank0["params"],
         "hidden": args.hidden,
         "quick": args.quick,
         "ranks": 4,
