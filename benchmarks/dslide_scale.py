@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -186,6 +187,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    # SIGTERM unwinds like an exception, so the `finally` blocks kill the rank processes started so far.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.quick:
         args.hidden = 256
     steps = args.steps or (24 if args.quick else 60)
@@ -200,8 +203,8 @@ def main() -> None:
     rank0 = ranks[0]
     peak = max(r["peak_rss_mb"] for r in ranks)
     summary = {
-        "params": rank0["params"],
-        "params_formula": params,
+        "params": params,  # F*H + H + (H + 1) * labels: every parameter of the network once
+        "params_counted_on_rank0_times_ranks": rank0["params"],
         "hidden": args.hidden,
         "quick": args.quick,
         "ranks": 4,

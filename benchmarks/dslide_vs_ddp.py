@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -306,6 +307,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    # SIGTERM unwinds like an exception, so the `finally` blocks kill the rank processes started so far.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _netns import VirtualCluster

@@ -25,7 +25,9 @@ from lightning_swarm.layers.tables import pseudo_uniform
 if TYPE_CHECKING:
     from lightning_swarm.layers.distributed import ShardGroup
 
-_BLOCK_ELEMENTS = 1 << 22  # elements drawn per generator call (16 MB of float32)
+_BLOCK_ELEMENTS = (
+    1 << 16
+)  # elements drawn per generator (256 KB of float32): the most a shard draws in excess
 _SALT_INIT = 5
 
 _born_sharded: ShardGroup | None = None
