@@ -150,6 +150,7 @@ def lm_job(tmp_path, compression: str) -> dict:
             "num_groups": 4,
             "layers_per_group": 1,
             "seq_len": 64,
+            "vocab_size": 1000,
         },
         "data_args": {"seq_len": 64, "batch_size": 16, "vocab_size": 1000},
         "strategy": {
