@@ -210,37 +210,28 @@ def test_single_process_config_trains_a_few_steps(tmp_path):
     assert 0 < record["eval_loss"] < 10
 
 
-def test_main_job_launcher_runs_a_swarm_and_summarizes(tmp_path):
-    """run_swarm.py end to end: 2 stage servers and a trainer (separate processes), then the single-process baseline,
-    the summary, the plot; no tracebacks or ERROR lines in its output."""
+def test_main_job_launcher_survives_a_killed_peer_and_summarizes(tmp_path):
+    """run_swarm.py end to end: 2 stages x 2 server peers and a trainer (separate processes); a server of the last
+    stage is killed (SIGKILL) at half of the steps and replaced, and the run still ends with the single-process
+    baseline, the summary and the plot; no tracebacks or ERROR lines in its output."""
     out = tmp_path / "run"
     cmd = [
-        sys.executable,
-        "examples/albert/run_swarm.py",
-        "--peers-per-stage",
-        "1",
-        "--steps",
-        "4",
-        "--out",
-        str(out),
-        "--run-id",
-        f"albert_test_{os.getpid()}",
-        "--",
-        "--data.vocab_size=600",
-        f"--data.cache_dir={tmp_path}",
-        "--trainer.strategy.init_args.target_batch_size=64",
-        "--trainer.accumulate_grad_batches=2",
-        "--trainer.limit_val_batches=0",
-        *[f"--model.{k}={v}" for k, v in TINY_MODEL.items()],
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        sys.executable, "examples/albert/run_swarm.py", "--steps", "4", "--kill-peer-halfway", "--out", str(out),
+        "--run-id", f"albert_test_{os.getpid()}", "--", "--data.vocab_size=600", f"--data.cache_dir={tmp_path}",
+        "--trainer.strategy.init_args.target_batch_size=64", "--trainer.accumulate_grad_batches=2",
+        "--trainer.limit_val_batches=0", *[f"--model.{k}={v}" for k, v in TINY_MODEL.items()],
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "Traceback" not in output and "ERROR" not in output, output[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["samples"] == 4 * 64
+    assert len(summary["events"]) == 1 and "killed server-s1-0" in summary["events"][0], summary["events"]
+    assert "server-s1-replacement" in summary["events"][0]
+    assert (out / "logs" / "server-s1-replacement.log").exists()
     assert summary["wire_bytes"] > 0
-    assert 0 < summary["wire_bytes"] < 0.3 * summary["fp32_wire_bytes"]  # 8-bit boundaries: about 1/4 of fp32
+    assert summary["wire_bytes"] < 0.3 * summary["fp32_wire_bytes"]  # 8-bit boundaries: about 1/4 of fp32
     assert summary["eval_loss_swarm"] > 0 and summary["eval_loss_single"] > 0
     assert "held-out MLM loss" in proc.stdout and "single process" in proc.stdout
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

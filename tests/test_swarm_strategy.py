@@ -180,8 +180,9 @@ def test_four_peers_train_a_transformer_lm_and_8bit_matches_uncompressed(tmp_pat
         assert len(losses) == 100
         first, last = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
         print(f"{compression}: loss (mean of first 5 -> last 10 steps) {first:.3f} -> {last:.3f}")  # for -s
-        assert first > 5.0  # ~ln(1000) at the start
-        assert last < 0.75 * first, f"{compression}: loss went from {first:.3f} to {last:.3f}"
+        assert first > 5.0  # ~ln(4096) at the start
+        # masked-LM loss falls more slowly than the byte-level LM's this test used before (measured: 8.30 -> 6.32)
+        assert last < 0.8 * first, f"{compression}: loss went from {first:.3f} to {last:.3f}"
         finals[compression] = last
         # the gathered model is whole again: every block of the pipeline came back from the swarm
         assert sum(k.startswith("layers.") for k in result["state"]) == 4 * 12

@@ -143,7 +143,10 @@ def peer_cmd(config: str, role: str, stage: int | None, history: Path | None, ex
     if history is not None:
         callbacks = [
             {"class_path": "examples.albert.callbacks.SwarmProgressBar"},
-            {"class_path": "examples.albert.callbacks.TrainingHistory", "init_args": {"path": str(history)}},
+            {
+                "class_path": "examples.albert.callbacks.TrainingHistory",
+                "init_args": {"path": str(history), "progress_every": 1},  # the launcher follows the steps
+            },
         ]
         cmd.append(f"--trainer.callbacks={json.dumps(callbacks)}")
     else:
