@@ -120,7 +120,7 @@ def main() -> None:
         if proc.poll() is None:
             proc.kill()
     if proc.returncode != 0:
-        print(stderr[-3000:], file=sys.stderr)
+        print(stderr[-6000:], file=sys.stderr)
         raise SystemExit(f"the main job failed (exit code {proc.returncode})")
     per_peer = [p["total_mb"] for p in peaks.values()]
     result = {
