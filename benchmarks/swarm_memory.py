@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -105,7 +106,8 @@ def main() -> None:
         "--trainer.limit_val_batches=0",
     ]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile(mode="w+")  # a pipe left unread would fill up and stall the job
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True)
     peaks: dict[str, dict[str, float]] = {}
     try:
         while proc.poll() is None:
@@ -114,12 +116,14 @@ def main() -> None:
                 if total > peaks.get(rank, {}).get("total_mb", 0.0):
                     peaks[rank] = {k: round(v, 1) for k, v in parts.items()} | {"total_mb": round(total, 1)}
             time.sleep(1.0)
-        stderr = proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
+        log.seek(0)
+        stderr = log.read()
+        log.close()
     if proc.returncode != 0:
-        print(stderr[-3000:], file=sys.stderr)
+        print(stderr[-6000:], file=sys.stderr)
         raise SystemExit(f"the main job failed (exit code {proc.returncode})")
     per_peer = [p["total_mb"] for p in peaks.values()]
     result = {

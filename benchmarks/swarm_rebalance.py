@@ -208,7 +208,7 @@ def main() -> None:
         worker(json.loads(args.worker))
         return
     period = args.period or (12.0 if args.quick else 20.0)
-    duration = 60.0 if args.quick else 120.0
+    duration = 50.0 if args.quick else 120.0
     warmup = 3.0
     # speeds in units (slow = 1): the bad placement and the best one
     bad = {"A": (0, 2.0), "B": (0, 1.0), "C": (0, 1.0), "D": (1, 2.0)}
@@ -222,7 +222,7 @@ def main() -> None:
     after = (settled if settled is not None else duration) + 5.0
     throughput_rebalanced = rate(times, after, duration) if after < duration - 2 else 0.0
 
-    optimal_duration = 30.0 if args.quick else 45.0
+    optimal_duration = 25.0 if args.quick else 45.0
     opt_times, opt_placements, opt_errors, _ = run_swarm(best, 0.0, optimal_duration, args.inflight, "best")
     throughput_optimal = rate(opt_times, warmup + 2.0, optimal_duration)
 

@@ -89,3 +89,15 @@ def test_checks_are_spread_in_time():
     rng = random.Random(0)
     waits = [next_check(10.0, rng) for _ in range(200)]
     assert 5.0 <= min(waits) and max(waits) <= 15.0 and max(waits) - min(waits) > 5.0
+
+
+def test_the_benchmarks_swarm_moves_a_slow_peer_not_the_fast_one():
+    # benchmarks/swarm_rebalance.py: speeds 2, 1, 1 on stage 0 and 2 alone on stage 1
+    peers = _swarm((0, 2.0), (0, 1.0), (0, 1.0), (1, 2.0))
+    move = plan_move(peers, 2, min_gain=0.2)
+    assert move is not None and move.peer_id in ("p1", "p2") and (move.before, move.after) == (2.0, 3.0)
+    peers = _apply(peers, move)
+    assert plan_move(peers, 2, min_gain=0.2) is None  # {2, 1} | {1, 2}: optimal, and it stays
+    # noisy measurements of the same swarm do not make it move back
+    noisy = [PeerLoad(p.peer_id, p.stage, p.throughput * (1.1 if p.stage else 0.9)) for p in peers]
+    assert plan_move(noisy, 2, min_gain=0.2) is None

@@ -101,6 +101,7 @@ class SwarmPeer:
         self._stage_optimizer: _OptimizerTemplate | None = None
         self._pipeline_ids: set[int] = set()
         self._measured_since: _Since | None = None
+        self._fresh = False  # whether the last stage built here was allocated from the meta device
         self._migration_lock = threading.Lock()
         self._stop_rebalancing = threading.Event()
         self._rebalancer: threading.Thread | None = None
@@ -225,7 +226,9 @@ class SwarmPeer:
         """A (not yet started) server of ``stage``, its blocks allocated on this peer's device, announcing
         ``throughput`` until it has measured its own (``None``: estimate it)."""
         assert self.partition is not None and self.dht is not None
-        self.partition.materialize(stage, self.device, seed=_stage_seed(self.settings.run_id, stage))
+        self._fresh = self.partition.materialize(
+            stage, self.device, seed=_stage_seed(self.settings.run_id, stage)
+        )
         stage_module = self.partition.stage_module(stage).to(self.device)
         template = self._stage_optimizer
         factory, groups = template.for_stage(stage_module) if template is not None else (None, None)
@@ -246,6 +249,14 @@ class SwarmPeer:
         me = self.dht.peer_id
         donors = [p for p in get_stage_peers(self.dht, self.settings.run_id, server.stage) if p.peer_id != me]
         joining = bool(donors) and server.optimizer_factory is not None
+        if donors and not joining and self._fresh:
+            # not training (validate/test/predict), and the stage was not allocated here: its weights come from
+            # the stage's peers (the seeded initialisation would be a silent wrong answer)
+            client = SwarmClient(self.dht, self.settings)
+            try:
+                server.module.load_state_dict(client.fetch_stage_state(server.stage))
+            finally:
+                client.shutdown()
         server.start(joining=joining)
         if joining:
             if server.load_state_from_peers():

@@ -1,0 +1,73 @@
+"""Peer records carry a state and the number of stages; parsing them never raises on what a buggy or hostile peer
+stored (pure: no network)."""
+
+from __future__ import annotations
+
+from hivemind.p2p import PeerID
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from lightning_swarm.cli import format_status
+from lightning_swarm.swarm.records import JOINING, LEAVING, ONLINE, STATES, parse_stage_peers
+
+NOW = 1_000.0
+IDS = [
+    PeerID.from_base58(s)
+    for s in (
+        "QmS7xWYXCHfk86VKafC2GgW5ZJ1nv2WoGFRYZa3phNEmWf",
+        "QmVzdNAMF2pQMRB2CxxVYoPzVtJFsDahrsxWyCZ7gWJNRF",
+        "QmPKTmGUmgaQnKz9RVnuxBQTRRqZBYxWg5AztAhfZsD2X2",
+        "QmTvJyq6aVLDXsm7S7aoFy6Z3UdJXBkApJoZ9YzCWQdD2i",
+    )
+]
+
+
+def _listing(entries: dict) -> ValueWithExpiration:
+    return ValueWithExpiration({k: ValueWithExpiration(v, NOW + 30) for k, v in entries.items()}, NOW + 30)
+
+
+def test_states_and_stage_counts_are_read_and_bad_entries_skipped() -> None:
+    a, b, c, d = (i.to_base58() for i in IDS)
+    listing = _listing(
+        {
+            a: [10.0, ONLINE, 4],
+            b: [5.0, JOINING, 4],
+            c: [7.0, LEAVING, 4],
+            d: [3.0],  # an older peer: online, stage count unknown
+            "not-a-peer-id": [1.0, ONLINE, 4],
+        }
+    )
+    assert [p.peer_id for p in parse_stage_peers(listing, 1, now=NOW)] == sorted(
+        [IDS[0], IDS[3]], key=lambda i: i.to_base58()
+    )
+    every = {
+        p.peer_id: (p.state, p.num_stages) for p in parse_stage_peers(listing, 1, now=NOW, states=STATES)
+    }
+    assert every == {IDS[0]: (ONLINE, 4), IDS[1]: (JOINING, 4), IDS[2]: (LEAVING, 4), IDS[3]: (ONLINE, None)}
+    for bad in (
+        [1.0, "asleep", 4],  # unknown state
+        [1.0, ONLINE, 1],  # stage 1 of a 1-stage pipeline
+        [1.0, ONLINE, "4"],
+        [1.0, ONLINE, True],
+        [True, ONLINE, 4],
+        ["7", ONLINE, 4],
+        [float("nan"), ONLINE, 4],
+        [1.0, ONLINE, 4, "extra"],
+        [],
+        {"throughput": 1.0},
+        None,
+    ):
+        assert parse_stage_peers(_listing({a: bad}), 1, now=NOW, states=STATES) == [], bad
+
+
+def test_status_table_names_the_bottleneck_and_every_state() -> None:
+    a, b, c = IDS[:3]
+    listing0 = _listing({a.to_base58(): [10.0, ONLINE, 2], b.to_base58(): [4.0, JOINING, 2]})
+    listing1 = _listing({c.to_base58(): [6.0, ONLINE, 2]})
+    peers = parse_stage_peers(listing0, 0, now=NOW, states=STATES) + parse_stage_peers(
+        listing1, 1, now=NOW, states=STATES
+    )
+    table = format_status("run", peers, 2)
+    assert "2 stages, 3 peers (2 online); pipeline 6.0 samples/s, bottleneck: stage 1" in table
+    rows = [line.split() for line in table.splitlines()]
+    assert ["0", "2", "1", "10.0"] in rows and ["1", "1", "1", "6.0", "<-", "bottleneck"] in rows
+    assert ["0", "joining", "4.0", str(b)] in rows
