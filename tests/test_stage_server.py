@@ -186,7 +186,7 @@ def test_8bit_and_large_payloads_use_streaming(dhts, cleanup) -> None:
     expand = nn.Linear(64, 8192, bias=False)  # 100 KiB in, 3 MiB out: the response is streamed
     _serve(cleanup, dhts["server1"], run_id, expand, stage=0)
     _serve(cleanup, dhts["server1"], run_id, nn.Identity(), stage=1, compression="8bit")
-    client = _client(cleanup, dhts["trainer"], run_id, num_stages=2)
+    client = _client(cleanup, dhts["trainer"], run_id, num_stages=2, request_timeout=30.0)
     x = torch.randn(96, 64, requires_grad=True)
     y = client.call_stage(0, x)
     torch.testing.assert_close(y, expand(x), atol=1e-5, rtol=0)
@@ -199,6 +199,34 @@ def test_8bit_and_large_payloads_use_streaming(dhts, cleanup) -> None:
     client8 = _client(cleanup, dhts["trainer"], run_id, num_stages=2, compression="8bit")
     client8.call_stage(1, big.detach())
     assert client8.stats()["swarm/stage1/forward_bytes_sent"] < 0.27 * big.numel() * 4
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, a, b):
+        return a * self.scale + b, a - b * self.scale
+
+
+@pytest.mark.timeout(120)
+def test_several_tensors_below_the_split_size_travel_as_one_message_each_way(dhts, cleanup) -> None:
+    """Two 128 KB tensors (no tensor split): forward and backward each make one round trip."""
+    run_id = _run_id("pair")
+    module = Pair()
+    _serve(cleanup, dhts["server1"], run_id, module)
+    client = _client(cleanup, dhts["trainer"], run_id)
+    a = torch.randn(64, 512, requires_grad=True)
+    b = torch.randn(64, 512, requires_grad=True)
+    u, v = client.call_stage(0, a, b)
+    torch.testing.assert_close(u, a * 2 + b, atol=1e-5, rtol=0)
+    (u.sum() + 2 * v.sum()).backward()
+    torch.testing.assert_close(a.grad, torch.full_like(a, 4.0), atol=1e-5, rtol=0)
+    torch.testing.assert_close(b.grad, torch.full_like(b, -3.0), atol=1e-5, rtol=0)
+    stats = client.stats()
+    assert stats["swarm/stage0/forward_calls"] == 1 and stats["swarm/stage0/backward_calls"] == 1
+    assert "swarm/bans" not in stats
 
 
 class RefusingServer(StageServer):

@@ -67,7 +67,7 @@ def messages(
     message_type: type[Msg],
     parts: Iterable[runtime_pb2.Tensor],
     header: bytes,
-    message_bytes: int = MESSAGE_BYTES,
+    message_bytes: float = MESSAGE_BYTES,
 ) -> Iterator[Msg]:
     """Group ``parts`` (consumed lazily) into messages of about ``message_bytes``; the last carries ``header``."""
     batch: list[runtime_pb2.Tensor] = []
@@ -177,8 +177,9 @@ class P2PTransport:
             reused = channel.calls > 0
             try:
                 parts = itertools.chain.from_iterable(p.parts() for p in payloads)
-                outgoing = messages(runtime_pb2.ExpertRequest, parts, header)
                 streamed = any(p.split for p in payloads)
+                size = MESSAGE_BYTES if streamed else math.inf  # not split: everything in one message
+                outgoing = messages(runtime_pb2.ExpertRequest, parts, header, size)
                 reply_header, tensors, sent, recv = channel.call(outgoing, self.timeout, streamed)
             except Exception as e:
                 channel.close()
