@@ -307,6 +307,12 @@ def test_errors_of_the_stage_code_reach_the_trainer_at_once(dhts, cleanup, where
     with pytest.raises(ValueError, match="user backward exploded") as info:
         y.sum().backward()
     assert isinstance(info.value, RemoteStageError) and info.value.is_compute_error and info.value.stage == 0
+    from lightning_swarm.swarm.codec import CodecError
+
+    with pytest.raises(CodecError, match="cannot cross a stage boundary"):  # the caller's own mistake
+        client.call_stage(0, torch.zeros(2, 4, dtype=torch.float8_e4m3fn))
+    with pytest.raises(CodecError, match="Cannot send a object"):
+        client.call_stage(0, torch.zeros(2, 4), object())
     assert time.monotonic() - start < 10.0
     assert "swarm/bans" not in client.stats() and client.routers[0].num_live() == len(servers)
     x = torch.randn(2, 4)  # the peers still serve

@@ -39,6 +39,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "BadRequest",
     "ErrorReply",
+    "ProtocolError",
     "RemoteStageError",
     "StageReply",
     "StageRequest",
