@@ -186,7 +186,7 @@ def test_8bit_and_large_payloads_use_streaming(dhts, cleanup) -> None:
     expand = nn.Linear(64, 8192, bias=False)  # 100 KiB in, 3 MiB out: the response is streamed
     _serve(cleanup, dhts["server1"], run_id, expand, stage=0)
     _serve(cleanup, dhts["server1"], run_id, nn.Identity(), stage=1, compression="8bit")
-    client = _client(cleanup, dhts["trainer"], run_id, num_stages=2)
+    client = _client(cleanup, dhts["trainer"], run_id, num_stages=2, request_timeout=30.0)
     x = torch.randn(96, 64, requires_grad=True)
     y = client.call_stage(0, x)
     torch.testing.assert_close(y, expand(x), atol=1e-5, rtol=0)
@@ -201,21 +201,32 @@ def test_8bit_and_large_payloads_use_streaming(dhts, cleanup) -> None:
     assert client8.stats()["swarm/stage1/forward_bytes_sent"] < 0.27 * big.numel() * 4
 
 
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, a, b):
+        return a * self.scale + b, a - b * self.scale
+
+
 @pytest.mark.timeout(120)
-def test_medium_calls_of_several_tensors_travel_as_one_message(dhts, cleanup) -> None:
-    """A backward below the streaming limit whose tensors together exceed one message (the forward's inputs plus
-    the output gradients, 256 KiB each) is sent whole: a regression test for calls cut into several messages."""
-    torch.manual_seed(0)
-    run_id = _run_id("medium")
-    stage = nn.Linear(512, 512)
-    _serve(cleanup, dhts["server1"], run_id, copy.deepcopy(stage), stage=0)
-    client = _client(cleanup, dhts["trainer"], run_id, num_stages=1)
-    x = torch.randn(128, 512, requires_grad=True)
-    y = client.call_stage(0, x)
-    torch.testing.assert_close(y, stage(x), atol=1e-5, rtol=0)
-    y.square().sum().backward()
-    expected = torch.autograd.grad(stage(x).square().sum(), x)[0]
-    torch.testing.assert_close(x.grad, expected, atol=1e-4, rtol=1e-4)
+def test_several_tensors_below_the_split_size_travel_as_one_message_each_way(dhts, cleanup) -> None:
+    """Two 128 KB tensors (no tensor split): forward and backward each make one round trip."""
+    run_id = _run_id("pair")
+    module = Pair()
+    _serve(cleanup, dhts["server1"], run_id, module)
+    client = _client(cleanup, dhts["trainer"], run_id)
+    a = torch.randn(64, 512, requires_grad=True)
+    b = torch.randn(64, 512, requires_grad=True)
+    u, v = client.call_stage(0, a, b)
+    torch.testing.assert_close(u, a * 2 + b, atol=1e-5, rtol=0)
+    (u.sum() + 2 * v.sum()).backward()
+    torch.testing.assert_close(a.grad, torch.full_like(a, 4.0), atol=1e-5, rtol=0)
+    torch.testing.assert_close(b.grad, torch.full_like(b, -3.0), atol=1e-5, rtol=0)
+    stats = client.stats()
+    assert stats["swarm/stage0/forward_calls"] == 1 and stats["swarm/stage0/backward_calls"] == 1
+    assert "swarm/bans" not in stats
 
 
 class RefusingServer(StageServer):
@@ -296,6 +307,12 @@ def test_errors_of_the_stage_code_reach_the_trainer_at_once(dhts, cleanup, where
     with pytest.raises(ValueError, match="user backward exploded") as info:
         y.sum().backward()
     assert isinstance(info.value, RemoteStageError) and info.value.is_compute_error and info.value.stage == 0
+    from lightning_swarm.swarm.codec import CodecError
+
+    with pytest.raises(CodecError, match="cannot cross a stage boundary"):  # the caller's own mistake
+        client.call_stage(0, torch.zeros(2, 4, dtype=torch.float8_e4m3fn))
+    with pytest.raises(CodecError, match="Cannot send a object"):
+        client.call_stage(0, torch.zeros(2, 4), object())
     assert time.monotonic() - start < 10.0
     assert "swarm/bans" not in client.stats() and client.routers[0].num_live() == len(servers)
     x = torch.randn(2, 4)  # the peers still serve

@@ -36,7 +36,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.mpfuture import MPFuture
 
 from ._loop import replicate_p2p, run_coroutine
-from .codec import CodecError, remember_wire_format
+from .codec import CodecError, check_encodable, remember_wire_format
 from .payload import EncodedPayload, Payload
 from .protocol import (
     RemoteStageError,
@@ -104,6 +104,9 @@ class SwarmClient:
         """
         self._check_stage(stage)
         inputs = Payload.call(args, kwargs)
+        for t in inputs.tensors:  # the caller's mistake, not a peer's: raise it before any peer is tried
+            check_encodable(t)
+        inputs.metadata()
         device = inputs.tensors[0].device if inputs.tensors else torch.device("cpu")
         if not torch.is_grad_enabled():
             outputs, _ = self._call(stage, StageRequest("forward", stage_uid(self.run_id, stage), inputs))

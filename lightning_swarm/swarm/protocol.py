@@ -42,6 +42,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "BadRequest",
     "ErrorReply",
+    "ProtocolError",
     "RemoteStageError",
     "StageReply",
     "StageRequest",

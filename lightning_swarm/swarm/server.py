@@ -76,7 +76,7 @@ from .protocol import (
 from .records import JOINING, LEAVING, ONLINE, STATES, declare_stage_peer
 from .settings import SwarmSettings
 from .throughput import Throughput
-from .transport import SPLIT_ABOVE, MessageReceiver, messages
+from .transport import MESSAGE_BYTES, SPLIT_ABOVE, MessageReceiver, messages
 
 __all__ = ["StageServer"]
 
@@ -608,12 +608,13 @@ class StageServer(StageService):
             compression = self.settings.compression
             split = reply.outputs.estimated_bytes(compression) > SPLIT_ABOVE
             encoded = reply.outputs.encode(compression, split_above=0.0 if split else math.inf)
+            size = MESSAGE_BYTES if split else math.inf  # not split: the whole reply in one message
             yield from messages(
-                runtime_pb2.ExpertResponse, encoded.parts(), encode_reply_header(reply, encoded)
+                runtime_pb2.ExpertResponse, encoded.parts(), encode_reply_header(reply, encoded), size
             )
         except (
             Exception
-        ) as e:  # a bug while encoding: end the call with an error reply (parts sent are dropped)
+        ) as e:  # a bug while encoding: end the call with an error reply (sent parts are dropped)
             logger.warning(f"Stage {self.stage}: failed to reply: {e!r}")
             yield runtime_pb2.ExpertResponse(
                 metadata=encode_reply_header(_error(request_id, UNAVAILABLE, e), None)

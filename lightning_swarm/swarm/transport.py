@@ -67,7 +67,7 @@ def messages(
     message_type: type[Msg],
     parts: Iterable[runtime_pb2.Tensor],
     header: bytes,
-    message_bytes: int = MESSAGE_BYTES,
+    message_bytes: float = MESSAGE_BYTES,
 ) -> Iterator[Msg]:
     """Group ``parts`` (consumed lazily) into messages of about ``message_bytes``; the last carries ``header``."""
     batch: list[runtime_pb2.Tensor] = []
@@ -79,16 +79,6 @@ def messages(
         batch.append(part)
         size += len(part.buffer) + 32
     yield message_type(tensors=batch, metadata=header)
-
-
-def _one_message(outgoing: Iterable[runtime_pb2.ExpertRequest]) -> runtime_pb2.ExpertRequest:
-    """The messages of a call that is not streamed, as one message (several tensors may each fill one)."""
-    batch = list(outgoing)
-    if len(batch) == 1:
-        return batch[0]
-    return runtime_pb2.ExpertRequest(
-        tensors=[t for m in batch for t in m.tensors], metadata=batch[-1].metadata
-    )
 
 
 class MessageReceiver:
@@ -187,8 +177,9 @@ class P2PTransport:
             reused = channel.calls > 0
             try:
                 parts = itertools.chain.from_iterable(p.parts() for p in payloads)
-                outgoing = messages(runtime_pb2.ExpertRequest, parts, header)
                 streamed = any(p.split for p in payloads)
+                size = MESSAGE_BYTES if streamed else math.inf  # not split: everything in one message
+                outgoing = messages(runtime_pb2.ExpertRequest, parts, header, size)
                 reply_header, tensors, sent, recv = channel.call(outgoing, self.timeout, streamed)
             except Exception as e:
                 channel.close()
@@ -287,7 +278,7 @@ class _Channel:
         loop (fewer thread wake-ups, which matter on a busy machine).
         """
         if not streamed:
-            message = _one_message(outgoing)
+            (message,) = list(outgoing)
             replies = run_coroutine(asyncio.wait_for(self._roundtrip(message), timeout), timeout=timeout + 5)
             receiver = MessageReceiver()
             for reply in replies:
