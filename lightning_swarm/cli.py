@@ -3,9 +3,11 @@
 - ``lightning-swarm serve MODULE_CLASS [--config cfg.yaml] --initial-peers ADDR ...``: a server-only peer that
   hosts one stage of the swarm for the LightningModule class ``MODULE_CLASS`` (``package.module.ClassName``),
   built with the ``model:`` section of a LightningCLI config and the ``SwarmStrategy`` settings of its
-  ``trainer.strategy.init_args``. Runs until interrupted.
-- ``lightning-swarm status --initial-peers ADDR ... [--run-id RUN] [--num-stages K]``: lists each stage's peers and
-  their announced throughput.
+  ``trainer.strategy.init_args``. It waits for trainers to appear, serves them, and runs until interrupted; on
+  SIGINT/SIGTERM it announces that it is leaving and finishes its calls in flight before it goes.
+- ``lightning-swarm status --initial-peers ADDR ... [--run-id RUN]``: a table of the whole swarm: every stage
+  with its peers, their state (joining, online, leaving) and announced throughput, and the pipeline's bottleneck.
+  The number of stages is read from the peers' records (``--num-stages`` only for peers that do not announce it).
 """
 
 from __future__ import annotations
@@ -92,27 +94,77 @@ def serve(args: argparse.Namespace) -> None:
         )
         stop.wait()
     finally:
-        peer.shutdown()
+        peer.shutdown(drain=True)
 
 
 def status(args: argparse.Namespace) -> None:
-    """Print each stage's peers."""
+    """Print a table of the swarm: stages, peers, states, throughput and the bottleneck."""
     import hivemind
-
-    from lightning_swarm.swarm.records import get_stage_peers
 
     if not args.initial_peers:
         raise SystemExit("error: status needs --initial-peers (the multiaddr of any peer of the swarm).")
+    run_id = args.run_id or "lightning_swarm"
     dht = hivemind.DHT(start=True, initial_peers=args.initial_peers, client_mode=True)
     try:
-        for stage in range(args.num_stages or 1):
-            peers = get_stage_peers(dht, args.run_id or "lightning_swarm", stage)
-            total = sum(p.throughput for p in peers)
-            print(f"stage {stage}: {len(peers)} peers, {total:.1f} samples/s")
-            for p in peers:
-                print(f"  {p.peer_id}  {p.throughput:.1f} samples/s")
+        peers, num_stages = list_swarm(dht, run_id, args.num_stages)
     finally:
         dht.shutdown()
+    if not peers:
+        raise SystemExit(
+            f"error: no peer of run {run_id!r} is announced in the DHT reached through {args.initial_peers}. "
+            "Check --run-id (the SwarmStrategy's run_id) and that the swarm is running."
+        )
+    print(format_status(run_id, peers, num_stages))
+
+
+def list_swarm(
+    dht: Any, run_id: str, num_stages: int | None = None, max_stages: int = 1024
+) -> tuple[list, int]:
+    """Every announced peer of run ``run_id`` (all states) and the number of stages: ``num_stages`` if given,
+    else the largest one the peers announce, else the stages up to the first one without any peer."""
+    from lightning_swarm.swarm.records import STATES, get_stage_peers
+
+    peers: list = []
+    stage = 0
+    while stage < (num_stages or max_stages):
+        found = get_stage_peers(dht, run_id, stage, states=STATES)
+        peers += found
+        if num_stages is None:
+            announced = [p.num_stages for p in peers if p.num_stages is not None]
+            if announced:
+                num_stages = max(announced)
+            elif not found:
+                num_stages = stage
+                break
+        stage += 1
+    return peers, num_stages or 0
+
+
+def format_status(run_id: str, peers: list, num_stages: int) -> str:
+    """The ``status`` table for ``peers`` (``PeerInfo`` records of every state)."""
+    from lightning_swarm.swarm.records import ONLINE
+
+    totals = [
+        sum(p.throughput for p in peers if p.stage == k and p.state == ONLINE) for k in range(num_stages)
+    ]
+    bottleneck = min(range(num_stages), key=lambda k: totals[k]) if num_stages else None
+    online = sum(p.state == ONLINE for p in peers)
+    lines = [
+        f"run {run_id!r}: {num_stages} stages, {len(peers)} peers ({online} online); pipeline "
+        f"{min(totals, default=0.0):.1f} samples/s, bottleneck: stage {bottleneck}",
+        "",
+        f"{'stage':>5}  {'peers':>5}  {'online':>6}  {'samples/s':>10}",
+    ]
+    for k in range(num_stages):
+        here = [p for p in peers if p.stage == k]
+        mark = "  <- bottleneck" if k == bottleneck else ""
+        lines.append(
+            f"{k:>5}  {len(here):>5}  {sum(p.state == ONLINE for p in here):>6}  {totals[k]:>10.1f}{mark}"
+        )
+    lines += ["", f"{'stage':>5}  {'state':<8}  {'samples/s':>10}  peer"]
+    for p in sorted(peers, key=lambda p: (p.stage, p.peer_id.to_base58())):
+        lines.append(f"{p.stage:>5}  {p.state:<8}  {p.throughput:>10.1f}  {p.peer_id}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,13 +173,19 @@ def main(argv: list[str] | None = None) -> None:
     p_serve = sub.add_parser("serve", help="host one stage of a swarm (server-only peer)")
     p_serve.add_argument("module", help="LightningModule class, e.g. examples.lm.model.TinyTransformerLM")
     p_serve.add_argument("--config", help="LightningCLI YAML with model: and trainer.strategy.init_args:")
-    p_status = sub.add_parser("status", help="list the peers of each stage")
+    p_status = sub.add_parser("status", help="print a table of the swarm's stages and peers")
     for p in (p_serve, p_status):
         p.add_argument(
             "--initial-peers", nargs="*", default=[], help="multiaddrs of peers already in the swarm"
         )
         p.add_argument("--run-id", dest="run_id", default=None)
-        p.add_argument("--num-stages", dest="num_stages", type=int, default=None)
+        p.add_argument(
+            "--num-stages",
+            dest="num_stages",
+            type=int,
+            default=None,
+            help="number of stages (serve: overrides the config; status: only needed for peers that do not announce it)",
+        )
     p_serve.add_argument("--stage", type=int, default=None, help="stage to serve (default: the least served)")
     p_serve.add_argument("--compression", choices=["8bit", "fp16", "none"], default=None)
     p_serve.add_argument("--host-maddrs", nargs="*", default=[], help="addresses to listen on")

@@ -70,14 +70,24 @@ def test_serve_and_status_form_a_swarm_by_initial_peers(tmp_path: Path) -> None:
 
         status = subprocess.run(
             [sys.executable, "-m", "lightning_swarm.cli", "status", "--initial-peers", address]
-            + ["--run-id", run_id, "--num-stages", "2"],
+            + ["--run-id", run_id],  # the number of stages comes from the peers' records
             cwd=ROOT,
             capture_output=True,
             text=True,
             timeout=120,
         )
         assert status.returncode == 0, status.stderr[-2000:]
-        assert "stage 0: 1 peers" in status.stdout and "stage 1: 1 peers" in status.stdout, status.stdout
+        out = status.stdout
+        assert f"run {run_id!r}: 2 stages, 2 peers (2 online)" in out and "bottleneck: stage" in out, out
+        rows = [line.split() for line in out.splitlines()]
+        assert [r[:3] for r in rows if len(r) >= 4 and r[0] in "01" and r[1] == "1"] == [
+            ["0", "1", "1"],
+            ["1", "1", "1"],
+        ], out
+        assert sorted(r[:2] for r in rows if len(r) == 4 and r[1] == "online") == [
+            ["0", "online"],
+            ["1", "online"],
+        ]
 
         # a trainer elsewhere joins by the same address and runs both served stages
         dht = hivemind.DHT(start=True, initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])

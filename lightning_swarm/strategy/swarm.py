@@ -67,6 +67,9 @@ class SwarmStrategy(ParallelStrategy):
         linger_timeout: at the end of a run, seconds a peer keeps serving while other peers still train.
         restart_peers: in a local swarm (``devices=N``), how many times a peer process that died is started again
             (per peer). A dead peer never stops the others; 0 (default) leaves it dead.
+        rebalance_period: mean seconds between a serving peer's checks whether moving to another stage would speed
+            up the pipeline by more than ``rebalance_min_gain``; 0 turns adaptive rebalancing off.
+        rebalance_min_gain: relative gain in the pipeline's throughput that a migration must bring.
     """
 
     strategy_name = "swarm"
@@ -89,6 +92,8 @@ class SwarmStrategy(ParallelStrategy):
         averaging_timeout: float = _DEFAULTS.averaging_timeout,
         linger_timeout: float = _DEFAULTS.linger_timeout,
         restart_peers: int = 0,
+        rebalance_period: float = _DEFAULTS.rebalance_period,
+        rebalance_min_gain: float = _DEFAULTS.rebalance_min_gain,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -118,6 +123,8 @@ class SwarmStrategy(ParallelStrategy):
             matchmaking_time=matchmaking_time,
             averaging_timeout=averaging_timeout,
             linger_timeout=linger_timeout,
+            rebalance_period=rebalance_period,
+            rebalance_min_gain=rebalance_min_gain,
         )
         if restart_peers < 0:
             raise ValueError(f"SwarmStrategy(restart_peers={restart_peers}) must be 0 or more.")
@@ -216,8 +223,10 @@ class SwarmStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
+        """Move what is allocated; blocks on the ``meta`` device stay there (the peer allocates only its stage)."""
         assert self.model is not None
-        self.model.to(self.root_device)
+        device = self.root_device
+        self.model._apply(lambda t: t if t.is_meta else t.to(device))
 
     @override
     def on_train_start(self) -> None:
@@ -282,6 +291,17 @@ class SwarmStrategy(ParallelStrategy):
             self._peer.leave(failed=self._failed)
             self._peer = None
         self._failed = False
+        module = self.lightning_module
+        if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            # a server-only peer never gathers the stages it did not host: they stay unallocated, and
+            # `Strategy.teardown` would fail to move them to the CPU
+            module._apply(lambda t: t if t.is_meta else t.cpu())
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = module
+            return
         super().teardown()
 
     @classmethod

@@ -161,6 +161,17 @@ class SwarmClient:
                 logger.debug(f"Peer {info.peer_id} of stage {stage} did not answer rpc_info: {e!r}")
         return infos
 
+    def set_local_server(self, stage: int, server: Any | None) -> None:
+        """Serve ``stage`` from ``server`` in this process, or no longer (``None``): for a peer that migrates."""
+        with self._transport_lock:
+            if server is None:
+                self.local_servers.pop(stage, None)
+            else:
+                self.local_servers[stage] = server
+            transport = self._transports.pop((self.peer_id, stage), None)
+        if transport is not None:
+            transport.close()
+
     def stats(self) -> dict[str, float]:
         """Traffic and failure counters, e.g. ``swarm/bytes_sent`` and ``swarm/stage0/forward_bytes_recv``."""
         with self._lock:

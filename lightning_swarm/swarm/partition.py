@@ -6,11 +6,16 @@ pipeline; the container itself is swapped for a proxy with the same calling inte
 ``call_stage(stage, *args, **kwargs)`` (the :class:`~lightning_swarm.swarm.client.SwarmClient`, or anything with
 that signature). The original container is kept aside (not registered as a submodule, so its parameters are not
 the trainer's) so it can be put back with the trained weights when the swarm run ends.
+
+Memory: a peer keeps only the blocks of the stage it hosts. :meth:`Partition.release` moves every other block's
+tensors to PyTorch's ``meta`` device (shape and dtype, no storage), :meth:`Partition.materialize` allocates a
+stage's blocks again (a peer that migrates, or blocks that were built on ``meta`` in the first place), and
+:meth:`Partition.restore` fills released blocks from gathered states.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -113,6 +118,10 @@ def stage_state_keys(container: nn.Module, blocks: range) -> dict[str, str]:
         index, rest = local.split(".", 1)
         mapping[key] = f"{blocks[int(index)]}.{rest}"
     return mapping
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
 class RemoteStage(nn.Module):
@@ -252,6 +261,58 @@ class Partition:
     def stage_module(self, stage: int) -> nn.Module:
         return build_stage_module(self.container, self.stages[stage])
 
+    def stage_blocks(self, stage: int) -> list[nn.Module]:
+        return [self.container[i] for i in self.stages[stage]]
+
+    def is_materialized(self, stage: int) -> bool:
+        """Whether every tensor of the stage's blocks has storage (none is on the ``meta`` device)."""
+        return not any(_on_meta(block) for block in self.stage_blocks(stage))
+
+    def release(self, keep: Iterable[int] = ()) -> None:
+        """Free the blocks of every stage not in ``keep``: their parameters and buffers move to the ``meta``
+        device (new tensors without storage; the old ones are freed once nothing else holds them)."""
+        kept = {i for stage in keep for i in self.stages[stage]}
+        for i, block in enumerate(self.container):
+            if i not in kept:
+                block.to("meta")
+
+    def materialize(self, stage: int, device: torch.device | str, seed: int | None = None) -> bool:
+        """Allocate the stage's blocks on ``device`` if any of their tensors is on ``meta``; returns whether it
+        did. The new tensors are initialised by the blocks' own ``reset_parameters()`` under ``torch.manual_seed(
+        seed)`` (so every peer that does this for a stage gets the same values) and are meant to be overwritten
+        by the stage's current state from a peer.
+
+        Raises:
+            ValueError: a parameter of the stage belongs to a module without ``reset_parameters()``, so it could
+                not be initialised.
+        """
+        blocks = self.stage_blocks(stage)
+        if not any(_on_meta(block) for block in blocks):
+            return False
+        uncovered = []
+        for block in blocks:
+            block.to_empty(device=device)
+            for name, module in block.named_modules():
+                if not hasattr(module, "reset_parameters"):
+                    uncovered += [
+                        f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)
+                    ]
+        if uncovered:
+            raise ValueError(
+                f"Stage {stage}'s blocks were not allocated on this peer (meta device) and the parameters "
+                f"{uncovered[:5]} belong to modules without reset_parameters(), so they cannot be initialised here. "
+                "Give those modules a reset_parameters() method, or build the pipeline's blocks on a real device."
+            )
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            with torch.no_grad():
+                for block in blocks:
+                    for module in block.modules():
+                        if hasattr(module, "reset_parameters"):
+                            module.reset_parameters()
+        return True
+
     def install_proxy(self, call_stage: CallStage) -> nn.Module:
         """Replace the container with its proxy inside ``root``; the container's parameters leave ``root``."""
         if self.is_sequential:
@@ -268,7 +329,9 @@ class Partition:
     def restore(self, stage_states: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
         """Put the original container back, loading the given per-stage ``state_dict``s into it first."""
         for stage, state in (stage_states or {}).items():
-            self.container.load_state_dict(self.to_container_state(stage, state), strict=False)
+            # released (meta) blocks take the gathered tensors themselves; allocated ones copy them in place
+            assign = not self.is_materialized(stage)
+            self.container.load_state_dict(self.to_container_state(stage, state), strict=False, assign=assign)
         setattr(self.parent, self.name, self.container)
 
     def to_container_state(self, stage: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

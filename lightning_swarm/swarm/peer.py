@@ -1,8 +1,18 @@
-"""One swarm peer's life: join the DHT, host a stage, route the trainer's microbatches, leave cleanly.
+"""One swarm peer's life: join the DHT, host a stage, route the trainer's microbatches, move, leave cleanly.
 
 This is the glue between the pieces of the engine (DHT, :class:`StageServer`, :class:`SwarmClient`,
 :class:`Partition`, :class:`Presence`) and is free of Lightning: the ``SwarmStrategy`` and the
 ``lightning-swarm serve`` command both drive a :class:`SwarmPeer`.
+
+- Joining: the peer takes the stage that most needs it (:func:`~.rebalance.choose_stage` over the announced
+  records), announces itself ``"joining"``, downloads the stage's current parameters and optimizer state from a
+  peer already serving it, and only then goes ``"online"`` (trainers call only online peers).
+- Memory: the peer keeps only its own stage's blocks (and the trainer-local modules); the other blocks are
+  released to the ``meta`` device (:meth:`~.partition.Partition.release`).
+- Rebalancing: at randomised intervals a training server reads every stage's records and, if
+  :func:`~.rebalance.plan_move` names it, migrates: announces ``"leaving"``, finishes its calls in flight, frees
+  its old stage, allocates the new one, loads its state from the peers there and goes online.
+- Leaving: a peer announces ``"leaving"`` before it stops serving.
 """
 
 from __future__ import annotations
@@ -10,8 +20,12 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import random
+import threading
 import time
+import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import hivemind
@@ -22,7 +36,9 @@ from .client import SwarmClient
 from .logs import quiet_routine_logs
 from .partition import Partition
 from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, Presence
-from .records import get_stage_peers
+from .rebalance import Move, PeerLoad, choose_stage, next_check, plan_move
+from .records import LEAVING as LEAVING_STATE
+from .records import ONLINE, STATES, get_stage_peers
 from .server import StageServer, initialize_optimizer_state
 from .settings import SwarmSettings
 
@@ -79,8 +95,15 @@ class SwarmPeer:
         self.client: SwarmClient | None = None
         self.stage: int | None = None
         self.joined = False
+        self.migrations: list[Move] = []
         self._trainer_optimizer: hivemind.Optimizer | None = None
         self._batch_size = 1
+        self._stage_optimizer: _OptimizerTemplate | None = None
+        self._pipeline_ids: set[int] = set()
+        self._measured_since: _Since | None = None
+        self._migration_lock = threading.Lock()
+        self._stop_rebalancing = threading.Event()
+        self._rebalancer: threading.Thread | None = None
 
     # ------------------------------------------------------------------ roles
     @property
@@ -153,31 +176,32 @@ class SwarmPeer:
         s = self.settings
         assert self.dht is not None, "start_dht() first"
         self.partition = Partition(module, s.pipeline or find_pipeline(module), s.num_stages)
+        self._pipeline_ids = {id(p) for p in self.partition.container.parameters()}  # before any reallocation
         self.stage = self._choose_stage()
         optimizer = optimizers[0] if training and optimizers else None
+        if optimizer is not None:
+            self._stage_optimizer = _OptimizerTemplate(optimizer)  # before the trainer's optimizer loses them
+            self._stage_optimizer.remember(self.partition.container)
         local_servers = {}
         if self.is_server:
-            stage_module = self.partition.stage_module(self.stage).to(self.device)
-            factory, groups = (
-                stage_optimizer(optimizer, stage_module) if optimizer is not None else (None, None)
-            )
-            self.server = StageServer(
-                self.stage,
-                stage_module,
-                dht=self.dht,
-                settings=s,
-                optimizer_factory=factory,
-                param_groups=groups,
-            )
+            self.server = self._make_server(self.stage)
             local_servers[self.stage] = self.server
         # hivemind optimizers fork their averager processes: create them all before this process starts the
         # event-loop thread of its P2P calls (a fork taken while that thread holds a lock can hang the child)
         optimizers = self.trainer_optimizers(optimizers) if training else optimizers
+        # this peer keeps only its own stage: the other blocks are freed (see Partition.release)
+        self.partition.release(keep=[self.stage] if self.server is not None else [])
         if self.server is not None:
-            self.server.start()
+            self._start_server(self.server)
         self.client = SwarmClient(self.dht, s, local_servers=local_servers)
         self.partition.install_proxy(self.client.call_stage)
         self.joined = True
+        if self.server is not None and self.server.optimizer is not None and s.rebalance_period > 0:
+            self._stop_rebalancing.clear()
+            self._rebalancer = threading.Thread(
+                target=self._rebalance_loop, name="swarm-rebalance", daemon=True
+            )
+            self._rebalancer.start()
         return optimizers
 
     def _choose_stage(self) -> int:
@@ -186,17 +210,141 @@ class SwarmPeer:
             return s.stage
         if self.local_swarm_size is not None:
             return self.peer_index % s.num_stages
-        totals = [
-            sum(p.throughput for p in get_stage_peers(self.dht, s.run_id, k)) for k in range(s.num_stages)
-        ]
-        return min(range(s.num_stages), key=lambda k: totals[k])
+        return choose_stage(self.peer_loads(), s.num_stages)
+
+    def peer_loads(self) -> list[PeerLoad]:
+        """Every stage's announced peers (joining, online and leaving), for the rebalancing policy."""
+        assert self.dht is not None
+        loads = []
+        for stage in range(self.settings.num_stages):
+            for p in get_stage_peers(self.dht, self.settings.run_id, stage, states=STATES):
+                loads.append(PeerLoad(p.peer_id.to_base58(), stage, p.throughput, p.state))
+        return loads
+
+    def _make_server(self, stage: int, throughput: float | None = None) -> StageServer:
+        """A (not yet started) server of ``stage``, its blocks allocated on this peer's device, announcing
+        ``throughput`` until it has measured its own (``None``: estimate it)."""
+        assert self.partition is not None and self.dht is not None
+        self.partition.materialize(stage, self.device, seed=_stage_seed(self.settings.run_id, stage))
+        stage_module = self.partition.stage_module(stage).to(self.device)
+        template = self._stage_optimizer
+        factory, groups = template.for_stage(stage_module) if template is not None else (None, None)
+        return StageServer(
+            stage,
+            stage_module,
+            dht=self.dht,
+            settings=self.settings,
+            optimizer_factory=factory,
+            param_groups=groups,
+            throughput=throughput,
+        )
+
+    def _start_server(self, server: StageServer) -> None:
+        """Start ``server``; if its stage already has online peers, first as ``"joining"`` while it downloads the
+        stage's current parameters and optimizer state from one of them, then online."""
+        assert self.dht is not None
+        me = self.dht.peer_id
+        donors = [p for p in get_stage_peers(self.dht, self.settings.run_id, server.stage) if p.peer_id != me]
+        joining = bool(donors) and server.optimizer_factory is not None
+        server.start(joining=joining)
+        if joining:
+            if server.load_state_from_peers():
+                logger.info(f"Peer {me} loaded the current state of stage {server.stage} from its peers")
+            else:
+                logger.warning(
+                    f"Peer {me} found no peer of stage {server.stage} to download its state from; it serves its own "
+                    "initial weights until the stage's next averaging round"
+                )
+            server.set_state(ONLINE)
+
+    # ------------------------------------------------------------------ rebalance
+    def _rebalance_loop(self) -> None:
+        rng = random.Random()
+        while not self._stop_rebalancing.wait(next_check(self.settings.rebalance_period, rng)):
+            try:
+                self.rebalance_once()
+            except Exception as e:  # a failed check or move is retried at the next check
+                logger.warning(f"Swarm peer {self.peer_index}: rebalancing failed: {e!r}")
+
+    def rebalance_once(self) -> Move | None:
+        """Read every stage's records and, if :func:`~.rebalance.plan_move` names this peer, migrate; returns the
+        move made. Nothing is planned until this peer has measured its own throughput for a while (the longer of
+        three announce periods and half a rebalance period, so that the figures of the others settle too), when a
+        stage lists no peer at all (an unreadable DHT is not an empty stage) or when this peer's own record is not
+        there yet."""
+        assert self.dht is not None
+        if self.server is None or not self.server.throughput.measured:
+            self._measured_since = None
+            return None  # an estimate is no ground for a move; without trainers there is nothing to speed up
+        now = time.monotonic()
+        if self._measured_since is None or self._measured_since.server is not self.server:
+            self._measured_since = _Since(self.server, now)
+        # every peer's announced figure should rest on more than its first calls before anyone moves
+        settle = max(3 * self.settings.announce_period, self.settings.rebalance_period / 2)
+        if now - self._measured_since.time < settle:
+            return None
+        loads = self.peer_loads()
+        me = self.dht.peer_id.to_base58()
+        listed = {p.stage for p in loads}
+        if len(listed) < self.settings.num_stages or not any(p.peer_id == me for p in loads):
+            return None
+        move = plan_move(loads, self.settings.num_stages, min_gain=self.settings.rebalance_min_gain)
+        if move is None or move.peer_id != me or move.src != self.stage:
+            return None
+        logger.info(
+            f"Swarm peer {me} moves from stage {move.src} to stage {move.dst}: the pipeline's announced throughput "
+            f"goes from {move.before:.1f} to {move.after:.1f} samples/s"
+        )
+        self.migrate(move.dst)
+        self.migrations.append(move)
+        return move
+
+    def migrate(self, stage: int) -> None:
+        """Serve ``stage`` instead of the current one: announce ``"leaving"``, finish the calls in flight, free the
+        old stage's blocks, allocate the new ones, load their state from the stage's peers, go online."""
+        with self._migration_lock:
+            assert self.partition is not None and self.server is not None and self.client is not None
+            old = self.server
+            if stage == old.stage:
+                return
+            # this peer's speed on the new stage, until measured there: what it announced (and the policy assumed)
+            # scaled by the stages' sizes, as compute per sample grows with the parameters
+            size_old = sum(p.numel() for p in old.module.parameters()) or 1
+            size_new = (
+                sum(b.numel() for blk in self.partition.stage_blocks(stage) for b in blk.parameters()) or 1
+            )
+            throughput = old.throughput.value * size_old / size_new
+            old.drain()
+            self.client.set_local_server(old.stage, None)
+            old.shutdown()
+            self.server = None
+            try:
+                self.partition.release(keep=[stage])
+                new = self._make_server(stage, throughput)
+                self._start_server(new)
+            except Exception:
+                # serve the old stage again (its state comes back from its peers) rather than nothing
+                self.partition.release(keep=[old.stage])
+                new = self._make_server(old.stage)
+                self._start_server(new)
+                self.server = new
+                self.client.set_local_server(old.stage, new)
+                raise
+            self.server, self.stage = new, stage
+            self.client.set_local_server(stage, new)
+
+    def _stop_rebalancer(self) -> None:
+        self._stop_rebalancing.set()
+        thread, self._rebalancer = self._rebalancer, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=120)
 
     # ------------------------------------------------------------------ trainer-side optimisation
     def trainer_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         """Drop the pipeline's parameters from the trainer's optimizers (the stages' servers own them) and, when
         several trainers feed the swarm, average the remaining (trainer-local) parameters' gradients among them."""
         assert self.partition is not None
-        pipeline = {id(p) for p in self.partition.container.parameters()}
+        pipeline = self._pipeline_ids | {id(p) for p in self.partition.container.parameters()}
         for opt in optimizers:
             for group in opt.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in pipeline]
@@ -311,6 +459,7 @@ class SwarmPeer:
                 self.shutdown()
             return
         try:
+            self._stop_rebalancer()  # no migrations while the run ends and the stages are gathered
             if self.presence is not None:
                 self.presence.set_phase(FINISHED)
                 self.presence.wait_for(FINISHED, self.local_swarm_size, timeout=s.linger_timeout)
@@ -331,7 +480,16 @@ class SwarmPeer:
         finally:
             self.shutdown()
 
-    def shutdown(self) -> None:
+    def shutdown(self, drain: bool = False) -> None:
+        """Stop everything. The stage server first announces that it is leaving; with ``drain`` it also keeps
+        serving a little while so that trainers route their next calls elsewhere (see ``StageServer.drain``)."""
+        self._stop_rebalancer()
+        with self._migration_lock:
+            if self.server is not None:
+                try:
+                    self.server.drain() if drain else self.server.set_state(LEAVING_STATE)
+                except Exception as e:
+                    logger.debug(f"announcing the departure failed: {e!r}")
         for name in ("_trainer_optimizer", "client", "server"):
             obj = getattr(self, name)
             if obj is not None:
@@ -358,26 +516,66 @@ def stage_optimizer(
     and its parameter groups restricted to the stage's parameters, each with its own hyper-parameters (a
     group without weight decay stays without it). Returns ``(factory, param_groups)``; parameters of the stage
     in none of the optimizer's groups are not trained, as in the user's optimizer."""
-    if isinstance(optimizer, hivemind.Optimizer):
-        raise TypeError(
-            "configure_optimizers must return a torch optimizer; the SwarmStrategy wraps it itself."
-        )
-    cls = type(optimizer)
-    # `defaults` may hold entries the constructor does not take (AdamW's `decoupled_weight_decay`)
-    accepted = inspect.signature(cls.__init__).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
-    ours = {id(p) for p in stage_module.parameters()}
-    groups = []
-    for group in optimizer.param_groups:
-        params = [p for p in group["params"] if id(p) in ours]
-        if params:
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    return _OptimizerTemplate(optimizer).for_stage(stage_module)
 
-    def make(params: Any) -> torch.optim.Optimizer:
-        return cls(params, **defaults)
 
-    return make, groups
+class _OptimizerTemplate:
+    """The user's optimizer as a recipe for stage servers: its class, defaults, and which group (with its own
+    hyper-parameters) each block parameter belongs to, by the parameter's place in its module. Taken once when
+    the peer joins, so that a peer that migrates later builds its new stage's optimizer the same way even though
+    its blocks were freed and allocated again (new tensors)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if isinstance(optimizer, hivemind.Optimizer):
+            raise TypeError(
+                "configure_optimizers must return a torch optimizer; the SwarmStrategy wraps it itself."
+            )
+        self.cls = type(optimizer)
+        # `defaults` may hold entries the constructor does not take (AdamW's `decoupled_weight_decay`)
+        accepted = inspect.signature(self.cls.__init__).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        self.defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+        self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        self._group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._by_slot: dict[tuple[int, str], int] = {}  # (id(owner module), param name) -> group index
+
+    def remember(self, modules: nn.Module) -> None:
+        """Note the group of every parameter under ``modules`` by (owning module, name), which survives
+        reallocation (``Partition.release``/``materialize`` give the module new parameter objects)."""
+        for module in modules.modules():
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) in self._group_of:
+                    self._by_slot[(id(module), name)] = self._group_of[id(p)]
+
+    def for_stage(
+        self, stage_module: nn.Module
+    ) -> tuple[Callable[[Any], torch.optim.Optimizer], list[dict[str, Any]]]:
+        grouped: dict[int, list[torch.Tensor]] = {}
+        for module in stage_module.modules():
+            for name, p in module.named_parameters(recurse=False):
+                index = self._group_of.get(id(p), self._by_slot.get((id(module), name)))
+                if index is not None:
+                    grouped.setdefault(index, []).append(p)
+        groups = [{**self.hyper[i], "params": grouped[i]} for i in sorted(grouped)]
+        cls, defaults = self.cls, self.defaults
+
+        def make(params: Any) -> torch.optim.Optimizer:
+            return cls(params, **defaults)
+
+        return make, groups
+
+
+@dataclass
+class _Since:
+    """When this peer's current server was first seen with a measured throughput."""
+
+    server: StageServer
+    time: float
+
+
+def _stage_seed(run_id: str, stage: int) -> int:
+    """The seed with which every peer initialises a stage it allocates itself (the same on every peer)."""
+    return zlib.crc32(f"{run_id}.stage{stage}".encode())
 
 
 def _env_peers() -> list[str]:

@@ -21,7 +21,12 @@ input gradients recomputed, but its parameter gradients are dropped), and a back
 the caller's ``commit_by`` deadline is not applied at all (the caller has retried it on another peer by then).
 
 RPCs: ``rpc_channel`` (a long-lived stream carrying one call after another, see :mod:`.transport`),
-``rpc_info`` (stage, throughput, progress) and ``rpc_state`` (the stage's ``state_dict``). The compute runs in
+``rpc_info`` (stage, throughput, progress) and ``rpc_state`` (the stage's ``state_dict``, for gathering the model).
+A server announces a state with its record (see :mod:`.records`): a joining server starts ``"joining"``, loads the
+stage's current parameters and optimizer state from a peer already serving it (hivemind's state download, which
+picks at random among the peers with the newest epoch, so joiners spread over donors), and only then goes
+``"online"``; a server about to stop or move announces ``"leaving"`` first and stops taking calls after trainers
+have had time to see it (:meth:`StageServer.drain`). The compute runs in
 one background thread, so the event loop keeps answering. Every request gets a reply; a failed one gets an error reply that says why (see
 :mod:`.protocol`). Every ``announce_period`` seconds a background thread re-announces the peer in the DHT with
 its measured throughput (samples/s of forward + backward, see :mod:`.throughput`).
@@ -43,7 +48,9 @@ from typing import Any, AsyncIterator  # noqa: UP035 (hivemind detects stream ha
 import hivemind
 import msgpack
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.timed_storage import get_dht_time
@@ -66,7 +73,7 @@ from .protocol import (
     parse_request,
     stage_uid,
 )
-from .records import declare_stage_peer
+from .records import JOINING, LEAVING, ONLINE, STATES, declare_stage_peer
 from .settings import SwarmSettings
 from .throughput import Throughput
 from .transport import SPLIT_ABOVE, MessageReceiver, messages
@@ -130,9 +137,7 @@ class StageServer(StageService):
         self.samples_processed = 0
         self.optimizer: hivemind.Optimizer | None = None
         self.p2p: P2P | None = None
-        self._lock = (
-            threading.Lock()
-        )  # the parameters lock: compute reads, refreshes from the master copy write
+        self._lock = threading.Lock()  # the parameters lock: compute reads them, refreshes write them
         self._executor: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self._announcer: threading.Thread | None = None
@@ -147,6 +152,8 @@ class StageServer(StageService):
         self._step_lock = threading.Lock()  # held by the stepper while it runs the optimizer
         self._wake = threading.Event()
         self._applied = AppliedRequests()
+        self.state = ONLINE
+        self._accepting = True
 
     @property
     def device(self) -> torch.device:
@@ -164,11 +171,18 @@ class StageServer(StageService):
 
     # ---- lifecycle ----
 
-    def start(self) -> StageServer:
-        """Create the optimizer, register the RPC handlers and start announcing; returns ``self``."""
+    def start(self, joining: bool = False) -> StageServer:
+        """Create the optimizer, register the RPC handlers and start announcing; returns ``self``.
+
+        With ``joining``, the server announces itself as ``"joining"`` (trainers do not call it yet, and other
+        joiners do not download their state from it) until :meth:`set_state` puts it online, usually after
+        :meth:`load_state_from_peers`.
+        """
         if self._started:
             return self
         s = self.settings
+        self.state = JOINING if joining else ONLINE
+        self._accepting = True
         groups = self.param_groups
         if groups is None:
             groups = [{"params": [p for p in self.module.parameters() if p.requires_grad]}]
@@ -179,7 +193,7 @@ class StageServer(StageService):
             self._master = [nn.Parameter(p.detach().clone(), requires_grad=True) for p in self._trained]
             master_of = {id(p): m for p, m in zip(self._trained, self._master, strict=True)}
             groups = [{**g, "params": [master_of[id(p)] for p in g["params"]]} for g in groups]
-            self.optimizer = hivemind.Optimizer(
+            self.optimizer = _StageOptimizer(
                 dht=self.dht,
                 run_id=f"{s.run_id}_stage{self.stage}",  # hivemind forbids '.' in optimizer run ids
                 target_batch_size=s.target_batch_size,
@@ -191,8 +205,14 @@ class StageServer(StageService):
                 averaging_timeout=s.averaging_timeout,
                 # hivemind warns (and may deadlock) unless requests time out before matchmaking ends; the optimizer
                 # state is initialized without moving the parameters (see initialize_optimizer_state)
-                averager_opts={"request_timeout": request_timeout, "initialize_optimizer": False},
-                grad_averager_factory=functools.partial(GradientAverager, request_timeout=request_timeout),
+                averager_opts={
+                    "request_timeout": request_timeout,
+                    "initialize_optimizer": False,
+                    "allow_state_sharing": not joining,  # a joiner's state is not worth downloading
+                },
+                grad_averager_factory=functools.partial(
+                    _GradientAverager, request_timeout=request_timeout, allow_state_sharing=False
+                ),  # joiners download the state averager's state; a gradient buffer is not worth a download
                 verbose=False,
             )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}-compute")
@@ -247,12 +267,43 @@ class StageServer(StageService):
         finally:
             await p2p.shutdown()
 
-    def load_state_from_peers(self, **kwargs: Any) -> None:
-        """Download the stage's parameters and optimizer state from another peer of the stage (for joiners)."""
+    def load_state_from_peers(self) -> bool:
+        """Download the stage's current parameters and optimizer state (and epoch) from a peer already serving
+        the stage, in place; returns whether a peer sent it. A server that does not train the stage (no
+        optimizer) has nothing to load this way and returns ``False``."""
+        opt = self.optimizer
+        if opt is None:
+            return False
+        averager = opt.state_averager
+        assert isinstance(averager, _StateAverager)
+        with self._step_lock:  # the stepper waits; the served parameters are refreshed from the download
+            averager.loaded = False
+            opt.load_state_from_peers()
+            self._refresh_parameters()
+            return averager.loaded
+
+    def set_state(self, state: str) -> None:
+        """Announce ``state`` (``"joining"``, ``"online"`` or ``"leaving"``) now; an online server offers its
+        state to joiners, a leaving one no longer does."""
+        if state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {state!r}")
+        self.state = state
         if self.optimizer is not None:
-            with self._step_lock:
-                self.optimizer.load_state_from_peers(**kwargs)
-                self._refresh_parameters()
+            self.optimizer.state_averager.allow_state_sharing = state == ONLINE
+        self._announce()
+
+    def drain(self, grace: float | None = None) -> None:
+        """Leave gracefully: announce ``"leaving"``, keep serving for ``grace`` seconds (default: two of the
+        trainers' DHT refresh periods, so they route new calls elsewhere), then refuse new calls and wait for the
+        one in flight. :meth:`shutdown` follows."""
+        if not self._started:
+            return
+        self.set_state(LEAVING)
+        grace = 2 * self.settings.refresh_period if grace is None else grace
+        self._stop.wait(grace)
+        self._accepting = False
+        with self._lock:  # the call in flight, if any, finishes first
+            pass
 
     def _announce(self) -> None:
         try:
@@ -263,6 +314,8 @@ class StageServer(StageService):
                 self.peer_id,
                 self.throughput.value,
                 get_dht_time() + self.settings.expiration,
+                state=self.state,
+                num_stages=self.settings.num_stages,
             )
         except Exception as e:
             logger.warning(f"Stage {self.stage} server could not announce itself in the DHT: {e!r}")
@@ -346,7 +399,7 @@ class StageServer(StageService):
         try:
             if request.uid != self.uid:
                 raise BadRequest(f"This peer serves {self.uid!r}, but the request was for {request.uid!r}")
-            if not self._started:
+            if not self._started or not self._accepting:
                 return _error(
                     request.request_id, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running")
                 )
@@ -626,6 +679,59 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         if "step" in state:
             step = state["step"]
             state["step"] = torch.zeros_like(step) if isinstance(step, torch.Tensor) else 0
+
+
+class _LoadProbe(DecentralizedAverager):
+    """Records whether the last state download got a state (hivemind's ``TrainingStateAverager`` only logs it)."""
+
+    loaded = False
+
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
+        result = super().load_state_from_peers(wait=wait, timeout=timeout)
+        self.loaded = result is not None
+        return result
+
+
+class _StartsInAnyThread:
+    """hivemind's averagers set SIGINT to be ignored in the calling process when they start, which only the main
+    thread may do; a peer that migrates starts its new stage's averagers in a background thread. There they start
+    without touching the signal (the process already ignores SIGINT since its first averager started)."""
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        if threading.current_thread() is threading.main_thread():
+            return super().run_in_background(await_ready=await_ready, timeout=timeout)  # type: ignore[misc]
+        self.start()  # type: ignore[attr-defined]
+        if await_ready:
+            self.wait_until_ready(timeout)  # type: ignore[attr-defined]
+
+
+class _StateAverager(_StartsInAnyThread, TrainingStateAverager, _LoadProbe):
+    """hivemind's state averager of a stage, telling whether a joiner's download succeeded."""
+
+
+class _GradientAverager(_StartsInAnyThread, GradientAverager):
+    """hivemind's gradient averager, startable from any thread."""
+
+
+class _StageOptimizer(hivemind.Optimizer):
+    """hivemind's ``Optimizer`` with a :class:`_StateAverager`."""
+
+    def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
+        return _StateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
 
 
 def _make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Optimizer:

@@ -1,0 +1,288 @@
+"""Adaptive rebalancing: a badly placed swarm of peers of unequal speed finds the optimal placement by itself.
+
+Four server-only peers (each its own process, DHT node, p2p daemon and hivemind averagers) serve a 2-stage
+pipeline. Their speeds differ: every block sleeps ``cost`` seconds per sample in its forward (sleeping, not
+spinning, so that the 2 CPUs of the test box do not decide who is fast), with ``cost`` twice as long on the
+slow peers. Speeds in "units" (1 = a slow peer): A=2, B=1, C=1 start on stage 0 and D=2 alone on stage 1, so the
+pipeline runs at stage 1's 2 units while the best placement ({A,B} / {C,D}, or {A,C} / {B,D}) runs at 3.
+
+A trainer in this process keeps ``--inflight`` microbatches in flight through the swarm (forward and backward
+through both stages, throughput-weighted routing) and counts the samples that complete, over time:
+
+1. ``rebalancing``: the bad placement with rebalancing on (a check every ``--period`` s on average); the peers
+   measure their speeds from the trainer's calls, and the policy moves B or C to stage 1;
+2. ``optimal``: a fresh swarm placed optimally from the start, rebalancing off, the same trainer.
+
+Usage: ``python benchmarks/swarm_rebalance.py [--quick]``. The last stdout line is one JSON object with
+``throughput_initial`` (samples/s before the first move), ``throughput_rebalanced`` (after the placement has
+settled), ``throughput_optimal`` and ``fraction_of_optimal`` (rebalanced / optimal; target >= 0.9), the moves and
+placements seen, and the load average. ``swarm_rebalance.png`` (throughput over time) is written next to the
+JSON file given by ``--out`` (default: the current directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+WIDTH = 32
+BATCH = 4
+UNIT_COST = 0.02  # seconds per sample per block on a slow peer (2 blocks per stage): slow 12.5 samples/s
+
+
+class Delay(nn.Module):
+    """Sleeps ``cost`` seconds per sample: a peer's speed, set per process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cost = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.cost * x.shape[0])
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            *(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), Delay()) for _ in range(4))
+        )
+
+
+def _settings(run_id: str, **changes):
+    from lightning_swarm.swarm import SwarmSettings
+
+    return SwarmSettings(
+        pipeline="layers",
+        num_stages=2,
+        compression="none",
+        target_batch_size=10**9,  # no averaging rounds: this measures placement, not averaging
+        run_id=run_id,
+        request_timeout=10.0,
+        no_peers_timeout=30.0,
+        announce_period=1.0,
+        expiration=6.0,
+        refresh_period=1.0,
+        ban_base_s=1.0,
+        **changes,
+    )
+
+
+def worker(spec: dict) -> None:
+    """One server-only peer: serve ``spec['stage']`` at ``spec['speed']`` units until SIGTERM."""
+    from lightning_swarm.swarm import SwarmPeer
+
+    torch.manual_seed(0)
+    model = Net()
+    for m in model.modules():
+        if isinstance(m, Delay):
+            m.cost = UNIT_COST / spec["speed"]
+    settings = _settings(
+        spec["run_id"],
+        role="server",
+        stage=spec["stage"],
+        rebalance_period=spec["period"],
+        initial_peers=tuple(spec["initial_peers"]),
+    )
+    peer = SwarmPeer(settings)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    peer.start_dht()
+    try:
+        peer.join(model, [torch.optim.SGD(model.parameters(), lr=0.01)], training=True)
+        print("MADDRS " + " ".join(str(a) for a in peer.dht.get_visible_maddrs()), flush=True)
+        stop.wait()
+    finally:
+        moves = [[m.src, m.dst, round(m.before, 1), round(m.after, 1)] for m in peer.migrations]
+        peer.shutdown()
+        print("MOVES " + json.dumps(moves), flush=True)
+
+
+def _start(run_id: str, name: str, stage: int, speed: float, period: float, initial: list[str]):
+    spec = {"run_id": run_id, "stage": stage, "speed": speed, "period": period, "initial_peers": initial}
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("MADDRS "):
+            return proc, line.split()[1:]
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"peer {name} did not start (exit code {proc.poll()})")
+
+
+def run_swarm(
+    placement: dict[str, tuple[int, float]], period: float, duration: float, inflight: int, tag: str
+):
+    """Start the peers, drive the pipeline for ``duration`` s; returns completion times and placements seen."""
+    import hivemind
+
+    from lightning_swarm.swarm import SwarmClient
+    from lightning_swarm.swarm.records import get_stage_peers
+
+    run_id = f"rebalance-{tag}-{os.getpid()}"
+    procs: dict[str, subprocess.Popen] = {}
+    initial: list[str] = []
+    moves: dict[str, list] = {}
+    try:
+        for name, (stage, speed) in placement.items():
+            proc, maddrs = _start(run_id, name, stage, speed, period, initial)
+            procs[name] = proc
+            initial = initial or maddrs
+        dht = hivemind.DHT(start=True, initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        client = SwarmClient(dht, _settings(run_id))
+        done: list[float] = []
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def drive() -> None:
+            while not stop.is_set():
+                try:
+                    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+                    y = client.call_stage(1, client.call_stage(0, x))
+                    y.sum().backward()
+                    done.append(time.monotonic())
+                except Exception as e:  # counted; the run goes on
+                    errors.append(e)
+                    time.sleep(0.5)
+
+        start = time.monotonic()
+        threads = [threading.Thread(target=drive, daemon=True) for _ in range(inflight)]
+        for t in threads:
+            t.start()
+        placements: list[tuple[float, list[int]]] = []
+        while time.monotonic() - start < duration:
+            counts = [len(get_stage_peers(dht, run_id, k)) for k in range(2)]
+            if not placements or placements[-1][1] != counts:
+                placements.append((round(time.monotonic() - start, 1), counts))
+            time.sleep(0.5)
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        client.shutdown()
+        dht.shutdown()
+        return [t - start for t in done], placements, len(errors), moves
+    finally:
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for name, proc in procs.items():
+            try:
+                out, _ = proc.communicate(timeout=60)
+                moves[name] = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("MOVES ")]
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def rate(times: list[float], lo: float, hi: float) -> float:
+    """Samples per second completed in [lo, hi)."""
+    return BATCH * sum(lo <= t < hi for t in times) / max(hi - lo, 1e-9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter runs (under 5 minutes)")
+    parser.add_argument("--period", type=float, default=None, help="mean seconds between rebalancing checks")
+    parser.add_argument("--inflight", type=int, default=12, help="microbatches the trainer keeps in flight")
+    parser.add_argument("--out", default=".", help="folder for swarm_rebalance.json and .png")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    period = args.period or (12.0 if args.quick else 20.0)
+    duration = 60.0 if args.quick else 120.0
+    warmup = 3.0
+    # speeds in units (slow = 1): the bad placement and the best one
+    bad = {"A": (0, 2.0), "B": (0, 1.0), "C": (0, 1.0), "D": (1, 2.0)}
+    best = {"A": (0, 2.0), "B": (0, 1.0), "C": (1, 1.0), "D": (1, 2.0)}
+
+    times, placements, errors, moves = run_swarm(bad, period, duration, args.inflight, "bad")
+    first_move = next((t for t, c in placements if c != [3, 1]), duration)
+    settled = next((t for t, c in placements if c == [2, 2]), None)
+    final = placements[-1][1]
+    throughput_initial = rate(times, warmup, max(first_move, warmup + 1.0))
+    after = (settled if settled is not None else duration) + 5.0
+    throughput_rebalanced = rate(times, after, duration) if after < duration - 2 else 0.0
+
+    optimal_duration = 30.0 if args.quick else 45.0
+    opt_times, opt_placements, opt_errors, _ = run_swarm(best, 0.0, optimal_duration, args.inflight, "best")
+    throughput_optimal = rate(opt_times, warmup + 2.0, optimal_duration)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot = out / "swarm_rebalance.png"
+    _plot(times, opt_times, placements, duration, optimal_duration, plot)
+    result = {
+        "throughput_initial": round(throughput_initial, 2),
+        "throughput_rebalanced": round(throughput_rebalanced, 2),
+        "throughput_optimal": round(throughput_optimal, 2),
+        "fraction_of_optimal": round(throughput_rebalanced / throughput_optimal, 3)
+        if throughput_optimal
+        else 0.0,
+        "speedup_from_rebalancing": round(throughput_rebalanced / throughput_initial, 3)
+        if throughput_initial
+        else 0.0,
+        "model_units": {"initial": 2, "optimal": 3},
+        "first_move_s": first_move,
+        "settled_s": settled,
+        "final_placement": final,
+        "moves": {name: m[0] if m else [] for name, m in moves.items()},  # [src, dst, before, after] per peer
+        "placements": placements,
+        "optimal_placements": opt_placements,
+        "failed_calls": errors + opt_errors,
+        "rebalance_period_s": period,
+        "duration_s": duration,
+        "inflight": args.inflight,
+        "unit_cost_s_per_sample_per_block": UNIT_COST,
+        "loadavg": os.getloadavg(),
+        "plot": str(plot),
+    }
+    (out / "swarm_rebalance.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+def _plot(times, opt_times, placements, duration, optimal_duration, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(ts: list[float], end: float, window: float = 2.0):
+        xs = [i * 1.0 for i in range(int(end))]
+        return xs, [rate(ts, max(0.0, x - window), x) if x > 0 else 0.0 for x in xs]
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(*series(times, duration), label="bad placement, rebalancing on")
+    ax.plot(*series(opt_times, optimal_duration), label="optimal placement", linestyle="--")
+    for t, counts in placements[1:]:
+        ax.axvline(t, color="grey", linewidth=0.8)
+        ax.text(t, ax.get_ylim()[1] * 0.95, f"{counts[0]}/{counts[1]}", fontsize=8)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("samples/s (2 s window)")
+    ax.set_title("SWARM adaptive rebalancing: 4 peers of speeds 2,1,1 | 2 -> 2,1 | 1,2")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
