@@ -72,6 +72,7 @@ from .protocol import (
     encode_reply_header,
     parse_request,
     stage_uid,
+    warm_up_codec,
 )
 from .records import JOINING, LEAVING, ONLINE, STATES, declare_stage_peer
 from .settings import SwarmSettings
@@ -215,6 +216,7 @@ class StageServer(StageService):
                 ),  # joiners download the state averager's state; a gradient buffer is not worth a download
                 verbose=False,
             )
+        warm_up_codec(s.compression)  # before this peer is announced: its first reply must not wait for it
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}-compute")
         self.p2p = run_coroutine(self._start_p2p(), timeout=60)
         self._stop.clear()
