@@ -42,7 +42,7 @@ from lightning_swarm.swarm.logs import quiet_routine_logs  # noqa: E402
 
 PEER = ROOT / "tests" / "_stage_peer.py"
 WIDTH, BLOCKS, BATCH = 256, 2, 16
-TIMEOUTS = {"request_timeout": 5.0, "matchmaking_time": 1.0, "averaging_timeout": 5.0}
+TIMEOUTS = {"request_timeout": 15.0, "matchmaking_time": 1.0, "averaging_timeout": 5.0}
 
 
 class Peer:
@@ -194,7 +194,7 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short phases (under 5 minutes on 2 cores)")
-    parser.add_argument("--concurrency", type=int, default=4, help="microbatches in flight")
+    parser.add_argument("--concurrency", type=int, default=2, help="microbatches in flight")
     parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for swarm_faults.png")
     args = parser.parse_args()
     args.phase = 20.0 if args.quick else 60.0  # the no-fault phase; the fault phase lasts twice as long
