@@ -127,6 +127,9 @@ def run_config(name: str, peers_per_stage: int, args: argparse.Namespace, dht: h
     client = SwarmClient(dht, settings)
     trainer = Trainer(client, args.concurrency)
     trainer.start()
+    deadline = time.monotonic() + 180  # warm-up: connections open, first steps done (slow on a busy box)
+    while len(trainer.done) < 4 * args.concurrency and time.monotonic() < deadline:
+        time.sleep(0.5)
     time.sleep(args.warmup)
     t0 = time.monotonic()
     time.sleep(args.phase)
@@ -197,8 +200,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=2, help="microbatches in flight")
     parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for swarm_faults.png")
     args = parser.parse_args()
-    args.phase = 20.0 if args.quick else 60.0  # the no-fault phase; the fault phase lasts twice as long
-    args.warmup = 5.0 if args.quick else 10.0
+    args.phase = 25.0 if args.quick else 60.0  # the no-fault phase; the fault phase lasts twice as long
+    args.warmup = 2.0 if args.quick else 10.0
     args.bin = 2.0
     die_with_parent()
     quiet_routine_logs()
