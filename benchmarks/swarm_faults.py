@@ -51,7 +51,7 @@ class Peer:
             [sys.executable, str(PEER), json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=None if os.environ.get("SWARM_FAULTS_VERBOSE") else subprocess.DEVNULL,
             text=True,
             cwd=ROOT,
         )
