@@ -125,7 +125,7 @@ def test_serving_continues_during_an_averaging_round(dhts, cleanup) -> None:  # 
 @pytest.mark.timeout(120)
 def test_handshake_waits_are_bounded_and_unknown_is_not_empty(dhts) -> None:  # noqa: F811
     run_id = _run_id("presence")
-    server = Presence(dhts["server1"], run_id, "server", period=0.5, trainer=False)
+    server = Presence(dhts["server1"], run_id, "server", period=1.0, trainer=False)
     server.start()
     server.set_phase(FINISHED)  # as a server-only peer does: it serves until the trainers are done
     try:
@@ -133,25 +133,25 @@ def test_handshake_waits_are_bounded_and_unknown_is_not_empty(dhts) -> None:  # 
         start = time.monotonic()
         assert not server.wait_for(FINISHED, None, timeout=2.0, trainers_only=True)
         assert time.monotonic() - start >= 2.0
-        trainer = Presence(dhts["server2"], run_id, "trainer", period=0.5, trainer=True)
+        trainer = Presence(dhts["server2"], run_id, "trainer", period=1.0, trainer=True)
         trainer.start()
         assert not server.wait_for(FINISHED, None, timeout=1.5, trainers_only=True)  # it trains
         trainer.set_phase(FINISHED)
-        assert server.wait_for(FINISHED, None, timeout=10.0, trainers_only=True)
+        assert server.wait_for(FINISHED, None, timeout=30.0, trainers_only=True)
         # a peer of a local swarm that appeared and died does not hold the others (its record expires)
-        dying = Presence(dhts["trainer"], run_id, "dying", period=0.5, trainer=True)
+        dying = Presence(dhts["trainer"], run_id, "dying", period=1.0, trainer=True)
         dying.start()
         assert not server.wait_for(FINISHED, 3, timeout=1.0)
         dying.shutdown()
         start = time.monotonic()
-        assert server.wait_for(FINISHED, 3, timeout=20.0)
-        assert time.monotonic() - start < 10.0
+        assert server.wait_for(FINISHED, 3, timeout=30.0)
+        assert time.monotonic() - start < 20.0  # its record lives 3 s
         trainer.shutdown()
     finally:
         server.shutdown()
     # an unreadable DHT is unknown, not "nobody is here": the wait gives up after unreadable_timeout
     dead = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    lonely = Presence(dead, run_id, "lonely", period=0.5, unreadable_timeout=1.0)
+    lonely = Presence(dead, run_id, "lonely", period=1.0, unreadable_timeout=1.0)
     dead.shutdown()
     assert lonely.records() is None
     start = time.monotonic()

@@ -45,6 +45,7 @@ from .protocol import (
     encode_request_header,
     remote_exception,
     stage_uid,
+    warm_up_codec,
 )
 from .records import PeerInfo, parse_stage_peers, stage_key
 from .routing import NoPeersError, StageRouter
@@ -93,6 +94,7 @@ class SwarmClient:
         self._transport_lock = threading.Lock()
         self._router_lock = threading.Lock()
         self._counters: dict[str, float] = defaultdict(float)
+        warm_up_codec(settings.compression)  # the first call's timeout must not pay for loading the kernels
 
     # ---- public API ----
 
@@ -119,7 +121,10 @@ class SwarmClient:
     def peers(self, stage: int) -> list[PeerInfo]:
         """The live peers of ``stage`` (one fresh DHT lookup)."""
         self._check_stage(stage)
-        found = self.dht.get(stage_key(self.run_id, stage), latest=True)
+        # bounded: a DHT process that died never answers
+        found = self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True).result(
+            timeout=self.settings.request_timeout
+        )
         peers = parse_stage_peers(found, stage)
         with self._router_lock:
             self.routers[stage].update_peers(peers)

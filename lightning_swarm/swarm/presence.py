@@ -8,8 +8,8 @@ end see the final weights. Records expire (``3 * period`` seconds), so a peer th
 
 Bounded waits (:meth:`Presence.wait_for`):
 
-- A DHT read that fails, or that does not even contain this peer's own record, is *unknown*: it never counts as
-  "nobody else is here". A peer gives up once reads have been unknown for ``unreadable_timeout`` seconds in a row
+- A DHT read that fails, or that finds no record at all (not even this peer's own), is *unknown*: it never counts
+  as "nobody else is here". A peer gives up once reads have been unknown for ``unreadable_timeout`` seconds in a row
   (default 60 s), or after the caller's ``timeout``.
 - In a local swarm of N peers, a peer waits for N peers to have appeared at least once; peers that never appear
   within ``appear_timeout`` seconds (default 120 s) are not waited for. A peer that appeared and died is not
@@ -83,7 +83,8 @@ class Presence:
 
     def records(self) -> dict[str, tuple[int, bool]] | None:
         """``(phase, trainer)`` of every live peer by subkey, this one included; ``None`` when the DHT could not be
-        read (an answer without this peer's own record counts as unreadable). Malformed records are ignored."""
+        read (an empty answer counts as unreadable: this peer's own record should be there). Malformed records are
+        ignored."""
         try:
             found = self.dht.get(_key(self.run_id), latest=True, return_future=True).result(
                 timeout=_DHT_TIMEOUT
@@ -91,8 +92,8 @@ class Presence:
         except Exception as e:  # including a timeout: a DHT process that died never answers
             logger.debug(f"Presence: DHT read failed: {e!r}")
             return None
-        if found is None or not isinstance(found.value, dict) or self.peer_name not in found.value:
-            return None
+        if found is None or not isinstance(found.value, dict):
+            return None  # this peer's own record should be there: an empty answer means the read failed
         out: dict[str, tuple[int, bool]] = {}
         for subkey, entry in found.value.items():
             value = getattr(entry, "value", None)

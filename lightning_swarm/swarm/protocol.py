@@ -53,6 +53,7 @@ __all__ = [
     "parse_reply",
     "parse_request",
     "stage_uid",
+    "warm_up_codec",
 ]
 
 PROTOCOL_VERSION = 2
@@ -60,6 +61,15 @@ KINDS = ("forward", "backward")
 COMPUTE, REQUEST, UNAVAILABLE = "compute", "request", "unavailable"
 _CATEGORIES = (COMPUTE, REQUEST, UNAVAILABLE)
 _MAX_MESSAGE = 4096
+
+
+def warm_up_codec(compression: str) -> None:
+    """Load the 8-bit kernels now (importing bitsandbytes takes seconds on a busy machine): a peer's first call
+    must not spend its ``request_timeout`` on that."""
+    if compression == "8bit":
+        from .quantize import quantize_to_buffer
+
+        quantize_to_buffer(torch.zeros(4096))
 
 
 def stage_uid(run_id: str, stage: int) -> str:

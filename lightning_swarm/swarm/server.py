@@ -72,6 +72,7 @@ from .protocol import (
     encode_reply_header,
     parse_request,
     stage_uid,
+    warm_up_codec,
 )
 from .records import JOINING, LEAVING, ONLINE, STATES, declare_stage_peer
 from .settings import SwarmSettings
@@ -137,9 +138,7 @@ class StageServer(StageService):
         self.samples_processed = 0
         self.optimizer: hivemind.Optimizer | None = None
         self.p2p: P2P | None = None
-        self._lock = (
-            threading.Lock()
-        )  # the parameters lock: compute reads, refreshes from the master copy write
+        self._lock = threading.Lock()  # the parameters lock: compute reads them, refreshes write them
         self._executor: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self._announcer: threading.Thread | None = None
@@ -217,6 +216,7 @@ class StageServer(StageService):
                 ),  # joiners download the state averager's state; a gradient buffer is not worth a download
                 verbose=False,
             )
+        warm_up_codec(s.compression)  # before this peer is announced: its first reply must not wait for it
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}-compute")
         self.p2p = run_coroutine(self._start_p2p(), timeout=60)
         self._stop.clear()
