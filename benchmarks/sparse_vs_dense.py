@@ -281,7 +281,9 @@ def main() -> None:
     parser.add_argument(
         "--patience", type=int, default=4, help="evaluations without improvement before stopping"
     )
-    parser.add_argument("--lrs", default="0.001,0.003,0.01,0.03", help="learning rates swept for both variants")
+    parser.add_argument(
+        "--lrs", default="0.001,0.003,0.01,0.03", help="learning rates swept for both variants"
+    )
     parser.add_argument("--num-active", type=int, default=4096, help="active neurons per sample (sparse)")
     parser.add_argument("--lr", type=float, default=2e-3, help=argparse.SUPPRESS)
     parser.add_argument("--num-bits", type=int, default=14, help="K: bits per hash code")

@@ -100,7 +100,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args()
     steps = args.steps or (30 if args.quick else 100)
-    cmd = [sys.executable, "examples/albert/train.py", "fit", "--config", "examples/albert/configs/swarm.yaml"]
+    cmd = [
+        sys.executable,
+        "examples/albert/train.py",
+        "fit",
+        "--config",
+        "examples/albert/configs/swarm.yaml",
+    ]
     cmd += [
         f"--trainer.max_steps={steps}",
         "--trainer.limit_val_batches=0",
