@@ -227,7 +227,9 @@ def test_main_job_launcher_survives_a_killed_peer_and_summarizes(tmp_path):
     assert "Traceback" not in output and "ERROR" not in output, output[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["samples"] == 4 * 64
-    assert len(summary["events"]) == 1 and "killed server-s1-0" in summary["events"][0], summary["events"]
+    assert "killed server-s1-0" in summary["events"][0], summary["events"]
+    # a replacement that came up after this short run's trainer had finished waits for trainers and is stopped
+    assert all("did not leave on its own" in e for e in summary["events"][1:]), summary["events"]
     assert "server-s1-replacement" in summary["events"][0]
     assert (out / "logs" / "server-s1-replacement.log").exists()
     assert summary["wire_bytes"] > 0

@@ -273,10 +273,12 @@ def run_swarm(args: argparse.Namespace, extra: list[str]) -> dict:
                     flush=True,
                 )
             time.sleep(0.5)
-        # server peers leave on their own once every trainer is done
+        # server peers leave on their own once every trainer is done; one that never saw a trainer (a replacement
+        # that came up after the trainers had finished) keeps waiting for trainers to appear, so it is stopped
+        linger = min(deadline, time.monotonic() + 60.0)
         for name, (p, _) in servers.items():
             try:
-                p.proc.wait(timeout=max(5.0, deadline - time.monotonic()))
+                p.proc.wait(timeout=max(1.0, linger - time.monotonic()))
             except subprocess.TimeoutExpired:
                 events.append(f"{name} did not leave on its own; stopped")
     finally:
