@@ -138,16 +138,9 @@ def shard_lightning_module(root: Module, shard_group: ShardGroup) -> ShardPlan:
 
 def streamed_optimizer_state(optimizer: Optimizer, plan: ShardPlan) -> dict[str, Any]:
     """The optimizer state dict an unsharded run would have, sharded rows as ``StreamedTensor`` (no communication)."""
-    if hasattr(optimizer, "_optimizer"):  # LightningOptimizer
-        optimizer = optimizer._optimizer
-    state_dict = optimizer.state_dict()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state_dict = _unwrap(optimizer).state_dict()
     state = copy.copy(state_dict["state"])
-    for index, param in enumerate(params):
-        owner = plan.param_owner(param)
-        if owner is None or index not in state:
-            continue
-        layer, pname = owner
+    for index, param, layer, pname in _sharded_entries(optimizer, plan, state):
         dim, full_shape = layer.shard_dims[pname], layer.full_shapes[pname]
         state[index] = {
             key: StreamedTensor(value, full_shape if value.shape == param.shape else (full_shape[0],), dim)
@@ -162,15 +155,8 @@ def shard_optimizer_state(
     state_dict: dict[str, Any], optimizer: Optimizer, plan: ShardPlan
 ) -> dict[str, Any]:
     """Cut an unsharded optimizer state dict down to this rank's rows."""
-    if hasattr(optimizer, "_optimizer"):
-        optimizer = optimizer._optimizer
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     state = copy.copy(state_dict["state"])
-    for index, param in enumerate(params):
-        owner = plan.param_owner(param)
-        if owner is None or index not in state:
-            continue
-        layer, pname = owner
+    for index, _, layer, pname in _sharded_entries(optimizer, plan, state):
         dim = layer.shard_dims[pname]
         full_shape = layer.full_shapes[pname]
         lo, hi = layer.shard_slices[pname]
@@ -179,6 +165,22 @@ def shard_optimizer_state(
             for key, value in state[index].items()
         }
     return {**state_dict, "state": state}
+
+
+def _unwrap(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer behind a ``LightningOptimizer``."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def _sharded_entries(
+    optimizer: Optimizer, plan: ShardPlan, state: dict
+) -> Iterator[tuple[int, Tensor, Any, str]]:
+    """``(index, param, layer, name)`` of every entry of an optimizer ``state`` that belongs to a sharded parameter."""
+    params = [p for group in _unwrap(optimizer).param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        owner = plan.param_owner(param)
+        if owner is not None and index in state:
+            yield index, param, *owner
 
 
 def _is_row_state(value: Any, param_shape: torch.Size | tuple[int, ...], dim: int) -> bool:
