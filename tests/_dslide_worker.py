@@ -150,8 +150,9 @@ def repeat(times: int, out: Path, fail_rank: int, timeout: float = 120.0) -> Non
 
     Records every rank's exit status (negative: killed by that signal; ``None``: hung and killed).
     """
-    runs, started = [], time.monotonic()
+    runs, seconds, started = [], [], time.monotonic()
     for run in range(times + (fail_rank >= 0)):
+        run_started = time.monotonic()
         failing = fail_rank if run == times else -1
         run_dir = out / f"run{run}"
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +182,9 @@ def repeat(times: int, out: Path, fail_rank: int, timeout: float = 120.0) -> Non
                 os.waitpid(pid, 0)
                 statuses[rank] = None  # type: ignore[assignment]
         runs.append([statuses[0], statuses[1]])
+        seconds.append(round(time.monotonic() - run_started, 2))
     (out / "repeat.json").write_text(json.dumps(runs))
+    (out / "seconds.json").write_text(json.dumps(seconds))
     print(f"{len(runs)} runs in {time.monotonic() - started:.1f} s", flush=True)
 
 
