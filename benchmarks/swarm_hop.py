@@ -97,7 +97,9 @@ def serve(host: str) -> None:
             stage,
             nn.Identity(),
             dht=dht,
-            settings=SwarmSettings(run_id=RUN_ID, target_batch_size=1, compression=compression),
+            settings=SwarmSettings(
+                run_id=RUN_ID, num_stages=len(COMPRESSIONS), target_batch_size=1, compression=compression
+            ),
             optimizer_factory=None,
             throughput=1.0,
         ).start()
