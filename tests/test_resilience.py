@@ -4,6 +4,7 @@ applied at most once, and the end-of-run handshake's bounded waits."""
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import hivemind
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_swarm.swarm.client import MIN_ATTEMPT_TIMEOUT_S
 from lightning_swarm.swarm.payload import Payload
 from lightning_swarm.swarm.presence import FINISHED, Presence
 from lightning_swarm.swarm.protocol import UNAVAILABLE, StageRequest, stage_uid
@@ -61,6 +63,51 @@ def test_backward_retried_after_a_timeout_is_applied_once(dhts, cleanup) -> None
     time.sleep(6.0)  # `slow` finishes its backward now, after the deadline
     assert _accumulated(slow) == 0 and slow.samples_processed == 0
     assert _accumulated(fast) == 2 and fast.samples_processed == 2
+
+
+class Hangs(nn.Module):
+    """A stage that stops answering (as a SIGKILLed peer whose stream is not reset) while ``hang`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.hang, self.release = threading.Event(), threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hang.is_set():
+            self.release.wait(timeout=90)
+        return self.linear(x)
+
+
+@pytest.mark.timeout(150)
+def test_a_peer_that_stops_answering_costs_seconds_not_the_request_timeout(dhts, cleanup) -> None:  # noqa: F811
+    """With another peer of the stage to retry on, an attempt that takes far longer than the stage's recent calls
+    is given up after a few seconds (the adaptive attempt timeout), not after ``request_timeout``."""
+    torch.manual_seed(0)
+    run_id = _run_id("stall")
+    stalling = Hangs()
+    a = _serve(cleanup, dhts["server1"], run_id, stalling)
+    twin = Hangs()
+    twin.load_state_dict(stalling.state_dict())
+    _serve(cleanup, dhts["server2"], run_id, twin)
+    client = _client(cleanup, dhts["trainer"], run_id, request_timeout=60.0, refresh_period=600.0)
+    assert len(client.peers(0)) == 2
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(12):  # both peers answer quickly: the client learns the stage's usual latency
+            client.call_stage(0, x)
+        assert MIN_ATTEMPT_TIMEOUT_S <= client._attempt_timeout(0, "forward") < 60.0
+        stalling.hang.set()
+        try:
+            start = time.monotonic()
+            for _ in range(4):
+                torch.testing.assert_close(client.call_stage(0, x), stalling.linear(x))
+            elapsed = time.monotonic() - start
+        finally:
+            stalling.release.set()
+    assert client.stats()["swarm/retries"] == 1  # one attempt hung, then that peer was banned
+    assert elapsed < 30.0, f"4 calls took {elapsed:.1f} s: the hung attempt waited for request_timeout (60 s)"
+    assert client.routers[0].is_banned(a.peer_id)
 
 
 @pytest.mark.timeout(120)

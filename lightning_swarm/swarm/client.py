@@ -24,7 +24,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -57,8 +57,16 @@ __all__ = ["SwarmClient"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# a backward's gradients are applied only if the server finishes it within the first 80% of request_timeout
+# a backward's gradients are applied only if the server finishes it within the first 80% of its attempt's timeout
 COMMIT_MARGIN = 0.2
+# Attempt timeouts adapt to the stage: when the stage has another live peer to retry on, a call that takes
+# SLOW_FACTOR times longer than the slowest of the stage's last RECENT_CALLS calls of its kind (and at least
+# MIN_ATTEMPT_TIMEOUT_S) is given up and retried there. A SIGKILLed peer then costs seconds, not request_timeout
+# (a dead peer's stream is not always reset: the call just never returns). Before RECENT_CALLS / 4 calls were
+# seen, and whenever the peer is the stage's only one, an attempt may take the full request_timeout.
+SLOW_FACTOR = 10.0
+MIN_ATTEMPT_TIMEOUT_S = 3.0
+RECENT_CALLS = 32
 # makes every stage call part of the autograd graph, so that stages whose inputs need no grad still train
 _DUMMY = torch.empty(0, requires_grad=True)
 
@@ -94,6 +102,8 @@ class SwarmClient:
         self._transport_lock = threading.Lock()
         self._router_lock = threading.Lock()
         self._counters: dict[str, float] = defaultdict(float)
+        # durations of recent successful remote calls, by (stage, kind): what the attempt timeouts adapt to
+        self._recent: dict[tuple[int, str], deque[float]] = defaultdict(lambda: deque(maxlen=RECENT_CALLS))
         warm_up_codec(settings.compression)  # the first call's timeout must not pay for loading the kernels
 
     # ---- public API ----
@@ -220,17 +230,21 @@ class SwarmClient:
 
         def attempt(peer_id: PeerID) -> Payload:
             transport = self._transport(peer_id, stage)
-            if isinstance(transport, P2PTransport):
+            remote = isinstance(transport, P2PTransport)
+            timeout = self._attempt_timeout(stage, request.kind) if remote else None
+            if remote:
                 if encoded[0] is None:
                     encoded[0] = encode_request(request, self.settings.compression, reuse_inputs=reuse)
                 if request.kind == "backward":
-                    timeout = self.settings.request_timeout
                     request.commit_by = time.time() + (1 - COMMIT_MARGIN) * timeout
                     payloads = encoded[0][1]
                     encoded[0] = (encode_request_header(request, *payloads), payloads)
             else:
                 request.commit_by = None  # in-process: the call cannot time out
-            reply, sent, recv = transport.call(request, encoded[0])
+            started = time.monotonic()
+            reply, sent, recv = transport.call(request, encoded[0], timeout=timeout)
+            if remote and reply.error is None:
+                self._recent[stage, request.kind].append(time.monotonic() - started)
             if sent or recv:
                 self._count(stage, request.kind, sent, recv)
             if reply.error is not None:
@@ -242,6 +256,18 @@ class SwarmClient:
 
         outputs = self._with_retries(stage, request.inputs.batch_size(), attempt)
         return outputs, (None if encoded[0] is None else encoded[0][1][0])
+
+    def _attempt_timeout(self, stage: int, kind: str) -> float:
+        """Seconds one remote attempt of a ``kind`` call to ``stage`` may take (see ``SLOW_FACTOR``)."""
+        full = self.settings.request_timeout
+        recent = self._recent.get((stage, kind))
+        if not recent or len(recent) < RECENT_CALLS // 4:
+            return full
+        with self._router_lock:
+            others = self.routers[stage].num_live() > 1
+        if not others:
+            return full
+        return min(full, max(MIN_ATTEMPT_TIMEOUT_S, SLOW_FACTOR * max(recent)))
 
     def _with_retries(self, stage: int, task_size: float, attempt: Callable[[PeerID], T]) -> T:
         router = self.routers[stage]

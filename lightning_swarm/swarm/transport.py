@@ -138,7 +138,9 @@ class LocalTransport:
     def __init__(self, server: Any) -> None:
         self.server = server
 
-    def call(self, request: StageRequest, encoded: Any = None) -> tuple[StageReply, int, int]:
+    def call(
+        self, request: StageRequest, encoded: Any = None, timeout: float | None = None
+    ) -> tuple[StageReply, int, int]:
         return self.server.handle(request), 0, 0
 
     def close(self) -> None:
@@ -164,9 +166,13 @@ class P2PTransport:
         self.channels_opened = 0
 
     def call(
-        self, request: StageRequest, encoded: tuple[bytes, list[EncodedPayload]]
+        self,
+        request: StageRequest,
+        encoded: tuple[bytes, list[EncodedPayload]],
+        timeout: float | None = None,
     ) -> tuple[StageReply, int, int]:
         """Send ``request`` (already encoded as ``(header, payloads)``); returns the reply and bytes sent/received.
+        ``timeout``: seconds this call may take (default: the transport's).
 
         A channel that worked before and fails now is replaced once without blaming the peer (the daemon may
         have dropped an idle stream); other failures raise :class:`TransportError` or ``TimeoutError``.
@@ -180,7 +186,7 @@ class P2PTransport:
                 streamed = any(p.split for p in payloads)
                 size = MESSAGE_BYTES if streamed else math.inf  # not split: everything in one message
                 outgoing = messages(runtime_pb2.ExpertRequest, parts, header, size)
-                reply_header, tensors, sent, recv = channel.call(outgoing, self.timeout, streamed)
+                reply_header, tensors, sent, recv = channel.call(outgoing, timeout or self.timeout, streamed)
             except Exception as e:
                 channel.close()
                 if reused and not fresh_attempt and not isinstance(e, TimeoutError):
