@@ -39,9 +39,12 @@ from ._loop import replicate_p2p, run_coroutine
 from .codec import CodecError, check_encodable, remember_wire_format
 from .payload import EncodedPayload, Payload
 from .protocol import (
+    InputSchema,
+    ProtocolError,
     RemoteStageError,
     StageRequest,
     StageService,
+    check_finite,
     encode_request_header,
     remote_exception,
     stage_uid,
@@ -94,6 +97,8 @@ class SwarmClient:
         self._transport_lock = threading.Lock()
         self._router_lock = threading.Lock()
         self._counters: dict[str, float] = defaultdict(float)
+        # per stage, the output schemas its replies had (a reply fitting none of them is a peer failure)
+        self._output_schemas: list[list[InputSchema]] = [[] for _ in range(self.num_stages)]
         warm_up_codec(settings.compression)  # the first call's timeout must not pay for loading the kernels
 
     # ---- public API ----
@@ -111,7 +116,8 @@ class SwarmClient:
         inputs.metadata()
         device = inputs.tensors[0].device if inputs.tensors else torch.device("cpu")
         if not torch.is_grad_enabled():
-            outputs, _ = self._call(stage, StageRequest("forward", stage_uid(self.run_id, stage), inputs))
+            request = StageRequest("forward", stage_uid(self.run_id, stage), inputs)
+            outputs, _ = self._call(stage, request, check=self._output_check(stage))
             return outputs.rebuild([_moved(t, device) for t in outputs.tensors])
         call = _StageCall(self, stage, inputs, device)
         diff_inputs = [t for t, mark in zip(inputs.tensors, call.marks, strict=True) if mark]
@@ -164,7 +170,10 @@ class SwarmClient:
                 request = runtime_pb2.ExpertUID(uid=stage_uid(self.run_id, stage))
                 stub = self._transport(info.peer_id, stage).stub
                 reply = self._run(stub.rpc_info(request, timeout=self.settings.request_timeout))
-                infos.append(msgpack.unpackb(reply.serialized_info))
+                info = msgpack.unpackb(reply.serialized_info)
+                if not isinstance(info, dict) or info.get("stage") != stage:
+                    raise ProtocolError(f"malformed rpc_info reply {str(info)[:100]}")
+                infos.append(info)
             except Exception as e:
                 logger.debug(f"Peer {info.peer_id} of stage {stage} did not answer rpc_info: {e!r}")
         return infos
@@ -242,6 +251,28 @@ class SwarmClient:
 
         outputs = self._with_retries(stage, request.inputs.batch_size(), attempt)
         return outputs, (None if encoded[0] is None else encoded[0][1][0])
+
+    def _output_check(self, stage: int) -> Callable[[Payload], None]:
+        """Validates a forward reply of ``stage``: finite values, and tensors that fit the output schema of the
+        stage's earlier replies (count, dtypes, dimensions and last dimension; up to 4 schemas are learned from
+        the first replies). A reply that fails counts as a failure of its peer (retried elsewhere, banned)."""
+
+        def check(outputs: Payload) -> None:
+            check_finite(outputs.tensors, f"stage {stage} output", ProtocolError)
+            known = self._output_schemas[stage]
+            if not known:
+                known.append(InputSchema.of(outputs.tensors))
+                return
+            reasons = [schema.mismatch(outputs.tensors) for schema in known]
+            if all(reasons):
+                if len(known) < 4 and len(outputs.tensors) == len(known[0].specs):
+                    known.append(InputSchema.of(outputs.tensors))  # e.g. another dtype under autocast
+                    return
+                raise ProtocolError(
+                    f"stage {stage} replied with outputs unlike its earlier ones: {reasons[0]}"
+                )
+
+        return check
 
     def _with_retries(self, stage: int, task_size: float, attempt: Callable[[PeerID], T]) -> T:
         router = self.routers[stage]
@@ -383,12 +414,13 @@ class _StageCall:
 
     def forward(self) -> list[torch.Tensor]:
         request = StageRequest("forward", stage_uid(self.client.run_id, self.stage), self.inputs)
-        outputs, self.encoded_inputs = self.client._call(self.stage, request)
+        check = self.client._output_check(self.stage)
+        outputs, self.encoded_inputs = self.client._call(self.stage, request, check=check)
         self.output_skeleton = Payload(outputs.skeleton, [])
         return [_moved(t, self.device) for t in outputs.tensors]
 
     def backward(
-        self, grad_outputs: list[torch.Tensor | None], expected: list[torch.Size]
+        self, grad_outputs: list[torch.Tensor | None], expected: list[tuple[torch.Size, torch.dtype]]
     ) -> list[torch.Tensor]:
         grads = Payload.flatten(tuple(grad_outputs))
         request = StageRequest("backward", stage_uid(self.client.run_id, self.stage), self.inputs, grads)
@@ -421,7 +453,8 @@ class _StageFunction(torch.autograd.Function):
             grads_in = [None] * len(ctx.input_meta)
         else:
             grads = call.backward(
-                [None if g is None else g.detach() for g in grad_outputs], [m[2] for m in ctx.input_meta]
+                [None if g is None else g.detach() for g in grad_outputs],
+                [(m[2], m[1]) for m in ctx.input_meta],
             )
             grads_in = [
                 grad.to(device=device, dtype=dtype)
@@ -437,12 +470,18 @@ def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return moved
 
 
-def _check_grads(stage: int, grads: Any, expected: list[torch.Size]) -> None:
+def _check_grads(stage: int, grads: Any, expected: list[tuple[torch.Size, torch.dtype]]) -> None:
+    """A backward reply must hold one finite gradient of the input's shape and dtype per differentiable input;
+    anything else is the peer's failure (``ProtocolError``: the call is retried elsewhere and the peer banned)."""
     if not isinstance(grads, (tuple, list)) or len(grads) != len(expected):
         count = len(grads) if isinstance(grads, (tuple, list)) else type(grads).__name__
-        raise CodecError(f"Stage {stage} returned {count} input gradients, expected {len(expected)}")
-    for grad, shape in zip(grads, expected, strict=True):
-        if not isinstance(grad, torch.Tensor) or grad.shape != shape or not grad.is_floating_point():
-            raise CodecError(
-                f"Stage {stage} returned a malformed input gradient (expected shape {list(shape)})"
+        raise ProtocolError(f"Stage {stage} returned {count} input gradients, expected {len(expected)}")
+    for grad, (shape, dtype) in zip(grads, expected, strict=True):
+        if not isinstance(grad, torch.Tensor) or grad.shape != shape or grad.dtype != dtype:
+            got = (
+                f"{list(grad.shape)} {grad.dtype}" if isinstance(grad, torch.Tensor) else type(grad).__name__
             )
+            raise ProtocolError(
+                f"Stage {stage} returned a malformed input gradient: {got}, expected {list(shape)} {dtype}"
+            )
+    check_finite(list(grads), f"stage {stage} input gradient", ProtocolError)

@@ -31,7 +31,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from ._loop import get_loop, run_coroutine
-from .codec import CodecError, PartsDecoder
+from .codec import CodecError, PartsDecoder, TooLarge
 from .payload import EncodedPayload, Payload
 from .protocol import (
     ProtocolError,
@@ -87,16 +87,42 @@ class MessageReceiver:
     :meth:`feed` returns True once the last message (the one with the header) has arrived; :meth:`result` then
     gives ``(header, tensors)`` or raises the ``CodecError`` that a malformed part caused (the rest of the
     call's messages are still consumed, so a channel stays in step).
+
+    Limits (a receiver of untrusted messages sets them; the defaults accept anything): ``max_bytes`` of decoded
+    tensors (a tensor declaring more is refused before it is allocated), ``max_tensors``, ``max_message_bytes``
+    per message on the wire and ``max_messages`` per call. Past a limit the call is marked :attr:`too_large`
+    (the error is a :class:`~.codec.TooLarge`) and nothing more is decoded or kept.
     """
 
-    def __init__(self) -> None:
-        self._decoder: PartsDecoder | None = PartsDecoder()
+    def __init__(
+        self,
+        max_bytes: float = math.inf,
+        max_tensors: float = math.inf,
+        max_message_bytes: float = math.inf,
+        max_messages: float = math.inf,
+    ) -> None:
+        self._decoder: PartsDecoder | None = PartsDecoder(max_bytes, max_tensors)
         self._error: CodecError | None = None
         self._header = b""
+        self.max_message_bytes, self.max_messages = max_message_bytes, max_messages
+        self.messages = 0
+
+    @property
+    def too_large(self) -> bool:
+        """Whether the call exceeded a limit (the sender should be cut off rather than waited for)."""
+        return isinstance(self._error, TooLarge)
 
     def feed(self, message: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse) -> bool:
+        self.messages += 1
         if self._decoder is not None:
             try:
+                if self.messages > self.max_messages:
+                    raise TooLarge(f"A call was sent in more than {self.max_messages} messages")
+                if self.max_message_bytes < math.inf and message.ByteSize() > self.max_message_bytes:
+                    raise TooLarge(
+                        f"Received a message of {message.ByteSize()} bytes; the limit is "
+                        f"{self.max_message_bytes:.0f} bytes per message"
+                    )
                 for part in message.tensors:
                     self._decoder.feed(part)
             except CodecError as e:
