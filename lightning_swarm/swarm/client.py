@@ -254,8 +254,8 @@ class SwarmClient:
 
     def _output_check(self, stage: int) -> Callable[[Payload], None]:
         """Validates a forward reply of ``stage``: finite values, and tensors that fit the output schema of the
-        stage's earlier replies (count, dtypes, dimensions and last dimension; up to 4 schemas are learned from
-        the first replies). A reply that fails counts as a failure of its peer (retried elsewhere, banned)."""
+        stage's first reply (count, dtypes, dimensions and last dimension; the same shapes in up to 3 more
+        dtypes are accepted and learned, e.g. under autocast). A reply that fails counts as a failure of its peer (retried elsewhere, banned)."""
 
         def check(outputs: Payload) -> None:
             check_finite(outputs.tensors, f"stage {stage} output", ProtocolError)
@@ -265,8 +265,9 @@ class SwarmClient:
                 return
             reasons = [schema.mismatch(outputs.tensors) for schema in known]
             if all(reasons):
-                if len(known) < 4 and len(outputs.tensors) == len(known[0].specs):
-                    known.append(InputSchema.of(outputs.tensors))  # e.g. another dtype under autocast
+                schema = InputSchema.of(outputs.tensors)
+                if len(known) < 4 and [s[1:] for s in schema.specs] == [s[1:] for s in known[0].specs]:
+                    known.append(schema)  # the same shapes in other dtypes (e.g. under autocast)
                     return
                 raise ProtocolError(
                     f"stage {stage} replied with outputs unlike its earlier ones: {reasons[0]}"
