@@ -83,6 +83,7 @@ _FLOAT16 = runtime_pb2.CompressionType.FLOAT16
 # this package's blockwise 8-bit layout (see the module docstring); outside hivemind's enum on purpose
 WIRE_8BIT = 0x4C38  # "L8"
 _LOSSY_TYPES = {"8bit": WIRE_8BIT, "fp16": _FLOAT16}
+_LOSSY_RANGE = {"8bit": float(torch.finfo(torch.float32).max), "fp16": float(torch.finfo(torch.float16).max)}
 _WIRE_ATTR = "_lightning_swarm_wire"  # (tensor version when decoded, the parts it was decoded from)
 
 
@@ -194,6 +195,10 @@ def _encode_parts(t: torch.Tensor, compression: str, chunks: int | None) -> Iter
         mode = "none"  # already 16-bit (bfloat16 would overflow in fp16)
     else:
         mode = compression
+    if mode != "none" and (mode == "fp16" or t.dtype == torch.float64) and numel:
+        # values beyond the lossy format's range would arrive as infinities: send such a tensor as it is
+        if float(flat.abs().max()) > _LOSSY_RANGE[mode]:
+            mode = "none"
     chunks = num_parts(numel) if chunks is None else chunks
     bounds = part_bounds(numel, chunks)
     for i in range(chunks):
