@@ -127,6 +127,10 @@ class StageServer(StageService):
             bytes; larger requests are refused before they are allocated.
         bad_peers: which remote peers are ignored for sending bad requests (default: 20 bad requests within 60 s
             get a peer ignored for 60 s).
+        check_schema: refuse requests whose tensors fit none of the input schemas learned from the calls served
+            so far (count, dtype, dimensions and last dimension of each tensor; see
+            :class:`~.protocol.StageSchemas`). Turn off for a stage whose tensors' last dimension varies from call
+            to call (e.g. masks over sequences of varying length).
     """
 
     def __init__(
@@ -141,6 +145,7 @@ class StageServer(StageService):
         throughput: float | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES,
         bad_peers: BadPeers | None = None,
+        check_schema: bool = True,
     ):
         if stage < 0:
             raise ValueError(f"StageServer: stage must be >= 0, got {stage}")
@@ -172,7 +177,8 @@ class StageServer(StageService):
         self._applied = AppliedRequests()
         self.max_request_bytes = max_request_bytes
         self.bad_peers = BadPeers() if bad_peers is None else bad_peers
-        self.schemas = StageSchemas()  # what the stage's calls look like, learned from the ones it served
+        # what the stage's calls look like, learned from the ones it served
+        self.schemas = StageSchemas(max_schemas=4 if check_schema else 0)
         self._calls_by_peer: dict[PeerID, int] = {}
         self.dropped_contributions = 0  # backwards whose parameter gradients were not finite
         self.state = ONLINE
