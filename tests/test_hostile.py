@@ -335,24 +335,27 @@ def test_a_malformed_or_non_finite_reply_is_a_peer_failure(swarm) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("role", ["sender", "reducer"])
+@pytest.mark.parametrize("role", ["sender", "reducer", "huge"])
 def test_averaging_with_a_nan_peer_equals_averaging_without_it(swarm, role: str) -> None:
-    """Two stage peers (our guarded gradient averager) and a hostile one (plain hivemind under the same protocol
-    name) sending NaN gradients average together. As a sender only (client mode), its part is dropped: the honest
-    peers end with the average of their own gradients. As a reducer of a slice too, the NaN average it returns
-    for its slice is refused: the honest peers keep their own values there, finite."""
+    """Stage peers (our guarded gradient averager) and a hostile one (plain hivemind under the same protocol name)
+    average together. Sending NaN gradients as a sender only (client mode), its part is dropped: the honest peers
+    end with the average of their own gradients. As a reducer too, the NaN average it returns for its slice is
+    refused: the honest peers keep their own values there, finite. Sending gradients a million times larger than
+    the group's (three honest peers), its part is dropped as an outlier."""
     torch.manual_seed(1)
     hostile_cls = type(
         "_GradientAverager", (GradientAverager,), {}
     )  # the name is part of hivemind's protocol
+    honest_count = 3 if role == "huge" else 2
     dhts = [
         hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=swarm["maddrs"])
-        for _ in range(2)
+        for _ in range(honest_count)
     ]
     averagers = []
     try:
-        grads = [torch.randn(30, 1000), torch.randn(30, 1000), torch.full((30, 1000), math.nan)]
-        classes = [_GradientAverager, _GradientAverager, hostile_cls]
+        grads = [torch.randn(30, 1000) for _ in range(honest_count)]
+        grads.append(torch.randn(30, 1000) * 1e6 if role == "huge" else torch.full((30, 1000), math.nan))
+        classes = [_GradientAverager] * honest_count + [hostile_cls]
         for dht, grad, cls in zip([swarm["dht"], *dhts], grads, classes, strict=True):
             param = nn.Parameter(torch.zeros(30, 1000))
             param.grad = grad.clone()
@@ -361,11 +364,11 @@ def test_averaging_with_a_nan_peer_equals_averaging_without_it(swarm, role: str)
                     [param],
                     dht=dht,
                     prefix=f"nan_{role}",
-                    target_group_size=3,
-                    min_group_size=3,
+                    target_group_size=honest_count + 1,
+                    min_group_size=honest_count + 1,
                     min_matchmaking_time=3.0,
                     request_timeout=1.0,
-                    client_mode=cls is hostile_cls and role == "sender",
+                    client_mode=cls is hostile_cls and role != "reducer",
                     bandwidth=1e6 if cls is hostile_cls else 1.0,  # as a reducer, it takes the whole vector
                     start=True,
                 )
@@ -376,15 +379,15 @@ def test_averaging_with_a_nan_peer_equals_averaging_without_it(swarm, role: str)
         for future in futures:
             future.result(timeout=90)
         results = []
-        for averager in averagers[:2]:
+        for averager in averagers[:honest_count]:
             with averager.get_tensors() as (averaged,):
                 results.append(averaged.clone())
         assert all(bool(torch.isfinite(r).all()) for r in results)
-        expected = (grads[0] + grads[1]) / 2
+        expected = sum(grads[:honest_count]) / honest_count
         for result, own in zip(results, grads, strict=False):
             # each element is either the honest average, or (only in the hostile reducer's slice) the own value
             honest = torch.isclose(result, expected, atol=1e-5, rtol=0)
-            if role == "sender":
+            if role != "reducer":
                 assert bool(honest.all())
             else:
                 assert bool((honest | torch.isclose(result, own, atol=1e-6, rtol=0)).all())

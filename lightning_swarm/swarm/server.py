@@ -913,9 +913,10 @@ class _RobustPartReducer(TensorPartReducer):
                 reasons[sender] = "NaN or infinite values"
             else:
                 kept.append((sender, part, weight))
-        if len(kept) >= 3:
+        weighted = [part for _, part, weight in kept if weight > 0]  # weight 0: a peer without samples
+        if len(weighted) >= 3:
             norms = [float(part.float().norm()) for _, part, _ in kept]
-            median = sorted(norms)[len(norms) // 2]
+            median = sorted(float(part.float().norm()) for part in weighted)[len(weighted) // 2]
             if median > 0:
                 for (sender, _, _), norm in zip(kept, norms, strict=True):
                     if norm > OUTLIER_NORM_RATIO * median:
