@@ -79,6 +79,7 @@ MAX_MESSAGE_BYTES = (
     64 * 1024 * 1024
 )  # one message on the wire (ours carry at most ~64 KiB of parts, or one call)
 MAX_REQUEST_MESSAGES = 100_000
+MAX_REPLY_BYTES = 4 * 1024 * 1024 * 1024  # decoded tensors of one reply, on the trainer's side
 
 
 def warm_up_codec(compression: str) -> None:

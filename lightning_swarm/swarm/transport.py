@@ -34,6 +34,8 @@ from ._loop import get_loop, run_coroutine
 from .codec import CodecError, PartsDecoder, TooLarge
 from .payload import EncodedPayload, Payload
 from .protocol import (
+    MAX_REPLY_BYTES,
+    MAX_REQUEST_TENSORS,
     ProtocolError,
     StageReply,
     StageRequest,
@@ -306,7 +308,7 @@ class _Channel:
         if not streamed:
             (message,) = list(outgoing)
             replies = run_coroutine(asyncio.wait_for(self._roundtrip(message), timeout), timeout=timeout + 5)
-            receiver = MessageReceiver()
+            receiver = _reply_receiver()
             for reply in replies:
                 receiver.feed(reply)
             try:
@@ -330,7 +332,7 @@ class _Channel:
                 loop.call_soon_threadsafe(outbox.put_nowait, message)
                 if future.done():
                     break  # the channel already failed: stop encoding
-            receiver = MessageReceiver()
+            receiver = _reply_receiver()
             while True:
                 message = inbox.get(timeout=max(0.0, deadline - time.monotonic()))
                 if message is _END:
@@ -359,6 +361,12 @@ class _Channel:
         loop.call_soon_threadsafe(outbox.put_nowait, None)
         if replies is not None:
             asyncio.run_coroutine_threadsafe(replies.aclose(), loop)
+
+
+def _reply_receiver() -> MessageReceiver:
+    """A receiver for a stage call's reply: bounded, so that a hostile peer cannot make a trainer allocate
+    without limit (:data:`~.protocol.MAX_REPLY_BYTES` of decoded tensors)."""
+    return MessageReceiver(max_bytes=MAX_REPLY_BYTES, max_tensors=MAX_REQUEST_TENSORS)
 
 
 def decode_payload_stream(received: Iterable[Msg]) -> Payload:
