@@ -225,6 +225,11 @@ class P2PTransport:
                 reply = parse_reply(reply_header, tensors)
             except CodecError as e:  # ProtocolError included: the peer replied garbage
                 raise TransportError(f"Peer {self.peer_id} sent a malformed reply: {e}") from e
+            if reply.request_id == -1 and reply.error is not None:  # refused before its id was read
+                raise TransportError(
+                    f"Peer {self.peer_id} refused the request ({reply.error.category}): {reply.error.type_name}: "
+                    f"{reply.error.message}"
+                )
             if reply.request_id != request.request_id:
                 raise TransportError(
                     f"Peer {self.peer_id} answered request {reply.request_id} instead of {request.request_id}"
