@@ -245,6 +245,23 @@ def test_a_peer_that_keeps_sending_bad_requests_is_ignored_for_a_while(swarm) ->
         server.bad_peers = previous
 
 
+@pytest.mark.timeout(120)
+def test_a_trainer_whose_request_is_too_large_is_told_why(swarm) -> None:
+    from lightning_swarm.swarm.routing import NoPeersError
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=swarm["maddrs"])
+    settings = SwarmSettings(run_id=RUN_ID, num_stages=1, compression="none", no_peers_timeout=1.0)
+    client = SwarmClient(dht, settings)
+    try:
+        with pytest.raises(NoPeersError, match="exceed the receiver's limit of 1048576 bytes"):
+            with torch.no_grad():
+                client.call_stage(0, torch.randn(40_000, 8))  # 1.28 MB
+        _good(swarm)
+    finally:
+        client.shutdown()
+        dht.shutdown()
+
+
 class _Sqrt(nn.Module):
     """Finite outputs and input gradients, but an infinite parameter gradient (d sqrt(w) / dw at w = 0)."""
 
