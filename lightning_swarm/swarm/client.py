@@ -24,7 +24,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -39,9 +39,11 @@ from ._loop import replicate_p2p, run_coroutine
 from .codec import CodecError, check_encodable, remember_wire_format
 from .payload import EncodedPayload, Payload
 from .protocol import (
+    ProtocolError,
     RemoteStageError,
     StageRequest,
     StageService,
+    check_finite,
     encode_request_header,
     remote_exception,
     stage_uid,
@@ -67,6 +69,7 @@ COMMIT_MARGIN = 0.2
 SLOW_FACTOR = 10.0
 MIN_ATTEMPT_TIMEOUT_S = 3.0
 RECENT_CALLS = 32
+_OUTPUT_SHAPES = 256  # input shapes per stage whose output shapes a client remembers
 # makes every stage call part of the autograd graph, so that stages whose inputs need no grad still train
 _DUMMY = torch.empty(0, requires_grad=True)
 
@@ -80,10 +83,17 @@ class SwarmClient:
             ``request_timeout``, ``no_peers_timeout``, ``ban_base_s``, ``refresh_period``).
         local_servers: stage servers living in this process, by stage (objects with ``handle``, ``info`` and
             ``state_dict_local``); calls routed to this peer use them directly.
+        check_outputs: a forward reply whose tensors differ from the stage's first reply in count, dimensions or
+            last dimension is a failure of its peer; turn off for stages whose outputs' last dimension varies
+            from call to call. Replies with NaN/Inf and malformed input gradients always count as failures.
     """
 
     def __init__(
-        self, dht: hivemind.DHT, settings: SwarmSettings, local_servers: dict[int, Any] | None = None
+        self,
+        dht: hivemind.DHT,
+        settings: SwarmSettings,
+        local_servers: dict[int, Any] | None = None,
+        check_outputs: bool = True,
     ):
         self.dht, self.settings = dht, settings
         self.run_id, self.num_stages = settings.run_id, settings.num_stages
@@ -104,6 +114,9 @@ class SwarmClient:
         self._counters: dict[str, float] = defaultdict(float)
         # durations of recent successful remote calls, by (stage, kind): what the attempt timeouts adapt to
         self._recent: dict[tuple[int, str], deque[float]] = defaultdict(lambda: deque(maxlen=RECENT_CALLS))
+        # per stage, input shapes -> the output shapes its replies had (a reply unlike that is a peer failure)
+        self._output_shapes: list[OrderedDict] = [OrderedDict() for _ in range(self.num_stages)]
+        self.check_outputs = check_outputs
         warm_up_codec(settings.compression)  # the first call's timeout must not pay for loading the kernels
 
     # ---- public API ----
@@ -121,7 +134,8 @@ class SwarmClient:
         inputs.metadata()
         device = inputs.tensors[0].device if inputs.tensors else torch.device("cpu")
         if not torch.is_grad_enabled():
-            outputs, _ = self._call(stage, StageRequest("forward", stage_uid(self.run_id, stage), inputs))
+            request = StageRequest("forward", stage_uid(self.run_id, stage), inputs)
+            outputs, _ = self._call(stage, request, check=self._output_check(stage, inputs))
             return outputs.rebuild([_moved(t, device) for t in outputs.tensors])
         call = _StageCall(self, stage, inputs, device)
         diff_inputs = [t for t, mark in zip(inputs.tensors, call.marks, strict=True) if mark]
@@ -174,7 +188,10 @@ class SwarmClient:
                 request = runtime_pb2.ExpertUID(uid=stage_uid(self.run_id, stage))
                 stub = self._transport(info.peer_id, stage).stub
                 reply = self._run(stub.rpc_info(request, timeout=self.settings.request_timeout))
-                infos.append(msgpack.unpackb(reply.serialized_info))
+                info = msgpack.unpackb(reply.serialized_info)
+                if not isinstance(info, dict) or info.get("stage") != stage:
+                    raise ProtocolError(f"malformed rpc_info reply {str(info)[:100]}")
+                infos.append(info)
             except Exception as e:
                 logger.debug(f"Peer {info.peer_id} of stage {stage} did not answer rpc_info: {e!r}")
         return infos
@@ -268,6 +285,34 @@ class SwarmClient:
         if not others:
             return full
         return min(full, max(MIN_ATTEMPT_TIMEOUT_S, SLOW_FACTOR * max(recent)))
+
+    def _output_check(self, stage: int, inputs: Payload) -> Callable[[Payload], None]:
+        """Validates a forward reply of ``stage`` to ``inputs``: finite values, and, once the stage has answered
+        inputs of the same dtypes and shapes before, outputs of the same count, dtypes and shapes as then (every
+        peer of a stage runs the same module; up to ``_OUTPUT_SHAPES`` input shapes are remembered per stage). A
+        reply that fails counts as a failure of its peer (retried elsewhere, banned)."""
+        key = tuple((t.dtype, tuple(t.shape)) for t in inputs.tensors)
+
+        def check(outputs: Payload) -> None:
+            check_finite(outputs.tensors, f"stage {stage} output", ProtocolError)
+            if not self.check_outputs:
+                return
+            shapes = tuple((t.dtype, tuple(t.shape)) for t in outputs.tensors)
+            with self._lock:
+                known = self._output_shapes[stage]
+                expected = known.get(key)
+                if expected is None:
+                    known[key] = shapes
+                    while len(known) > _OUTPUT_SHAPES:
+                        known.popitem(last=False)
+                    return
+            if expected != shapes:
+                raise ProtocolError(
+                    f"stage {stage} replied with outputs {_describe(shapes)} to inputs {_describe(key)}, which "
+                    f"its peers answered with {_describe(expected)}"
+                )
+
+        return check
 
     def _with_retries(self, stage: int, task_size: float, attempt: Callable[[PeerID], T]) -> T:
         router = self.routers[stage]
@@ -409,12 +454,13 @@ class _StageCall:
 
     def forward(self) -> list[torch.Tensor]:
         request = StageRequest("forward", stage_uid(self.client.run_id, self.stage), self.inputs)
-        outputs, self.encoded_inputs = self.client._call(self.stage, request)
+        check = self.client._output_check(self.stage, self.inputs)
+        outputs, self.encoded_inputs = self.client._call(self.stage, request, check=check)
         self.output_skeleton = Payload(outputs.skeleton, [])
         return [_moved(t, self.device) for t in outputs.tensors]
 
     def backward(
-        self, grad_outputs: list[torch.Tensor | None], expected: list[torch.Size]
+        self, grad_outputs: list[torch.Tensor | None], expected: list[tuple[torch.Size, torch.dtype]]
     ) -> list[torch.Tensor]:
         grads = Payload.flatten(tuple(grad_outputs))
         request = StageRequest("backward", stage_uid(self.client.run_id, self.stage), self.inputs, grads)
@@ -447,7 +493,8 @@ class _StageFunction(torch.autograd.Function):
             grads_in = [None] * len(ctx.input_meta)
         else:
             grads = call.backward(
-                [None if g is None else g.detach() for g in grad_outputs], [m[2] for m in ctx.input_meta]
+                [None if g is None else g.detach() for g in grad_outputs],
+                [(m[2], m[1]) for m in ctx.input_meta],
             )
             grads_in = [
                 grad.to(device=device, dtype=dtype)
@@ -463,12 +510,24 @@ def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return moved
 
 
-def _check_grads(stage: int, grads: Any, expected: list[torch.Size]) -> None:
+def _check_grads(stage: int, grads: Any, expected: list[tuple[torch.Size, torch.dtype]]) -> None:
+    """A backward reply must hold one finite gradient of the input's shape and dtype per differentiable input;
+    anything else is the peer's failure (``ProtocolError``: the call is retried elsewhere and the peer banned)."""
     if not isinstance(grads, (tuple, list)) or len(grads) != len(expected):
         count = len(grads) if isinstance(grads, (tuple, list)) else type(grads).__name__
-        raise CodecError(f"Stage {stage} returned {count} input gradients, expected {len(expected)}")
-    for grad, shape in zip(grads, expected, strict=True):
-        if not isinstance(grad, torch.Tensor) or grad.shape != shape or not grad.is_floating_point():
-            raise CodecError(
-                f"Stage {stage} returned a malformed input gradient (expected shape {list(shape)})"
+        raise ProtocolError(f"Stage {stage} returned {count} input gradients, expected {len(expected)}")
+    for grad, (shape, dtype) in zip(grads, expected, strict=True):
+        if not isinstance(grad, torch.Tensor) or grad.shape != shape or grad.dtype != dtype:
+            got = (
+                f"{list(grad.shape)} {grad.dtype}" if isinstance(grad, torch.Tensor) else type(grad).__name__
             )
+            raise ProtocolError(
+                f"Stage {stage} returned a malformed input gradient: {got}, expected {list(shape)} {dtype}"
+            )
+    check_finite(list(grads), f"stage {stage} input gradient", ProtocolError)
+
+
+def _describe(shapes: tuple) -> str:
+    return (
+        "[" + ", ".join(f"{str(dtype).removeprefix('torch.')}{list(shape)}" for dtype, shape in shapes) + "]"
+    )

@@ -37,6 +37,7 @@ from .quantize import (
 __all__ = [
     "COMPRESSIONS",
     "CodecError",
+    "TooLarge",
     "PartsDecoder",
     "check_compression",
     "check_encodable",
@@ -82,11 +83,16 @@ _FLOAT16 = runtime_pb2.CompressionType.FLOAT16
 # this package's blockwise 8-bit layout (see the module docstring); outside hivemind's enum on purpose
 WIRE_8BIT = 0x4C38  # "L8"
 _LOSSY_TYPES = {"8bit": WIRE_8BIT, "fp16": _FLOAT16}
+_LOSSY_RANGE = {"8bit": float(torch.finfo(torch.float32).max), "fp16": float(torch.finfo(torch.float16).max)}
 _WIRE_ATTR = "_lightning_swarm_wire"  # (tensor version when decoded, the parts it was decoded from)
 
 
 class CodecError(ValueError):
     """A tensor or call could not be encoded, or a received message is malformed."""
+
+
+class TooLarge(CodecError):
+    """A received message declares or carries more than the receiver accepts (refused before allocating)."""
 
 
 def check_compression(compression: str) -> str:
@@ -189,6 +195,10 @@ def _encode_parts(t: torch.Tensor, compression: str, chunks: int | None) -> Iter
         mode = "none"  # already 16-bit (bfloat16 would overflow in fp16)
     else:
         mode = compression
+    if mode != "none" and (mode == "fp16" or t.dtype == torch.float64) and numel:
+        # values beyond the lossy format's range would arrive as infinities: send such a tensor as it is
+        if float(flat.abs().max()) > _LOSSY_RANGE[mode]:
+            mode = "none"
     chunks = num_parts(numel) if chunks is None else chunks
     bounds = part_bounds(numel, chunks)
     for i in range(chunks):
@@ -226,9 +236,12 @@ def decode_tensor(msg: runtime_pb2.Tensor) -> torch.Tensor:
     return decode_parts([msg])[0]
 
 
-def decode_parts(parts: Iterable[runtime_pb2.Tensor]) -> list[torch.Tensor]:
-    """Restore every tensor from a sequence of parts (see :func:`encode_parts`); raises ``CodecError``."""
-    decoder = PartsDecoder()
+def decode_parts(
+    parts: Iterable[runtime_pb2.Tensor], max_bytes: float = math.inf, max_tensors: float = math.inf
+) -> list[torch.Tensor]:
+    """Restore every tensor from a sequence of parts (see :func:`encode_parts`); raises ``CodecError``
+    (:class:`TooLarge` beyond the limits, see :class:`PartsDecoder`)."""
+    decoder = PartsDecoder(max_bytes, max_tensors)
     for part in parts:
         decoder.feed(part)
     return decoder.finish()
@@ -239,9 +252,17 @@ class PartsDecoder:
 
     ``feed`` each received part in order; ``finish`` returns the tensors. Floating tensors sent with
     ``requires_grad`` come back as leaves that require grad. Anything malformed raises :class:`CodecError`.
+
+    Args:
+        max_bytes: the decoded tensors may take this many bytes in all. A tensor's size is known from its first
+            part (shape and dtype), so one declaring more is refused with :class:`TooLarge` before anything is
+            allocated for it (an 8-bit part decodes to 4 times its wire size: the limit is on the decoded size).
+        max_tensors: at most this many tensors (:class:`TooLarge` beyond).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: float = math.inf, max_tensors: float = math.inf) -> None:
+        self.max_bytes, self.max_tensors = max_bytes, max_tensors
+        self.declared_bytes = 0  # decoded size of the tensors started so far
         self.tensors: list[torch.Tensor] = []
         self._first: runtime_pb2.Tensor | None = None
         self._dtype = torch.float32
@@ -296,9 +317,22 @@ class PartsDecoder:
         if msg.compression not in (_NONE, _FLOAT16, WIRE_8BIT):
             raise CodecError(f"Received a tensor with unsupported compression type {msg.compression}")
         shape = tuple(msg.size)
-        if len(shape) > _MAX_DIMS or math.prod(d for d in shape if d != 0) > _MAX_NUMEL:
+        if (
+            len(shape) > _MAX_DIMS
+            or min(shape, default=0) < 0
+            or math.prod(d for d in shape if d) > _MAX_NUMEL
+        ):
             raise CodecError(f"Received a tensor of impossible shape {list(shape)[:_MAX_DIMS]}")
         numel = math.prod(shape)
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        if self.declared_bytes + size > self.max_bytes:
+            raise TooLarge(
+                f"Received a tensor of shape {list(shape)} ({msg.dtype}, {size} bytes decoded): the message would "
+                f"exceed the receiver's limit of {self.max_bytes:.0f} bytes; send smaller microbatches"
+            )
+        if len(self.tensors) + 1 > self.max_tensors:
+            raise TooLarge(f"Received more than {self.max_tensors} tensors in one message")
+        self.declared_bytes += size
         chunks = max(1, msg.chunks)
         if chunks > max(1, -(numel // -BLOCKSIZE)):
             raise CodecError(f"Received a tensor of shape {list(shape)} in an impossible {chunks} parts")

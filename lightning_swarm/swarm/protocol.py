@@ -13,8 +13,12 @@ The client (:mod:`.client`) and the server (:mod:`.server`) depend on this modul
   (random 62-bit start, then counted) and the same on every retry of one call: a server applies a backward's
   gradients at most once per id. ``commit_by`` (wall-clock seconds, ``time.time()``) is when the caller stops
   counting on the call: a backward that ends later is not applied, since the caller has retried it elsewhere.
-- Validation: :func:`parse_request` is the one place where a received request is checked; anything wrong
-  raises :class:`BadRequest`.
+- Validation: :func:`parse_request` is the one place where a received request is checked (framing, stage,
+  structure, and every floating tensor finite); anything wrong raises :class:`BadRequest`. Size limits apply
+  while the request is decoded (:data:`MAX_REQUEST_BYTES` etc., see :class:`~.transport.MessageReceiver`),
+  before anything is allocated. A server checks a request's tensors against the stage's :class:`InputSchema`
+  (count, dtype and number of dimensions of each tensor, learned from the calls it served
+  successfully), and ignores for a while a peer that keeps sending bad requests (:class:`BadPeers`).
 - Errors: an error reply says *why* a call failed. ``"compute"``: the stage's own code raised (a shape
   mismatch, a wrong dtype): the trainer gets that error, with the remote type and message, at once.
   ``"request"``: the request was malformed or reached a peer that does not serve that stage. ``"unavailable"``:
@@ -26,6 +30,9 @@ from __future__ import annotations
 
 import builtins
 import functools
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
 
@@ -40,13 +47,17 @@ from .payload import EncodedPayload, Payload
 __all__ = [
     "KINDS",
     "PROTOCOL_VERSION",
+    "BadPeers",
     "BadRequest",
     "ErrorReply",
+    "InputSchema",
     "ProtocolError",
     "RemoteStageError",
+    "StageSchemas",
     "StageReply",
     "StageRequest",
     "StageService",
+    "check_finite",
     "check_run_id",
     "encode_reply_header",
     "encode_request_header",
@@ -61,6 +72,14 @@ KINDS = ("forward", "backward")
 COMPUTE, REQUEST, UNAVAILABLE = "compute", "request", "unavailable"
 _CATEGORIES = (COMPUTE, REQUEST, UNAVAILABLE)
 _MAX_MESSAGE = 4096
+# limits on what a stage server accepts in one call (StageServer takes others as arguments)
+MAX_REQUEST_BYTES = 512 * 1024 * 1024  # decoded tensors of one request (inputs plus output gradients)
+MAX_REQUEST_TENSORS = 4096
+MAX_MESSAGE_BYTES = (
+    64 * 1024 * 1024
+)  # one message on the wire (ours carry at most ~64 KiB of parts, or one call)
+MAX_REQUEST_MESSAGES = 100_000
+MAX_REPLY_BYTES = 4 * 1024 * 1024 * 1024  # decoded tensors of one reply, on the trainer's side
 
 
 def warm_up_codec(compression: str) -> None:
@@ -253,7 +272,116 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
             raise BadRequest(f"Malformed request: {len(tensors) - num_inputs} tensors beyond the inputs")
     except CodecError as e:
         raise BadRequest(str(e)) from None
+    check_finite(inputs.tensors, "input", BadRequest)
+    if grads is not None:
+        check_finite(grads.tensors, "output gradient", BadRequest)
     return StageRequest(kind, uid, inputs, grads, request_id, None if commit_by is None else float(commit_by))
+
+
+def check_finite(tensors: list[torch.Tensor], what: str, error: type[Exception]) -> None:
+    """Raise ``error`` if a floating tensor among ``tensors`` holds a NaN or an infinity."""
+    for i, t in enumerate(tensors):
+        if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t).all()):
+            raise error(
+                f"{what.capitalize()} tensor {i} holds NaN or infinite values; only finite values are accepted"
+            )
+
+
+@dataclass(frozen=True)
+class InputSchema:
+    """What a stage's calls look like: per tensor (in payload order) its dtype and number of dimensions. Sizes are
+    not part of it: batch sizes, sequence lengths and even feature sizes may legitimately vary from call to call (a
+    request whose sizes the module cannot take gets the module's own error, a ``compute`` error reply; the size
+    limits bound what such a request can cost)."""
+
+    specs: tuple[tuple[torch.dtype, int], ...]
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> InputSchema:
+        return cls(tuple((t.dtype, t.dim()) for t in tensors))
+
+    def mismatch(self, tensors: list[torch.Tensor]) -> str | None:
+        """Why ``tensors`` do not fit this schema, or ``None`` if they do."""
+        if len(tensors) != len(self.specs):
+            return f"{len(tensors)} tensors sent, this stage takes {len(self.specs)}"
+        for i, (t, (dtype, ndim)) in enumerate(zip(tensors, self.specs, strict=True)):
+            if t.dtype != dtype:
+                return f"input tensor {i} is {t.dtype}, this stage takes {dtype}"
+            if t.dim() != ndim:
+                return (
+                    f"input tensor {i} has shape {list(t.shape)}, this stage takes {ndim}-dimensional tensors"
+                )
+        return None
+
+
+class StageSchemas:
+    """The input schemas a stage server has served successfully (at most ``max_schemas``; thread-safe).
+
+    Until the first call succeeds anything well-formed is tried on the module; afterwards a request whose tensors
+    match none of the learned schemas is refused before it reaches the module (:meth:`check`).
+    """
+
+    def __init__(self, max_schemas: int = 4) -> None:
+        self.max_schemas = max_schemas
+        self._schemas: list[InputSchema] = []
+        self._lock = threading.Lock()
+
+    def check(self, tensors: list[torch.Tensor]) -> None:
+        schemas = self._schemas
+        if not schemas:
+            return
+        reasons = [schema.mismatch(tensors) for schema in schemas]
+        if all(reasons):
+            raise BadRequest(f"The request does not fit this stage: {reasons[0]}")
+
+    def learn(self, tensors: list[torch.Tensor]) -> None:
+        """Remember the schema of a call the stage served successfully."""
+        schema = InputSchema.of(tensors)
+        with self._lock:
+            if schema not in self._schemas and len(self._schemas) < self.max_schemas:
+                self._schemas = [*self._schemas, schema]
+
+
+class BadPeers:
+    """Peers that sent too many bad requests, ignored for a while (thread-safe, bounded).
+
+    A peer that sends ``limit`` bad requests within ``window`` seconds is ignored for ``ban_s`` seconds.
+    """
+
+    def __init__(self, limit: int = 20, window: float = 60.0, ban_s: float = 60.0, max_peers: int = 10_000):
+        self.limit, self.window, self.ban_s, self.max_peers = limit, window, ban_s, max_peers
+        self._strikes: OrderedDict[Any, list[float]] = OrderedDict()
+        self._banned: OrderedDict[Any, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def strike(self, peer: Any, now: float | None = None) -> bool:
+        """Count one bad request of ``peer``; returns whether it is ignored from now on."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            times = [t for t in self._strikes.pop(peer, []) if t > now - self.window]
+            times.append(now)
+            if len(times) < self.limit:
+                self._strikes[peer] = times
+                while len(self._strikes) > self.max_peers:
+                    self._strikes.popitem(last=False)
+                return False
+            self._banned.pop(peer, None)
+            self._banned[peer] = now + self.ban_s
+            while len(self._banned) > self.max_peers:
+                self._banned.popitem(last=False)
+            return True
+
+    def ignored_for(self, peer: Any, now: float | None = None) -> float:
+        """Seconds ``peer`` is still ignored (0: not ignored)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            until = self._banned.get(peer)
+            if until is None:
+                return 0.0
+            if until <= now:
+                del self._banned[peer]
+                return 0.0
+            return until - now
 
 
 def check_grad_outputs(grads: tuple, outputs: list[torch.Tensor]) -> None:
@@ -267,6 +395,8 @@ def check_grad_outputs(grads: tuple, outputs: list[torch.Tensor]) -> None:
             raise BadRequest(
                 f"Output gradient {i} has shape {list(grad.shape)}; the output has {list(out.shape)}"
             )
+        if grad is not None and not grad.is_floating_point():
+            raise BadRequest(f"Output gradient {i} is {grad.dtype}; gradients must be floating point")
 
 
 def encode_reply_header(reply: StageReply, outputs: EncodedPayload | None) -> bytes:

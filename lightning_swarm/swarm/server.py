@@ -49,25 +49,35 @@ import hivemind
 import msgpack
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from ._loop import replicate_p2p, run_coroutine
-from .codec import CodecError, check_encodable
+from .codec import CodecError, TooLarge, check_encodable
 from .payload import Payload
 from .protocol import (
     COMPUTE,
+    MAX_MESSAGE_BYTES,
+    MAX_REQUEST_BYTES,
+    MAX_REQUEST_MESSAGES,
+    MAX_REQUEST_TENSORS,
     REQUEST,
     UNAVAILABLE,
+    BadPeers,
     BadRequest,
     ErrorReply,
     StageReply,
     StageRequest,
+    StageSchemas,
     StageService,
+    check_finite,
     check_grad_outputs,
     encode_reply_header,
     parse_request,
@@ -86,6 +96,7 @@ logger = logging.getLogger(__name__)
 _EPOCH_POLL_S = 0.25  # how often an idle server checks whether its stage is ready to step
 _APPLIED_TTL_S = 600.0  # how long a peer remembers the id of a backward it applied
 _APPLIED_MAX = 100_000  # ... and how many ids at most (16 bytes each, plus the dict's overhead)
+_MAX_CALLS_PER_PEER = 32  # calls of one remote peer being received or served at once (a trainer's threads)
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
@@ -112,6 +123,14 @@ class StageServer(StageService):
         param_groups: the optimizer's parameter groups (dicts with ``"params"`` and per-group hyper-parameters);
             ``None``: one group with every parameter of ``module`` that requires grad.
         throughput: samples/s of forward + backward announced until measured; ``None`` estimates it.
+        max_request_bytes: the decoded tensors of one request (inputs plus output gradients) may take this many
+            bytes; larger requests are refused before they are allocated.
+        bad_peers: which remote peers are ignored for sending bad requests (default: 20 bad requests within 60 s
+            get a peer ignored for 60 s).
+        check_schema: refuse requests whose tensors fit none of the input schemas learned from the calls served
+            so far (count, dtype, dimensions and last dimension of each tensor; see
+            :class:`~.protocol.StageSchemas`). Turn off for a stage whose tensors' last dimension varies from call
+            to call (e.g. masks over sequences of varying length).
     """
 
     def __init__(
@@ -124,6 +143,9 @@ class StageServer(StageService):
         optimizer_factory: OptimizerFactory | None,
         param_groups: list[dict[str, Any]] | None = None,
         throughput: float | None = None,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        bad_peers: BadPeers | None = None,
+        check_schema: bool = True,
     ):
         if stage < 0:
             raise ValueError(f"StageServer: stage must be >= 0, got {stage}")
@@ -153,6 +175,12 @@ class StageServer(StageService):
         self._step_lock = threading.Lock()  # held by the stepper while it runs the optimizer
         self._wake = threading.Event()
         self._applied = AppliedRequests()
+        self.max_request_bytes = max_request_bytes
+        self.bad_peers = BadPeers() if bad_peers is None else bad_peers
+        # what the stage's calls look like, learned from the ones it served
+        self.schemas = StageSchemas(max_schemas=4 if check_schema else 0)
+        self._calls_by_peer: dict[PeerID, int] = {}
+        self.dropped_contributions = 0  # backwards whose parameter gradients were not finite
         self.state = ONLINE
         self._accepting = True
 
@@ -405,6 +433,7 @@ class StageServer(StageService):
                 return _error(
                     request.request_id, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running")
                 )
+            self.schemas.check(request.inputs.tensors)
             if request.kind == "forward":
                 outputs = self._forward(request.inputs)
             else:
@@ -412,6 +441,7 @@ class StageServer(StageService):
                 outputs = self._backward(
                     request.inputs, request.grad_outputs, request.request_id, request.commit_by
                 )
+            self.schemas.learn(request.inputs.tensors)
             return StageReply(request.request_id, outputs=outputs)
         except BadRequest as e:
             logger.debug(f"Stage {self.stage}: rejected a request: {e}")
@@ -419,6 +449,9 @@ class StageServer(StageService):
         except TooLate as e:
             logger.debug(f"Stage {self.stage}: {e}")
             return _error(request.request_id, UNAVAILABLE, e)
+        except _NonFinite as e:
+            logger.warning(f"Stage {self.stage}: {e}")
+            return _error(request.request_id, COMPUTE, e)
         except _ComputeError as e:
             logger.warning(f"Stage {self.stage}: the stage raised {type(e.error).__name__}: {e.error}")
             return _error(request.request_id, COMPUTE, e.error)
@@ -432,7 +465,9 @@ class StageServer(StageService):
         args, kwargs = inputs.rebuild_call([t.detach().to(self.device) for t in inputs.tensors])
         with self._lock, torch.no_grad():
             outputs = self._run_module(args, kwargs)
-        return _outputs_payload(outputs)
+        payload = _outputs_payload(outputs)
+        check_finite(payload.tensors, f"stage {self.stage} output", _NonFinite)
+        return payload
 
     def _backward(
         self,
@@ -482,6 +517,7 @@ class StageServer(StageService):
             g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=False)
         )
         self._commit(results[len(wanted) :], batch_size, request_id, commit_by)
+        check_finite(list(grad_inputs), f"stage {self.stage} input gradient", _NonFinite)
         return Payload.flatten(grad_inputs)
 
     def _commit(
@@ -498,6 +534,7 @@ class StageServer(StageService):
                 f"backward request {request_id} finished {time.time() - commit_by:.1f} s after its commit deadline; "
                 "its gradients were not applied (the caller retries it elsewhere)"
             )
+        finite = all(g is None or bool(torch.isfinite(g).all()) for g in grads)
         with self._grads_lock:
             if request_id is not None and not self._applied.add(request_id):
                 logger.debug(f"Stage {self.stage}: backward request {request_id} was already applied here")
@@ -505,6 +542,13 @@ class StageServer(StageService):
             self.samples_processed += batch_size
             if self.optimizer is None or not self._trained:
                 return  # not training this stage: parameter gradients are dropped
+            if not finite:  # never let them reach the optimizer (nor, through averaging, the other peers)
+                self.dropped_contributions += 1
+                logger.warning(
+                    f"Stage {self.stage}: backward request {request_id} produced NaN or infinite parameter "
+                    f"gradients; its contribution was dropped ({self.dropped_contributions} so far)"
+                )
+                return
             if self._pending is None:
                 self._pending = [torch.zeros_like(m) for m in self._master]
             for acc, grad in zip(self._pending, grads, strict=True):
@@ -547,47 +591,123 @@ class StageServer(StageService):
 
         Parts are decoded here as they arrive (a part is small: ~0.05 ms), overlapping with the transfer; the
         compute thread then serves the request and encodes the reply message by message, each sent as soon as it
-        is ready. Every request gets a reply, an error reply if it failed; the channel stays open.
+        is ready. Every request gets a reply, an error reply if it failed; the channel stays open, except for a
+        call beyond the size limits (answered at once, then the channel is closed) and for a peer this server
+        ignores (see :class:`~.protocol.BadPeers`).
         """
         loop = asyncio.get_running_loop()
-        receiver = MessageReceiver()
-        async for message in requests:
-            if not receiver.feed(message):
-                continue
-            received, receiver = receiver, MessageReceiver()
-            if self._executor is None or not self._started:
-                error = _error(-1, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running"))
-                yield runtime_pb2.ExpertResponse(metadata=encode_reply_header(error, None))
-                continue
-            outbox: asyncio.Queue = asyncio.Queue()
-
-            def serve(
-                received: MessageReceiver = received, outbox: asyncio.Queue = outbox
-            ) -> runtime_pb2.ExpertResponse:
-                # every message but the last is handed over as soon as it is encoded (a pipelined reply); the
-                # last comes back as the result, so a one-message reply costs a single wake-up of the loop
-                last = None
-                for reply in self._serve_received(received):
-                    if last is not None:
-                        loop.call_soon_threadsafe(outbox.put_nowait, last)
-                    last = reply
-                assert last is not None
-                return last
-
-            done = loop.run_in_executor(self._executor, serve)
-            while True:
-                getter = asyncio.ensure_future(outbox.get())
-                finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in finished:
-                    yield getter.result()
+        peer = context.remote_id
+        receiver: MessageReceiver | None = None
+        counted = False  # whether a call of this channel counts in _calls_by_peer now (received to replied)
+        try:
+            async for message in requests:
+                if receiver is None:  # the first message of a call
+                    refusal = self._refusal(peer)
+                    if refusal is not None:
+                        yield refusal
+                        return
+                    receiver = self._receiver()
+                    self._calls_by_peer[peer] = self._calls_by_peer.get(peer, 0) + 1
+                    counted = True
+                    if self._calls_by_peer[peer] > _MAX_CALLS_PER_PEER:
+                        yield _reply(
+                            _error(
+                                -1,
+                                UNAVAILABLE,
+                                RuntimeError(
+                                    f"Too many concurrent calls from peer {peer} (at most {_MAX_CALLS_PER_PEER})"
+                                ),
+                            )
+                        )
+                        return
+                done_receiving = receiver.feed(message)
+                if receiver.too_large:  # cut the sender off instead of waiting for the end of its call
+                    try:
+                        receiver.result()
+                    except TooLarge as e:
+                        self._strike(peer, e)
+                        yield _reply(_error(-1, REQUEST, e))
+                    return
+                if not done_receiving:
                     continue
-                getter.cancel()
-                break
-            while not outbox.empty():  # handed over just before the last one
-                yield outbox.get_nowait()
-            yield done.result()
+                received, receiver = receiver, None
+                if self._executor is None or not self._started:
+                    self._calls_by_peer[peer] -= 1
+                    counted = False
+                    error = _error(-1, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running"))
+                    yield _reply(error)
+                    continue
+                outbox: asyncio.Queue = asyncio.Queue()
 
-    def _serve_received(self, received: MessageReceiver) -> Iterator[runtime_pb2.ExpertResponse]:
+                def serve(
+                    received: MessageReceiver = received, outbox: asyncio.Queue = outbox
+                ) -> runtime_pb2.ExpertResponse:
+                    # every message but the last is handed over as soon as it is encoded (a pipelined reply); the
+                    # last comes back as the result, so a one-message reply costs a single wake-up of the loop
+                    last = None
+                    for reply in self._serve_received(received, peer):
+                        if last is not None:
+                            loop.call_soon_threadsafe(outbox.put_nowait, last)
+                        last = reply
+                    assert last is not None
+                    return last
+
+                done = loop.run_in_executor(self._executor, serve)
+                while True:
+                    getter = asyncio.ensure_future(outbox.get())
+                    finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                    if getter in finished:
+                        yield getter.result()
+                        continue
+                    getter.cancel()
+                    break
+                while not outbox.empty():  # handed over just before the last one
+                    yield outbox.get_nowait()
+                self._calls_by_peer[peer] -= 1
+                counted = False
+                yield done.result()
+        finally:
+            if counted:
+                self._calls_by_peer[peer] -= 1
+            if self._calls_by_peer.get(peer, 1) <= 0:
+                self._calls_by_peer.pop(peer, None)
+
+    def _receiver(self) -> MessageReceiver:
+        return MessageReceiver(
+            max_bytes=self.max_request_bytes,
+            max_tensors=MAX_REQUEST_TENSORS,
+            max_message_bytes=max(MAX_MESSAGE_BYTES, self.max_request_bytes + (1 << 20)),
+            max_messages=MAX_REQUEST_MESSAGES,
+        )
+
+    def _refusal(self, peer: PeerID) -> runtime_pb2.ExpertResponse | None:
+        """The error reply for a peer this server ignores now, or ``None``."""
+        remaining = self.bad_peers.ignored_for(peer)
+        if not remaining:
+            return None
+        return _reply(
+            _error(
+                -1,
+                REQUEST,
+                BadRequest(
+                    f"Stage {self.stage} server ignores peer {peer} for another {remaining:.0f} s: it sent too many bad "
+                    f"requests"
+                ),
+            )
+        )
+
+    def _strike(self, peer: PeerID | None, error: Exception) -> None:
+        """Count a bad request of ``peer`` (logged at debug level: a remote peer's fault, not ours)."""
+        logger.debug(f"Stage {self.stage}: bad request from {peer}: {error}")
+        if peer is not None and self.bad_peers.strike(peer):
+            logger.warning(
+                f"Stage {self.stage}: ignoring peer {peer} for {self.bad_peers.ban_s:.0f} s after "
+                f"{self.bad_peers.limit} bad requests (last: {str(error)[:200]})"
+            )
+
+    def _serve_received(
+        self, received: MessageReceiver, peer: PeerID | None = None
+    ) -> Iterator[runtime_pb2.ExpertResponse]:
         """Serve a received call and yield its reply messages (runs in the compute thread; never raises)."""
         request_id = -1
         try:
@@ -596,13 +716,14 @@ class StageServer(StageService):
                 request_id = _request_id(header)
                 request = parse_request(header, tensors, self.uid)
             except (CodecError, BadRequest) as e:
-                yield runtime_pb2.ExpertResponse(
-                    metadata=encode_reply_header(_error(request_id, REQUEST, e), None)
-                )
+                self._strike(peer, e)
+                yield _reply(_error(request_id, REQUEST, e))
                 return
             reply = self.handle(request)
             if reply.error is not None:
-                yield runtime_pb2.ExpertResponse(metadata=encode_reply_header(reply, None))
+                if reply.error.category == REQUEST:
+                    self._strike(peer, BadRequest(reply.error.message))
+                yield _reply(reply)
                 return
             assert reply.outputs is not None
             compression = self.settings.compression
@@ -616,21 +737,31 @@ class StageServer(StageService):
             Exception
         ) as e:  # a bug while encoding: end the call with an error reply (sent parts are dropped)
             logger.warning(f"Stage {self.stage}: failed to reply: {e!r}")
-            yield runtime_pb2.ExpertResponse(
-                metadata=encode_reply_header(_error(request_id, UNAVAILABLE, e), None)
-            )
+            yield _reply(_error(request_id, UNAVAILABLE, e))
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         """Stage index, throughput, samples processed and optimizer epoch (msgpack dict)."""
-        if request.uid != self.uid:
-            raise BadRequest(f"This peer serves {self.uid!r}, but the request was for {request.uid!r}")
+        self._check_uid(request, context)
         return runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(self.info()))
+
+    def _check_uid(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> None:
+        remaining = self.bad_peers.ignored_for(context.remote_id)
+        if remaining:
+            raise BadRequest(f"This peer ignores you for another {remaining:.0f} s: too many bad requests")
+        if request.uid != self.uid:
+            error = BadRequest(
+                f"This peer serves {self.uid!r}, but the request was for {request.uid[:200]!r}"
+            )
+            self._strike(context.remote_id, error)
+            raise error
 
     async def rpc_state(
         self, request: runtime_pb2.ExpertUID, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """The stage module's ``state_dict`` as an uncompressed payload, in messages (metadata on the last)."""
-        if request.uid != self.uid:
+        try:
+            self._check_uid(request, context)
+        except BadRequest:
             yield runtime_pb2.ExpertResponse()  # no metadata: the caller reads an incomplete stream
             return
         loop = asyncio.get_running_loop()
@@ -641,6 +772,15 @@ class StageServer(StageService):
 
         for message in await loop.run_in_executor(None, encode):
             yield message
+
+
+class _NonFinite(FloatingPointError):
+    """The stage's own computation produced NaN or infinite outputs or input gradients from finite inputs."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(
+            f"{message}; the stage diverged (lower the learning rate, or check the model in fp32)"
+        )
 
 
 class TooLate(RuntimeError):
@@ -712,6 +852,152 @@ class _LoadProbe(DecentralizedAverager):
         return result
 
 
+# averaging: a part whose norm exceeds this many times the median of the group's parts is dropped (groups of 3+)
+OUTLIER_NORM_RATIO = 100.0
+
+
+class _RobustPartReducer(TensorPartReducer):
+    """hivemind's reducer of the slice of the averaged tensors this peer aggregates, guarded against hostile
+    senders: a part that is not finite, or sent with a weight that is not a finite non-negative number, is
+    dropped; so is, in groups of three senders or more, a part whose norm exceeds :data:`OUTLIER_NORM_RATIO`
+    times the median norm of the parts of that slice. The slice's average is that of the remaining parts (every
+    sender, the dropped ones included, gets it back). Dropped parts are logged as warnings."""
+
+    def __init__(self, part_shapes: Any, num_senders: int, sender_names: list[Any]) -> None:
+        self._stash: list[tuple[int, torch.Tensor, float]] = []
+        self.sender_names = sender_names
+        self.dropped = 0
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        self._stash = []
+        super().reset_accumulators()
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        # hivemind's TensorPartReducer.accumulate_part, keeping the parts until the slice is complete
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            if tensor_part.shape != self.part_shapes[part_index]:
+                raise AllreduceException(f"sender {sender_index} sent a part of the wrong shape")
+            self._stash.append((sender_index, tensor_part, weight))
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await current_part_future
+
+    def check_current_part_finished(self) -> None:
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.accumulator, self.denominator = self._robust_sum()
+        super().check_current_part_finished()
+
+    def _robust_sum(self) -> tuple[torch.Tensor, float]:
+        kept, reasons = [], {}
+        for sender, part, weight in self._stash:
+            if not (math.isfinite(weight) and weight >= 0):
+                reasons[sender] = f"weight {weight}"
+            elif not bool(torch.isfinite(part).all()):
+                reasons[sender] = "NaN or infinite values"
+            else:
+                kept.append((sender, part, weight))
+        weighted = [part for _, part, weight in kept if weight > 0]  # weight 0: a peer without samples
+        if len(weighted) >= 3:
+            norms = [float(part.float().norm()) for _, part, _ in kept]
+            median = sorted(float(part.float().norm()) for part in weighted)[len(weighted) // 2]
+            if median > 0:
+                for (sender, _, _), norm in zip(kept, norms, strict=True):
+                    if norm > OUTLIER_NORM_RATIO * median:
+                        reasons[sender] = f"norm {norm:.3g}, {norm / median:.0f} times the group's median"
+                kept = [item for item in kept if item[0] not in reasons]
+        for sender, why in reasons.items():
+            self.dropped += 1
+            logger.warning(
+                f"Averaging: dropped the part of peer {self.sender_names[sender]} ({why}); the others are "
+                f"averaged without it"
+            )
+        accumulator = torch.zeros(self.part_shapes[self.current_part_index])
+        denominator = 0.0
+        for _, part, weight in kept:
+            accumulator.add_(part, alpha=weight)
+            denominator += weight
+        self._stash = []
+        if denominator <= 0:  # nothing usable: a zero average (hivemind would divide by zero)
+            return accumulator, 1.0
+        return accumulator, denominator
+
+
+class _GuardedAllReduceRunner(AllReduceRunner):
+    """hivemind's all-reduce with a :class:`_RobustPartReducer`, and the averaged slices that other peers send
+    back checked: a reducer that returns NaN or infinite values counts as failed, so this peer keeps its own
+    values for that slice (hivemind's handling of a reducer that drops out)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        plain = self.tensor_part_reducer
+        self.tensor_part_reducer = _RobustPartReducer(
+            plain.part_shapes, plain.num_senders, list(self.sender_peer_ids)
+        )
+        plain.num_senders = 0  # finalized unused: no "received 0% of input tensors" warning
+        plain.finalize()
+        container = self.tensor_part_container
+        register = container.register_processed_part
+        peer_ids = self.ordered_peer_ids
+
+        def register_checked(peer_index: int, part_index: int, part: torch.Tensor) -> None:
+            if not bool(torch.isfinite(part).all()):
+                logger.warning(
+                    f"Averaging: peer {peer_ids[peer_index]} returned a non-finite average; keeping the local "
+                    f"values of its slice"
+                )
+                raise AllreduceException(f"peer {peer_ids[peer_index]} returned a non-finite average")
+            register(peer_index, part_index, part)
+
+        container.register_processed_part = register_checked  # type: ignore[method-assign]
+
+
+class _GuardedAveraging:
+    """Runs a :class:`DecentralizedAverager`'s all-reduce rounds with :class:`_GuardedAllReduceRunner`."""
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Any, group_info: Any, group_id: bytes | None = None, **kwargs: Any
+    ) -> None:
+        # hivemind's DecentralizedAverager._run_allreduce_inplace_ with another runner class
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = _GuardedAllReduceRunner(
+            p2p=self._p2p,  # type: ignore[attr-defined]
+            servicer_type=type(self),
+            prefix=self.prefix,  # type: ignore[attr-defined]
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        running = self._running_groups  # type: ignore[attr-defined]
+        assert group_id in running, f"Group id {group_id} was not registered in _register_allreduce_group"
+        running[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:  # type: ignore[attr-defined]
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)  # type: ignore[attr-defined]
+                self.last_updated = get_dht_time()
+                self._state_updated.set()  # type: ignore[attr-defined]
+        else:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+
+
 class _StartsInAnyThread:
     """hivemind's averagers set SIGINT to be ignored in the calling process when they start, which only the main
     thread may do; a peer that migrates starts its new stage's averagers in a background thread. There they start
@@ -725,12 +1011,13 @@ class _StartsInAnyThread:
             self.wait_until_ready(timeout)  # type: ignore[attr-defined]
 
 
-class _StateAverager(_StartsInAnyThread, TrainingStateAverager, _LoadProbe):
+class _StateAverager(_StartsInAnyThread, _GuardedAveraging, TrainingStateAverager, _LoadProbe):
     """hivemind's state averager of a stage, telling whether a joiner's download succeeded."""
 
 
-class _GradientAverager(_StartsInAnyThread, GradientAverager):
-    """hivemind's gradient averager, startable from any thread."""
+class _GradientAverager(_StartsInAnyThread, _GuardedAveraging, GradientAverager):
+    """hivemind's gradient averager, startable from any thread, guarded against hostile contributions (see
+    :class:`_RobustPartReducer`)."""
 
 
 class _StageOptimizer(hivemind.Optimizer):
@@ -758,6 +1045,11 @@ def _make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Opt
     optimizer = factory(params)
     initialize_optimizer_state(optimizer)
     return optimizer
+
+
+def _reply(reply: StageReply) -> runtime_pb2.ExpertResponse:
+    """A one-message error reply."""
+    return runtime_pb2.ExpertResponse(metadata=encode_reply_header(reply, None))
 
 
 def _error(request_id: int, category: str, error: BaseException) -> StageReply:

@@ -31,9 +31,11 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from ._loop import get_loop, run_coroutine
-from .codec import CodecError, PartsDecoder
+from .codec import CodecError, PartsDecoder, TooLarge
 from .payload import EncodedPayload, Payload
 from .protocol import (
+    MAX_REPLY_BYTES,
+    MAX_REQUEST_TENSORS,
     ProtocolError,
     StageReply,
     StageRequest,
@@ -87,16 +89,42 @@ class MessageReceiver:
     :meth:`feed` returns True once the last message (the one with the header) has arrived; :meth:`result` then
     gives ``(header, tensors)`` or raises the ``CodecError`` that a malformed part caused (the rest of the
     call's messages are still consumed, so a channel stays in step).
+
+    Limits (a receiver of untrusted messages sets them; the defaults accept anything): ``max_bytes`` of decoded
+    tensors (a tensor declaring more is refused before it is allocated), ``max_tensors``, ``max_message_bytes``
+    per message on the wire and ``max_messages`` per call. Past a limit the call is marked :attr:`too_large`
+    (the error is a :class:`~.codec.TooLarge`) and nothing more is decoded or kept.
     """
 
-    def __init__(self) -> None:
-        self._decoder: PartsDecoder | None = PartsDecoder()
+    def __init__(
+        self,
+        max_bytes: float = math.inf,
+        max_tensors: float = math.inf,
+        max_message_bytes: float = math.inf,
+        max_messages: float = math.inf,
+    ) -> None:
+        self._decoder: PartsDecoder | None = PartsDecoder(max_bytes, max_tensors)
         self._error: CodecError | None = None
         self._header = b""
+        self.max_message_bytes, self.max_messages = max_message_bytes, max_messages
+        self.messages = 0
+
+    @property
+    def too_large(self) -> bool:
+        """Whether the call exceeded a limit (the sender should be cut off rather than waited for)."""
+        return isinstance(self._error, TooLarge)
 
     def feed(self, message: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse) -> bool:
+        self.messages += 1
         if self._decoder is not None:
             try:
+                if self.messages > self.max_messages:
+                    raise TooLarge(f"A call was sent in more than {self.max_messages} messages")
+                if self.max_message_bytes < math.inf and message.ByteSize() > self.max_message_bytes:
+                    raise TooLarge(
+                        f"Received a message of {message.ByteSize()} bytes; the limit is "
+                        f"{self.max_message_bytes:.0f} bytes per message"
+                    )
                 for part in message.tensors:
                     self._decoder.feed(part)
             except CodecError as e:
@@ -203,6 +231,11 @@ class P2PTransport:
                 reply = parse_reply(reply_header, tensors)
             except CodecError as e:  # ProtocolError included: the peer replied garbage
                 raise TransportError(f"Peer {self.peer_id} sent a malformed reply: {e}") from e
+            if reply.request_id == -1 and reply.error is not None:  # refused before its id was read
+                raise TransportError(
+                    f"Peer {self.peer_id} refused the request ({reply.error.category}): {reply.error.type_name}: "
+                    f"{reply.error.message}"
+                )
             if reply.request_id != request.request_id:
                 raise TransportError(
                     f"Peer {self.peer_id} answered request {reply.request_id} instead of {request.request_id}"
@@ -286,7 +319,7 @@ class _Channel:
         if not streamed:
             (message,) = list(outgoing)
             replies = run_coroutine(asyncio.wait_for(self._roundtrip(message), timeout), timeout=timeout + 5)
-            receiver = MessageReceiver()
+            receiver = _reply_receiver()
             for reply in replies:
                 receiver.feed(reply)
             try:
@@ -310,7 +343,7 @@ class _Channel:
                 loop.call_soon_threadsafe(outbox.put_nowait, message)
                 if future.done():
                     break  # the channel already failed: stop encoding
-            receiver = MessageReceiver()
+            receiver = _reply_receiver()
             while True:
                 message = inbox.get(timeout=max(0.0, deadline - time.monotonic()))
                 if message is _END:
@@ -339,6 +372,12 @@ class _Channel:
         loop.call_soon_threadsafe(outbox.put_nowait, None)
         if replies is not None:
             asyncio.run_coroutine_threadsafe(replies.aclose(), loop)
+
+
+def _reply_receiver() -> MessageReceiver:
+    """A receiver for a stage call's reply: bounded, so that a hostile peer cannot make a trainer allocate
+    without limit (:data:`~.protocol.MAX_REPLY_BYTES` of decoded tensors)."""
+    return MessageReceiver(max_bytes=MAX_REPLY_BYTES, max_tensors=MAX_REQUEST_TENSORS)
 
 
 def decode_payload_stream(received: Iterable[Msg]) -> Payload:
