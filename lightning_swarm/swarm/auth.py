@@ -44,6 +44,7 @@ REFUSED_MARKER = "private swarm"
 _CHALLENGE_TIMEOUT = 10.0
 _REFUSAL_MEMORY = 10.0  # seconds a refused peer is refused without a new challenge
 _TAG = b"lightning-swarm-auth-v1"
+_CLOSE_WAIT = 5.0  # seconds a refused stream waits for the caller to close it
 
 
 class PrivateSwarmError(RuntimeError):
@@ -153,6 +154,11 @@ async def _challenge(p2p: P2P, remote: PeerID, secret: bytes) -> bool:
     return ok
 
 
+async def _discard(reader: asyncio.StreamReader) -> None:
+    while await reader.read(1 << 16):
+        pass
+
+
 async def _prove(request: BytesValue, context: P2PContext) -> BytesValue:
     policy = _POLICIES.get(context.local_id)
     if policy is None or policy.secret is None:
@@ -181,6 +187,9 @@ def _install() -> None:
                     return await handler(stream_info, reader, writer)
                 with suppress(Exception):
                     await P2P.send_protobuf(RPCError(message=refusal), writer)
+                    # let the caller read the refusal and close first: closing a stream with unread input resets
+                    # it, and the caller would see an empty reply instead of the message
+                    await asyncio.wait_for(_discard(reader), timeout=_CLOSE_WAIT)
                 writer.close()
 
             return await original_stream(self, name, gated, balanced=balanced)

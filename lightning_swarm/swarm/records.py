@@ -33,9 +33,8 @@ import logging
 import math
 import os
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any
 
 import multihash
 import pydantic.v1 as pydantic
@@ -292,10 +291,10 @@ def record_validators(
     ``run_id`` (the extra stages cover peers of the run that were told another stage count). Other keys (the
     averagers', hivemind's own) are left to hivemind."""
     fields: dict[str, Any] = {
-        stage_key(run_id, k): (Optional[Dict[_OwnedSubkey, _StageValue]], None)
+        stage_key(run_id, k): (dict[_OwnedSubkey, _StageValue] | None, None)
         for k in range(num_stages + extra_stages)
     }
-    fields[presence_key(run_id)] = (Optional[Dict[_OwnedSubkey, _PresenceValue]], None)
+    fields[presence_key(run_id)] = (dict[_OwnedSubkey, _PresenceValue] | None, None)
     schema = pydantic.create_model(f"SwarmRecords_{abs(hash(run_id))}", **fields)
     return [SchemaValidator(schema, allow_extra_keys=True), identity.signer]
 
