@@ -11,8 +11,10 @@ Announced throughputs are claims. Once the client has timed ``MEASURED_CALLS`` s
 bounds what the router believes: ``believed = min(announced, r * measured)``, where ``r`` is the smallest
 ``announced / measured`` ratio among the stage's measured peers, i.e. the most modest peer calibrates what an
 announced figure is worth in this client's measurements (per-call timings include the network and queueing, so
-they are not in the same units as a server's own figure). An honest peer is bounded by about its own claim; a peer
-announcing 1e12 samples/s is believed as fast as it measured, so it gets its measured share of the microbatches.
+they are not in the same units as a server's own figure), and at most ``MAX_CLAIM_RATIO`` (8: so that a liar
+measured before anyone else leaves the others enough calls to be measured too). An honest peer is bounded by about
+its own claim; a peer announcing 1e12 samples/s is believed as fast as it measured, so it gets its measured share
+of the microbatches.
 
 :class:`StageRouter` handles one stage and is a pure function of the announced peers, the reported failures
 and the clock, so it is unit-tested without a network. The :class:`~.client.SwarmClient` keeps one per stage.
@@ -36,6 +38,7 @@ __all__ = ["MEASURED_CALLS", "NoPeersError", "StageRouter"]
 _MIN_THROUGHPUT = 1e-6
 MEASURED_CALLS = 3  # timed calls to a peer before its measurements bound its announced throughput
 _MEASURE_EMA = 0.3  # weight of the newest timing in a peer's measured rate
+MAX_CLAIM_RATIO = 8.0  # an announced figure is never believed above this many times the measured rate
 
 
 class NoPeersError(RuntimeError):
@@ -113,6 +116,7 @@ class StageRouter:
     def _believe(self) -> None:
         measured = {p: rate for p, rate in self.measured.items() if p in self._claimed}
         scale = min((self._claimed[p] / rate for p, rate in measured.items()), default=None)
+        scale = None if scale is None else min(scale, MAX_CLAIM_RATIO)
         believed = dict(self._claimed)
         if scale is not None:
             for p, rate in measured.items():
