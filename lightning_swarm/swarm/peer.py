@@ -146,14 +146,17 @@ class SwarmPeer:
         initial_peers = list(s.initial_peers) or _env_peers()
         if self.local_swarm_size is not None and self.peer_index > 0 and not initial_peers:
             initial_peers = self._wait_rendezvous()
-        identity = PeerIdentity.load_or_create(s.identity_path) if s.identity_path else PeerIdentity()
+        key_path = s.identity_path
+        if key_path and self.local_swarm_size is not None and self.peer_index > 0:
+            key_path = f"{key_path}.{self.peer_index}"  # the peers of a local swarm need distinct identities
+        identity = PeerIdentity.load_or_create(key_path) if key_path else PeerIdentity()
         secret = s.secret or os.environ.get(SECRET_ENV) or None
         private = secret is not None or bool(s.allowed_peers)
         if private:  # before the DHT forks its process, which inherits the gate
             protect(identity.peer_id, secret, s.allowed_peers or None)
         self._identity = identity
         with tempfile.TemporaryDirectory(prefix="swarm-id-") as tmp:
-            identity_path = s.identity_path
+            identity_path = key_path
             if identity_path is None:
                 identity_path = os.path.join(tmp, "identity.key")
                 identity.save(identity_path)
