@@ -155,7 +155,9 @@ def test_a_peer_without_the_secret_cannot_join(private_peer, secret) -> None:
     settings, peer = private_peer
     outsider = SwarmPeer(settings.replace(secret=secret, initial_peers=_maddrs(peer)))
     try:
-        with pytest.raises(RuntimeError, match=r"refused the call: this is a private swarm.*secret") as info:
+        with pytest.raises(
+            RuntimeError, match=r"refused the call from this peer: this is a private swarm.*secret"
+        ) as info:
             outsider.start_dht()
         assert "\n" not in str(info.value)
     finally:

@@ -107,9 +107,9 @@ def proof(secret: bytes, nonce: bytes, prover: PeerID, verifier: PeerID) -> byte
 
 def refusal_message(local: PeerID, remote: PeerID, why: str) -> str:
     return (
-        f"peer {local} refused the call: this is a {REFUSED_MARKER} and peer {remote} {why}. Start this peer "
-        f"with the swarm's secret (SwarmStrategy(secret=...) or the {SECRET_ENV} environment variable) or have "
-        "its id added to the swarm's allowed_peers."
+        f"peer {local} refused the call from {remote}: this is a {REFUSED_MARKER} and the caller {why}. Start "
+        f"the caller with the swarm's secret (SwarmStrategy(secret=...) or the {SECRET_ENV} environment "
+        "variable) or have its id added to the swarm's allowed_peers."
     )
 
 
@@ -134,7 +134,11 @@ async def _check(p2p: P2P, remote: PeerID) -> str | None:
         _ADMITTED.add((local, remote))
         _REFUSED.pop((local, remote), None)
         return None
-    _REFUSED[(local, remote)] = time.monotonic() + _REFUSAL_MEMORY
+    now = time.monotonic()
+    if len(_REFUSED) > 10_000:  # many made-up peer ids: forget the expired refusals
+        for stale in [k for k, until in _REFUSED.items() if until <= now]:
+            del _REFUSED[stale]
+    _REFUSED[(local, remote)] = now + _REFUSAL_MEMORY
     return refusal_message(local, remote, "did not prove that it knows the swarm secret")
 
 

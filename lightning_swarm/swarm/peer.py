@@ -714,8 +714,14 @@ def _probe_refusal(
                         timeout=15,
                     )
                 except P2PHandlerError as e:
-                    if REFUSED_MARKER in str(e):
-                        return str(e).split("(", 1)[-1].strip("'\")")
+                    message = str(e)
+                    if REFUSED_MARKER in message:  # "...: PrivateSwarmError('peer ... refused the call ...')"
+                        message = message[message.find("peer ", message.find("PrivateSwarmError")) :]
+                        message = message.rstrip("')\"").replace(identity.peer_id.to_base58(), "this peer")
+                        message = message.replace("Start the caller", "Start this peer").replace(
+                            "and the caller", "and this peer"
+                        )
+                        return message
                 except Exception:
                     continue
             return None
