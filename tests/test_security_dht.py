@@ -30,10 +30,12 @@ from lightning_swarm.swarm.records import (
     ONLINE,
     STATES,
     PeerIdentity,
+    RecordSigner,
     get_stage_peers,
     presence_key,
     stage_key,
     subkey_peer_id,
+    swarm_keys,
 )
 from lightning_swarm.swarm.server import StageServer
 
@@ -60,7 +62,7 @@ def _serving_peer(settings: SwarmSettings) -> tuple[SwarmPeer, nn.Module]:
 @pytest.fixture(scope="module")
 def honest_and_hostile():
     """An honest peer serving stage 0 of run ``R`` and a hostile DHT node in the same DHT (its own identity, a
-    signature validator for its own key and nothing else: it stores whatever it likes)."""
+    signer for its own key and no checks: it stores whatever it likes)."""
     settings = SwarmSettings(
         run_id=f"signed-{next(_runs)}", num_stages=1, compression="none", host_maddrs=LOCAL
     )
@@ -75,7 +77,7 @@ def honest_and_hostile():
             host_maddrs=list(LOCAL),
             identity_path=path,
             check_if_identity_free=False,
-            record_validators=[hostile_identity.signer],
+            record_validators=[RecordSigner(hostile_identity, swarm_keys(settings.run_id, 1))],
         )
     finally:
         os.remove(path)

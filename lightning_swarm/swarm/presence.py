@@ -28,7 +28,7 @@ import time
 import hivemind
 from hivemind.utils import get_dht_time
 
-from .records import identity_of, presence_key, subkey_peer_id
+from .records import identity_of, presence_key, strip_signature, subkey_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Presence:
                 name = subkey if isinstance(subkey, str) else subkey_peer_id(subkey).to_base58()
             except Exception:
                 continue
-            value = getattr(entry, "value", None)
+            value = strip_signature(getattr(entry, "value", None))
             if isinstance(value, int) and not isinstance(value, bool):  # an older peer: phase only
                 value = [value, True]
             if (

@@ -10,19 +10,23 @@ single ``dht.get(key, latest=True)`` and routes only to online peers. Records ex
 
 Signed records. A peer started by :class:`~.peer.SwarmPeer` has a :class:`PeerIdentity`: one RSA key that is both
 its libp2p identity (its peer id is the hash of the public key) and the key that signs its DHT records. Its
-subkeys are ``b"<base58 peer id>[owner:<public key>]"``; its DHT node runs :func:`record_validators`, which
+subkeys are ``b"<base58 peer id>[swarm-owner:<public key>]"`` and its values carry its RSA signature (over key,
+subkey, value and expiration) as their last element. Its DHT node runs :func:`record_validators`, which reject
+records under the swarm's keys (stage and presence records of the run)
 
-- reject records under the swarm's keys (stage and presence records) whose subkey carries no owner key (unsigned),
-  whose signature does not verify (hivemind's ``RSASignatureValidator``: only the key's owner can write or
+- whose subkey carries no owner key (unsigned), whose signature does not verify (only the key's owner can write or
   overwrite them), or whose subkey names a peer id that is not the one of its key (a peer announcing another's
-  identity);
-- check the values against a schema (hivemind's ``SchemaValidator``): ``[throughput > 0, state, num_stages >= 1]``
-  for stage records, ``[phase, trainer]`` for presence records.
+  identity): :class:`RecordSigner`, hivemind's ``RSASignatureValidator`` scheme with the signature inside the
+  value, so that a DHT without the validators (``lightning-swarm status``, a plain ``hivemind.DHT`` given to a
+  ``SwarmClient``) still reads the records (hivemind's format appends bytes that such a node cannot decode, and its
+  lookup hangs);
+- whose value breaks the schema (hivemind's ``SchemaValidator``): ``[throughput > 0, state, num_stages >= 1]`` for
+  stage records, ``[phase, trainer]`` for presence records.
 
 Validators act where records are stored and where they are read, so a forged record is neither kept by an honest
 node nor believed when a hostile node returns it. The readers (:func:`parse_stage_peers`, ``Presence``) map a
-signed subkey back to its peer id (and check the binding once more); a plain base58 subkey (a DHT started without
-these validators, e.g. ``hivemind.DHT()`` in tests) still reads as that peer.
+signed subkey back to its peer id (checking the binding once more) and drop the signature; a plain base58 subkey
+(a DHT started without these validators, e.g. ``hivemind.DHT()`` in tests) still reads as that peer.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import logging
 import math
 import os
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,12 +45,13 @@ import multihash
 import pydantic.v1 as pydantic
 from cryptography.hazmat.primitives import serialization
 from hivemind import DHT
-from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from .rebalance import JOINING, LEAVING, ONLINE
@@ -64,6 +70,9 @@ __all__ = [
     "presence_key",
     "record_validators",
     "register_identity",
+    "RecordSigner",
+    "strip_signature",
+    "swarm_keys",
     "stage_key",
     "subkey_of",
     "subkey_peer_id",
@@ -106,7 +115,7 @@ def presence_key(run_id: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- identity
-_OWNER = b"[owner:"
+_OWNER = b"[swarm-owner:"
 
 
 class PeerIdentity:
@@ -118,8 +127,7 @@ class PeerIdentity:
 
     def __init__(self, private_key: RSAPrivateKey | None = None) -> None:
         self.private_key = private_key if private_key is not None else RSAPrivateKey()
-        self.signer = _SignatureValidator(self.private_key)
-        self.owner: bytes = self.signer.local_public_key  # b"[owner:ssh-rsa ...]"
+        self.owner: bytes = _OWNER + self.private_key.get_public_key().to_bytes() + b"]"
         self.peer_id = _peer_id_of_owner(self.owner)
         self.subkey: bytes = self.peer_id.to_base58().encode() + self.owner
 
@@ -155,17 +163,23 @@ class PeerIdentity:
 
 @functools.lru_cache(maxsize=4096)
 def _peer_id_of_owner(owner: bytes) -> PeerID:
-    """The libp2p peer id of the RSA key in an owner marker ``b"[owner:ssh-rsa ...]"`` (libp2p peer-id spec)."""
-    if not (owner.startswith(_OWNER) and owner.endswith(b"]")):
-        raise ValueError("not an owner marker")
-    public_key = RSAPublicKey.from_bytes(owner[len(_OWNER) : -1])._public_key
+    """The libp2p peer id of the RSA key in an owner marker ``b"[swarm-owner:ssh-rsa ...]"`` (libp2p peer-id
+    spec)."""
+    public_key = _public_key_of_owner(owner)._public_key
     der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
     return PeerID(multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256")))
 
 
+@functools.lru_cache(maxsize=4096)
+def _public_key_of_owner(owner: bytes) -> RSAPublicKey:
+    if not (owner.startswith(_OWNER) and owner.endswith(b"]")):
+        raise ValueError("not an owner marker")
+    return RSAPublicKey.from_bytes(owner[len(_OWNER) : -1])
+
+
 def subkey_peer_id(subkey: Any) -> PeerID:
-    """The peer a record's subkey names: a signed subkey ``b"<base58 id>[owner:<key>]"`` names the peer id of its
+    """The peer a record's subkey names: a signed subkey ``b"<base58 id>[swarm-owner:<key>]"`` names the peer id of its
     key (raises ``ValueError`` if the two differ: a peer announcing another's identity); a plain base58 string
     (a DHT without the swarm's validators) names that id."""
     if isinstance(subkey, str):
@@ -207,32 +221,75 @@ def subkey_of(dht: DHT) -> bytes | str:
 
 
 # ---------------------------------------------------------------------------------------------- validators
-class _SignatureValidator(RSASignatureValidator):
-    """hivemind's ``RSASignatureValidator`` that also signs for the keys of the signature validators merged into it
-    (a ``hivemind.Optimizer`` adds one with the process-wide key for its progress records; hivemind keeps only the
-    first signature validator of a DHT, which would leave those records unsigned)."""
+def strip_signature(value: Any) -> Any:
+    """A record's value without the signature a :class:`RecordSigner` appended (as a plain DHT returns it)."""
+    if isinstance(value, list) and len(value) > 1 and isinstance(value[-1], bytes):
+        return value[:-1]
+    return value
 
-    def __init__(self, private_key: RSAPrivateKey) -> None:
-        super().__init__(private_key)
-        self._other_keys: dict[bytes, RSAPrivateKey] = {}
 
-    def merge_with(self, other: RecordValidatorBase) -> bool:
-        if not isinstance(other, RSASignatureValidator):
-            return False
-        if other.local_public_key != self.local_public_key:
-            self._other_keys.setdefault(other.local_public_key, other._private_key)
-        return True
+class RecordSigner(RecordValidatorBase):
+    """Signs this peer's records under ``keys`` and checks everyone's there: the subkey must be
+    ``b"<base58 peer id>[swarm-owner:<public key>]"`` with the peer id of that key, and the value (a list) must end
+    with that key's signature of ``(key, subkey, value, expiration)``. Other keys are left alone.
+
+    Args:
+        identity: this peer's identity (``None``: only check).
+        keys: the DHT keys (as the application names them) whose records are protected.
+    """
+
+    def __init__(self, identity: PeerIdentity | None, keys: Iterable[str]) -> None:
+        self._private_key = identity.private_key if identity is not None else None
+        self._owner = identity.owner if identity is not None else None
+        self._key_ids = frozenset(DHTID.generate(source=key).to_bytes() for key in keys)
+
+    @property
+    def priority(self) -> int:
+        return 10  # validated (and stripped) before the schema sees the value
+
+    @staticmethod
+    def _message(record: DHTRecord, unsigned: bytes) -> bytes:
+        return MSGPackSerializer.dumps((record.key, record.subkey, unsigned, record.expiration_time))
 
     def sign_value(self, record: DHTRecord) -> bytes:
-        for owner, key in self._other_keys.items():
-            if owner in record.key or owner in record.subkey:
-                signature = key.sign(self._serialize_record(record))
-                return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
-        return super().sign_value(record)
+        if record.key not in self._key_ids or self._owner is None or self._owner not in record.subkey:
+            return record.value
+        value = MSGPackSerializer.loads(record.value)
+        if not isinstance(value, list):
+            return record.value  # not a swarm record: the validators reject it
+        unsigned = MSGPackSerializer.dumps(value)
+        return MSGPackSerializer.dumps(value + [self._private_key.sign(self._message(record, unsigned))])
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in self._key_ids:
+            return True
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+            if not isinstance(subkey, bytes):
+                return False
+            subkey_peer_id(subkey)  # the subkey's peer id is the one of its key
+            value = MSGPackSerializer.loads(record.value)
+            if not (isinstance(value, list) and len(value) > 1 and isinstance(value[-1], bytes)):
+                return False
+            public_key = _public_key_of_owner(subkey[subkey.index(_OWNER) :])
+            message = self._message(record, MSGPackSerializer.dumps(value[:-1]))
+            return public_key.verify(message, value[-1])
+        except Exception as e:
+            logger.debug(f"Rejected a swarm record: {e!r}")
+            return False
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        if record.key not in self._key_ids:
+            return record.value
+        try:
+            return MSGPackSerializer.dumps(strip_signature(MSGPackSerializer.loads(record.value)))
+        except Exception:
+            return record.value
 
 
 class _OwnedSubkey(bytes):
-    """Schema type of a swarm record's subkey: ``b"<base58 peer id>[owner:<key>]"`` with a matching peer id."""
+    """Schema type of a swarm record's subkey: ``b"<base58 peer id>[swarm-owner:<key>]"`` with a matching peer
+    id."""
 
     @classmethod
     def __get_validators__(cls):
@@ -283,20 +340,23 @@ class _PresenceValue(list):
         return value
 
 
+def swarm_keys(run_id: str, num_stages: int, extra_stages: int = 16) -> list[str]:
+    """The DHT keys whose records are signed: the presence key and the stage keys ``0 .. num_stages +
+    extra_stages - 1`` of ``run_id`` (the extra stages cover peers of the run that were told another stage count)."""
+    return [presence_key(run_id)] + [stage_key(run_id, k) for k in range(num_stages + extra_stages)]
+
+
 def record_validators(
-    run_id: str, num_stages: int, identity: PeerIdentity, extra_stages: int = 16
+    run_id: str, num_stages: int, identity: PeerIdentity | None, extra_stages: int = 16
 ) -> list[RecordValidatorBase]:
-    """The DHT record validators of a swarm peer (pass them to ``hivemind.DHT(record_validators=...)``): signed,
-    schema-checked records under the presence key and the stage keys ``0 .. num_stages + extra_stages - 1`` of
-    ``run_id`` (the extra stages cover peers of the run that were told another stage count). Other keys (the
-    averagers', hivemind's own) are left to hivemind."""
-    fields: dict[str, Any] = {
-        stage_key(run_id, k): (dict[_OwnedSubkey, _StageValue] | None, None)
-        for k in range(num_stages + extra_stages)
-    }
-    fields[presence_key(run_id)] = (dict[_OwnedSubkey, _PresenceValue] | None, None)
+    """The DHT record validators of a swarm peer (pass them to ``hivemind.DHT(record_validators=...)``): signed
+    (:class:`RecordSigner`), schema-checked records under :func:`swarm_keys`. Other keys (the averagers', hivemind's
+    own) are left to hivemind. ``identity=None``: check only (a node that writes no records, e.g. ``status``)."""
+    keys = swarm_keys(run_id, num_stages, extra_stages)
+    fields: dict[str, Any] = {key: (dict[_OwnedSubkey, _StageValue] | None, None) for key in keys[1:]}
+    fields[keys[0]] = (dict[_OwnedSubkey, _PresenceValue] | None, None)
     schema = pydantic.create_model(f"SwarmRecords_{abs(hash(run_id))}", **fields)
-    return [SchemaValidator(schema, allow_extra_keys=True), identity.signer]
+    return [SchemaValidator(schema, allow_extra_keys=True), RecordSigner(identity, keys)]
 
 
 def declare_stage_peer(
@@ -360,7 +420,7 @@ def parse_stage_peers(
     peers = []
     for subkey, entry in records.items():
         try:
-            value, expiration = entry.value, float(entry.expiration_time)
+            value, expiration = strip_signature(entry.value), float(entry.expiration_time)
             peer_id = subkey_peer_id(subkey)
             state, num_stages = ONLINE, None
             if isinstance(value, (list, tuple)):
