@@ -211,8 +211,8 @@ class SwarmPeer:
         trainer's optimizers (see :meth:`trainer_optimizers`)."""
         s = self.settings
         assert self.dht is not None, "start_dht() first"
-        self.partition = Partition(module, s.pipeline or find_pipeline(module), s.num_stages)
         self.check_stage_count()
+        self.partition = Partition(module, s.pipeline or find_pipeline(module), s.num_stages)
         self._pipeline_ids = {id(p) for p in self.partition.container.parameters()}  # before any reallocation
         self.stage = self._choose_stage()
         optimizer = optimizers[0] if training and optimizers else None
@@ -242,22 +242,28 @@ class SwarmPeer:
         return optimizers
 
     def check_stage_count(self) -> None:
-        """Raise a ``ValueError`` if peers of this run announce another number of stages than this peer's."""
+        """Raise a ``ValueError`` if the peers of this run announce another number of stages than this peer's and
+        none announces the same (this peer is the misconfigured one); only warn if some do (the others are: a
+        single peer announcing a wrong count does not keep everyone out)."""
         assert self.dht is not None
         s = self.settings
-        others: dict[int, list[str]] = {}
+        same, others = 0, {}
         for stage in range(s.num_stages):
             for p in get_stage_peers(self.dht, s.run_id, stage, states=STATES):
-                if p.num_stages is not None and p.num_stages != s.num_stages:
+                if p.num_stages is None or p.num_stages == s.num_stages:
+                    same += 1
+                else:
                     others.setdefault(p.num_stages, []).append(p.peer_id.to_base58())
-        if others:
-            counts = ", ".join(
-                f"{n} ({len(ids)} peer(s), e.g. {ids[0]})" for n, ids in sorted(others.items())
-            )
-            raise ValueError(
-                f"SwarmStrategy(num_stages={s.num_stages}) but peers of run '{s.run_id}' announce num_stages={counts}: "
-                "give every peer of a run the same num_stages (and pipeline), or use another run_id."
-            )
+        if not others:
+            return
+        counts = ", ".join(f"{n} ({len(ids)} peer(s), e.g. {ids[0]})" for n, ids in sorted(others.items()))
+        message = (
+            f"SwarmStrategy(num_stages={s.num_stages}) but peers of run '{s.run_id}' announce num_stages={counts}: "
+            "give every peer of a run the same num_stages (and pipeline), or use another run_id."
+        )
+        if not same:
+            raise ValueError(message)
+        logger.warning(f"{message} ({same} peer(s) announce {s.num_stages}, as this one does.)")
 
     def _choose_stage(self) -> int:
         s = self.settings
