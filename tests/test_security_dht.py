@@ -17,7 +17,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.p2p import P2P, P2PHandlerError
-from hivemind.proto import dht_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2, dht_pb2, runtime_pb2
 from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
@@ -37,7 +37,7 @@ from lightning_swarm.swarm.records import (
     subkey_peer_id,
     swarm_keys,
 )
-from lightning_swarm.swarm.server import StageServer
+from lightning_swarm.swarm.server import StageServer, _StateAverager
 
 pytestmark = pytest.mark.timeout(120)
 _runs = itertools.count()
@@ -48,13 +48,15 @@ def _maddrs(peer: SwarmPeer) -> tuple[str, ...]:
     return tuple(str(m) for m in peer.dht.get_visible_maddrs())
 
 
-def _serving_peer(settings: SwarmSettings) -> tuple[SwarmPeer, nn.Module]:
-    """A peer that serves the single stage of a tiny pipeline (no training: no averager processes)."""
+def _serving_peer(settings: SwarmSettings, training: bool = False) -> tuple[SwarmPeer, nn.Module]:
+    """A peer that serves the single stage of a tiny pipeline (training: with the stage's hivemind optimizer,
+    whose averager runs in its own process)."""
     torch.manual_seed(0)
     model = nn.ModuleDict({"layers": nn.Sequential(nn.Linear(4, 4), nn.Tanh())})
     peer = SwarmPeer(settings)
     peer.start_dht()
-    peer.join(model, [], training=False)
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)] if training else []
+    peer.join(model, optimizers, training=training)
     return peer, model
 
 
@@ -147,7 +149,7 @@ def private_peer():
         secret=SECRET,
         no_peers_timeout=5.0,
     )
-    peer, _ = _serving_peer(settings)
+    peer, _ = _serving_peer(settings, training=True)
     yield settings, peer
     peer.shutdown()
 
@@ -175,12 +177,19 @@ def test_a_bare_p2p_cannot_call_rpcs_or_download_state(private_peer) -> None:
         errors: dict[str, BaseException | None] = {}
         try:
             stub = StageServer.get_stub(p2p, peer.dht.peer_id, namespace=uid)
+            prefix = f"{settings.run_id}_stage0_state_averager"
+            averager = _StateAverager.get_stub(p2p, peer.dht.peer_id, namespace=prefix)
             calls = {
                 "rpc_info": lambda: stub.rpc_info(runtime_pb2.ExpertUID(uid=uid), timeout=15),
                 "rpc_state": lambda: _drain(stub.rpc_state(runtime_pb2.ExpertUID(uid=uid))),
                 "dht ping": lambda: p2p._call_unary_protobuf_handler(
                     peer.dht.peer_id, "DHTProtocol.rpc_ping", dht_pb2.PingRequest(), dht_pb2.PingResponse
                 ),
+                # the stage's averager (its own process): its state download and its matchmaking
+                "averager state": lambda: _drain(
+                    averager.rpc_download_state(averaging_pb2.DownloadRequest())
+                ),
+                "averager join": lambda: _drain(averager.rpc_join_group(averaging_pb2.JoinRequest())),
             }
             for name, call in calls.items():
                 try:
