@@ -95,7 +95,7 @@ def protect(
 def unprotect(peer_id: PeerID) -> None:
     """Forget the policy of ``peer_id`` in this process (its daemon is gone)."""
     _POLICIES.pop(peer_id, None)
-    for key in [k for k in _ADMITTED if k[0] == peer_id]:
+    for key in [k for k in list(_ADMITTED) if k[0] == peer_id]:
         _ADMITTED.discard(key)
 
 
@@ -136,7 +136,7 @@ async def _check(p2p: P2P, remote: PeerID) -> str | None:
         return None
     now = time.monotonic()
     if len(_REFUSED) > 10_000:  # many made-up peer ids: forget the expired refusals
-        for stale in [k for k, until in _REFUSED.items() if until <= now]:
+        for stale in [k for k, until in list(_REFUSED.items()) if until <= now]:
             del _REFUSED[stale]
     _REFUSED[(local, remote)] = now + _REFUSAL_MEMORY
     return refusal_message(local, remote, "did not prove that it knows the swarm secret")
