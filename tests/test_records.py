@@ -71,3 +71,15 @@ def test_status_table_names_the_bottleneck_and_every_state() -> None:
     rows = [line.split() for line in table.splitlines()]
     assert ["0", "2", "1", "10.0"] in rows and ["1", "1", "1", "6.0", "<-", "bottleneck"] in rows
     assert ["0", "joining", "4.0", str(b)] in rows
+
+
+def test_signed_subkeys_read_as_their_owner_and_forged_ones_are_skipped() -> None:
+    from lightning_swarm.swarm.records import PeerIdentity, subkey_peer_id
+
+    owner, other = PeerIdentity(), PeerIdentity()
+    assert subkey_peer_id(owner.subkey) == owner.peer_id
+    forged = owner.peer_id.to_base58().encode() + other.owner  # owner's id, other's key
+    listing = _listing({owner.subkey: [2.0, ONLINE, 4], forged: [1e12, ONLINE, 4], b"no-owner": [1.0]})
+    assert [(p.peer_id, p.throughput) for p in parse_stage_peers(listing, 1, now=NOW)] == [
+        (owner.peer_id, 2.0)
+    ]

@@ -103,3 +103,46 @@ def test_invalid_settings_and_throughputs() -> None:
     router.update_peers([_info(0, 0.0), _info(1, float("nan")), _info(2, 1.0)])
     counts = Counter(router.choose(task_size=1, now=0.0) for _ in range(50))
     assert counts[_peer(2)] >= 48  # zero/NaN throughput peers are probed once, then starve
+
+
+def _simulate(
+    router: StageRouter, speed: dict, calls: int, timed: bool = True, latency: float = 0.05
+) -> Counter:
+    """Route ``calls`` microbatches of 4 samples as the client does: choose, call (a peer of ``speed`` samples/s
+    takes ``4 / speed + latency`` seconds), report the timing; returns the picks of the second half."""
+    picks: Counter = Counter()
+    for i in range(calls):
+        peer = router.choose(task_size=4, now=0.0)
+        seconds = 4 / speed[peer] + latency
+        router.report_success(peer, 4, seconds) if timed else router.report_success(peer)
+        if i >= calls // 2:
+            picks[peer] += 1
+    return picks
+
+
+def test_an_absurd_throughput_claim_gets_only_its_measured_share() -> None:
+    honest, liar = _peer(0), _peer(1)
+    speed = {honest: 10.0, liar: 10.0}  # equally fast; the liar announces 1e12 samples/s
+    announced = [_info(0, 10.0), _info(1, 1e12)]
+    untimed = StageRouter(stage=0)
+    untimed.update_peers(announced)
+    assert _simulate(untimed, speed, 400, timed=False)[liar] > 0.99 * 200  # believed blindly: it takes all
+    router = StageRouter(stage=0)
+    router.update_peers(announced)
+    picks = _simulate(router, speed, 400)
+    assert 0.4 * 200 <= picks[liar] <= 0.6 * 200, picks  # its measured share: half
+    assert router.peers[liar] <= 2 * router.peers[honest]
+    router.update_peers(announced)  # a new DHT listing does not reset what was measured
+    assert router.peers[liar] <= 2 * router.peers[honest]
+
+
+def test_measurements_keep_honest_shares() -> None:
+    slow, fast = _peer(0), _peer(1)
+    router = StageRouter(stage=0)
+    router.update_peers([_info(0, 10.0), _info(1, 30.0)])
+    picks = _simulate(router, {slow: 10.0, fast: 30.0}, 800)
+    assert 0.65 * 400 <= picks[fast] <= 0.8 * 400, picks  # announced 3:1; per-call latency shaves a little
+    assert router.measured.keys() == {slow, fast}
+    router.observe(slow, 4, float("nan"))  # nonsense timings are ignored
+    router.observe(slow, 0, 1.0)
+    assert set(router.peers) == {slow, fast}

@@ -70,6 +70,13 @@ class SwarmStrategy(ParallelStrategy):
         rebalance_period: mean seconds between a serving peer's checks whether moving to another stage would speed
             up the pipeline by more than ``rebalance_min_gain``; 0 turns adaptive rebalancing off.
         rebalance_min_gain: relative gain in the pipeline's throughput that a migration must bring.
+        secret: makes the swarm private: only peers started with the same secret (at least 8 characters) can join
+            its DHT, call its stages (including state downloads) or average with it. ``None`` reads the
+            ``LIGHTNING_SWARM_SECRET`` environment variable (better than a secret in a config file); unset: open.
+        allowed_peers: makes the swarm private to these base58 peer ids (each peer prints its id at start-up;
+            give peers a fixed ``identity_path``); combined with ``secret``, a peer needs both.
+        identity_path: file with this peer's private key (created if missing), so that its peer id stays the same
+            across runs. ``None``: a new key per run.
     """
 
     strategy_name = "swarm"
@@ -94,6 +101,9 @@ class SwarmStrategy(ParallelStrategy):
         restart_peers: int = 0,
         rebalance_period: float = _DEFAULTS.rebalance_period,
         rebalance_min_gain: float = _DEFAULTS.rebalance_min_gain,
+        secret: str | None = None,
+        allowed_peers: list[str] | None = None,
+        identity_path: str | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -125,6 +135,9 @@ class SwarmStrategy(ParallelStrategy):
             linger_timeout=linger_timeout,
             rebalance_period=rebalance_period,
             rebalance_min_gain=rebalance_min_gain,
+            secret=secret,
+            allowed_peers=tuple(allowed_peers or ()),
+            identity_path=identity_path,
         )
         if restart_peers < 0:
             raise ValueError(f"SwarmStrategy(restart_peers={restart_peers}) must be 0 or more.")

@@ -175,7 +175,7 @@ class SwarmClient:
                 raise CodecError(f"Peer {peer_id} sent a malformed state of stage {stage}")
             return state
 
-        return self._with_retries(stage, 1.0, attempt)
+        return self._with_retries(stage, 1.0, attempt, timed=False)
 
     def stage_info(self, stage: int) -> list[dict[str, Any]]:
         """``rpc_info`` of every live peer of ``stage`` (peers that fail to answer are skipped)."""
@@ -314,7 +314,9 @@ class SwarmClient:
 
         return check
 
-    def _with_retries(self, stage: int, task_size: float, attempt: Callable[[PeerID], T]) -> T:
+    def _with_retries(
+        self, stage: int, task_size: float, attempt: Callable[[PeerID], T], timed: bool = True
+    ) -> T:
         router = self.routers[stage]
         deadline = time.monotonic() + self.settings.no_peers_timeout
         failed: set[PeerID] = set()
@@ -334,6 +336,7 @@ class SwarmClient:
                 failed.clear()  # everyone failed once: after a refresh, allow retrying unbanned peers
                 self._maybe_refresh(stage, block=True, max_wait=min(self.settings.refresh_period, remaining))
                 continue
+            started = time.monotonic()
             try:
                 result = attempt(peer_id)
             except (KeyboardInterrupt, SystemExit):
@@ -347,8 +350,10 @@ class SwarmClient:
             except Exception as e:
                 last_error = e
             else:
-                with self._router_lock:
-                    router.report_success(peer_id)
+                with (
+                    self._router_lock
+                ):  # the call's timing bounds the peer's announced throughput (routing.py)
+                    router.report_success(peer_id, task_size if timed else 0.0, time.monotonic() - started)
                 return result
             with self._router_lock:
                 duration = router.ban(peer_id)

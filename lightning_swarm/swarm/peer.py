@@ -17,10 +17,12 @@ This is the glue between the pieces of the engine (DHT, :class:`StageServer`, :c
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
 import random
+import tempfile
 import threading
 import time
 import zlib
@@ -32,13 +34,14 @@ import hivemind
 import torch
 from torch import nn
 
+from .auth import REFUSED_MARKER, SECRET_ENV, protect, unprotect
 from .client import SwarmClient
 from .logs import quiet_routine_logs
 from .partition import Partition
 from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, Presence
 from .rebalance import Move, PeerLoad, choose_stage, next_check, plan_move
 from .records import LEAVING as LEAVING_STATE
-from .records import ONLINE, STATES, get_stage_peers
+from .records import ONLINE, STATES, PeerIdentity, get_stage_peers, record_validators, register_identity
 from .server import StageServer, initialize_optimizer_state
 from .settings import SwarmSettings
 
@@ -105,6 +108,7 @@ class SwarmPeer:
         self._migration_lock = threading.Lock()
         self._stop_rebalancing = threading.Event()
         self._rebalancer: threading.Thread | None = None
+        self._identity: PeerIdentity | None = None
 
     # ------------------------------------------------------------------ roles
     @property
@@ -127,22 +131,50 @@ class SwarmPeer:
 
     # ------------------------------------------------------------------ DHT
     def start_dht(self) -> hivemind.DHT:
-        """Start this peer's DHT node: bootstrap (local peer 0 or no known peers) or join the given peers."""
+        """Start this peer's DHT node: bootstrap (local peer 0 or no known peers) or join the given peers.
+
+        The node has this peer's :class:`~.records.PeerIdentity` (its records are signed, the others' validated)
+        and, in a private swarm (``secret`` / ``allowed_peers``), the access gate of :mod:`.auth`.
+
+        Raises:
+            RuntimeError: one line saying what failed (port in use, bad address, unreachable or refusing peers,
+                p2p daemon failure) and what to do.
+        """
         s = self.settings
         quiet_routine_logs()  # before hivemind forks its helpers, which inherit the filter
         host_maddrs = s.host_maddrs or ["/ip4/127.0.0.1/tcp/0"]
         initial_peers = list(s.initial_peers) or _env_peers()
         if self.local_swarm_size is not None and self.peer_index > 0 and not initial_peers:
             initial_peers = self._wait_rendezvous()
-        try:
-            self.dht = hivemind.DHT(start=True, initial_peers=initial_peers, host_maddrs=host_maddrs)
-        except Exception as e:
-            raise RuntimeError(
-                f"SwarmStrategy: the hivemind DHT did not start ({e!r}). If it says the P2P daemon failed to start, "
-                f"check that the listen addresses {host_maddrs} are free and valid on this machine; if it could not "
-                f"reach initial_peers {initial_peers}, check that they are reachable from here (peers behind NAT "
-                "need a public relay or an open port)."
-            ) from e
+        key_path = s.identity_path
+        if key_path and self.local_swarm_size is not None and self.peer_index > 0:
+            key_path = f"{key_path}.{self.peer_index}"  # the peers of a local swarm need distinct identities
+        identity = PeerIdentity.load_or_create(key_path) if key_path else PeerIdentity()
+        secret = s.secret or os.environ.get(SECRET_ENV) or None
+        private = secret is not None or bool(s.allowed_peers)
+        if private:  # before the DHT forks its process, which inherits the gate
+            protect(identity.peer_id, secret, s.allowed_peers or None)
+        self._identity = identity
+        with tempfile.TemporaryDirectory(prefix="swarm-id-") as tmp:
+            identity_path = key_path
+            if identity_path is None:
+                identity_path = os.path.join(tmp, "identity.key")
+                identity.save(identity_path)
+            try:
+                self.dht = hivemind.DHT(
+                    start=True,
+                    initial_peers=initial_peers,
+                    host_maddrs=host_maddrs,
+                    identity_path=identity_path,
+                    check_if_identity_free=False,
+                    record_validators=record_validators(s.run_id, s.num_stages, identity),
+                )
+            except Exception as e:
+                unprotect(identity.peer_id)
+                raise RuntimeError(
+                    dht_start_error(e, host_maddrs, initial_peers, secret, s.allowed_peers)
+                ) from e
+        register_identity(self.dht, identity)
         if self.local_swarm_size is not None and self.peer_index == 0 and self.rendezvous_path:
             tmp = f"{self.rendezvous_path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
@@ -150,7 +182,10 @@ class SwarmPeer:
             os.replace(tmp, self.rendezvous_path)
         self.presence = Presence(self.dht, s.run_id, str(self.dht.peer_id), trainer=self.is_trainer)
         self.presence.start()
-        logger.info(f"Swarm peer {self.peer_index} is up: {[str(a) for a in self.dht.get_visible_maddrs()]}")
+        logger.info(
+            f"Swarm peer {self.peer_index} is up{' (private swarm)' if private else ''}: "
+            f"{[str(a) for a in self.dht.get_visible_maddrs()]}"
+        )
         return self.dht
 
     def _wait_rendezvous(self, timeout: float = 120.0) -> list[str]:
@@ -176,6 +211,7 @@ class SwarmPeer:
         trainer's optimizers (see :meth:`trainer_optimizers`)."""
         s = self.settings
         assert self.dht is not None, "start_dht() first"
+        self.check_stage_count()
         self.partition = Partition(module, s.pipeline or find_pipeline(module), s.num_stages)
         self._pipeline_ids = {id(p) for p in self.partition.container.parameters()}  # before any reallocation
         self.stage = self._choose_stage()
@@ -204,6 +240,30 @@ class SwarmPeer:
             )
             self._rebalancer.start()
         return optimizers
+
+    def check_stage_count(self) -> None:
+        """Raise a ``ValueError`` if the peers of this run announce another number of stages than this peer's and
+        none announces the same (this peer is the misconfigured one); only warn if some do (the others are: a
+        single peer announcing a wrong count does not keep everyone out)."""
+        assert self.dht is not None
+        s = self.settings
+        same, others = 0, {}
+        for stage in range(s.num_stages):
+            for p in get_stage_peers(self.dht, s.run_id, stage, states=STATES):
+                if p.num_stages is None or p.num_stages == s.num_stages:
+                    same += 1
+                else:
+                    others.setdefault(p.num_stages, []).append(p.peer_id.to_base58())
+        if not others:
+            return
+        counts = ", ".join(f"{n} ({len(ids)} peer(s), e.g. {ids[0]})" for n, ids in sorted(others.items()))
+        message = (
+            f"SwarmStrategy(num_stages={s.num_stages}) but peers of run '{s.run_id}' announce num_stages={counts}: "
+            "give every peer of a run the same num_stages (and pipeline), or use another run_id."
+        )
+        if not same:
+            raise ValueError(message)
+        logger.warning(f"{message} ({same} peer(s) announce {s.num_stages}, as this one does.)")
 
     def _choose_stage(self) -> int:
         s = self.settings
@@ -515,6 +575,8 @@ class SwarmPeer:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+        if self._identity is not None:
+            unprotect(self._identity.peer_id)
         if self.peer_index == 0 and self.rendezvous_path and os.path.exists(self.rendezvous_path):
             os.remove(self.rendezvous_path)
         self.joined = False
@@ -587,6 +649,97 @@ class _Since:
 def _stage_seed(run_id: str, stage: int) -> int:
     """The seed with which every peer initialises a stage it allocates itself (the same on every peer)."""
     return zlib.crc32(f"{run_id}.stage{stage}".encode())
+
+
+def dht_start_error(
+    error: BaseException,
+    host_maddrs: list[str] | tuple[str, ...],
+    initial_peers: list[str],
+    secret: str | None = None,
+    allowed_peers: tuple[str, ...] = (),
+) -> str:
+    """The one-line explanation (what failed, what to do) of a DHT that did not start with ``error``."""
+    text = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
+    head = "SwarmStrategy: the swarm's DHT did not start: "
+    if "address already in use" in text:
+        return (
+            f"{head}a listen address of host_maddrs {list(host_maddrs)} is already in use on this machine: pick a "
+            "free port (tcp/0 takes any free port) or stop the process that holds it."
+        )
+    if "failed to parse multiaddr" in text or "invalid value" in text:
+        return (
+            f"{head}host_maddrs {list(host_maddrs)} or initial_peers {initial_peers} hold an invalid multiaddr "
+            f"({text}): use addresses such as /ip4/0.0.0.0/tcp/31337 and /ip4/1.2.3.4/tcp/31337/p2p/<peer id>."
+        )
+    if initial_peers and ("bootstrap" in text or "initial_peers" in text):
+        refusal = _probe_refusal(initial_peers, secret, allowed_peers)
+        if refusal is not None:
+            return f"{head}{refusal}"
+        return (
+            f"{head}no peer of initial_peers {initial_peers} could be reached ({text}): check that they are running "
+            "and that the addresses (with their /p2p/<peer id>) are current and reachable from here (peers behind "
+            "NAT need an open port or a relay); in a private swarm, this peer needs the swarm's secret."
+        )
+    if "Daemon failed to start" in text or "p2pd" in text.lower():
+        return (
+            f"{head}the p2p daemon failed to start ({text}): check host_maddrs {list(host_maddrs)}, that the "
+            "hivemind package's p2pd binary runs on this machine, and that there are free file descriptors."
+        )
+    return f"{head}{text}. Check host_maddrs {list(host_maddrs)} and initial_peers {initial_peers}."
+
+
+def _probe_refusal(
+    initial_peers: list[str], secret: str | None, allowed_peers: tuple[str, ...]
+) -> str | None:
+    """Whether the initial peers refuse this peer as a private swarm would: asks one of them from a throw-away
+    peer with this peer's credentials; returns the refusal it got, or ``None``."""
+    from hivemind.p2p import P2P, P2PHandlerError, PeerID
+    from hivemind.proto import dht_pb2
+    from hivemind.utils.multiaddr import Multiaddr
+
+    from ._loop import run_coroutine
+
+    async def probe() -> str | None:
+        identity = PeerIdentity()
+        if secret is not None or allowed_peers:
+            protect(identity.peer_id, secret, allowed_peers or None)
+        with tempfile.TemporaryDirectory(prefix="swarm-id-") as tmp:
+            path = os.path.join(tmp, "identity.key")
+            identity.save(path)
+            p2p = await P2P.create(
+                initial_peers=initial_peers, identity_path=path, check_if_identity_free=False
+            )
+        try:
+            for maddr in initial_peers:
+                try:
+                    peer = PeerID.from_base58(Multiaddr(maddr)["p2p"])
+                    await asyncio.wait_for(
+                        p2p._call_unary_protobuf_handler(
+                            peer, "DHTProtocol.rpc_ping", dht_pb2.PingRequest(), dht_pb2.PingResponse
+                        ),
+                        timeout=15,
+                    )
+                except P2PHandlerError as e:
+                    message = str(e)
+                    if REFUSED_MARKER in message:  # "...: PrivateSwarmError('peer ... refused the call ...')"
+                        message = message[message.find("peer ", message.find("PrivateSwarmError")) :]
+                        message = message.rstrip("')\"").replace(identity.peer_id.to_base58(), "this peer")
+                        message = message.replace("Start the caller", "Start this peer").replace(
+                            "and the caller", "and this peer"
+                        )
+                        return message
+                except Exception:
+                    continue
+            return None
+        finally:
+            unprotect(identity.peer_id)
+            await p2p.shutdown()
+
+    try:
+        return run_coroutine(probe(), timeout=60)
+    except Exception as e:
+        logger.debug(f"Probing the initial peers failed: {e!r}")
+        return None
 
 
 def _env_peers() -> list[str]:

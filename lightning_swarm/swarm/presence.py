@@ -1,6 +1,7 @@
 """Peer presence and the end-of-run handshake of a swarm.
 
-Every peer keeps a small DHT record ``{run_id}.peers.0`` (subkey: its peer id) with its *phase* and whether it
+Every peer keeps a small DHT record ``{run_id}.peers.0`` (subkey: its peer id, signed on a swarm peer's DHT: see
+:mod:`.records`) with its *phase* and whether it
 trains: ``[phase, trainer]``. Phase 0 while it trains, 1 once it has finished training (it still serves its
 stage), 2 once it has gathered what it needs and may leave. A peer leaves only when every live peer has reached
 the phase it waits for, so a trainer that finishes early keeps serving the others, and checkpoints gathered at the
@@ -27,6 +28,8 @@ import time
 import hivemind
 from hivemind.utils import get_dht_time
 
+from .records import identity_of, presence_key, strip_signature, subkey_peer_id
+
 logger = logging.getLogger(__name__)
 
 TRAINING, FINISHED, LEAVING = 0, 1, 2
@@ -36,7 +39,7 @@ _DHT_TIMEOUT = 10.0  # seconds one DHT read or write may take
 
 
 def _key(run_id: str) -> str:
-    return f"{run_id}.peers.0"
+    return presence_key(run_id)
 
 
 class Presence:
@@ -45,7 +48,8 @@ class Presence:
     Args:
         dht: the running DHT of this peer.
         run_id: the swarm's run id.
-        peer_name: this peer's subkey (its peer id as text).
+        peer_name: this peer's name in :meth:`records` (its base58 peer id); on a DHT with a
+            :class:`~.records.PeerIdentity` its record is written under the signed subkey of that id.
         period: seconds between announcements; a record lives ``3 * period`` seconds.
         trainer: whether this peer feeds data (server-only peers wait for trainers).
         unreadable_timeout: seconds of consecutive failed DHT reads after which a waiting peer gives up.
@@ -66,6 +70,9 @@ class Presence:
         self.trainer = trainer
         self.unreadable_timeout, self.appear_timeout = unreadable_timeout, appear_timeout
         self.phase = TRAINING
+        identity = identity_of(dht)
+        signed = identity is not None and identity.peer_id.to_base58() == peer_name
+        self._subkey: bytes | str = identity.subkey if signed else peer_name
         self.seen: set[str] = set()  # every peer ever seen in this run
         self.seen_trainers: set[str] = set()
         self._started_at = time.monotonic()
@@ -96,17 +103,20 @@ class Presence:
             return None  # this peer's own record should be there: an empty answer means the read failed
         out: dict[str, tuple[int, bool]] = {}
         for subkey, entry in found.value.items():
-            value = getattr(entry, "value", None)
+            try:  # a signed subkey names its peer id (the DHT's validators reject the others on a swarm peer)
+                name = subkey if isinstance(subkey, str) else subkey_peer_id(subkey).to_base58()
+            except Exception:
+                continue
+            value = strip_signature(getattr(entry, "value", None))
             if isinstance(value, int) and not isinstance(value, bool):  # an older peer: phase only
                 value = [value, True]
             if (
-                isinstance(subkey, str)
-                and isinstance(value, (list, tuple))
+                isinstance(value, (list, tuple))
                 and len(value) == 2
                 and isinstance(value[0], int)
                 and not isinstance(value[0], bool)
             ):
-                out[subkey] = (value[0], bool(value[1]))
+                out[name] = (value[0], bool(value[1]))
         out[self.peer_name] = (self.phase, self.trainer)
         self.seen.update(out)
         self.seen_trainers.update(name for name, (_, trainer) in out.items() if trainer)
@@ -178,7 +188,7 @@ class Presence:
                 _key(self.run_id),
                 [self.phase, self.trainer],
                 get_dht_time() + 3 * self.period,
-                subkey=self.peer_name,
+                subkey=self._subkey,
                 return_future=True,
             ).result(timeout=_DHT_TIMEOUT)
         except Exception as e:  # the DHT may be shutting down; presence is best effort

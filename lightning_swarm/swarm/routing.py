@@ -6,6 +6,16 @@ assigned to it); the peer with the smallest one gets the task and its busy time 
 ``task_size / throughput``. Peers that join (or come back from a ban) enter at the current minimum, so they
 are probed right away without being flooded. Failing peers are banned with exponential backoff.
 
+Announced throughputs are claims. Once the client has timed ``MEASURED_CALLS`` successful calls to a peer
+(:meth:`StageRouter.observe`: samples per second of the whole call, as the client sees it), its measured rate
+bounds what the router believes: ``believed = min(announced, r * measured)``, where ``r`` is the smallest
+``announced / measured`` ratio among the stage's measured peers, i.e. the most modest peer calibrates what an
+announced figure is worth in this client's measurements (per-call timings include the network and queueing, so
+they are not in the same units as a server's own figure), and at most ``MAX_CLAIM_RATIO`` (8: so that a liar
+measured before anyone else leaves the others enough calls to be measured too). An honest peer is bounded by about
+its own claim; a peer announcing 1e12 samples/s is believed as fast as it measured, so it gets its measured share
+of the microbatches.
+
 :class:`StageRouter` handles one stage and is a pure function of the announced peers, the reported failures
 and the clock, so it is unit-tested without a network. The :class:`~.client.SwarmClient` keeps one per stage.
 """
@@ -23,9 +33,12 @@ from hivemind.p2p import PeerID
 
 from .records import PeerInfo
 
-__all__ = ["NoPeersError", "StageRouter"]
+__all__ = ["MEASURED_CALLS", "NoPeersError", "StageRouter"]
 
 _MIN_THROUGHPUT = 1e-6
+MEASURED_CALLS = 3  # timed calls to a peer before its measurements bound its announced throughput
+_MEASURE_EMA = 0.3  # weight of the newest timing in a peer's measured rate
+MAX_CLAIM_RATIO = 8.0  # an announced figure is never believed above this many times the measured rate
 
 
 class NoPeersError(RuntimeError):
@@ -54,7 +67,9 @@ class StageRouter:
             raise ValueError(f"Need 0 <= ban_base_s <= ban_max_s, got {ban_base_s} and {ban_max_s}")
         self.stage, self.run_id = stage, run_id
         self.ban_base_s, self.ban_max_s = ban_base_s, ban_max_s
-        self._throughput: dict[PeerID, float] = {}
+        self._claimed: dict[PeerID, float] = {}  # announced throughputs (samples/s)
+        self._throughput: dict[PeerID, float] = {}  # what the router believes (see the module docstring)
+        self._measured: dict[PeerID, tuple[float, int]] = {}  # peer -> (EMA of timed samples/s, timed calls)
         self._busy: dict[PeerID, float] = {}  # peers in the heap (not banned) -> current busy time
         # lazy min-heap of (busy, 0 for a newcomer to probe first on ties else 1, insertion order, peer);
         # stale entries (the peer was charged again, left or was banned) are skipped when popped
@@ -64,8 +79,13 @@ class StageRouter:
 
     @property
     def peers(self) -> dict[PeerID, float]:
-        """Known peers and their throughputs (samples/s), banned ones included."""
+        """Known peers and the throughputs (samples/s) the router believes, banned ones included."""
         return dict(self._throughput)
+
+    @property
+    def measured(self) -> dict[PeerID, float]:
+        """Measured samples/s of the peers timed at least ``MEASURED_CALLS`` times."""
+        return {p: rate for p, (rate, n) in self._measured.items() if n >= MEASURED_CALLS}
 
     def update_peers(self, peers: Iterable[PeerInfo]) -> None:
         """Replace the known peers with ``peers`` (the latest DHT listing); ban history is kept."""
@@ -76,7 +96,32 @@ class StageRouter:
         for peer_id in list(self._busy):
             if peer_id not in new:
                 del self._busy[peer_id]
-        self._throughput = new
+        for peer_id in list(self._measured):
+            if peer_id not in new:
+                del self._measured[peer_id]
+        self._claimed = new
+        self._believe()
+
+    def observe(self, peer_id: PeerID, samples: float, seconds: float) -> None:
+        """Record a successful call to ``peer_id`` that processed ``samples`` in ``seconds`` (as timed by the
+        client); after ``MEASURED_CALLS`` of them the peer's measured rate bounds its announced throughput."""
+        if not (samples > 0 and seconds > 0 and math.isfinite(samples) and math.isfinite(seconds)):
+            return
+        rate = samples / seconds
+        old, n = self._measured.get(peer_id, (rate, 0))
+        self._measured[peer_id] = ((1 - _MEASURE_EMA) * old + _MEASURE_EMA * rate if n else rate, n + 1)
+        if n + 1 >= MEASURED_CALLS:
+            self._believe()
+
+    def _believe(self) -> None:
+        measured = {p: rate for p, rate in self.measured.items() if p in self._claimed}
+        scale = min((self._claimed[p] / rate for p, rate in measured.items()), default=None)
+        scale = None if scale is None else min(scale, MAX_CLAIM_RATIO)
+        believed = dict(self._claimed)
+        if scale is not None:
+            for p, rate in measured.items():
+                believed[p] = max(min(believed[p], scale * rate), _MIN_THROUGHPUT)
+        self._throughput = believed
 
     def is_banned(self, peer_id: PeerID, now: float | None = None) -> bool:
         """Whether ``peer_id`` is banned at time ``now``."""
@@ -128,9 +173,12 @@ class StageRouter:
         self._busy.pop(peer_id, None)  # re-enters at the current minimum when the ban ends
         return duration
 
-    def report_success(self, peer_id: PeerID) -> None:
-        """Forget the failures of ``peer_id`` (its next ban starts again at ``ban_base_s``)."""
+    def report_success(self, peer_id: PeerID, samples: float = 0.0, seconds: float = 0.0) -> None:
+        """Forget the failures of ``peer_id`` (its next ban starts again at ``ban_base_s``); with ``samples`` and
+        ``seconds``, also :meth:`observe` the call."""
         self._bans.pop(peer_id, None)
+        if samples and seconds:
+            self.observe(peer_id, samples, seconds)
 
     def num_live(self, now: float | None = None) -> int:
         """How many known peers are not banned."""

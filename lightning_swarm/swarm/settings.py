@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from hivemind.p2p import PeerID
+
 from .codec import COMPRESSIONS
 from .protocol import check_run_id
 
@@ -32,6 +34,11 @@ class SwarmSettings:
             uniformly from half to one and a half times this); 0 turns adaptive rebalancing off.
         rebalance_min_gain: relative gain of the pipeline's throughput a migration must bring (0.2: 20 %; measured
             throughputs are noisy).
+        secret: private swarm: only peers that prove this shared secret may talk to this peer (see
+            :mod:`.auth`); ``None`` reads ``LIGHTNING_SWARM_SECRET``, unset means an open swarm.
+        allowed_peers: private swarm: base58 ids of the only peers that may talk to this peer (empty: any).
+        identity_path: file holding this peer's private key (created if missing), for a peer id that stays the
+            same across restarts (needed to be on other peers' ``allowed_peers``); ``None``: a new key per run.
     """
 
     pipeline: str | None = None
@@ -55,10 +62,14 @@ class SwarmSettings:
     refresh_period: float = 2.0
     rebalance_period: float = 60.0
     rebalance_min_gain: float = 0.2
+    secret: str | None = field(default=None, repr=False)
+    allowed_peers: tuple[str, ...] = field(default_factory=tuple)
+    identity_path: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
         object.__setattr__(self, "host_maddrs", tuple(self.host_maddrs))
+        object.__setattr__(self, "allowed_peers", tuple(str(p) for p in self.allowed_peers))
         self._validate()
 
     def replace(self, **changes: object) -> SwarmSettings:
@@ -103,3 +114,15 @@ class SwarmSettings:
             raise ValueError(f"{name}(rebalance_min_gain={self.rebalance_min_gain}) must be >= 0.")
         if self.ban_base_s < 0:
             raise ValueError(f"{name}(ban_base_s={self.ban_base_s}) must be >= 0.")
+        if self.secret is not None and (not isinstance(self.secret, str) or len(self.secret) < 8):
+            raise ValueError(
+                f"{name}(secret=...) must be a string of at least 8 characters (or None: no secret)."
+            )
+        for peer in self.allowed_peers:
+            try:
+                PeerID.from_base58(peer)
+            except Exception:
+                raise ValueError(
+                    f"{name}(allowed_peers=[..., {peer!r}, ...]): not a base58 peer id; list the ids peers print "
+                    "at start-up (give each a fixed identity_path so that its id stays the same)."
+                ) from None
