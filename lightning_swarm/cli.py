@@ -103,8 +103,33 @@ def status(args: argparse.Namespace) -> None:
 
     if not args.initial_peers:
         raise SystemExit("error: status needs --initial-peers (the multiaddr of any peer of the swarm).")
+    import os
+    import tempfile
+
+    from .swarm.auth import SECRET_ENV, protect, unprotect
+    from .swarm.records import PeerIdentity
+
     run_id = args.run_id or "lightning_swarm"
-    dht = hivemind.DHT(start=True, initial_peers=args.initial_peers, client_mode=True)
+    identity = PeerIdentity()
+    secret = args.secret or os.environ.get(SECRET_ENV) or None
+    if secret is not None:  # a private swarm: this client proves the secret to the peers it asks
+        protect(identity.peer_id, secret)
+    with tempfile.TemporaryDirectory(prefix="swarm-status-") as tmp:
+        identity.save(os.path.join(tmp, "identity.key"))
+        try:
+            dht = hivemind.DHT(
+                start=True,
+                initial_peers=args.initial_peers,
+                client_mode=True,
+                identity_path=os.path.join(tmp, "identity.key"),
+                check_if_identity_free=False,
+            )
+        except Exception as e:
+            unprotect(identity.peer_id)
+            raise SystemExit(
+                f"error: could not reach the swarm through {args.initial_peers}: {e}. Check the addresses; for a "
+                f"private swarm pass --secret (or set {SECRET_ENV})."
+            ) from None
     try:
         peers, num_stages = list_swarm(dht, run_id, args.num_stages)
     finally:
@@ -186,6 +211,11 @@ def main(argv: list[str] | None = None) -> None:
             default=None,
             help="number of stages (serve: overrides the config; status: only needed for peers that do not announce it)",
         )
+    p_status.add_argument(
+        "--secret",
+        default=None,
+        help="a private swarm's secret (default: the LIGHTNING_SWARM_SECRET variable)",
+    )
     p_serve.add_argument("--stage", type=int, default=None, help="stage to serve (default: the least served)")
     p_serve.add_argument("--compression", choices=["8bit", "fp16", "none"], default=None)
     p_serve.add_argument("--host-maddrs", nargs="*", default=[], help="addresses to listen on")

@@ -227,6 +227,19 @@ def test_a_peer_with_the_secret_joins_and_downloads_the_state(private_peer) -> N
     assert all(torch.equal(state[k], expected[k]) for k in expected)
 
 
+def test_status_reads_a_private_swarm_with_the_secret_only(private_peer, capsys, monkeypatch) -> None:
+    from lightning_swarm import cli
+
+    settings, peer = private_peer
+    monkeypatch.delenv("LIGHTNING_SWARM_SECRET", raising=False)
+    args = ["status", "--initial-peers", *_maddrs(peer), "--run-id", settings.run_id]
+    cli.main([*args, "--secret", SECRET])
+    table = capsys.readouterr().out
+    assert "1 stages, 1 peers (1 online)" in table and str(peer.dht.peer_id) in table, table
+    with pytest.raises(SystemExit, match="private swarm pass --secret"):
+        cli.main(args)
+
+
 def test_an_allowlist_admits_exactly_the_listed_peers(tmp_path) -> None:
     path = str(tmp_path / "member.key")
     member_id = PeerIdentity.load_or_create(path).peer_id
