@@ -230,6 +230,8 @@ def test_bad_arguments_give_clear_errors() -> None:
         layer(torch.randn(2, 8), torch.tensor([[3], [100]]))
     with pytest.raises(ValueError, match=r"x of shape \[B, 8\]"):
         layer(torch.randn(2, 9), torch.tensor([[3], [4]]))
+    with pytest.raises(ValueError, match=r"NaN or Inf values \(samples \[1\]"):
+        layer(torch.tensor([[0.0] * 8, [float("nan")] + [0.0] * 7]), torch.tensor([[3], [4]]))
     with pytest.raises(ValueError, match="int64 tensor"):
         layer(torch.randn(2, 8), torch.tensor([[3.0], [4.0]]))
     with pytest.raises(ValueError, match=r"B=2"):

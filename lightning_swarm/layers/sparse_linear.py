@@ -486,6 +486,12 @@ class SparseLSHLinear(nn.Module):
             raise ValueError(
                 f"SparseLSHLinear expects x of shape [B, {self.in_features}], got {tuple(x.shape)}."
             )
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            bad = (~torch.isfinite(x)).any(dim=1).nonzero().flatten()[:5].tolist()
+            raise ValueError(
+                f"SparseLSHLinear: x holds NaN or Inf values (samples {bad} of the batch): one such sample would "
+                "corrupt the hash tables and every weight row it touches; clean the data or the layer before."
+            )
         if labels is None:
             return
         if labels.dim() != 2 or labels.size(0) != x.size(0) or labels.dtype != torch.long:
