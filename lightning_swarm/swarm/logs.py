@@ -5,7 +5,8 @@ averaging round that finds no partner (the peer steps with its own gradients), a
 P2P task abandoned when a peer or stream went away. :func:`quiet_routine_logs` lowers exactly these, at the
 source (a filter on hivemind's log handler and on asyncio's logger, inherited by the helper processes hivemind
 forks afterwards, and the exception handler of the swarm's event loop): a round without a partner becomes one concise INFO line, the
-others DEBUG. Every other message, and every real failure, is left as it is.
+others DEBUG; a failed state download from a donor that is gone (hivemind tries the next one) becomes one WARNING
+line without its traceback. Every other message, and every real failure, is left as it is.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ _ROUTINE: list[tuple[str, re.Pattern[str], int, str | None]] = [
         None,
     ),
     ("hivemind.averaging", re.compile(r"Averager shutdown has no effect"), logging.DEBUG, None),
+    # a joining peer asks a donor that has just died (its DHT record outlives it): hivemind tries the next donor
+    (
+        "hivemind.averaging",
+        re.compile(
+            r"Failed to download state from .*(ControlFailure|failed to dial|refused|reset|Timeout)", re.S
+        ),
+        logging.WARNING,
+        None,
+    ),
     ("hivemind.averaging", re.compile(r"Another look_for_group is already in progress"), logging.DEBUG, None),
     # matchmaking cancelled when a round ends or gives up: its tasks are closed mid-await
     ("hivemind.utils.asyncio", re.compile(r"GeneratorExit|CancelledError"), logging.DEBUG, None),
@@ -63,6 +73,8 @@ class RoutineFilter(logging.Filter):
                 record.exc_info, record.exc_text, record.stack_info = None, None, None
                 if concise is not None:
                     record.msg, record.args = concise, ()
+                elif level >= logging.WARNING:  # kept, as one line without the traceback
+                    record.msg, record.args = " ".join(record.getMessage().split()), ()
                 return True
         return True
 
