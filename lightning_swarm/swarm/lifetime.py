@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio.subprocess
 import ctypes
 import functools
-import gc
 import os
 import signal
 import sys
@@ -57,10 +56,6 @@ def _before_fork() -> None:
     global _forked_from_main_thread, _parent_pid
     _forked_from_main_thread = threading.current_thread() is threading.main_thread()
     _parent_pid = os.getpid()
-    # hivemind's helpers are forked from a peer that has imported torch, Lightning and the model: move every object
-    # that exists now out of the garbage collector's reach, so that the child's collections do not write to (and so
-    # copy) the pages it shares with its parent (the cost: cyclic garbage alive at a fork is never collected)
-    gc.freeze()
 
 
 def _after_fork_in_child() -> None:
