@@ -83,9 +83,10 @@ class SwarmClient:
             ``request_timeout``, ``no_peers_timeout``, ``ban_base_s``, ``refresh_period``).
         local_servers: stage servers living in this process, by stage (objects with ``handle``, ``info`` and
             ``state_dict_local``); calls routed to this peer use them directly.
-        check_outputs: a forward reply whose tensors differ from the stage's first reply in count, dimensions or
-            last dimension is a failure of its peer; turn off for stages whose outputs' last dimension varies
-            from call to call. Replies with NaN/Inf and malformed input gradients always count as failures.
+        check_outputs: a forward reply whose tensors differ in count, dtype or shape from what the stage answered
+            before to inputs of the same dtypes and shapes is a failure of its peer; turn off for stages whose
+            output shapes do not follow from their input shapes. Replies with NaN/Inf and malformed input
+            gradients always count as failures.
     """
 
     def __init__(
@@ -350,9 +351,8 @@ class SwarmClient:
             except Exception as e:
                 last_error = e
             else:
-                with (
-                    self._router_lock
-                ):  # the call's timing bounds the peer's announced throughput (routing.py)
+                # the call's timing bounds the peer's announced throughput (routing.py)
+                with self._router_lock:
                     router.report_success(peer_id, task_size if timed else 0.0, time.monotonic() - started)
                 return result
             with self._router_lock:

@@ -197,7 +197,9 @@ def _encode_parts(t: torch.Tensor, compression: str, chunks: int | None) -> Iter
         mode = compression
     if mode != "none" and (mode == "fp16" or t.dtype == torch.float64) and numel:
         # values beyond the lossy format's range would arrive as infinities: send such a tensor as it is
-        if float(flat.abs().max()) > _LOSSY_RANGE[mode]:
+        with one_thread():
+            peak = float(flat.abs().max())
+        if peak > _LOSSY_RANGE[mode]:
             mode = "none"
     chunks = num_parts(numel) if chunks is None else chunks
     bounds = part_bounds(numel, chunks)

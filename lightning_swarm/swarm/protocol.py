@@ -43,6 +43,7 @@ from hivemind.proto import runtime_pb2
 
 from .codec import CodecError
 from .payload import EncodedPayload, Payload
+from .quantize import one_thread
 
 __all__ = [
     "KINDS",
@@ -279,9 +280,16 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
 
 
 def check_finite(tensors: list[torch.Tensor], what: str, error: type[Exception]) -> None:
-    """Raise ``error`` if a floating tensor among ``tensors`` holds a NaN or an infinity."""
+    """Raise ``error`` if a floating tensor among ``tensors`` holds a NaN or an infinity.
+
+    Runs on one OpenMP thread, as the codec does (see :mod:`.quantize`): a parallel region's spinning workers
+    would starve the p2p daemons sharing the cores, on every call."""
     for i, t in enumerate(tensors):
-        if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t).all()):
+        if not (t.is_floating_point() or t.is_complex()) or not t.numel():
+            continue
+        with one_thread():
+            finite = bool(torch.isfinite(t).all())
+        if not finite:
             raise error(
                 f"{what.capitalize()} tensor {i} holds NaN or infinite values; only finite values are accepted"
             )
