@@ -355,7 +355,7 @@ def test_a_malformed_or_non_finite_reply_is_a_peer_failure(swarm) -> None:
             dht.shutdown()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("role", ["sender", "reducer", "huge"])
 def test_averaging_with_a_nan_peer_equals_averaging_without_it(swarm, role: str) -> None:
     """Stage peers (our guarded gradient averager) and a hostile one (plain hivemind under the same protocol name)
@@ -372,33 +372,48 @@ def test_averaging_with_a_nan_peer_equals_averaging_without_it(swarm, role: str)
         hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=swarm["maddrs"])
         for _ in range(honest_count)
     ]
-    averagers = []
+    averagers: list = []
+    grads = [torch.randn(30, 1000) for _ in range(honest_count)]
+    grads.append(torch.randn(30, 1000) * 1e6 if role == "huge" else torch.full((30, 1000), math.nan))
+    classes = [_GradientAverager] * honest_count + [hostile_cls]
     try:
-        grads = [torch.randn(30, 1000) for _ in range(honest_count)]
-        grads.append(torch.randn(30, 1000) * 1e6 if role == "huge" else torch.full((30, 1000), math.nan))
-        classes = [_GradientAverager] * honest_count + [hostile_cls]
-        for dht, grad, cls in zip([swarm["dht"], *dhts], grads, classes, strict=True):
-            param = nn.Parameter(torch.zeros(30, 1000))
-            param.grad = grad.clone()
-            averagers.append(
-                cls(
-                    [param],
-                    dht=dht,
-                    prefix=f"nan_{role}",
-                    target_group_size=honest_count + 1,
-                    min_group_size=honest_count + 1,
-                    min_matchmaking_time=3.0,
-                    request_timeout=1.0,
-                    client_mode=cls is hostile_cls and role != "reducer",
-                    bandwidth=1e6 if cls is hostile_cls else 1.0,  # as a reducer, it takes the whole vector
-                    start=True,
+        # hivemind's matchmaking sometimes fails to assemble a full group on a loaded box ("could not find a
+        # group", or a step that never resolves): such a round is not what this test is about, so a round that
+        # does not complete is retried with fresh averagers (a new prefix), up to 3 rounds
+        for attempt in range(3):
+            for averager in averagers:
+                averager.shutdown()
+            averagers = []
+            for dht, grad, cls in zip([swarm["dht"], *dhts], grads, classes, strict=True):
+                param = nn.Parameter(torch.zeros(30, 1000))
+                param.grad = grad.clone()
+                averagers.append(
+                    cls(
+                        [param],
+                        dht=dht,
+                        prefix=f"nan_{role}_{attempt}",
+                        target_group_size=honest_count + 1,
+                        min_group_size=honest_count + 1,
+                        min_matchmaking_time=3.0,
+                        request_timeout=1.0,
+                        client_mode=cls is hostile_cls and role != "reducer",
+                        bandwidth=1e6
+                        if cls is hostile_cls
+                        else 1.0,  # as a reducer, it takes the whole vector
+                        start=True,
+                    )
                 )
-            )
-        for averager in averagers:
-            averager.accumulate_grads_(batch_size=1)
-        futures = [averager.step(wait=False, timeout=60) for averager in averagers]
-        for future in futures:
-            future.result(timeout=90)
+            for averager in averagers:
+                averager.accumulate_grads_(batch_size=1)
+            futures = [averager.step(wait=False, timeout=40) for averager in averagers]
+            try:
+                for future in futures:
+                    future.result(timeout=60)
+                break
+            except Exception as e:  # noqa: BLE001 (any failure of hivemind's round: retried)
+                print(f"averaging round {attempt} did not complete: {e!r}")
+        else:
+            raise AssertionError("no averaging round completed in 3 attempts")
         results = []
         for averager in averagers[:honest_count]:
             with averager.get_tensors() as (averaged,):
