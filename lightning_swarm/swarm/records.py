@@ -368,6 +368,7 @@ def declare_stage_peer(
     expiration_time: float,
     state: str = ONLINE,
     num_stages: int | None = None,
+    timeout: float = 30.0,
 ) -> bool:
     """Announce that ``peer_id`` serves ``stage`` at ``throughput`` samples/s until ``expiration_time``.
 
@@ -381,6 +382,7 @@ def declare_stage_peer(
             peer's previous record for this one to replace it.
         state: ``"joining"``, ``"online"`` or ``"leaving"``.
         num_stages: the pipeline's number of stages (lets tools list the swarm without being told).
+        timeout: seconds to wait for the DHT (``TimeoutError`` after that).
 
     Returns:
         whether the DHT accepted the record.
@@ -392,13 +394,16 @@ def declare_stage_peer(
         value.append(int(num_stages))
     identity = identity_of(dht)
     subkey = identity.subkey if identity is not None and identity.peer_id == peer_id else peer_id.to_base58()
+    # a bounded wait: a DHT whose helper process died (e.g. SIGTERM to the process group) never answers, and a
+    # peer announcing "leaving" on its way out must not hang there
     return bool(
         dht.store(
             key=stage_key(run_id, stage),
             subkey=subkey,
             value=value,
             expiration_time=expiration_time,
-        )
+            return_future=True,
+        ).result(timeout=timeout)
     )
 
 

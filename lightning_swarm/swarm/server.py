@@ -160,6 +160,7 @@ class StageServer(StageService):
         self.samples_processed = 0
         self.optimizer: hivemind.Optimizer | None = None
         self.p2p: P2P | None = None
+        self._dht_gone_reported = False
         self._lock = threading.Lock()  # the parameters lock: compute reads them, refreshes write them
         self._executor: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
@@ -336,6 +337,15 @@ class StageServer(StageService):
             pass
 
     def _announce(self) -> None:
+        if (
+            not self.dht.is_alive()
+        ):  # its helper process is gone (killed with the process group): nobody to tell
+            if not self._dht_gone_reported:
+                self._dht_gone_reported = True
+                logger.warning(
+                    f"Stage {self.stage} server: this peer's DHT process has stopped; not announcing"
+                )
+            return
         try:
             declare_stage_peer(
                 self.dht,
@@ -1045,6 +1055,13 @@ def _make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Opt
     optimizer = factory(params)
     initialize_optimizer_state(optimizer)
     return optimizer
+
+
+def _dht_alive(dht: Any) -> bool:
+    try:
+        return bool(dht.is_alive())
+    except (AssertionError, AttributeError):  # a DHT this process did not start: assume it lives
+        return True
 
 
 def _reply(reply: StageReply) -> runtime_pb2.ExpertResponse:
