@@ -397,9 +397,8 @@ def test_averaging_with_a_nan_peer_equals_averaging_without_it(swarm, role: str)
                         min_matchmaking_time=3.0,
                         request_timeout=1.0,
                         client_mode=cls is hostile_cls and role != "reducer",
-                        bandwidth=1e6
-                        if cls is hostile_cls
-                        else 1.0,  # as a reducer, it takes the whole vector
+                        # as a reducer, the hostile peer takes the whole vector
+                        bandwidth=1e6 if cls is hostile_cls else 1.0,
                         start=True,
                     )
                 )

@@ -284,15 +284,12 @@ def check_finite(tensors: list[torch.Tensor], what: str, error: type[Exception])
 
     Runs on one OpenMP thread, as the codec does (see :mod:`.quantize`): a parallel region's spinning workers
     would starve the p2p daemons sharing the cores, on every call."""
-    for i, t in enumerate(tensors):
-        if not (t.is_floating_point() or t.is_complex()) or not t.numel():
-            continue
-        with one_thread():
-            finite = bool(torch.isfinite(t).all())
-        if not finite:
-            raise error(
-                f"{what.capitalize()} tensor {i} holds NaN or infinite values; only finite values are accepted"
-            )
+    with one_thread():
+        for i, t in enumerate(tensors):
+            if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t).all()):
+                raise error(
+                    f"{what.capitalize()} tensor {i} holds NaN or infinite values; only finite values are accepted"
+                )
 
 
 @dataclass(frozen=True)

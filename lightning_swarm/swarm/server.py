@@ -337,9 +337,8 @@ class StageServer(StageService):
             pass
 
     def _announce(self) -> None:
-        if (
-            not self.dht.is_alive()
-        ):  # its helper process is gone (killed with the process group): nobody to tell
+        # the DHT's helper process is gone (e.g. killed with the process group): there is nobody to tell
+        if not _dht_alive(self.dht):
             if not self._dht_gone_reported:
                 self._dht_gone_reported = True
                 logger.warning(
