@@ -122,7 +122,7 @@ def build(cfg: dict):
     seed_everything(cfg.get("seed", 0))
     if cfg["model"] == "albert":
         return Albert(**cfg.get("model_args", {})), AlbertDataModule(**cfg.get("data_args", {}))
-    model = SeqModel() if cfg["model"] == "seq" else ListModel()
+    model = (SeqModel if cfg["model"] == "seq" else ListModel)(lr=cfg.get("lr", 0.1))
     return model, regression_data()
 
 

@@ -31,7 +31,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_swarm.swarm.lifetime import set_parent_death_signal
+from lightning_swarm.swarm.lifetime import exec_children, set_parent_death_signal
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,12 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         parent = os.getpid()
         # the kernel SIGKILLs the child when this process dies, however it dies (Lightning starts the children
         # from the main thread, which lives as long as the process)
-        proc = subprocess.Popen(
-            _basic_subprocess_cmd(), env=env, preexec_fn=lambda: set_parent_death_signal(parent_pid=parent)
-        )
+        with exec_children():  # a peer stays in this process group: Ctrl-C and group signals reach it
+            proc = subprocess.Popen(
+                _basic_subprocess_cmd(),
+                env=env,
+                preexec_fn=lambda: set_parent_death_signal(parent_pid=parent),
+            )
         with self._lock:
             old = self._by_rank.get(local_rank)
             if old is not None and old in self.procs:

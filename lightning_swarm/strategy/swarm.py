@@ -214,9 +214,17 @@ class SwarmStrategy(ParallelStrategy):
             local_swarm_size=local_swarm,
             rendezvous_path=rendezvous,
             device=self.root_device,
+            should_stop=self._stop_requested,
         )
         self._runs += 1
         self._peer.start_dht()
+
+    def _stop_requested(self) -> bool:
+        """Whether this process got SIGTERM during the run (Lightning's flag): the peer's waits end at once, and
+        Lightning stops the run after the current step."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        return bool(trainer is not None and trainer.received_sigterm)
 
     @override
     def setup(self, trainer: Trainer) -> None:

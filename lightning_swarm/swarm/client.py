@@ -50,7 +50,7 @@ from .protocol import (
     warm_up_codec,
 )
 from .records import PeerInfo, parse_stage_peers, stage_key
-from .routing import NoPeersError, StageRouter
+from .routing import NoPeersError, PeerStopping, StageRouter
 from .settings import SwarmSettings
 from .transport import LocalTransport, P2PTransport, decode_payload_stream, encode_request
 
@@ -87,6 +87,8 @@ class SwarmClient:
             before to inputs of the same dtypes and shapes is a failure of its peer; turn off for stages whose
             output shapes do not follow from their input shapes. Replies with NaN/Inf and malformed input
             gradients always count as failures.
+        should_stop: polled before every attempt and while waiting for a stage's peers; once it returns True
+            (the peer got SIGTERM), the call raises :class:`~.routing.PeerStopping` instead of waiting on.
     """
 
     def __init__(
@@ -95,8 +97,10 @@ class SwarmClient:
         settings: SwarmSettings,
         local_servers: dict[int, Any] | None = None,
         check_outputs: bool = True,
+        should_stop: Callable[[], bool] | None = None,
     ):
         self.dht, self.settings = dht, settings
+        self.should_stop = should_stop or _never
         self.run_id, self.num_stages = settings.run_id, settings.num_stages
         self.local_servers = dict(local_servers or {})
         self.peer_id: PeerID = dht.peer_id
@@ -323,6 +327,8 @@ class SwarmClient:
         failed: set[PeerID] = set()
         last_error: BaseException | None = None
         while True:
+            if self.should_stop():
+                raise PeerStopping(f"stage {stage} call abandoned: this peer is stopping")
             self._maybe_refresh(stage)
             try:
                 with self._router_lock:
@@ -506,6 +512,10 @@ class _StageFunction(torch.autograd.Function):
                 for grad, (device, dtype, _) in zip(grads, ctx.input_meta, strict=True)
             ]
         return (None, None, *grads_in)
+
+
+def _never() -> bool:
+    return False
 
 
 def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -12,6 +12,13 @@ Processes started with ``exec`` do not run Python fork hooks: hivemind starts it
 ``asyncio.subprocess.create_subprocess_exec``, which :func:`die_with_parent` wraps so that the daemon gets the
 same parent-death signal (it would otherwise outlive a killed peer by hivemind's 30 s idle timeout).
 
+Every forked helper also moves to its own process group. A signal sent to the peer's process group (Ctrl-C in a
+terminal, ``kill -TERM -PGID``, a job runner stopping the job) then reaches the peers, which stop their helpers
+in order while leaving the swarm, and not the helpers themselves: a DHT process or an averager killed under a
+peer that is still leaving turned a clean stop into a minute of failed calls and tracebacks. Children that run
+another program (``subprocess`` with a ``preexec_fn``, e.g. the launcher's peers) are left in their group when
+started inside :func:`exec_children`.
+
 Linux only; elsewhere these functions do nothing.
 """
 
@@ -24,14 +31,18 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["die_with_parent", "set_parent_death_signal"]
+__all__ = ["die_with_parent", "exec_children", "set_parent_death_signal", "sigint_kept"]
 
 _PR_SET_PDEATHSIG = 1
 _installed_in_pid: int | None = None
 _forked_from_main_thread = True
 _parent_pid = 0
+_child_will_exec = False
+_local = threading.local()
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL, parent_pid: int | None = None) -> bool:
@@ -52,14 +63,48 @@ def set_parent_death_signal(sig: int = signal.SIGKILL, parent_pid: int | None = 
     return True
 
 
+@contextmanager
+def exec_children() -> Iterator[None]:
+    """Processes this thread starts inside the block run another program and manage their own lifetime (the fork
+    hook of :func:`die_with_parent` leaves them alone: same process group, no watcher thread)."""
+    previous = getattr(_local, "exec", False)
+    _local.exec = True
+    try:
+        yield
+    finally:
+        _local.exec = previous
+
+
+@contextmanager
+def sigint_kept() -> Iterator[None]:
+    """Keep this process's SIGINT handler across the block. hivemind 1.1.12's averagers set SIGINT to be ignored
+    in the process that starts them (``DecentralizedAverager.run_in_background``; the forked averager should
+    ignore it, the peer should not): Ctrl-C would no longer stop a peer. Only the main thread may set handlers."""
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        yield
+    finally:
+        if handler is not None and signal.getsignal(signal.SIGINT) is not handler:
+            signal.signal(signal.SIGINT, handler)
+
+
 def _before_fork() -> None:
-    global _forked_from_main_thread, _parent_pid
+    # runs in the forking thread with the GIL held until the fork: the child inherits these globals as set here
+    global _forked_from_main_thread, _parent_pid, _child_will_exec
     _forked_from_main_thread = threading.current_thread() is threading.main_thread()
     _parent_pid = os.getpid()
+    _child_will_exec = getattr(_local, "exec", False)
 
 
 def _after_fork_in_child() -> None:
+    if _child_will_exec:
+        return
     parent = _parent_pid
+    try:
+        os.setpgid(0, 0)  # out of the peer's process group: signals to the group are for the peer to handle
+    except OSError:
+        pass
     if _forked_from_main_thread:
         set_parent_death_signal(signal.SIGKILL, parent_pid=parent)
     else:

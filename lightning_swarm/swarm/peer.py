@@ -36,6 +36,7 @@ from torch import nn
 
 from .auth import REFUSED_MARKER, SECRET_ENV, protect, unprotect
 from .client import SwarmClient
+from .lifetime import sigint_kept
 from .logs import quiet_routine_logs
 from .partition import Partition
 from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, Presence
@@ -76,6 +77,8 @@ class SwarmPeer:
             anywhere through ``initial_peers``.
         rendezvous_path: file where peer 0 of a local swarm writes its multiaddrs for the others.
         device: where this peer computes.
+        should_stop: polled while this peer waits on the swarm (a stage call waiting for peers, a server-only
+            peer waiting for trainers); once it returns True (SIGTERM), the wait ends at once.
     """
 
     def __init__(
@@ -85,8 +88,10 @@ class SwarmPeer:
         local_swarm_size: int | None = None,
         rendezvous_path: str | None = None,
         device: torch.device | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> None:
         self.settings = settings
+        self.should_stop: Callable[[], bool] = should_stop or (lambda: False)
         self.peer_index = peer_index
         self.local_swarm_size = local_swarm_size
         self.rendezvous_path = rendezvous_path
@@ -230,7 +235,7 @@ class SwarmPeer:
         self.partition.release(keep=[self.stage] if self.server is not None else [])
         if self.server is not None:
             self._start_server(self.server)
-        self.client = SwarmClient(self.dht, s, local_servers=local_servers)
+        self.client = SwarmClient(self.dht, s, local_servers=local_servers, should_stop=self.should_stop)
         self.partition.install_proxy(self.client.call_stage)
         self.joined = True
         if self.server is not None and self.server.optimizer is not None and s.rebalance_period > 0:
@@ -424,23 +429,24 @@ class SwarmPeer:
         if not any(g["params"] for g in optimizers[0].param_groups):
             return optimizers
         initialize_optimizer_state(optimizers[0])  # before hivemind does it with a real (decaying) step
-        self._trainer_optimizer = hivemind.Optimizer(
-            dht=self.dht,
-            run_id=f"{self.settings.run_id}_trainers",
-            target_batch_size=self.settings.target_batch_size,
-            optimizer=optimizers[0],
-            # requests time out before matchmaking ends (hivemind warns, and may deadlock, otherwise)
-            averager_opts={
-                "initialize_optimizer": False,
-                "request_timeout": max(0.2, self.settings.matchmaking_time / 3),
-            },
-            # step locally every batch and average parameters in the background every `target_batch_size`
-            # samples: a trainer never blocks on the others' averaging rounds
-            use_local_updates=True,
-            matchmaking_time=self.settings.matchmaking_time,
-            averaging_timeout=self.settings.averaging_timeout,
-            verbose=False,
-        )
+        with sigint_kept():  # hivemind's averager would leave this process ignoring Ctrl-C
+            self._trainer_optimizer = hivemind.Optimizer(
+                dht=self.dht,
+                run_id=f"{self.settings.run_id}_trainers",
+                target_batch_size=self.settings.target_batch_size,
+                optimizer=optimizers[0],
+                # requests time out before matchmaking ends (hivemind warns, and may deadlock, otherwise)
+                averager_opts={
+                    "initialize_optimizer": False,
+                    "request_timeout": max(0.2, self.settings.matchmaking_time / 3),
+                },
+                # step locally every batch and average parameters in the background every `target_batch_size`
+                # samples: a trainer never blocks on the others' averaging rounds
+                use_local_updates=True,
+                matchmaking_time=self.settings.matchmaking_time,
+                averaging_timeout=self.settings.averaging_timeout,
+                verbose=False,
+            )
         return [self._trainer_optimizer]
 
     def note_batch_size(self, batch_size: int) -> None:
@@ -516,7 +522,13 @@ class SwarmPeer:
         finished training (a trainer that died drops out once its record expires)."""
         assert self.presence is not None
         self.presence.set_phase(FINISHED)
-        self.presence.wait_for(FINISHED, self.local_swarm_size, timeout=float("inf"), trainers_only=True)
+        self.presence.wait_for(
+            FINISHED,
+            self.local_swarm_size,
+            timeout=float("inf"),
+            trainers_only=True,
+            should_stop=self.should_stop,
+        )
 
     def leave(self, failed: bool = False) -> None:
         """End of a run: keep serving until the others are done, put the trained pipeline back into the module,
@@ -533,7 +545,9 @@ class SwarmPeer:
             self._stop_rebalancer()  # no migrations while the run ends and the stages are gathered
             if self.presence is not None:
                 self.presence.set_phase(FINISHED)
-                self.presence.wait_for(FINISHED, self.local_swarm_size, timeout=s.linger_timeout)
+                self.presence.wait_for(
+                    FINISHED, self.local_swarm_size, timeout=s.linger_timeout, should_stop=self.should_stop
+                )
             error: BaseException | None = None
             if self.joined and self.partition is not None:
                 states: dict[int, dict[str, torch.Tensor]] = {}
@@ -545,7 +559,12 @@ class SwarmPeer:
                 self.partition.restore(states)
             if self.presence is not None:
                 self.presence.set_phase(LEAVING)
-                self.presence.wait_for(LEAVING, self.local_swarm_size, timeout=min(60.0, s.linger_timeout))
+                self.presence.wait_for(
+                    LEAVING,
+                    self.local_swarm_size,
+                    timeout=min(60.0, s.linger_timeout),
+                    should_stop=self.should_stop,
+                )
             if error is not None:
                 raise error
         finally:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -128,7 +129,12 @@ class Presence:
         return None if records is None else {name: phase for name, (phase, _) in records.items()}
 
     def wait_for(
-        self, phase: int, expected_peers: int | None, timeout: float, trainers_only: bool = False
+        self,
+        phase: int,
+        expected_peers: int | None,
+        timeout: float,
+        trainers_only: bool = False,
+        should_stop: Callable[[], bool] | None = None,
     ) -> bool:
         """Block until every live peer (every live trainer, with ``trainers_only``) has reached ``phase``; return
         False if that does not happen in time (see the module docstring for the bounds).
@@ -139,11 +145,14 @@ class Presence:
                 least once, or ``appear_timeout`` has passed); ``None`` elsewhere.
             timeout: seconds to wait at most (``inf``: no limit besides ``unreadable_timeout``).
             trainers_only: wait for trainers only, and for at least one to have appeared (server-only peers).
+            should_stop: polled between reads; once it returns True (this peer got SIGTERM), return False.
         """
         start = time.monotonic()
         deadline = start + timeout
         last_read = start
         while True:
+            if should_stop is not None and should_stop():
+                return False
             records = self.records()
             now = time.monotonic()
             if records is not None:

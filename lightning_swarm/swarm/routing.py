@@ -45,6 +45,21 @@ class NoPeersError(RuntimeError):
     """No live peer serves a stage (all unknown, banned or excluded)."""
 
 
+class PeerStopping(SystemExit):
+    """This peer was asked to stop (SIGTERM) while a call waited for a stage: unwind at once, quietly.
+
+    A ``SystemExit`` (exit status 0, like Lightning's ``SIGTERMException``), so that no ``except Exception`` on
+    the way retries it and the interpreter ends without a traceback.
+    """
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__()
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 @dataclass
 class _Ban:
     failures: int = 0

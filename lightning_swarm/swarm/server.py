@@ -61,6 +61,7 @@ from torch import nn
 
 from ._loop import replicate_p2p, run_coroutine
 from .codec import CodecError, TooLarge, check_encodable
+from .lifetime import sigint_kept
 from .payload import Payload
 from .protocol import (
     COMPUTE,
@@ -1010,11 +1011,12 @@ class _GuardedAveraging:
 class _StartsInAnyThread:
     """hivemind's averagers set SIGINT to be ignored in the calling process when they start, which only the main
     thread may do; a peer that migrates starts its new stage's averagers in a background thread. There they start
-    without touching the signal (the process already ignores SIGINT since its first averager started)."""
+    without touching the signal; on the main thread the peer's own SIGINT handler is put back (Ctrl-C stops it)."""
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         if threading.current_thread() is threading.main_thread():
-            return super().run_in_background(await_ready=await_ready, timeout=timeout)  # type: ignore[misc]
+            with sigint_kept():  # the forked averager ignores SIGINT; this peer keeps its Ctrl-C
+                return super().run_in_background(await_ready=await_ready, timeout=timeout)  # type: ignore[misc]
         self.start()  # type: ignore[attr-defined]
         if await_ready:
             self.wait_until_ready(timeout)  # type: ignore[attr-defined]
