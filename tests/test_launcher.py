@@ -102,3 +102,68 @@ def test_nothing_outlives_a_killed_launcher(tmp_path):
         assert _wait_dead(pids) == [], "peer processes or their helpers outlived the launcher"
     finally:
         proc.kill()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_signal_to_the_process_group_stops_a_training_local_swarm_promptly(tmp_path, sig):
+    """What a terminal's Ctrl-C or a job runner's stop does: every process of the group gets the signal while the
+    swarm trains. The peers stop at once (a call waiting for a stopped stage does not wait out
+    ``no_peers_timeout``), quietly, and nothing they started is left."""
+    cfg = {
+        "model": "seq",
+        "lr": 0.01,
+        "devices": 2,
+        "max_steps": 100_000,
+        "out": str(tmp_path / "out.pt"),
+        "pids_dir": str(tmp_path),
+        "strategy": {
+            "pipeline": "layers",
+            "num_stages": 2,
+            "compression": "none",
+            "target_batch_size": 32,
+            "matchmaking_time": 1.0,
+            "averaging_timeout": 5.0,
+            "request_timeout": 10.0,
+            "run_id": f"signal_{sig.name}",
+        },
+    }
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("LOCAL_RANK", None)
+    err = tmp_path / "stderr"
+    with open(err, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "swarm_job.py"), json.dumps(cfg)],
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=f,
+            start_new_session=True,  # its own process group, as a job started from a terminal
+            # a shell starts background jobs with SIGINT ignored; a terminal's foreground job has it
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("pids?"))) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, err.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(3.0)  # both peers are training
+        pids = [int(p) for f in tmp_path.glob("pids?") for p in f.read_text().split()]
+        assert len(pids) >= 2 * 3 and all(_alive(p) for p in pids)  # each peer: itself, DHT, p2pd...
+        signalled = time.monotonic()
+        os.killpg(proc.pid, sig)
+        code = proc.wait(timeout=60)
+        stopped = time.monotonic() - signalled
+        assert _wait_dead(pids, timeout=15) == [], "processes of the local swarm outlived it"
+        stderr = err.read_text()
+        # Lightning's own exit codes: 0 after SIGTERM (SIGTERMException), 1 after Ctrl-C
+        assert code == (0 if sig == signal.SIGTERM else 1), stderr[-3000:]
+        assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-3000:]
+        assert stopped < 45, f"the swarm took {stopped:.0f} s to stop"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
