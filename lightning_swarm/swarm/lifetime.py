@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .footprint import p2pd_env
+
 __all__ = ["die_with_parent", "exec_children", "set_parent_death_signal", "sigint_kept"]
 
 _PR_SET_PDEATHSIG = 1
@@ -144,6 +146,8 @@ def _wrap_subprocess_exec() -> None:
     async def create_subprocess_exec(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("preexec_fn") is None:
             kwargs["preexec_fn"] = functools.partial(_death_signal_in_child, os.getpid())
+        if args:
+            kwargs["env"] = p2pd_env(args[0], kwargs.get("env"))
         return await original(*args, **kwargs)
 
     create_subprocess_exec._dies_with_parent = True  # type: ignore[attr-defined]

@@ -36,6 +36,7 @@ from torch import nn
 
 from .auth import REFUSED_MARKER, SECRET_ENV, protect, unprotect
 from .client import SwarmClient
+from .footprint import trim_footprint
 from .lifetime import sigint_kept
 from .logs import quiet_routine_logs
 from .partition import Partition
@@ -147,6 +148,7 @@ class SwarmPeer:
         """
         s = self.settings
         quiet_routine_logs()  # before hivemind forks its helpers, which inherit the filter
+        trim_footprint()  # before the first helper and the first shared tensor
         host_maddrs = s.host_maddrs or ["/ip4/127.0.0.1/tcp/0"]
         initial_peers = list(s.initial_peers) or _env_peers()
         if self.local_swarm_size is not None and self.peer_index > 0 and not initial_peers:

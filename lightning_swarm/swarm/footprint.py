@@ -1,0 +1,60 @@
+"""What a peer's processes cost in memory, and the settings that cut what a peer does not need.
+
+Measured on the main job (``python benchmarks/swarm_memory.py``, PSS per peer; README has the figures):
+
+- hivemind sets torch's tensor-sharing strategy to ``file_system`` when it is imported, which starts one
+  ``torch_shm_manager`` process per peer (about 60 MB of PSS: it links libtorch) on the first shared tensor. A
+  peer's averagers are forked, and inherit their shared tensors; torch's default strategy (``file_descriptor``)
+  needs no manager process. :func:`trim_footprint` restores it unless ``HIVEMIND_MEMORY_SHARING_STRATEGY`` asks
+  otherwise.
+- glibc gives each thread that contends for ``malloc`` an arena of its own, up to 8 per core, and a peer's main
+  process runs 20-30 threads (hivemind's event loops, torch's pools, the stage server): limiting the arenas to
+  :data:`MALLOC_ARENAS` (unless ``MALLOC_ARENA_MAX`` is set) keeps their free memory from piling up per thread.
+- ``p2pd`` (Go) is started with ``GOGC`` = :data:`P2PD_GOGC` unless the environment sets ``GOGC``: its heap is
+  collected at 1.25x the live data instead of 2x (see :func:`~.lifetime.die_with_parent`, which starts it).
+
+Linux/glibc only where it matters; elsewhere the calls do nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+
+__all__ = ["MALLOC_ARENAS", "P2PD_GOGC", "p2pd_env", "trim_footprint"]
+
+logger = logging.getLogger(__name__)
+
+MALLOC_ARENAS = 2
+P2PD_GOGC = "25"
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+_trimmed_in_pid: int | None = None
+
+
+def trim_footprint() -> None:
+    """Apply the settings above to this process (idempotent; call before the peer starts its helpers)."""
+    global _trimmed_in_pid
+    if _trimmed_in_pid == os.getpid():
+        return
+    _trimmed_in_pid = os.getpid()
+    if "HIVEMIND_MEMORY_SHARING_STRATEGY" not in os.environ:
+        import torch.multiprocessing as tmp
+
+        if "file_descriptor" in tmp.get_all_sharing_strategies():
+            tmp.set_sharing_strategy("file_descriptor")
+    if "MALLOC_ARENA_MAX" not in os.environ and sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
+        except (OSError, AttributeError) as e:  # not glibc
+            logger.debug(f"mallopt(M_ARENA_MAX) unavailable: {e!r}")
+
+
+def p2pd_env(program: str, env: dict[str, str] | None) -> dict[str, str] | None:
+    """The environment to start ``program`` with: ``p2pd`` gets ``GOGC`` unless it is set already."""
+    if os.path.basename(str(program)) != "p2pd":
+        return env
+    base = dict(os.environ if env is None else env)
+    base.setdefault("GOGC", P2PD_GOGC)
+    return base
