@@ -506,3 +506,19 @@ def test_virtual_cluster_carries_gloo_between_namespaces_and_cleans_up() -> None
         assert net.tx_bytes(0) >= 250_000 * 4  # the all-reduce really crossed rank 0's veth
     assert not any(name in _ip("netns", "list") for name in names)
     assert netns.leftover_namespaces() == []
+
+
+def test_dslide_does_not_import_the_swarm_side():
+    """``import lightning_swarm`` and a D-SLIDE Trainer leave hivemind and bitsandbytes unimported (~25 MB of RSS
+    per rank); ``Trainer(strategy="swarm")`` still works after the same import."""
+    code = (
+        "import sys, lightning_swarm\n"
+        "from lightning.pytorch import Trainer\n"
+        "Trainer(strategy='dslide', accelerator='cpu', devices=1, logger=False)\n"
+        "assert 'hivemind' not in sys.modules and 'bitsandbytes' not in sys.modules, 'swarm side imported'\n"
+        "t = Trainer(strategy='swarm', accelerator='cpu', devices=1, logger=False)\n"
+        "assert isinstance(t.strategy, lightning_swarm.SwarmStrategy)\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
