@@ -119,6 +119,65 @@ def link_bytes() -> int | None:
         return None
 
 
+def cpu_snapshot(sessions: set[int]) -> dict[int, tuple[str, float]]:
+    """pid -> (name, CPU seconds so far) of every process in the given sessions (a worker and its helpers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        close = stat.rfind(")")
+        fields = stat[close + 2 :].split()  # state, ppid, pgrp, session, ..., utime (11), stime (12)
+        if int(fields[3]) in sessions:
+            out[int(entry)] = (stat[stat.find("(") + 1 : close], (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of each live Python thread of this process, by thread name (native threads that are not
+    Python threads, e.g. torch's or the codec's, are counted together as ``other_native_threads``)."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    by_tid = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        name = by_tid.get(int(tid), "other_native_threads")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def worker_sessions(out: Path) -> set[int]:
+    """This worker's session and the other workers' of the run (the harness lists their pids in pids.txt; each
+    worker leads its own session)."""
+    sessions = {os.getsid(0)}
+    try:
+        sessions |= {int(p) for p in (out / "pids.txt").read_text().split()}
+    except OSError:
+        pass
+    return sessions
+
+
+def cpu_split(before: dict, after: dict, mains: dict[int, str]) -> dict[str, float]:
+    """CPU seconds spent between two snapshots, by kind of process: the named main processes, p2p daemons and
+    the other (hivemind helper) processes."""
+    split: dict[str, float] = {}
+    for pid, (name, cpu) in after.items():
+        kind = mains.get(pid) or ("p2pd" if name == "p2pd" else "helper_processes")
+        used = cpu - before.get(pid, (name, 0.0))[1]
+        split[kind] = split.get(kind, 0.0) + used
+    return split
+
+
 def summarize_clock(times: list[float], wire: list[int | None], warm: int, samples_per_step: int) -> dict:
     steps = len(times) - 1 - warm
     elapsed = times[-1] - times[warm]
@@ -152,14 +211,40 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
         def __init__(self) -> None:
             self.times: list[float] = []
             self.wire: list[int | None] = []
+            self.cpu: list[dict] = []
+            self.threads: list[dict[str, float]] = []
+            self.calls: list[tuple[int, str, float, float]] = []  # stage, kind, start, end (swarm trainer)
+            self.stats: dict[str, float] = {}
+            self.mains: dict[int, str] = {os.getpid(): "peer0_trainer" if args.variant != "ddp" else "rank0"}
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            launcher = getattr(trainer.strategy, "_launcher", None)
+            for i, proc in enumerate(getattr(launcher, "procs", None) or [], start=1):
+                self.mains[proc.pid] = f"peer{i}_server"  # the local swarm's other peer
+            peer = getattr(trainer.strategy, "_peer", None)
+            if peer is not None and peer.client is not None and peer.is_trainer:
+                client, call = peer.client, peer.client._call  # time every stage call of this trainer
+
+                def timed_call(stage: int, request: Any, *a: Any, **kw: Any) -> Any:
+                    start = time.perf_counter()
+                    try:
+                        return call(stage, request, *a, **kw)
+                    finally:
+                        self.calls.append((stage, request.kind, start, time.perf_counter()))
+
+                client._call = timed_call
+
+        def mark(self) -> None:
+            self.times.append(time.perf_counter())
+            self.wire.append(link_bytes())
+            self.cpu.append(cpu_snapshot(worker_sessions(Path(args.out))))
+            self.threads.append(thread_cpu())
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self.times.append(time.perf_counter())
-            self.wire.append(link_bytes())
+            self.mark()
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            self.times.append(time.perf_counter())
-            self.wire.append(link_bytes())
+            self.mark()
             peer = getattr(trainer.strategy, "_peer", None)
             self.stats = peer.stats() if peer is not None else {}
 
@@ -181,7 +266,7 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
         "linger_timeout": 120.0,
     }
     num_nodes, devices = 1, 1
-    if variant == "single":
+    if variant in ("single", "single_1thread"):
         strategy: Any = "auto"
         batch, samples_per_step, warm = global_batch, global_batch, cfg["warmup_steps"]
     elif variant == "ddp":
@@ -222,8 +307,30 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
         return  # a serving-only swarm peer, or DDP rank 1
     result = summarize_clock(clock.times, clock.wire, warm, samples_per_step)
     result["threads"] = torch.get_num_threads()
+    other = "peer1_server" if variant == "swarm" else "rank1"
+    mains = {pid: other for pid in worker_sessions(Path(args.out)) if pid != os.getpid()} | clock.mains
+    split = cpu_split(clock.cpu[warm], clock.cpu[-1], mains)
+    result["cpu_s_per_sample"] = {k: round(v / result["timed_samples"], 4) for k, v in sorted(split.items())}
+    result["cpu_s_per_sample_total"] = round(sum(split.values()) / result["timed_samples"], 4)
+    t_a, t_b = clock.threads[warm], clock.threads[-1]
+    result["main_process_thread_cpu_s_per_sample"] = {
+        name: round((cpu - t_a.get(name, 0.0)) / result["timed_samples"], 4)
+        for name, cpu in sorted(t_b.items())
+        if cpu - t_a.get(name, 0.0) > 0
+    }
+    if clock.calls:  # where a swarm trainer's microbatch goes: its stage calls, and the rest (its own work)
+        t0 = clock.times[warm]
+        timed = [c for c in clock.calls if c[2] >= t0]
+        per: dict[str, list[float]] = {}
+        for stage, kind, a, b in timed:
+            per.setdefault(f"stage{stage}_{kind}", []).append(1e3 * (b - a))
+        n = result["timed_steps"]
+        result["call_ms_per_microbatch"] = {k: round(sum(v) / n, 1) for k, v in sorted(per.items())}
+        result["trainer_rest_ms_per_microbatch"] = round(
+            1e3 * result["elapsed_s"] / n - sum(sum(v) for v in per.values()) / n, 1
+        )
     if variant.startswith("swarm"):
-        stats = getattr(clock, "stats", {})
+        stats = clock.stats
         result["swarm_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
     (Path(args.out) / "result.json").write_text(json.dumps(result))
 
@@ -274,10 +381,11 @@ def gpipe_worker(args: argparse.Namespace, cfg: dict) -> None:
     schedule = ScheduleGPipe(stage, n_microbatches=m, loss_fn=_lm_loss)
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg["lr"])
     data = make_data(cfg, steps * mb * m).tensors
-    times, wire = [], []
+    times, wire, cpu = [], [], []
     for step in range(steps):
         times.append(time.perf_counter())
         wire.append(link_bytes())
+        cpu.append(cpu_snapshot(worker_sessions(Path(args.out))))
         lo, hi = step * mb * m, (step + 1) * mb * m
         if rank == 0:
             schedule.step(data[0][lo:hi])
@@ -289,9 +397,16 @@ def gpipe_worker(args: argparse.Namespace, cfg: dict) -> None:
     dist.barrier()
     times.append(time.perf_counter())
     wire.append(link_bytes())
+    cpu.append(cpu_snapshot(worker_sessions(Path(args.out))))
     if rank == 0:
         result = summarize_clock(times, wire, cfg["warmup_steps"], mb * m)
         result["threads"] = torch.get_num_threads()
+        mains = {pid: "rank1" for pid in worker_sessions(Path(args.out))} | {os.getpid(): "rank0"}
+        split = cpu_split(cpu[cfg["warmup_steps"]], cpu[-1], mains)
+        result["cpu_s_per_sample"] = {
+            k: round(v / result["timed_samples"], 4) for k, v in sorted(split.items())
+        }
+        result["cpu_s_per_sample_total"] = round(sum(split.values()) / result["timed_samples"], 4)
         (Path(args.out) / "result.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -411,6 +526,10 @@ class Procs:
         self.logs.append(log)
         proc = popen(cmd, env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
         self.procs.append((name, proc))
+        with open(
+            self.out / "pids.txt", "a"
+        ) as f:  # each worker leads a session: its CPU accounting reads them
+            f.write(f"{proc.pid}\n")
         return proc
 
     def wait(self, timeout: float) -> None:
@@ -483,6 +602,8 @@ def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: 
             if variant == "single":
                 cmd = [*this, "--threads", "2"]
                 procs.start("single", local, cmd, {**base_env, "OMP_NUM_THREADS": "2"})
+            elif variant == "single_1thread":
+                procs.start("single_1thread", local, [*this, "--threads", "1"], base_env)
             elif variant == "swarm_local":
                 port = str(29400 + os.getpid() % 500)
                 procs.start(
@@ -595,23 +716,43 @@ def summarize(runs: dict, cal: dict, cfg: dict, links: list[float]) -> dict:
             "step_ms_ddp": _r(dd and 1e3 * mb * m / dd["samples_per_s"], 1),
         }
         w8 = wire_ms(sw, mb) or 0.0
+        a0, a1 = cal["stage0_adamw_step_ms"], cal["stage1_adamw_step_ms"]
+        # the best any swarm of these two stages could do on these two cores: per global step each core serves M
+        # microbatches of its stage (forward, then recomputed forward + backward) and steps AdamW once, the two
+        # cores perfectly overlapped with each other and with the wire (measured 8-bit bytes at the link rate);
+        # no trainer, codec or framework time at all
+        ideal = max(m * s0 + a0, m * s1 + a1, m * w8)
+        entry["ideal_swarm_step_ms"] = _r(ideal, 1)
         if gp:
             gstep = 1e3 * mb * m / gp["samples_per_s"]
-            # the best any swarm of these two stages could do on these two cores: every microbatch costs each
-            # stage its forward + recomputed forward + backward, perfectly overlapped across the two cores and
-            # with the wire (measured 8-bit bytes at the link rate); no trainer, codec or framework time at all
-            ideal = m * max(s0, s1, w8)
             entry["bound_speedup_vs_gpipe_ideal_swarm"] = _r(gstep / ideal)
-            # one trainer: its microbatches cross stage 0, the link and stage 1 one after the other
+            # the same against GPipe's own floor from the calibration: (M + 1) slots of the slower stage's
+            # forward + backward (or of the fp32 wire), then the slower stage's AdamW step
+            floor = (m + 1) * max(g0, g1, wire_ms(gp, mb) or 0.0) + max(a0, a1)
+            entry["gpipe_floor_step_ms"] = _r(floor, 1)
+            entry["bound_speedup_vs_gpipe_calibrated"] = _r(floor / ideal)
+            # one trainer (what ran): its microbatches cross stage 0, the link and stage 1 one after the other
             entry["bound_speedup_vs_gpipe_one_trainer"] = _r(gstep / (m * (s0 + s1 + w8)))
-            # GPipe's own floor from the same calibration: (M + 1) slots of the slower stage's fwd+bwd
-            entry["gpipe_floor_step_ms"] = _r((m + 1) * max(g0, g1, wire_ms(gp, mb) or 0.0), 1)
         if dd:
             dstep = 1e3 * mb * m / dd["samples_per_s"]
-            entry["bound_speedup_vs_ddp_ideal_swarm"] = _r(dstep / (m * max(s0, s1, w8)))
+            entry["bound_speedup_vs_ddp_ideal_swarm"] = _r(dstep / ideal)
+        if sw:
+            stats = sw.get("swarm_stats", {})
+            total = cfg["global_steps"] * m * mb
+            entry["swarm_payload_bytes_per_sample"] = _r(
+                (stats.get("swarm/bytes_sent", 0) + stats.get("swarm/bytes_recv", 0)) / total, 0
+            )
+            entry["swarm_ms_per_microbatch"] = _r(1e3 / sw["samples_per_s"] * mb, 1)
+            entry["swarm_call_ms_per_microbatch"] = sw.get("call_ms_per_microbatch")
+            entry["swarm_trainer_rest_ms_per_microbatch"] = sw.get("trainer_rest_ms_per_microbatch")
+        entry["cpu_s_per_sample"] = {
+            name: r.get("cpu_s_per_sample") for name, r in (("swarm", sw), ("gpipe", gp), ("ddp", dd)) if r
+        }
         per_link[key] = entry
-    single, local = runs.get("single_loopback"), runs.get("swarm_local_loopback")
-    eff = local["samples_per_s"] / single["samples_per_s"] if single and local else None
+    single, single1, local = (runs.get(f"{v}_loopback") for v in ("single", "single_1thread", "swarm_local"))
+    singles = [r for r in (single, single1) if r]
+    best = max(singles, key=lambda r: r["samples_per_s"]) if singles else None
+    eff = local["samples_per_s"] / best["samples_per_s"] if best and local else None
     compute = {
         "stage0": {
             "fwd": _r(cal["stage0_fwd_ms"], 1),
@@ -626,20 +767,33 @@ def summarize(runs: dict, cal: dict, cfg: dict, links: list[float]) -> dict:
         "trainer_embed_head_loss_fwd_bwd": _r(cal["trainer_fwd_bwd_ms"], 1),
         "encode_8bit_one_boundary_tensor": _r(cal["encode_8bit_ms"], 2),
     }
-    single_ms_per_sample = 1e3 / single["samples_per_s"] if single else None
+    single_ms_per_sample = 1e3 / best["samples_per_s"] if best else None
     one_trainer_ms_per_sample = (s0 + s1 + cal["trainer_fwd_bwd_ms"]) / mb
     return {
         "per_link": per_link,
+        # against the faster of the two single-process configurations (2 threads, or 1 thread) on the same box
         "efficiency_single_box": _r(eff),
+        "efficiency_vs_single_2threads": _r(local["samples_per_s"] / single["samples_per_s"])
+        if local and single
+        else None,
+        "efficiency_vs_single_1thread": _r(local["samples_per_s"] / single1["samples_per_s"])
+        if local and single1
+        else None,
         "samples_per_s_single": _r(single and single["samples_per_s"]),
+        "samples_per_s_single_1thread": _r(single1 and single1["samples_per_s"]),
         "samples_per_s_swarm_local": _r(local and local["samples_per_s"]),
         # a one-trainer swarm runs its stages one after the other, each on one core, with the recomputed forward:
         # its best samples/s on one box is mb / (stage0 + stage1 + trainer) of the calibration
         "bound_efficiency_single_box_one_trainer": _r(
             single_ms_per_sample / one_trainer_ms_per_sample if single_ms_per_sample else None
         ),
-        "swarm_local_ms_per_sample": _r(local and 1e3 / local["samples_per_s"], 1),
-        "swarm_local_compute_ms_per_sample": _r(one_trainer_ms_per_sample, 1),
+        "swarm_local_ms_per_microbatch": _r(local and 1e3 / local["samples_per_s"] * mb, 1),
+        "swarm_local_compute_ms_per_microbatch": _r(one_trainer_ms_per_sample * mb, 1),
+        "swarm_local_call_ms_per_microbatch": local and local.get("call_ms_per_microbatch"),
+        "swarm_local_trainer_rest_ms_per_microbatch": local and local.get("trainer_rest_ms_per_microbatch"),
+        "cpu_s_per_sample_single_box": {
+            name: r.get("cpu_s_per_sample") for name, r in (("swarm_local", local), ("single", single)) if r
+        },
         "compute_ms_per_microbatch": compute,
         "adamw_step_ms": {
             "stage0": _r(cal["stage0_adamw_step_ms"], 1),
@@ -715,7 +869,8 @@ def main() -> None:
     load_start = os.getloadavg()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan: list[tuple[str, float | None]] = [("calibrate", None), ("single", None), ("swarm_local", None)]
+    plan: list[tuple[str, float | None]] = [("calibrate", None), ("single", None), ("single_1thread", None)]
+    plan += [("swarm_local", None)]
     for link in links:
         plan += [(v, link) for v in ("swarm", "gpipe", "gpipe_fp16", "ddp")]
     runs: dict[str, dict] = {}
