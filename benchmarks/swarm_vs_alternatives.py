@@ -234,17 +234,18 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
 
                 client._call = timed_call
 
-        def mark(self) -> None:
+        def mark(self, cpu: bool) -> None:
+            # the CPU snapshots (reading /proc) are taken only where the timed window starts and ends
+            self.cpu.append(cpu_snapshot(worker_sessions(Path(args.out))) if cpu else {})
+            self.threads.append(thread_cpu() if cpu else {})
             self.times.append(time.perf_counter())
             self.wire.append(link_bytes())
-            self.cpu.append(cpu_snapshot(worker_sessions(Path(args.out))))
-            self.threads.append(thread_cpu())
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self.mark()
+            self.mark(cpu=len(self.times) == warm)
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            self.mark()
+            self.mark(cpu=True)
             peer = getattr(trainer.strategy, "_peer", None)
             self.stats = peer.stats() if peer is not None else {}
 
@@ -385,7 +386,8 @@ def gpipe_worker(args: argparse.Namespace, cfg: dict) -> None:
     for step in range(steps):
         times.append(time.perf_counter())
         wire.append(link_bytes())
-        cpu.append(cpu_snapshot(worker_sessions(Path(args.out))))
+        cpu.append(cpu_snapshot(worker_sessions(Path(args.out))) if step == cfg["warmup_steps"] else {})
+        times[-1] = time.perf_counter()
         lo, hi = step * mb * m, (step + 1) * mb * m
         if rank == 0:
             schedule.step(data[0][lo:hi])
