@@ -20,16 +20,22 @@ Each variant's two processes run in two network namespaces joined by a veth pair
 to 100 Mbit/s and to 1 Gbit/s; each side is pinned to one core (``taskset``, with all its helper processes: the
 hivemind DHT and p2p daemon of a swarm peer) and computes on one torch thread: two one-core machines. On loopback in
 one namespace: ``swarm_local`` is ``Trainer(strategy=SwarmStrategy(num_trainers=1), devices=2)`` (the library's
-own local launcher: 2 peers, one trainer, one peer per stage, 1 thread each, both cores) against ``single``, plain
-one-process Lightning with 2 threads on the same 2 cores and the whole global batch per step:
-``efficiency_single_box`` = samples/s of ``swarm_local`` / samples/s of ``single``.
+own local launcher: 2 peers, one trainer, one peer per stage, 1 thread each, both cores) against plain one-process
+Lightning on the same 2 cores with the whole global batch per step, with 2 threads (``single``) and with 1 thread
+(``single_1thread``: faster on a busy box): ``efficiency_single_box`` = samples/s of ``swarm_local`` / samples/s of
+the faster of the two (both ratios are in the JSON too).
 
 Throughput: samples/s between the end of the warm-up global step(s) and the end of the last step, clocked in the
 process that feeds the data (swarm trainer, GPipe rank 0, DDP rank 0). Bytes per sample: what crossed the shaped
 link (rank 0's veth, sent + received) in that window, divided by the samples. ``calibration`` times, on one pinned
 core and one thread, each stage's forward and forward+backward per microbatch, so that the JSON shows where the
 time goes: ``compute_ms_per_microbatch``, ``wire_ms_per_microbatch_*`` (measured bytes / link rate) and bounds on
-the best speedups these two cores allow (see ``bounds`` in the JSON).
+the best speedups these two cores allow (``bound_*``: an ideal swarm whose two stages are perfectly overlapped with
+each other and the wire, no framework time). Where a swarm's own time goes: ``cpu_s_per_sample`` (CPU seconds per
+sample in the timed window of every process of the run, by kind: peer/rank main processes, hivemind helper processes,
+p2p daemons), ``main_process_thread_cpu_s_per_sample`` (the trainer process's Python threads) and
+``call_ms_per_microbatch`` (wall time of the trainer's stage calls; ``trainer_rest_ms_per_microbatch`` the rest).
+The machine is shared: the JSON records the load average; CPU seconds move less with the load than wall times.
 
 The last stdout line is one JSON object; ``swarm_vs_alternatives.json`` and ``swarm_vs_alternatives.png`` (bar
 chart) are written to ``--out`` (default ``runs/swarm_vs_alternatives``). Every process started is ended with the
@@ -828,8 +834,10 @@ def plot(summary: dict, path: Path) -> str | None:
         ax.set_ylabel("samples/s")
         ax.tick_params(axis="x", labelsize=8)
     ax = axes[-1]
-    vals = [summary.get("samples_per_s_swarm_local") or 0, summary.get("samples_per_s_single") or 0]
-    bars = ax.bar(["SWARM 2 peers", "1 process"], vals, color=["C0", "C4"])
+    vals = [summary.get(f"samples_per_s_{k}") or 0 for k in ("swarm_local", "single", "single_1thread")]
+    bars = ax.bar(
+        ["SWARM 2 peers", "1 process\n2 threads", "1 process\n1 thread"], vals, color=["C0", "C4", "C5"]
+    )
     ax.bar_label(bars, fmt="%.2f")
     ax.set_title(f"one box (2 cores): efficiency {summary.get('efficiency_single_box')}")
     fig.suptitle(summary.get("model_label", ""), fontsize=9)
