@@ -578,12 +578,27 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def error_lines(out: Path) -> list[str]:
+def error_lines(out: Path, keep: Path) -> list[str]:
+    """ERROR lines and tracebacks (whole) in the run's worker logs; a log that has any is copied to ``keep``."""
     lines = []
     for log in sorted(out.glob("*.log")):
-        for line in log.read_text(errors="replace").splitlines():
-            if "ERROR" in line or "Traceback" in line:
+        text = log.read_text(errors="replace").splitlines()
+        found = False
+        for i, line in enumerate(text):
+            if "ERROR" in line:
                 lines.append(f"{log.name}: {line.strip()[:300]}")
+                found = True
+            elif "Traceback" in line:
+                block = [line]
+                for nxt in text[i + 1 : i + 60]:
+                    block.append(nxt)
+                    if nxt and not nxt.startswith((" ", "\t")):
+                        break  # the exception line ends the traceback
+                lines.append(f"{log.name}: " + "\n".join(block)[-2000:])
+                found = True
+        if found:
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / f"{out.name}_{log.name}").write_text("\n".join(text))
     return lines
 
 
@@ -901,7 +916,7 @@ def main() -> None:
             name = f"{variant}_{'loopback' if link is None else f'{link:g}mbit'}"
             res = run_variant(variant, link, cfg, Path(tmp), index)
             runs[name] = res
-            errors += error_lines(Path(tmp) / name)
+            errors += error_lines(Path(tmp) / name, out_dir / "logs")
             sps = res.get("samples_per_s")
             extra = f"{sps:.3f} samples/s" if sps else ""
             if res.get("bytes_per_sample") is not None:
