@@ -16,6 +16,11 @@ rounds (up to ``averaging_timeout``) and optimizer steps touch only that copy, a
 refreshed from it under the parameters lock afterwards (a copy, well under a millisecond for a typical stage).
 Gradients of backwards served during a round count towards the next optimizer step.
 
+Batching (``max_batch_rows`` > 1, the default): calls are parsed and their replies encoded in several threads,
+and the stage runs in one compute thread that merges the calls waiting for it into one forward or backward when
+they fit together (see :mod:`.batching`), falling back to one by one whenever a merged computation cannot be
+split or committed per call.
+
 At most once: every backward carries a request id; a peer applies each id once (a resent duplicate gets its
 input gradients recomputed, but its parameter gradients are dropped), and a backward whose compute ends after
 the caller's ``commit_by`` deadline is not applied at all (the caller has retried it on another peer by then).
@@ -188,7 +193,9 @@ class StageServer(StageService):
         self._accepting = True
         self._batcher: RequestBatcher | None = None
         self.requests_served = 0  # forward and backward requests handed to the stage (batched or not)
-        self.computations = 0  # runs of the stage module for them (a merged group runs it once)
+        self.computations = (
+            0  # runs of the stage module for them (a merged group runs it once; under the lock)
+        )
 
     @property
     def device(self) -> torch.device:
@@ -475,7 +482,8 @@ class StageServer(StageService):
         except BadRequest as e:
             logger.debug(f"Stage {self.stage}: rejected a request: {e}")
             return _error(request.request_id, REQUEST, e)
-        self.requests_served += 1
+        with self._grads_lock:  # handle runs in several threads
+            self.requests_served += 1
         batcher = self._batcher
         if batcher is None:
             return self._serve_one(request)
