@@ -3,9 +3,12 @@
 One stage server (this process) hosts a stack of Transformer MLP blocks; ``--trainers`` trainer processes (each
 its own DHT node, p2p daemon and ``SwarmClient``) call it as fast as they can, forward + backward of microbatches
 of ``--rows`` rows x ``--seq`` tokens, over loopback. Run once with ``max_batch_rows=0`` (batching off) and once
-with the default, interleaved ``--repeats`` times. The last stdout line is one JSON object: samples/s (rows of
+with the default (256), interleaved ``--repeats`` times. The last stdout line is one JSON object: samples/s (rows of
 forward + backward completed per second, all trainers together) of each setting, their ratio, and how many
 stage computations the batched server ran per request.
+
+``max_batch_rows=1`` is measured too: serving threads and one compute thread, as with batching, but no call is
+ever merged (each has more than one row); it tells the effect of merging apart from that of the threads.
 
 Usage: ``python benchmarks/batched_stage.py [--quick] [--trainers 4] [--rows 4] [--seq 32] [--hidden 512]``.
 """
@@ -18,6 +21,7 @@ import multiprocessing as mp
 import os
 import statistics
 import time
+from typing import Any
 
 import hivemind
 import torch
@@ -38,12 +42,15 @@ class Block(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
-def _trainer(maddrs: list[str], args: argparse.Namespace, start_at: float, results: mp.Queue) -> None:
+def _trainer(maddrs: list[str], args: argparse.Namespace, start: Any, results: mp.Queue) -> None:
     torch.set_num_threads(1)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs)
     settings = SwarmSettings(run_id=RUN_ID, num_stages=1, request_timeout=60.0, no_peers_timeout=60.0)
     client = SwarmClient(dht, settings)
     done: list[float] = []
+    results.put("ready")
+    start.wait(600)
+    start_at = time.time()
     try:
         end = start_at + args.warmup + args.seconds
         while time.time() < end:
@@ -54,6 +61,8 @@ def _trainer(maddrs: list[str], args: argparse.Namespace, start_at: float, resul
         client.shutdown()
         dht.shutdown()
     window = [t for t in done if start_at + args.warmup <= t < end]
+    if args.verbose:
+        print(f"trainer: {len(done)} calls, first at {done[0] - start_at if done else None}", flush=True)
     results.put(len(window) * args.rows)
 
 
@@ -71,15 +80,16 @@ def _run(server_dht: hivemind.DHT, module: nn.Module, args: argparse.Namespace, 
     ).start()
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    start_at = time.time() + 8.0  # the trainers' DHTs and clients start meanwhile
+    start = ctx.Event()
     maddrs = [str(m) for m in server_dht.get_visible_maddrs()]
-    procs = [
-        ctx.Process(target=_trainer, args=(maddrs, args, start_at, results)) for _ in range(args.trainers)
-    ]
+    procs = [ctx.Process(target=_trainer, args=(maddrs, args, start, results)) for _ in range(args.trainers)]
     try:
         for p in procs:
             p.start()
-        time.sleep(max(0.0, start_at + args.warmup - time.time()))
+        for _ in procs:  # importing torch and starting a DHT takes a while on a busy machine
+            assert results.get(timeout=600) == "ready"
+        start.set()
+        time.sleep(args.warmup)
         requests0, computations0 = server.requests_served, server.computations
         time.sleep(args.seconds)
         requests, computations = server.requests_served - requests0, server.computations - computations0
@@ -105,22 +115,28 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.seconds, args.repeats = 10.0, 1
+    if args.rows < 2:
+        parser.error("--rows must be at least 2 (max_batch_rows=1 must merge nothing)")
     torch.manual_seed(0)
     module = nn.Sequential(*(Block(args.hidden) for _ in range(args.blocks)))
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    # "threads": max_batch_rows=1 serves in several threads and one compute thread but merges nothing (every
+    # call has more rows), which separates the effect of merging from that of the serving threads
+    runs: dict[str, list[dict]] = {"off": [], "threads": [], "on": []}
     try:
         for _ in range(args.repeats):
-            for name, rows in (("off", 0), ("on", SwarmSettings().max_batch_rows)):
+            for name, rows in (("off", 0), ("threads", 1), ("on", SwarmSettings().max_batch_rows)):
                 runs[name].append(_run(dht, module, args, rows))
                 print(name, runs[name][-1], flush=True)
     finally:
         dht.shutdown()
-    off = statistics.median(r["samples_per_s"] for r in runs["off"])
-    on = statistics.median(r["samples_per_s"] for r in runs["on"])
+    off, threads, on = (
+        statistics.median(r["samples_per_s"] for r in runs[k]) for k in ("off", "threads", "on")
+    )
     print(
         json.dumps(
             {
@@ -128,8 +144,10 @@ def main() -> None:
                 "microbatch": [args.rows, args.seq, args.hidden],
                 "blocks": args.blocks,
                 "samples_per_s_unbatched": round(off, 2),
+                "samples_per_s_threads_no_merging": round(threads, 2),
                 "samples_per_s_batched": round(on, 2),
                 "speedup": round(on / off, 3),
+                "speedup_of_merging": round(on / threads, 3),
                 "computations_per_request_batched": round(
                     statistics.median(r["computations_per_request"] for r in runs["on"]), 3
                 ),

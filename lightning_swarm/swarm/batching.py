@@ -1,11 +1,11 @@
 """Batched stage servers: compatible calls that wait for a stage's compute are merged into one.
 
 When several trainers call the same stage peer at once, their calls queue up while the stage computes. A
-:class:`RequestBatcher` owns the stage's compute thread: each time the stage is free it takes the oldest waiting
-call together with the waiting calls that can be merged with it (:func:`merge_key`: same kind, same structure
-and plain values, same dtypes and sizes except along the first dimension) up to ``max_rows`` rows, and hands
-the group to the server, which concatenates the tensors along the first (batch) dimension
-(:func:`concat_payloads`), runs the stage once and splits the results again (:func:`split_payload`).
+:class:`RequestBatcher` serves them: each time the stage is free, the oldest waiting call is taken with the
+waiting calls that can be merged with it (:func:`merge_key`: same kind, same structure and plain values, same
+dtypes and sizes except along the first dimension) up to ``max_rows`` rows, and the group goes to the server,
+which concatenates the tensors along the first (batch) dimension (:func:`concat_payloads`), runs the stage once
+and splits the results again (:func:`split_payload`).
 
 A call that is alone is served at once (``wait_s`` only applies to a group that already holds several calls):
 batching adds no latency to an idle stage; it only merges calls that would have waited anyway.
@@ -125,39 +125,34 @@ class _Entry:
 
     def __init__(self, request: Any, key: Hashable | None, rows: int) -> None:
         self.request, self.key, self.rows = request, key, rows
-        self.done = threading.Event()
+        self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
 
 
 class RequestBatcher:
-    """A compute thread serving submitted requests in groups of mergeable ones.
+    """Serves submitted requests one group of mergeable ones at a time, in the callers' threads.
+
+    The first caller to find the stage idle serves (the *leader*): the oldest waiting request with the waiting
+    requests mergeable with it, group after group, until its own request is served; the others wait for their
+    results. A lone request is served at once in its caller's thread, as without batching.
 
     Args:
-        run: serves a group (oldest first) and returns one result per request; runs in the compute thread.
+        run: serves a group (oldest first) and returns one result per request; never runs twice at once.
         max_rows: a group holds at most this many rows (a larger request still runs, alone).
         wait_s: how long a group that already holds several requests, but fewer than ``max_rows`` rows, waits for
             more; a lone request never waits.
-        name: the compute thread's name.
     """
 
-    def __init__(
-        self,
-        run: Callable[[list[Any]], list[Any]],
-        *,
-        max_rows: int,
-        wait_s: float = 0.0,
-        name: str = "batcher",
-    ) -> None:
+    def __init__(self, run: Callable[[list[Any]], list[Any]], *, max_rows: int, wait_s: float = 0.0) -> None:
         self.run, self.max_rows, self.wait_s = run, max_rows, wait_s
         self._cond = threading.Condition()
         self._queue: list[_Entry] = []
+        self._busy = False  # a leader is serving
         self._closed = False
         self.groups = 0  # groups handed to ``run``
         self.requests = 0  # requests in them
         self.largest = 0  # most requests in one group so far
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
 
     def pending(self) -> int:
         """Requests submitted and not yet taken into a group."""
@@ -165,29 +160,41 @@ class RequestBatcher:
             return len(self._queue)
 
     def submit(self, request: Any) -> Any:
-        """Queue ``request``, wait until its group was served and return its result (or raise ``run``'s error,
-        or ``RuntimeError`` if the batcher is closed)."""
+        """Serve ``request``, alone or merged with others; returns its result (or raises ``run``'s error, or
+        ``RuntimeError`` if the batcher is closed)."""
         key, rows = merge_key(request)
         entry = _Entry(request, key, rows)
         with self._cond:
             if self._closed:
-                raise RuntimeError("the stage's compute thread has stopped")
+                raise RuntimeError("the stage server has stopped")
             self._queue.append(entry)
-            self._cond.notify_all()
-        entry.done.wait()
+            self._cond.notify_all()  # a leader waiting for more rows
+            while self._busy and not entry.done:
+                self._cond.wait()
+            leader = not entry.done
+            if leader:
+                self._busy = True
+        if leader:
+            try:
+                while not entry.done:
+                    with self._cond:
+                        group = self._take()
+                    self._serve(group)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()  # a waiting caller becomes the next leader
         if entry.error is not None:
             raise entry.error
         return entry.result
 
-    def close(self, timeout: float | None = None) -> None:
-        """Serve what is queued, then stop the compute thread."""
+    def close(self) -> None:
+        """Refuse new requests (those submitted already are served)."""
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
 
     def _take(self) -> list[_Entry]:
-        """The next group (called with the condition held and the queue not empty)."""
+        """The next group (called with the condition held; the leader's own request is still queued)."""
         first = self._queue[0]
         group, rows = [first], first.rows
         if first.key is not None and self.max_rows > 1:
@@ -200,34 +207,29 @@ class RequestBatcher:
                         rows += entry.rows
                 scanned = len(self._queue)
                 remaining = deadline - time.monotonic()
-                if len(group) < 2 or rows >= self.max_rows or remaining <= 0 or self._closed:
+                if len(group) < 2 or rows >= self.max_rows or remaining <= 0:
                     break
                 self._cond.wait(remaining)
         taken = {id(entry) for entry in group}
         self._queue = [entry for entry in self._queue if id(entry) not in taken]
         return group
 
-    def _loop(self) -> None:
-        while True:
+    def _serve(self, group: list[_Entry]) -> None:
+        self.groups += 1
+        self.requests += len(group)
+        self.largest = max(self.largest, len(group))
+        try:
+            results = self.run([entry.request for entry in group])
+            if len(results) != len(group):
+                raise RuntimeError(f"served {len(group)} requests but got {len(results)} results")
+            for entry, result in zip(group, results, strict=True):
+                entry.result = result
+        except BaseException as e:  # never leave a caller waiting
+            logger.warning(f"Serving a group of {len(group)} requests failed: {e!r}")
+            for entry in group:
+                entry.error = e if isinstance(e, Exception) else RuntimeError(repr(e))
+        finally:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                group = self._take()
-            self.groups += 1
-            self.requests += len(group)
-            self.largest = max(self.largest, len(group))
-            try:
-                results = self.run([entry.request for entry in group])
-                if len(results) != len(group):
-                    raise RuntimeError(f"served {len(group)} requests but got {len(results)} results")
-                for entry, result in zip(group, results, strict=True):
-                    entry.result = result
-            except BaseException as e:  # never leave a caller waiting
-                logger.warning(f"Serving a group of {len(group)} requests failed: {e!r}")
                 for entry in group:
-                    entry.error = e if isinstance(e, Exception) else RuntimeError(repr(e))
-            finally:
-                for entry in group:
-                    entry.done.set()
+                    entry.done = True
+                self._cond.notify_all()

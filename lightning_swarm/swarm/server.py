@@ -16,9 +16,8 @@ rounds (up to ``averaging_timeout``) and optimizer steps touch only that copy, a
 refreshed from it under the parameters lock afterwards (a copy, well under a millisecond for a typical stage).
 Gradients of backwards served during a round count towards the next optimizer step.
 
-Batching (``max_batch_rows`` > 1, the default): calls are parsed and their replies encoded in several threads,
-and the stage runs in one compute thread that merges the calls waiting for it into one forward or backward when
-they fit together (see :mod:`.batching`), falling back to one by one whenever a merged computation cannot be
+Batching (``max_batch_rows`` > 0, the default): calls are served in several threads, the stage running in one of
+them at a time, which merges the calls waiting for the stage into one forward or backward when they fit together (see :mod:`.batching`), falling back to one by one whenever a merged computation cannot be
 split or committed per call.
 
 At most once: every backward carries a request id; a peer applies each id once (a resent duplicate gets its
@@ -193,9 +192,8 @@ class StageServer(StageService):
         self._accepting = True
         self._batcher: RequestBatcher | None = None
         self.requests_served = 0  # forward and backward requests handed to the stage (batched or not)
-        self.computations = (
-            0  # runs of the stage module for them (a merged group runs it once; under the lock)
-        )
+        # runs of the stage module for them (a merged group runs it once); counted under the parameters lock
+        self.computations = 0
 
     @property
     def device(self) -> torch.device:
@@ -258,19 +256,15 @@ class StageServer(StageService):
                 verbose=False,
             )
         warm_up_codec(s.compression)  # before this peer is announced: its first reply must not wait for it
-        batching = s.max_batch_rows > 1 and not mixes_rows(self.module)
-        if s.max_batch_rows > 1 and not batching:
+        batching = s.max_batch_rows > 0 and not mixes_rows(self.module)
+        if s.max_batch_rows > 0 and not batching:
             logger.info(
                 f"Stage {self.stage}: batch normalisation mixes the rows of a batch; calls are not merged"
             )
-        if (
-            batching
-        ):  # calls are parsed and encoded in several threads; the stage runs in the batcher's thread
+        # batching: calls are served in several threads (the stage runs in one of them at a time)
+        if batching:
             self._batcher = RequestBatcher(
-                self._serve_group,
-                max_rows=s.max_batch_rows,
-                wait_s=s.batch_wait_ms / 1000,
-                name=f"stage{self.stage}-compute",
+                self._serve_group, max_rows=s.max_batch_rows, wait_s=s.batch_wait_ms / 1000
             )
             self._executor = ThreadPoolExecutor(
                 max_workers=_SERVING_THREADS, thread_name_prefix=f"stage{self.stage}-serve"
@@ -320,7 +314,7 @@ class StageServer(StageService):
             self._executor.shutdown(wait=True)
         if self._batcher is not None:
             batcher, self._batcher = self._batcher, None
-            batcher.close(timeout=30)
+            batcher.close()
         if self.optimizer is not None:
             try:
                 self.optimizer.shutdown()
@@ -523,7 +517,7 @@ class StageServer(StageService):
             return _error(request.request_id, UNAVAILABLE, e)
 
     def _serve_group(self, requests: list[StageRequest]) -> list[StageReply]:
-        """Serve mergeable requests (the batcher's compute thread): merged into one computation, or one by one
+        """Serve mergeable requests (one group at a time, see :class:`.batching.RequestBatcher`): merged into one computation, or one by one
         if the merged one fails in any way (each request then gets its own answer or error); never raises."""
         if len(requests) > 1:
             try:
