@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_swarm.swarm.batching import mixes_rows
 from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.payload import Payload
 from lightning_swarm.swarm.protocol import COMPUTE, UNAVAILABLE, StageReply, StageRequest, stage_uid
@@ -300,7 +301,8 @@ def test_an_error_in_one_merged_call_does_not_poison_the_others(swarm) -> None:
             torch.testing.assert_close(reply.outputs.tensors[0], reference(x), **TOLERANCE)
 
 
-def test_batching_settings_are_validated() -> None:
+def test_batching_settings_are_validated_and_batch_norm_is_never_merged() -> None:
+    assert mixes_rows(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))) and not mixes_rows(GatedMLP())
     assert SwarmSettings(max_batch_rows=0).max_batch_rows == 0  # off
     for bad in (
         {"max_batch_rows": -1},
