@@ -77,6 +77,11 @@ class SwarmStrategy(ParallelStrategy):
             give peers a fixed ``identity_path``); combined with ``secret``, a peer needs both.
         identity_path: file with this peer's private key (created if missing), so that its peer id stays the same
             across runs. ``None``: a new key per run.
+        max_batch_rows: a stage server merges calls that wait for it while it computes (same structure, tensors
+            with the batch dimension first) into one forward or backward of at most this many rows. 0 turns
+            batching off: do so for a stage whose output for one row depends on the other rows of its batch
+            (batch normalisation is detected and never merged).
+        batch_wait_ms: how long a group of merged calls waits for more before it runs; a lone call never waits.
     """
 
     strategy_name = "swarm"
@@ -104,6 +109,8 @@ class SwarmStrategy(ParallelStrategy):
         secret: str | None = None,
         allowed_peers: list[str] | None = None,
         identity_path: str | None = None,
+        max_batch_rows: int = _DEFAULTS.max_batch_rows,
+        batch_wait_ms: float = _DEFAULTS.batch_wait_ms,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -138,6 +145,8 @@ class SwarmStrategy(ParallelStrategy):
             secret=secret,
             allowed_peers=tuple(allowed_peers or ()),
             identity_path=identity_path,
+            max_batch_rows=max_batch_rows,
+            batch_wait_ms=batch_wait_ms,
         )
         if restart_peers < 0:
             raise ValueError(f"SwarmStrategy(restart_peers={restart_peers}) must be 0 or more.")

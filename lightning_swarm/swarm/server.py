@@ -16,6 +16,10 @@ rounds (up to ``averaging_timeout``) and optimizer steps touch only that copy, a
 refreshed from it under the parameters lock afterwards (a copy, well under a millisecond for a typical stage).
 Gradients of backwards served during a round count towards the next optimizer step.
 
+Batching (``max_batch_rows`` > 0, the default): calls are served in several threads, the stage running in one of
+them at a time, which merges the calls waiting for the stage into one forward or backward when they fit together (see :mod:`.batching`), falling back to one by one whenever a merged computation cannot be
+split or committed per call.
+
 At most once: every backward carries a request id; a peer applies each id once (a resent duplicate gets its
 input gradients recomputed, but its parameter gradients are dropped), and a backward whose compute ends after
 the caller's ``commit_by`` deadline is not applied at all (the caller has retried it on another peer by then).
@@ -60,6 +64,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from ._loop import replicate_p2p, run_coroutine
+from .batching import RequestBatcher, concat_payloads, mixes_rows, split_payload
 from .codec import CodecError, TooLarge, check_encodable
 from .lifetime import sigint_kept
 from .payload import Payload
@@ -98,6 +103,7 @@ _EPOCH_POLL_S = 0.25  # how often an idle server checks whether its stage is rea
 _APPLIED_TTL_S = 600.0  # how long a peer remembers the id of a backward it applied
 _APPLIED_MAX = 100_000  # ... and how many ids at most (16 bytes each, plus the dict's overhead)
 _MAX_CALLS_PER_PEER = 32  # calls of one remote peer being received or served at once (a trainer's threads)
+_SERVING_THREADS = 16  # with batching: calls being parsed, waiting for the compute thread or encoding at once
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
@@ -185,6 +191,10 @@ class StageServer(StageService):
         self.dropped_contributions = 0  # backwards whose parameter gradients were not finite
         self.state = ONLINE
         self._accepting = True
+        self._batcher: RequestBatcher | None = None
+        self.requests_served = 0  # forward and backward requests handed to the stage (batched or not)
+        # runs of the stage module for them (a merged group runs it once); counted under the parameters lock
+        self.computations = 0
 
     @property
     def device(self) -> torch.device:
@@ -247,7 +257,23 @@ class StageServer(StageService):
                 verbose=False,
             )
         warm_up_codec(s.compression)  # before this peer is announced: its first reply must not wait for it
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}-compute")
+        batching = s.max_batch_rows > 0 and not mixes_rows(self.module)
+        if s.max_batch_rows > 0 and not batching:
+            logger.info(
+                f"Stage {self.stage}: batch normalisation mixes the rows of a batch; calls are not merged"
+            )
+        # batching: calls are served in several threads (the stage runs in one of them at a time)
+        if batching:
+            self._batcher = RequestBatcher(
+                self._serve_group, max_rows=s.max_batch_rows, wait_s=s.batch_wait_ms / 1000
+            )
+            self._executor = ThreadPoolExecutor(
+                max_workers=_SERVING_THREADS, thread_name_prefix=f"stage{self.stage}-serve"
+            )
+        else:
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"stage{self.stage}-compute"
+            )
         self.p2p = run_coroutine(self._start_p2p(), timeout=60)
         self._stop.clear()
         self._started = True
@@ -287,6 +313,9 @@ class StageServer(StageService):
                 logger.debug(f"Stage {self.stage} server: error while removing handlers: {e!r}")
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._batcher is not None:
+            batcher, self._batcher = self._batcher, None
+            batcher.close()
         if self.optimizer is not None:
             try:
                 self.optimizer.shutdown()
@@ -435,7 +464,8 @@ class StageServer(StageService):
     # ---- serving a request (the same for in-process and remote callers) ----
 
     def handle(self, request: StageRequest) -> StageReply:
-        """Serve one request; never raises: failures become error replies (see :mod:`.protocol`)."""
+        """Serve one request; never raises: failures become error replies (see :mod:`.protocol`). With batching,
+        the request waits for the compute thread, which may merge it with other waiting requests."""
         try:
             if request.uid != self.uid:
                 raise BadRequest(f"This peer serves {self.uid!r}, but the request was for {request.uid!r}")
@@ -444,6 +474,22 @@ class StageServer(StageService):
                     request.request_id, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running")
                 )
             self.schemas.check(request.inputs.tensors)
+        except BadRequest as e:
+            logger.debug(f"Stage {self.stage}: rejected a request: {e}")
+            return _error(request.request_id, REQUEST, e)
+        with self._grads_lock:  # handle runs in several threads
+            self.requests_served += 1
+        batcher = self._batcher
+        if batcher is None:
+            return self._serve_one(request)
+        try:
+            return batcher.submit(request)
+        except Exception as e:  # the server stopped meanwhile (or a bug in the batcher)
+            return _error(request.request_id, UNAVAILABLE, e)
+
+    def _serve_one(self, request: StageRequest) -> StageReply:
+        """Serve one request on its own; never raises."""
+        try:
             if request.kind == "forward":
                 outputs = self._forward(request.inputs)
             else:
@@ -471,6 +517,53 @@ class StageServer(StageService):
             logger.warning(f"Stage {self.stage}: could not serve a {request.kind} call: {e!r}")
             return _error(request.request_id, UNAVAILABLE, e)
 
+    def _serve_group(self, requests: list[StageRequest]) -> list[StageReply]:
+        """Serve mergeable requests (one group at a time, see :class:`.batching.RequestBatcher`): merged into one computation, or one by one
+        if the merged one fails in any way (each request then gets its own answer or error); never raises."""
+        if len(requests) > 1:
+            try:
+                replies = self._serve_merged(requests)
+                if replies is not None:
+                    return replies
+            except Exception as e:
+                logger.debug(
+                    f"Stage {self.stage}: {len(requests)} merged {requests[0].kind} calls failed ({e!r}); "
+                    "serving them one by one"
+                )
+        return [self._serve_one(request) for request in requests]
+
+    def _serve_merged(self, requests: list[StageRequest]) -> list[StageReply] | None:
+        """Serve ``requests`` (same kind and structure, see :func:`.batching.merge_key`) with one computation;
+        ``None`` if the results cannot be split or committed per request (the caller serves them one by one).
+        Raises whatever the merged computation raised."""
+        rows = [request.inputs.batch_size() for request in requests]
+        inputs = concat_payloads([request.inputs for request in requests])
+        if requests[0].kind == "forward":
+            outputs = split_payload(self._forward(inputs), rows)
+            if outputs is None:
+                return None
+            replies = [
+                StageReply(r.request_id, outputs=out) for r, out in zip(requests, outputs, strict=True)
+            ]
+        else:
+            grad_outputs = concat_payloads([request.grad_outputs for request in requests])  # type: ignore[misc]
+            grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs)
+            pieces = split_payload(Payload.flatten(grad_inputs), rows)
+            if pieces is None or not self._commit_merged(requests, param_grads, rows):
+                return None
+            replies = []
+            for request, piece in zip(requests, pieces, strict=True):
+                try:
+                    check_finite(piece.tensors, f"stage {self.stage} input gradient", _NonFinite)
+                    replies.append(StageReply(request.request_id, outputs=piece))
+                except _NonFinite as e:
+                    logger.warning(f"Stage {self.stage}: {e}")
+                    replies.append(_error(request.request_id, COMPUTE, e))
+        for request, reply in zip(requests, replies, strict=True):
+            if reply.error is None:
+                self.schemas.learn(request.inputs.tensors)
+        return replies
+
     def _forward(self, inputs: Payload) -> Payload:
         args, kwargs = inputs.rebuild_call([t.detach().to(self.device) for t in inputs.tensors])
         with self._lock, torch.no_grad():
@@ -486,6 +579,15 @@ class StageServer(StageService):
         request_id: int | None = None,
         commit_by: float | None = None,
     ) -> Payload:
+        grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs)
+        self._commit(param_grads, inputs.batch_size(), request_id, commit_by)
+        check_finite(list(grad_inputs), f"stage {self.stage} input gradient", _NonFinite)
+        return Payload.flatten(grad_inputs)
+
+    def _backward_compute(
+        self, inputs: Payload, grad_outputs: Payload
+    ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor | None]]:
+        """The gradients of the inputs that require grad and of the trained parameters (nothing committed)."""
         leaves = []
         for t in inputs.tensors:
             leaf = t.detach().to(self.device)
@@ -526,9 +628,7 @@ class StageServer(StageService):
         grad_inputs = tuple(
             g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=False)
         )
-        self._commit(results[len(wanted) :], batch_size, request_id, commit_by)
-        check_finite(list(grad_inputs), f"stage {self.stage} input gradient", _NonFinite)
-        return Payload.flatten(grad_inputs)
+        return grad_inputs, results[len(wanted) :]
 
     def _commit(
         self,
@@ -567,7 +667,38 @@ class StageServer(StageService):
             self._pending_samples += batch_size
         self._wake.set()
 
+    def _commit_merged(
+        self, requests: list[StageRequest], grads: list[torch.Tensor | None], rows: list[int]
+    ) -> bool:
+        """Commit the summed parameter gradients of merged backwards, counting every request's samples, if each
+        request may be applied now: before its ``commit_by``, its id not applied yet (nor twice in the group)
+        and the gradients finite. Otherwise commits nothing and returns False: the requests are then served one
+        by one, which applies each exactly as :meth:`_commit` does."""
+        now = time.time()
+        if any(r.commit_by is not None and now > r.commit_by for r in requests):
+            return False
+        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+            return False
+        ids = [r.request_id for r in requests if r.request_id is not None]
+        with self._grads_lock:
+            if len(set(ids)) != len(ids) or any(self._applied.known(i) for i in ids):
+                return False
+            for request_id in ids:
+                self._applied.add(request_id)
+            self.samples_processed += sum(rows)
+            if self.optimizer is None or not self._trained:
+                return True
+            if self._pending is None:
+                self._pending = [torch.zeros_like(m) for m in self._master]
+            for acc, grad in zip(self._pending, grads, strict=True):
+                if grad is not None:
+                    acc.add_(grad.to(acc.device))
+            self._pending_samples += sum(rows)
+        self._wake.set()
+        return True
+
     def _run_module(self, args: tuple, kwargs: dict) -> Any:
+        self.computations += 1
         try:
             return self.module(*args, **kwargs)
         except (MemoryError, torch.OutOfMemoryError):
@@ -818,6 +949,11 @@ class AppliedRequests:
             return False
         self._seen[request_id] = now + self.ttl
         return True
+
+    def known(self, request_id: int, now: float | None = None) -> bool:
+        """Whether ``request_id`` was added and has not expired (not thread-safe: callers lock)."""
+        expires = self._seen.get(request_id)
+        return expires is not None and expires >= (time.monotonic() if now is None else now)
 
     def __len__(self) -> int:
         return len(self._seen)

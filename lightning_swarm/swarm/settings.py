@@ -65,6 +65,8 @@ class SwarmSettings:
     secret: str | None = field(default=None, repr=False)
     allowed_peers: tuple[str, ...] = field(default_factory=tuple)
     identity_path: str | None = None
+    max_batch_rows: int = 256
+    batch_wait_ms: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
@@ -117,6 +119,20 @@ class SwarmSettings:
         if self.secret is not None and (not isinstance(self.secret, str) or len(self.secret) < 8):
             raise ValueError(
                 f"{name}(secret=...) must be a string of at least 8 characters (or None: no secret)."
+            )
+        if type(self.max_batch_rows) is not int or self.max_batch_rows < 0:
+            raise ValueError(
+                f"{name}(max_batch_rows={self.max_batch_rows!r}) must be a non-negative integer: the most rows a "
+                "stage server merges into one computation (0 turns batching off)."
+            )
+        if (
+            isinstance(self.batch_wait_ms, bool)
+            or not isinstance(self.batch_wait_ms, (int, float))
+            or not 0 <= self.batch_wait_ms <= 1000
+        ):
+            raise ValueError(
+                f"{name}(batch_wait_ms={self.batch_wait_ms!r}) must be a number of milliseconds in [0, 1000]: how "
+                "long a batch of merged calls waits for more (0: never waits)."
             )
         for peer in self.allowed_peers:
             try:
