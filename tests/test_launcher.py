@@ -152,7 +152,9 @@ def test_a_signal_to_the_process_group_stops_a_training_local_swarm_promptly(tmp
         pids = [int(p) for f in tmp_path.glob("pids?") for p in f.read_text().split()]
         assert len(pids) >= 2 * 3 and all(_alive(p) for p in pids)  # each peer: itself, DHT, p2pd...
         names = {Path(f"/proc/{p}/comm").read_text().strip() for p in pids}
-        assert "p2pd" in names and "torch_shm_manag" not in names, names  # no shm manager (swarm/footprint.py)
+        assert "p2pd" in names and "torch_shm_manag" not in names, (
+            names
+        )  # no shm manager (swarm/footprint.py)
         signalled = time.monotonic()
         os.killpg(proc.pid, sig)
         code = proc.wait(timeout=60)
