@@ -481,6 +481,38 @@ def test_state_and_optimizer_step_after_target_batch(dhts, cleanup) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_backwards_that_pile_up_between_steps_count_once_each(dhts, cleanup) -> None:
+    """Three backwards served while the stage's optimizer is busy reach it as one summed gradient, a fourth
+    alone: the epoch's update is still the mean of the four (before, the three counted three times over and the
+    fourth a third)."""
+    torch.manual_seed(1)
+    run_id = _run_id("pileup")
+    module = nn.Linear(5, 3)
+    initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    lr, batch, n = 0.5, 4, 4
+    server = _serve(
+        cleanup, dhts["server1"], run_id, module, optimizer_factory=_sgd(lr), target_batch_size=n * batch
+    )
+    client = _client(cleanup, dhts["trainer"], run_id)
+    reference = nn.Linear(5, 3)
+    reference.load_state_dict(initial)
+    inputs = [torch.randn(batch, 5) for _ in range(n)]
+    with server._step_lock:  # the stepper cannot take the gradients until all three are in
+        for x in inputs[:3]:
+            client.call_stage(0, x).pow(2).mean().backward()
+    server.flush(timeout=30)
+    assert all(torch.equal(v, initial[k]) for k, v in client.fetch_stage_state(0).items())
+    client.call_stage(0, inputs[3]).pow(2).mean().backward()
+    for x in inputs:
+        reference(x).pow(2).mean().backward()
+    expected = {k: initial[k] - lr * p.grad / n for k, p in reference.named_parameters()}
+    after = client.fetch_stage_state(0)
+    for k in expected:
+        torch.testing.assert_close(after[k], expected[k], atol=1e-5, rtol=0)
+    assert server.info()["epoch"] == 1
+
+
+@pytest.mark.timeout(120)
 def test_stage_output_is_forwarded_without_requantizing(dhts, cleanup) -> None:
     run_id = _run_id("reuse")
     _serve(cleanup, dhts["server1"], run_id, nn.Identity(), stage=0, compression="8bit")

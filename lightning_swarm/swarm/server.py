@@ -179,6 +179,7 @@ class StageServer(StageService):
         self._grads_lock = threading.Lock()
         self._pending: list[torch.Tensor] | None = None
         self._pending_samples = 0
+        self._pending_backwards = 0  # how many backwards the pending gradients sum (see _GradientAverager)
         self._stepper: threading.Thread | None = None
         self._step_lock = threading.Lock()  # held by the stepper while it runs the optimizer
         self._wake = threading.Event()
@@ -419,8 +420,8 @@ class StageServer(StageService):
             return False
         with self._step_lock:
             with self._grads_lock:
-                grads, samples = self._pending, self._pending_samples
-                self._pending, self._pending_samples = None, 0
+                grads, samples, backwards = self._pending, self._pending_samples, self._pending_backwards
+                self._pending, self._pending_samples, self._pending_backwards = None, 0, 0
             if grads is None:
                 if not (
                     opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0
@@ -429,6 +430,9 @@ class StageServer(StageService):
                 grads = [torch.zeros_like(m) for m in self._master]
             for master, grad in zip(self._master, grads, strict=True):
                 master.grad = grad
+            averager = opt.grad_averager
+            if isinstance(averager, _GradientAverager):
+                averager.backwards = backwards
             try:
                 opt.step(batch_size=samples)
             finally:
@@ -665,6 +669,7 @@ class StageServer(StageService):
                 if grad is not None:
                     acc.add_(grad.to(acc.device))
             self._pending_samples += batch_size
+            self._pending_backwards += 1
         self._wake.set()
 
     def _commit_merged(
@@ -694,6 +699,7 @@ class StageServer(StageService):
                 if grad is not None:
                     acc.add_(grad.to(acc.device))
             self._pending_samples += sum(rows)
+            self._pending_backwards += len(requests)
         self._wake.set()
         return True
 
@@ -1164,7 +1170,26 @@ class _StateAverager(_StartsInAnyThread, _GuardedAveraging, TrainingStateAverage
 
 class _GradientAverager(_StartsInAnyThread, _GuardedAveraging, GradientAverager):
     """hivemind's gradient averager, startable from any thread, guarded against hostile contributions (see
-    :class:`_RobustPartReducer`)."""
+    :class:`_RobustPartReducer`), and counting each backward the server sums into one optimizer step.
+
+    hivemind takes the gradient of each ``step(batch_size)`` as one batch's mean gradient, scales it by its size
+    relative to the round's first batch and divides the round's sum by the number of steps. The stage server
+    hands it the *sum* of the backwards it served since its last step (one, or several that arrived together, or
+    a merged backward): taken as one batch, they were counted ``n`` times over (and the others scaled down by the
+    first step's size). Here the sum is added as it is and every backward counts once (:attr:`backwards`, set by
+    the server before each step), so a round averages the backwards' gradients whatever their grouping, as
+    accumulating gradients over batches does in one process.
+    """
+
+    backwards = 1
+
+    def accumulate_grads_(self, batch_size: int) -> None:
+        if self._anchor_batch_size is None:
+            self._anchor_batch_size = batch_size
+        self.local_samples_accumulated += batch_size
+        self.local_times_accumulated += self.backwards
+        for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._grad_accumulators(), strict=True):
+            grad_acc.add_(grad_buf.to(grad_acc.device))
 
 
 class _StageOptimizer(hivemind.Optimizer):
