@@ -80,6 +80,8 @@ def test_a_joining_peer_serves_its_stages_current_weights_before_its_first_reply
         peers.append(b)
         for _ in range(4):  # each backward is a target batch: stage 1 steps (Adam) every time
             model.layers(model.inp(torch.randn(4, 4))).pow(2).mean().backward()
+            # backwards that pile up before the stepper takes them make one step (one epoch) together
+            b.server.flush(timeout=30)
         assert b.server.optimizer.local_epoch >= 2
         # c starts from other initial weights; by the time join returns it is online with b's weights and state
         c, _ = _peer(settings.replace(stage=1, role="server"), seed=1, maddrs=_maddrs(a))
