@@ -38,3 +38,40 @@ def test_a_state_download_from_a_dead_donor_is_one_warning_line_and_real_errors_
     other.exc_info = _record("x", "", ValueError("corrupt state")).exc_info
     assert RoutineFilter().filter(other)
     assert other.levelno == logging.ERROR and other.exc_info is not None  # not routine: left as it is
+
+
+_SHARER_SCRIPT = r"""
+import os, socket, sys, time
+from multiprocessing import resource_sharer
+from multiprocessing.connection import Client
+quiet = sys.argv[1] == "quiet"
+if quiet:
+    from lightning_swarm.swarm.logs import quiet_routine_logs
+    quiet_routine_logs()
+r, w = os.pipe()
+dup = resource_sharer.DupFd(r)  # starts the sharer's serving thread, as sending a tensor through a pipe does
+address = dup._id[0]
+# a receiver that dies mid-handshake: connect, then go away before answering the challenge
+family = "AF_UNIX" if isinstance(address, str) else "AF_INET"
+s = socket.socket(socket.AF_UNIX if family == "AF_UNIX" else socket.AF_INET)
+s.connect(address)
+s.close()
+time.sleep(0.5)
+if quiet:  # any other uncaught exception still reaches the previous hook
+    sys.excepthook(ValueError, ValueError("not routine"), None)
+print("done", flush=True)
+"""
+
+
+def test_a_receiver_dying_in_the_resource_sharer_is_not_a_traceback(tmp_path) -> None:
+    """Real ``multiprocessing`` resource sharer: a receiver that disconnects mid-handshake prints a traceback
+    through ``sys.excepthook``, unless :func:`quiet_routine_logs` is installed; other exceptions still print."""
+    import subprocess
+
+    script = tmp_path / "sharer.py"
+    script.write_text(_SHARER_SCRIPT)
+    loud = subprocess.run([sys.executable, str(script), "loud"], capture_output=True, text=True, timeout=60)
+    assert "done" in loud.stdout and "Traceback" in loud.stderr and "resource_sharer" in loud.stderr
+    quiet = subprocess.run([sys.executable, str(script), "quiet"], capture_output=True, text=True, timeout=60)
+    assert "done" in quiet.stdout and "resource_sharer" not in quiet.stderr, quiet.stderr
+    assert "ValueError: not routine" in quiet.stderr

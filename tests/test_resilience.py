@@ -193,6 +193,15 @@ def test_handshake_waits_are_bounded_and_unknown_is_not_empty(dhts) -> None:  # 
         start = time.monotonic()
         assert server.wait_for(FINISHED, 3, timeout=30.0)
         assert time.monotonic() - start < 20.0  # its record lives 3 s
+        # one that lived and died mid-run, while nobody was waiting, counts as having appeared too
+        brief = Presence(dhts["trainer"], run_id, "brief", period=1.0, trainer=True)
+        brief.start()
+        time.sleep(2.5)  # the others' presence threads read the records meanwhile
+        brief.shutdown()
+        time.sleep(4.0)  # its record expires
+        start = time.monotonic()
+        assert server.wait_for(FINISHED, 4, timeout=30.0)
+        assert time.monotonic() - start < 10.0
         trainer.shutdown()
     finally:
         server.shutdown()

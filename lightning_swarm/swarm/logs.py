@@ -7,6 +7,12 @@ source (a filter on hivemind's log handler and on asyncio's logger, inherited by
 forks afterwards, and the exception handler of the swarm's event loop): a round without a partner becomes one concise INFO line, the
 others DEBUG; a failed state download from a donor that is gone (hivemind tries the next one) becomes one WARNING
 line without its traceback. Every other message, and every real failure, is left as it is.
+
+One more source is not a logger: ``multiprocessing``'s resource sharer (the thread that hands a tensor's file
+descriptor to the process that receives it through a pipe, as between a peer and its averager) reports a receiver
+that died mid-handshake through ``sys.excepthook``, with a traceback. When a peer is killed that is expected;
+:func:`quiet_routine_logs` installs a hook that turns exactly that (a connection error raised in the sharer's
+serving loop) into one DEBUG line, and passes every other exception to the previous hook.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import traceback
 from typing import Any
 
@@ -108,6 +115,28 @@ def quiet_routine_logs() -> None:
         for handler in logger.handlers:
             if _FILTER not in handler.filters:
                 handler.addFilter(_FILTER)
+    if not isinstance(sys.excepthook, _SharerExceptHook):
+        sys.excepthook = _SharerExceptHook(sys.excepthook)
+
+
+def _in_resource_sharer(tb: Any) -> bool:
+    return any(
+        os.path.basename(frame.filename) == "resource_sharer.py" and frame.name == "_serve"
+        for frame in traceback.extract_tb(tb)
+    )
+
+
+class _SharerExceptHook:
+    """``sys.excepthook`` that lowers a dead receiver in ``multiprocessing``'s resource sharer to DEBUG."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+
+    def __call__(self, kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        if issubclass(kind, (EOFError, ConnectionError, OSError)) and _in_resource_sharer(tb):
+            logging.getLogger(__name__).debug(f"A process died while receiving a shared resource: {error!r}")
+            return
+        self.previous(kind, error, tb)
 
 
 def loop_exception_handler(loop: Any, context: dict[str, Any]) -> None:

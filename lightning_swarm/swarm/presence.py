@@ -14,7 +14,8 @@ Bounded waits (:meth:`Presence.wait_for`):
   (default 60 s), or after the caller's ``timeout``.
 - In a local swarm of N peers, a peer waits for N peers to have appeared at least once; peers that never appear
   within ``appear_timeout`` seconds (default 120 s) are not waited for. A peer that appeared and died is not
-  waited for once its record has expired (6 s by default).
+  waited for once its record has expired (6 s by default): the presence thread reads the records every ``period``
+  while the peer trains, so a peer that lived only mid-run counts as having appeared.
 - A server-only peer waits for trainers (``trainers_only``): for them to appear, without limit (a server started
   before any trainer keeps serving), then until every live trainer has finished or died.
 """
@@ -206,3 +207,5 @@ class Presence:
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             self._announce()
+            if not self._stop.is_set():
+                self.records()  # keeps ``seen`` current: a peer that appears and dies mid-run was still here
