@@ -279,9 +279,10 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
         strategy, num_nodes = "ddp", 2
         batch, samples_per_step, warm = global_batch // 2, global_batch, cfg["warmup_steps"]
     elif variant == "swarm_local":  # the library's own local swarm: 2 peers, peer 0 trains and serves stage 0
+        # same batch as the single-process baseline it is compared with: the whole global batch per trainer step
         strategy = lightning_swarm.SwarmStrategy(num_trainers=1, **settings)
         devices = 2
-        batch, samples_per_step, warm = mb, mb, cfg["warmup_steps"] * m
+        batch, samples_per_step, warm = global_batch, global_batch, cfg["warmup_steps"]
     else:  # "swarm": peer A (trainer + stage 0) or B (stage 1 only), each in its own namespace
         a = args.peer == "A"
         strategy = lightning_swarm.SwarmStrategy(

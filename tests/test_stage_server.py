@@ -512,6 +512,44 @@ def test_backwards_that_pile_up_between_steps_count_once_each(dhts, cleanup) -> 
     assert server.info()["epoch"] == 1
 
 
+class _Aliasing(nn.Module):
+    """``x + p + q.sum()``: autograd hands ``x`` and ``p`` the very same gradient tensor, and ``q`` an expanded
+    one; the server's pending sum adds into the first backward's gradients in place, so it must copy these."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(4, 5))
+        self.q = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.p + self.q.sum()
+
+
+@pytest.mark.timeout(120)
+def test_gradients_shared_between_inputs_and_parameters_are_not_summed_into_the_reply(dhts, cleanup) -> None:
+    torch.manual_seed(2)
+    run_id = _run_id("alias")
+    module = _Aliasing()
+    initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    lr, n = 0.5, 3
+    server = _serve(cleanup, dhts["server1"], run_id, module, optimizer_factory=_sgd(lr), target_batch_size=4 * n)
+    client = _client(cleanup, dhts["trainer"], run_id)
+    reference = _Aliasing()
+    reference.load_state_dict(initial)
+    xs = [torch.randn(4, 5, requires_grad=True) for _ in range(n)]
+    weights = [torch.randn(4, 5) for _ in range(n)]
+    with server._step_lock:  # the backwards pile up in the pending sum
+        for x, w in zip(xs, weights):
+            (client.call_stage(0, x) * w).sum().backward()
+            torch.testing.assert_close(x.grad, w)  # the input gradient is this call's own, nothing added
+    for x, w in zip(xs, weights):
+        (reference(x.detach()) * w).sum().backward()
+    expected = {k: initial[k] - lr * p.grad / n for k, p in reference.named_parameters()}
+    after = client.fetch_stage_state(0)
+    for k in expected:
+        torch.testing.assert_close(after[k], expected[k], atol=1e-5, rtol=0)
+
+
 @pytest.mark.timeout(120)
 def test_stage_output_is_forwarded_without_requantizing(dhts, cleanup) -> None:
     run_id = _run_id("reuse")

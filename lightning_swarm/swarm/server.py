@@ -632,7 +632,7 @@ class StageServer(StageService):
         grad_inputs = tuple(
             g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=False)
         )
-        return grad_inputs, results[len(wanted) :]
+        return grad_inputs, _exclusive(results[len(wanted) :], grad_inputs)
 
     def _commit(
         self,
@@ -648,7 +648,7 @@ class StageServer(StageService):
                 f"backward request {request_id} finished {time.time() - commit_by:.1f} s after its commit deadline; "
                 "its gradients were not applied (the caller retries it elsewhere)"
             )
-        finite = all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+        finite = _all_finite(grads)
         with self._grads_lock:
             if request_id is not None and not self._applied.add(request_id):
                 logger.debug(f"Stage {self.stage}: backward request {request_id} was already applied here")
@@ -663,11 +663,7 @@ class StageServer(StageService):
                     f"gradients; its contribution was dropped ({self.dropped_contributions} so far)"
                 )
                 return
-            if self._pending is None:
-                self._pending = [torch.zeros_like(m) for m in self._master]
-            for acc, grad in zip(self._pending, grads, strict=True):
-                if grad is not None:
-                    acc.add_(grad.to(acc.device))
+            self._add_pending(grads)
             self._pending_samples += batch_size
             self._pending_backwards += 1
         self._wake.set()
@@ -682,7 +678,7 @@ class StageServer(StageService):
         now = time.time()
         if any(r.commit_by is not None and now > r.commit_by for r in requests):
             return False
-        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+        if not _all_finite(grads):
             return False
         ids = [r.request_id for r in requests if r.request_id is not None]
         with self._grads_lock:
@@ -693,15 +689,25 @@ class StageServer(StageService):
             self.samples_processed += sum(rows)
             if self.optimizer is None or not self._trained:
                 return True
-            if self._pending is None:
-                self._pending = [torch.zeros_like(m) for m in self._master]
-            for acc, grad in zip(self._pending, grads, strict=True):
-                if grad is not None:
-                    acc.add_(grad.to(acc.device))
+            self._add_pending(grads)
             self._pending_samples += sum(rows)
             self._pending_backwards += len(requests)
         self._wake.set()
         return True
+
+    def _add_pending(self, grads: list[torch.Tensor | None]) -> None:
+        """Add parameter gradients (this server's own tensors, see :func:`_exclusive`) to the pending sum; the
+        first backward after a step becomes the sum itself (no zero-filled buffer, no extra pass). Under
+        ``_grads_lock``."""
+        if self._pending is None:
+            self._pending = [
+                torch.zeros_like(m) if g is None else g.to(device=m.device, dtype=m.dtype)
+                for m, g in zip(self._master, grads, strict=True)
+            ]
+            return
+        for acc, grad in zip(self._pending, grads, strict=True):
+            if grad is not None:
+                acc.add_(grad.to(acc.device))
 
     def _run_module(self, args: tuple, kwargs: dict) -> Any:
         self.computations += 1
@@ -1166,6 +1172,33 @@ class _StartsInAnyThread:
 
 class _StateAverager(_StartsInAnyThread, _GuardedAveraging, TrainingStateAverager, _LoadProbe):
     """hivemind's state averager of a stage, telling whether a joiner's download succeeded."""
+
+
+def _all_finite(grads: list[torch.Tensor | None]) -> bool:
+    """Whether every gradient is finite: one reduction per tensor (a sum is NaN or infinite when any element is,
+    or when finite values are so large that they overflow, which is refused as well), one sync for all."""
+    sums = [g.sum(dtype=torch.float32) for g in grads if g is not None and g.numel()]
+    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
+
+
+def _exclusive(
+    grads: list[torch.Tensor | None], others: tuple[torch.Tensor, ...]
+) -> list[torch.Tensor | None]:
+    """Parameter gradients that share no memory with each other nor with ``others`` (the input gradients sent
+    back): autograd may hand one tensor to several inputs (``y = x + p`` gives ``x`` and ``p`` the same gradient),
+    and the pending sum adds into the first backward's tensors in place. Shared or non-contiguous ones are copied."""
+    seen = {t.untyped_storage().data_ptr() for t in others if t.numel()}
+    out: list[torch.Tensor | None] = []
+    for g in grads:
+        if g is not None and g.numel():
+            g = g.contiguous()  # an expanded gradient (``p.sum()`` gives one) cannot be added into in place
+            ptr = g.untyped_storage().data_ptr()
+            if ptr in seen:
+                g = g.clone()
+                ptr = g.untyped_storage().data_ptr()
+            seen.add(ptr)
+        out.append(g)
+    return out
 
 
 class _GradientAverager(_StartsInAnyThread, _GuardedAveraging, GradientAverager):
