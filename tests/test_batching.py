@@ -78,7 +78,12 @@ def swarm() -> Iterator[dict[str, Any]]:
         reference = GatedMLP()  # the parameters never change: the server does not step
         reference.load_state_dict(module.state_dict())
         settings = SwarmSettings(
-            run_id=RUN_ID, num_stages=1, compression="none", target_batch_size=10**6, max_batch_rows=64
+            run_id=RUN_ID,
+            num_stages=1,
+            compression="none",
+            target_batch_size=10**6,
+            max_batch_rows=64,
+            keep_activations=0,  # every backward recomputes its forward (the gate below holds that recomputation)
         )
         server = HeldStageServer(
             0,

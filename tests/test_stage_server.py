@@ -354,7 +354,11 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(dhts, cl
 
     def with_header(**changes) -> runtime_pb2.ExpertRequest:
         fields = dict(
-            zip(["version", "kind", "request_id", "uid", "inputs", "grads", "commit_by"], header, strict=True)
+            zip(
+                ["version", "kind", "request_id", "uid", "inputs", "grads", "commit_by", "forward_id"],
+                header,
+                strict=True,
+            )
         )
         fields.update(changes)
         return runtime_pb2.ExpertRequest(tensors=good.tensors, metadata=msgpack.packb(list(fields.values())))
@@ -371,6 +375,7 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(dhts, cl
             runtime_pb2.ExpertRequest(tensors=[], metadata=good.metadata),  # a tensor missing
             runtime_pb2.ExpertRequest(tensors=[truncated], metadata=good.metadata),
             with_header(kind="backward"),  # a backward without output gradients
+            with_header(forward_id="7"),  # the forward id must be an integer
         ],
         "compute": [_request_message(run_id, Payload.call((torch.randn(2, 5),), {}))],  # wrong width
     }
@@ -510,6 +515,59 @@ def test_backwards_that_pile_up_between_steps_count_once_each(dhts, cleanup) -> 
     for k in expected:
         torch.testing.assert_close(after[k], expected[k], atol=1e-5, rtol=0)
     assert server.info()["epoch"] == 1
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_a_backward_reuses_its_kept_forward_unless_the_parameters_changed(dhts, cleanup, where: str) -> None:
+    """The backward goes to the peer that served its forward, which answers it from the kept graph (the module
+    runs once for both); after a parameter refresh in between, or with ``keep_activations=0``, it recomputes. The
+    gradients are those of local autograd in every case."""
+    torch.manual_seed(3)
+    run_id = _run_id(f"kept{where}")
+    module = MixedStage()
+    reference = copy.deepcopy(module)  # the server's stepper writes its module's parameters
+    server = _serve(cleanup, dhts["server1"], run_id, module, throughput=1e6)
+    other = _serve(cleanup, dhts["server2"], run_id, copy.deepcopy(module), throughput=1e6)
+    local = {0: server} if where == "local" else None
+    client = _client(cleanup, dhts["trainer" if where == "remote" else "server1"], run_id, local_servers=local)
+    assert len(client.peers(0)) == 2
+
+    def call(refresh: bool = False) -> None:
+        x, h = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+        mask = torch.rand(3)
+        kwargs = {"mask": mask, "mode": "mul", "extra": {"k": [1, None]}}
+        out, aux = client.call_stage(0, x, h, 0.5, **kwargs)
+        if refresh:  # as after an optimizer step: the kept forward saw other values
+            for s in (server, other):
+                with torch.no_grad():
+                    s._master[0].add_(1.0)
+                s._refresh_parameters()
+                with torch.no_grad():
+                    s._master[0].sub_(1.0)
+                s._refresh_parameters()
+        (out.sum() + aux["aux"].pow(2).sum()).backward()
+        rx, rh = x.detach().requires_grad_(True), h.detach().requires_grad_(True)
+        rout, raux = reference(rx, rh, 0.5, **kwargs)
+        (rout.sum() + raux["aux"].pow(2).sum()).backward()
+        torch.testing.assert_close(x.grad, rx.grad, atol=1e-5, rtol=0)
+        torch.testing.assert_close(h.grad, rh.grad, atol=1e-5, rtol=0)
+
+    def runs() -> tuple[int, int]:
+        return server.computations + other.computations, server.kept_hits + other.kept_hits
+
+    for _ in range(4):
+        before, hits = runs()
+        call()
+        assert runs() == (before + 1, hits + 1)  # one run of the module, and the backward used it
+    before, hits = runs()
+    call(refresh=True)
+    assert runs() == (before + 2, hits)  # recomputed
+    assert not server._kept and not other._kept  # every kept forward was taken by its backward
+    client.settings = client.settings.replace(keep_activations=0)
+    before, hits = runs()
+    call()
+    assert runs() == (before + 2, hits)
 
 
 class _Aliasing(nn.Module):

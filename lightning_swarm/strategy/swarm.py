@@ -82,6 +82,11 @@ class SwarmStrategy(ParallelStrategy):
             batching off: do so for a stage whose output for one row depends on the other rows of its batch
             (batch normalisation is detected and never merged).
         batch_wait_ms: how long a group of merged calls waits for more before it runs; a lone call never waits.
+        keep_activations: a stage server keeps the activations of up to this many forwards (served alone, not
+            merged) for their backward, which the trainer sends to the same peer while it lives: that backward
+            skips recomputing the forward. A backward that reaches another peer, or comes after the stage's
+            parameters were updated, recomputes the forward as before. Each kept forward holds its activations in
+            the server's memory until its backward or until newer ones push it out; 0 turns this off.
     """
 
     strategy_name = "swarm"
@@ -111,6 +116,7 @@ class SwarmStrategy(ParallelStrategy):
         identity_path: str | None = None,
         max_batch_rows: int = _DEFAULTS.max_batch_rows,
         batch_wait_ms: float = _DEFAULTS.batch_wait_ms,
+        keep_activations: int = _DEFAULTS.keep_activations,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -147,6 +153,7 @@ class SwarmStrategy(ParallelStrategy):
             identity_path=identity_path,
             max_batch_rows=max_batch_rows,
             batch_wait_ms=batch_wait_ms,
+            keep_activations=keep_activations,
         )
         if restart_peers < 0:
             raise ValueError(f"SwarmStrategy(restart_peers={restart_peers}) must be 0 or more.")

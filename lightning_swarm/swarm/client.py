@@ -238,6 +238,9 @@ class SwarmClient:
         request: StageRequest,
         reuse: EncodedPayload | None = None,
         check: Callable[[Payload], None] | None = None,
+        keep: bool = False,
+        prefer: PeerID | None = None,
+        served: list[PeerID] | None = None,
     ) -> tuple[Payload, EncodedPayload | None]:
         """Serve ``request`` on some peer of ``stage``; returns the reply's payload and the encoded inputs.
 
@@ -245,9 +248,14 @@ class SwarmClient:
         encoded them, for a backward); each attempt only renews the header, whose ``commit_by`` deadline leaves
         the last ``COMMIT_MARGIN`` of ``request_timeout`` for the reply to travel back (a backward the server
         finishes later is not applied: this attempt has timed out and the call moves on). Every attempt carries
-        the same request id. ``check`` validates the reply; if it raises, the peer counts as failed.
+        the same request id. ``check`` validates the reply; if it raises, the peer counts as failed. ``keep``: a
+        forward that asks its server to keep its activations (``forward_id``, see :mod:`.protocol`); ``prefer``:
+        the peer to try first if it is live (a backward's forward peer); ``served`` receives the peer that
+        answered.
         """
         request.request_id = next(self._request_ids)
+        if keep:
+            request.forward_id = request.request_id
         encoded: list[Any] = [None]
 
         def attempt(peer_id: PeerID) -> Payload:
@@ -274,9 +282,11 @@ class SwarmClient:
             assert reply.outputs is not None
             if check is not None:
                 check(reply.outputs)
+            if served is not None:
+                served.append(peer_id)
             return reply.outputs
 
-        outputs = self._with_retries(stage, request.inputs.batch_size(), attempt)
+        outputs = self._with_retries(stage, request.inputs.batch_size(), attempt, prefer=prefer)
         return outputs, (None if encoded[0] is None else encoded[0][1][0])
 
     def _attempt_timeout(self, stage: int, kind: str) -> float:
@@ -320,7 +330,12 @@ class SwarmClient:
         return check
 
     def _with_retries(
-        self, stage: int, task_size: float, attempt: Callable[[PeerID], T], timed: bool = True
+        self,
+        stage: int,
+        task_size: float,
+        attempt: Callable[[PeerID], T],
+        timed: bool = True,
+        prefer: PeerID | None = None,
     ) -> T:
         router = self.routers[stage]
         deadline = time.monotonic() + self.settings.no_peers_timeout
@@ -332,7 +347,7 @@ class SwarmClient:
             self._maybe_refresh(stage)
             try:
                 with self._router_lock:
-                    peer_id = router.choose(task_size, exclude=failed)
+                    peer_id = router.choose(task_size, exclude=failed, prefer=prefer)
             except NoPeersError as e:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -462,11 +477,17 @@ class _StageCall:
             None  # the forward's encoding of the inputs, re-sent by the backward
         )
         self.output_skeleton: Payload = Payload(None, [])
+        self.forward_id: int | None = None  # the forward's request id and peer: its backward goes there first
+        self.forward_peer: PeerID | None = None
 
     def forward(self) -> list[torch.Tensor]:
         request = StageRequest("forward", stage_uid(self.client.run_id, self.stage), self.inputs)
         check = self.client._output_check(self.stage, self.inputs)
-        outputs, self.encoded_inputs = self.client._call(self.stage, request, check=check)
+        served: list[PeerID] = []
+        outputs, self.encoded_inputs = self.client._call(
+            self.stage, request, check=check, keep=self.client.settings.keep_activations > 0, served=served
+        )
+        self.forward_id, self.forward_peer = request.forward_id, (served[-1] if served else None)
         self.output_skeleton = Payload(outputs.skeleton, [])
         return [_moved(t, self.device) for t in outputs.tensors]
 
@@ -475,11 +496,13 @@ class _StageCall:
     ) -> list[torch.Tensor]:
         grads = Payload.flatten(tuple(grad_outputs))
         request = StageRequest("backward", stage_uid(self.client.run_id, self.stage), self.inputs, grads)
+        request.forward_id = self.forward_id
         reply, _ = self.client._call(
             self.stage,
             request,
             reuse=self.encoded_inputs,
             check=lambda p: _check_grads(self.stage, p.rebuild(), expected),
+            prefer=self.forward_peer,
         )
         return list(reply.rebuild())
 

@@ -7,12 +7,16 @@ The client (:mod:`.client`) and the server (:mod:`.server`) depend on this modul
   gradients, since any peer of the stage may serve the backward by recomputing the forward) and a
   :class:`StageReply` (the outputs or input gradients, or an :class:`ErrorReply`). In-process calls pass these
   objects as they are; over the network (:mod:`.transport`) they travel as tensor parts plus a *header*:
-  ``[version, kind, request_id, uid, inputs metadata, grads metadata or None, commit_by or None]`` for a
+  ``[version, kind, request_id, uid, inputs metadata, grads metadata or None, commit_by or None, forward_id or
+  None]`` for a
   request and ``["ok", request_id, outputs metadata]`` or ``["error", request_id, category, type, message]`` for
   a reply. Every request carries a caller-chosen ``request_id`` that its reply repeats, unique across callers
   (random 62-bit start, then counted) and the same on every retry of one call: a server applies a backward's
   gradients at most once per id. ``commit_by`` (wall-clock seconds, ``time.time()``) is when the caller stops
   counting on the call: a backward that ends later is not applied, since the caller has retried it elsewhere.
+  ``forward_id`` links a backward to its forward: a forward that sets it (to its own id) asks the server to keep
+  its activations, and the backward that names it reuses them on that server instead of recomputing the forward
+  (a server that does not have them recomputes). Headers without it (7 fields) are accepted too.
 - Validation: :func:`parse_request` is the one place where a received request is checked (framing, stage,
   structure, and every floating tensor finite); anything wrong raises :class:`BadRequest`. Size limits apply
   while the request is decoded (:data:`MAX_REQUEST_BYTES` etc., see :class:`~.transport.MessageReceiver`),
@@ -127,6 +131,8 @@ class StageRequest:
         request_id: chosen by the caller, repeated by the reply; the same on every retry of one call.
         commit_by: backward only: wall-clock time (``time.time()``) after which the server must not apply the
             gradients any more; ``None``: no deadline (in-process calls).
+        forward_id: forward: its own ``request_id`` to ask the server to keep its activations for the backward;
+            backward: the ``request_id`` of its forward, whose kept activations it may reuse. ``None``: neither.
     """
 
     kind: str
@@ -135,6 +141,7 @@ class StageRequest:
     grad_outputs: Payload | None = None
     request_id: int = 0
     commit_by: float | None = None
+    forward_id: int | None = None
 
     def payloads(self) -> list[Payload]:
         return [self.inputs] if self.grad_outputs is None else [self.inputs, self.grad_outputs]
@@ -219,6 +226,7 @@ def encode_request_header(
             inputs.metadata,
             None if grads is None else grads.metadata,
             request.commit_by,
+            request.forward_id,
         ],
         use_bin_type=True,
     )
@@ -236,11 +244,14 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
         raise BadRequest(f"Malformed request header ({type(e).__name__}: {e})") from None
     if isinstance(fields, list) and fields and fields[0] != PROTOCOL_VERSION:
         raise BadRequest(f"Request uses protocol version {fields[0]!r}; this peer speaks {PROTOCOL_VERSION}")
-    if not isinstance(fields, list) or len(fields) != 7:
+    if not isinstance(fields, list) or len(fields) not in (7, 8):
         raise BadRequest(
-            "Malformed request header: expected [version, kind, id, uid, inputs, grads, commit_by]"
+            "Malformed request header: expected [version, kind, id, uid, inputs, grads, commit_by, forward_id]"
         )
-    version, kind, request_id, uid, inputs_meta, grads_meta, commit_by = fields
+    version, kind, request_id, uid, inputs_meta, grads_meta, commit_by = fields[:7]
+    forward_id = fields[7] if len(fields) == 8 else None
+    if forward_id is not None and type(forward_id) is not int:
+        raise BadRequest("Malformed request header: forward_id must be an integer or None")
     if commit_by is not None and (type(commit_by) not in (int, float) or commit_by != commit_by):
         raise BadRequest("Malformed request header: commit_by must be a number of seconds or None")
     if kind not in KINDS:
@@ -276,7 +287,9 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
     check_finite(inputs.tensors, "input", BadRequest)
     if grads is not None:
         check_finite(grads.tensors, "output gradient", BadRequest)
-    return StageRequest(kind, uid, inputs, grads, request_id, None if commit_by is None else float(commit_by))
+    return StageRequest(
+        kind, uid, inputs, grads, request_id, None if commit_by is None else float(commit_by), forward_id
+    )
 
 
 def check_finite(tensors: list[torch.Tensor], what: str, error: type[Exception]) -> None:

@@ -143,19 +143,35 @@ class StageRouter:
         ban = self._bans.get(peer_id)
         return ban is not None and ban.until > (time.monotonic() if now is None else now)
 
-    def choose(self, task_size: float, now: float | None = None, exclude: Collection[PeerID] = ()) -> PeerID:
+    def choose(
+        self,
+        task_size: float,
+        now: float | None = None,
+        exclude: Collection[PeerID] = (),
+        prefer: PeerID | None = None,
+    ) -> PeerID:
         """Pick the peer for a task of ``task_size`` samples and charge it ``task_size / throughput``.
 
         Args:
             task_size: the amount of work (e.g. microbatch size), positive.
             now: the current ``time.monotonic()`` (for bans); defaults to the clock.
             exclude: peers not to pick (e.g. those that already failed this call).
+            prefer: the peer to pick if it is known, live and not excluded (a backward goes to the peer that
+                kept its forward's activations); otherwise the least busy one, as without it.
 
         Raises:
             NoPeersError: no known peer is live (all banned or excluded, or none announced).
         """
         now = time.monotonic() if now is None else now
         self._admit_new_peers(now)
+        if (
+            prefer is not None
+            and prefer in self._busy
+            and prefer not in exclude
+            and not self.is_banned(prefer, now)
+        ):
+            self._set_busy(prefer, self._busy[prefer] + max(task_size, 0.0) / self._throughput[prefer])
+            return prefer
         skipped: list[tuple[float, int, int, PeerID]] = []
         chosen = None
         while self._heap:

@@ -20,6 +20,12 @@ Batching (``max_batch_rows`` > 0, the default): calls are served in several thre
 them at a time, which merges the calls waiting for the stage into one forward or backward when they fit together (see :mod:`.batching`), falling back to one by one whenever a merged computation cannot be
 split or committed per call.
 
+Kept activations (``keep_activations`` > 0, the default): a forward served alone whose request asks for it
+(``forward_id``, see :mod:`.protocol`) runs with autograd and its graph is kept, up to ``keep_activations``
+forwards (oldest dropped first); its backward, which the trainer sends to the same peer while it lives, reuses
+the graph instead of recomputing the forward, unless the served parameters were refreshed in between (the
+backward would then differ from the recomputed one); merged calls and every other backward recompute as above.
+
 At most once: every backward carries a request id; a peer applies each id once (a resent duplicate gets its
 input gradients recomputed, but its parameter gradients are dropped), and a backward whose compute ends after
 the caller's ``commit_by`` deadline is not applied at all (the caller has retried it on another peer by then).
@@ -194,6 +200,11 @@ class StageServer(StageService):
         self._accepting = True
         self._batcher: RequestBatcher | None = None
         self.requests_served = 0  # forward and backward requests handed to the stage (batched or not)
+        # forwards kept for their backward, by forward id (oldest first); the served parameters' version
+        self._kept: OrderedDict[int, _Kept] = OrderedDict()
+        self._kept_lock = threading.Lock()
+        self._param_version = 0
+        self.kept_hits = 0  # backwards that reused a kept forward
         # runs of the stage module for them (a merged group runs it once); counted under the parameters lock
         self.computations = 0
 
@@ -314,6 +325,8 @@ class StageServer(StageService):
                 logger.debug(f"Stage {self.stage} server: error while removing handlers: {e!r}")
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        with self._kept_lock:
+            self._kept.clear()
         if self._batcher is not None:
             batcher, self._batcher = self._batcher, None
             batcher.close()
@@ -443,10 +456,16 @@ class StageServer(StageService):
             return True
 
     def _refresh_parameters(self) -> None:
-        """Copy the optimizer's parameters into the served ones (under the parameters lock: short)."""
+        """Copy the optimizer's parameters into the served ones if they changed (under the parameters lock:
+        short). Unchanged ones are not written: a kept forward's graph stays valid (see ``keep_activations``)."""
         with self._lock, torch.no_grad():
+            changed = False
             for served, master in zip(self._trained, self._master, strict=True):
-                served.copy_(master)
+                if changed or not torch.equal(served, master):
+                    served.copy_(master)
+                    changed = True
+            if changed:
+                self._param_version += 1  # kept forwards saw the old values: their backwards recompute
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the gradients received so far have been handed to the optimizer (and a step they
@@ -495,11 +514,16 @@ class StageServer(StageService):
         """Serve one request on its own; never raises."""
         try:
             if request.kind == "forward":
-                outputs = self._forward(request.inputs)
+                keep = request.forward_id if request.forward_id == request.request_id else None
+                outputs = self._forward(request.inputs, keep)
             else:
                 assert request.grad_outputs is not None
                 outputs = self._backward(
-                    request.inputs, request.grad_outputs, request.request_id, request.commit_by
+                    request.inputs,
+                    request.grad_outputs,
+                    request.request_id,
+                    request.commit_by,
+                    self._take_kept(request.forward_id),
                 )
             self.schemas.learn(request.inputs.tensors)
             return StageReply(request.request_id, outputs=outputs)
@@ -524,6 +548,14 @@ class StageServer(StageService):
     def _serve_group(self, requests: list[StageRequest]) -> list[StageReply]:
         """Serve mergeable requests (one group at a time, see :class:`.batching.RequestBatcher`): merged into one computation, or one by one
         if the merged one fails in any way (each request then gets its own answer or error); never raises."""
+        if len(requests) > 1 and any(self._is_kept(r) for r in requests):
+            # a backward whose forward is kept here runs alone (no recomputation to share); the rest may merge
+            kept = {id(r) for r in requests if self._is_kept(r)}
+            rest = [r for r in requests if id(r) not in kept]
+            by_request = {id(r): self._serve_one(r) for r in requests if id(r) in kept}
+            if rest:
+                by_request.update(zip((id(r) for r in rest), self._serve_group(rest), strict=True))
+            return [by_request[id(r)] for r in requests]
         if len(requests) > 1:
             try:
                 replies = self._serve_merged(requests)
@@ -568,13 +600,43 @@ class StageServer(StageService):
                 self.schemas.learn(request.inputs.tensors)
         return replies
 
-    def _forward(self, inputs: Payload) -> Payload:
-        args, kwargs = inputs.rebuild_call([t.detach().to(self.device) for t in inputs.tensors])
-        with self._lock, torch.no_grad():
+    def _forward(self, inputs: Payload, keep_id: int | None = None) -> Payload:
+        """The stage's outputs for ``inputs``; with ``keep_id`` (and ``keep_activations`` > 0) the forward runs with
+        autograd and its graph is kept under that id for the backward."""
+        leaves = _leaves(inputs, self.device)
+        keep = keep_id is not None and self.settings.keep_activations > 0
+        keep = keep and (bool(self._trained) or any(leaf.requires_grad for leaf in leaves))
+        args, kwargs = inputs.rebuild_call(leaves)
+        with self._lock, (torch.enable_grad() if keep else torch.no_grad()):
+            start = time.perf_counter()
             outputs = self._run_module(args, kwargs)
+            version, spent = self._param_version, time.perf_counter() - start
         payload = _outputs_payload(outputs)
         check_finite(payload.tensors, f"stage {self.stage} output", _NonFinite)
-        return payload
+        if not keep:
+            return payload
+        assert keep_id is not None
+        self._keep(keep_id, _Kept(leaves, payload.tensors, version, spent))
+        return Payload(payload.skeleton, [t.detach() for t in payload.tensors])
+
+    def _keep(self, forward_id: int, kept: _Kept) -> None:
+        with self._kept_lock:
+            self._kept.pop(forward_id, None)
+            self._kept[forward_id] = kept
+            while len(self._kept) > self.settings.keep_activations:
+                self._kept.popitem(last=False)
+
+    def _is_kept(self, request: StageRequest) -> bool:
+        if request.kind != "backward" or request.forward_id is None:
+            return False
+        with self._kept_lock:
+            return request.forward_id in self._kept
+
+    def _take_kept(self, forward_id: int | None) -> _Kept | None:
+        if forward_id is None:
+            return None
+        with self._kept_lock:
+            return self._kept.pop(forward_id, None)
 
     def _backward(
         self,
@@ -582,57 +644,69 @@ class StageServer(StageService):
         grad_outputs: Payload,
         request_id: int | None = None,
         commit_by: float | None = None,
+        kept: _Kept | None = None,
     ) -> Payload:
-        grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs)
+        grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs, kept)
         self._commit(param_grads, inputs.batch_size(), request_id, commit_by)
         check_finite(list(grad_inputs), f"stage {self.stage} input gradient", _NonFinite)
         return Payload.flatten(grad_inputs)
 
     def _backward_compute(
-        self, inputs: Payload, grad_outputs: Payload
+        self, inputs: Payload, grad_outputs: Payload, kept: _Kept | None = None
     ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor | None]]:
-        """The gradients of the inputs that require grad and of the trained parameters (nothing committed)."""
-        leaves = []
-        for t in inputs.tensors:
-            leaf = t.detach().to(self.device)
-            if t.requires_grad and t.is_floating_point():
-                leaf.requires_grad_(True)
-            leaves.append(leaf)
-        args, kwargs = inputs.rebuild_call(leaves)
+        """The gradients of the inputs that require grad and of the trained parameters (nothing committed), from
+        the ``kept`` forward of these inputs if it is still valid, else by recomputing the forward."""
         grads = grad_outputs.rebuild()
         batch_size = inputs.batch_size()
-        wanted = [leaf for leaf in leaves if leaf.requires_grad]
         trained = self._trained
         with self._lock:
             start = time.perf_counter()
-            with torch.enable_grad():
-                outputs = _outputs_payload(self._run_module(args, kwargs)).tensors
-                check_grad_outputs(grads, outputs)
-                pairs = [
-                    (out, grad.to(device=out.device, dtype=out.dtype))
-                    for out, grad in zip(outputs, grads, strict=True)
-                    if grad is not None and out.requires_grad
-                ]
-                results: list[torch.Tensor | None] = [None] * (len(wanted) + len(trained))
-                if pairs and (wanted or trained):
-                    try:  # gradients are returned, not accumulated in .grad: the stepper owns the optimizer's
-                        results = list(
-                            torch.autograd.grad(
-                                [o for o, _ in pairs],
-                                wanted + trained,
-                                [g for _, g in pairs],
-                                allow_unused=True,
-                            )
-                        )
-                    except (MemoryError, torch.OutOfMemoryError):
-                        raise
-                    except Exception as e:
-                        raise _ComputeError(e) from e
-            self.throughput.record(batch_size, time.perf_counter() - start)
+            results: list[torch.Tensor | None] | None = None
+            if kept is not None and kept.matches(inputs, self._param_version):
+                try:
+                    results = self._grads_of(kept.leaves, kept.outputs, grads, trained)
+                    leaves, spent = kept.leaves, kept.forward_s
+                    self.kept_hits += 1
+                except _ComputeError as e:  # e.g. an input changed in place since: recompute below
+                    logger.debug(f"Stage {self.stage}: kept forward unusable ({e.error!r}); recomputing it")
+                    results = None
+            if results is None:
+                leaves, spent = _leaves(inputs, self.device), 0.0
+                args, kwargs = inputs.rebuild_call(leaves)
+                with torch.enable_grad():
+                    outputs = _outputs_payload(self._run_module(args, kwargs)).tensors
+                results = self._grads_of(leaves, outputs, grads, trained)
+            self.throughput.record(batch_size, spent + time.perf_counter() - start)
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
         grad_inputs = tuple(
             g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=False)
         )
         return grad_inputs, _exclusive(results[len(wanted) :], grad_inputs)
+
+    @staticmethod
+    def _grads_of(
+        leaves: list[torch.Tensor], outputs: list[torch.Tensor], grads: Any, trained: list[nn.Parameter]
+    ) -> list[torch.Tensor | None]:
+        """Gradients of the leaves that require grad, then of ``trained``, given the outputs' gradients."""
+        check_grad_outputs(grads, outputs)
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        pairs = [
+            (out, grad.to(device=out.device, dtype=out.dtype))
+            for out, grad in zip(outputs, grads, strict=True)
+            if grad is not None and out.requires_grad
+        ]
+        if not pairs or not (wanted or trained):
+            return [None] * (len(wanted) + len(trained))
+        try:  # gradients are returned, not accumulated in .grad: the stepper owns the optimizer's
+            return list(
+                torch.autograd.grad(
+                    [o for o, _ in pairs], wanted + trained, [g for _, g in pairs], allow_unused=True
+                )
+            )
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:
+            raise _ComputeError(e) from e
 
     def _commit(
         self,
@@ -1172,6 +1246,41 @@ class _StartsInAnyThread:
 
 class _StateAverager(_StartsInAnyThread, _GuardedAveraging, TrainingStateAverager, _LoadProbe):
     """hivemind's state averager of a stage, telling whether a joiner's download succeeded."""
+
+
+def _leaves(inputs: Payload, device: torch.device) -> list[torch.Tensor]:
+    """The inputs as autograd leaves on ``device``: floating tensors sent as requiring grad require it."""
+    leaves = []
+    for t in inputs.tensors:
+        leaf = t.detach().to(device)
+        if t.requires_grad and t.is_floating_point():
+            leaf.requires_grad_(True)
+        leaves.append(leaf)
+    return leaves
+
+
+class _Kept:
+    """A forward kept for its backward: its input leaves, its outputs (with their autograd graph), the version
+    of the served parameters it ran with, and how long it took."""
+
+    __slots__ = ("leaves", "outputs", "version", "forward_s")
+
+    def __init__(
+        self, leaves: list[torch.Tensor], outputs: list[torch.Tensor], version: int, forward_s: float
+    ) -> None:
+        self.leaves, self.outputs, self.version, self.forward_s = leaves, outputs, version, forward_s
+
+    def matches(self, inputs: Payload, version: int) -> bool:
+        """Whether a backward of ``inputs`` may use this forward: same parameters, same input shapes and dtypes,
+        the same inputs requiring grad."""
+        if version != self.version or len(inputs.tensors) != len(self.leaves):
+            return False
+        return all(
+            t.shape == leaf.shape
+            and t.dtype == leaf.dtype
+            and (t.requires_grad and t.is_floating_point()) == leaf.requires_grad
+            for t, leaf in zip(inputs.tensors, self.leaves, strict=True)
+        )
 
 
 def _all_finite(grads: list[torch.Tensor | None]) -> bool:

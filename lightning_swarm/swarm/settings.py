@@ -67,6 +67,7 @@ class SwarmSettings:
     identity_path: str | None = None
     max_batch_rows: int = 256
     batch_wait_ms: float = 0.0
+    keep_activations: int = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
@@ -133,6 +134,11 @@ class SwarmSettings:
             raise ValueError(
                 f"{name}(batch_wait_ms={self.batch_wait_ms!r}) must be a number of milliseconds in [0, 1000]: how "
                 "long a batch of merged calls waits for more (0: never waits)."
+            )
+        if type(self.keep_activations) is not int or self.keep_activations < 0:
+            raise ValueError(
+                f"{name}(keep_activations={self.keep_activations!r}) must be a non-negative integer: how many "
+                "forwards a stage server keeps the activations of, for their backward (0: recompute every forward)."
             )
         for peer in self.allowed_peers:
             try:
