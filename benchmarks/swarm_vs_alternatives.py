@@ -20,8 +20,9 @@ Each variant's two processes run in two network namespaces joined by a veth pair
 to 100 Mbit/s and to 1 Gbit/s; each side is pinned to one core (``taskset``, with all its helper processes: the
 hivemind DHT and p2p daemon of a swarm peer) and computes on one torch thread: two one-core machines. On loopback in
 one namespace: ``swarm_local`` is ``Trainer(strategy=SwarmStrategy(num_trainers=1), devices=2)`` (the library's
-own local launcher: 2 peers, one trainer, one peer per stage, 1 thread each, both cores) against plain one-process
-Lightning on the same 2 cores with the whole global batch per step, with 2 threads (``single``) and with 1 thread
+own local launcher: 2 peers, one trainer, one peer per stage, 1 thread each, both cores; the trainer feeds the
+whole global batch per step, as the baseline does, unless ``--model '{"local_microbatch": N}'`` asks for N rows)
+against plain one-process Lightning on the same 2 cores with the whole global batch per step, with 2 threads (``single``) and with 1 thread
 (``single_1thread``: faster on a busy box): ``efficiency_single_box`` = samples/s of ``swarm_local`` / samples/s of
 the faster of the two (both ratios are in the JSON too).
 
@@ -59,8 +60,8 @@ REPO = Path(__file__).resolve().parents[1]
 PORT = 31337  # DHT/p2p port of swarm peer A, and the gloo rendezvous port (namespaces have their own ports)
 
 MODEL = {"vocab": 1024, "hidden": 1024, "heads": 16, "ffn": 4096, "layers": 8, "lr": 1e-4}
-QUICK = {"seq": 16, "microbatch": 2, "microbatches": 4, "global_steps": 3, "warmup_steps": 1}
-FULL = {"seq": 32, "microbatch": 4, "microbatches": 8, "global_steps": 5, "warmup_steps": 1}
+QUICK = {"seq": 16, "microbatch": 2, "microbatches": 4, "global_steps": 4, "warmup_steps": 2}
+FULL = {"seq": 32, "microbatch": 4, "microbatches": 8, "global_steps": 8, "warmup_steps": 2}
 
 
 # ----------------------------------------------------------------------------------- model (every worker)
@@ -282,7 +283,8 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
         # same batch as the single-process baseline it is compared with: the whole global batch per trainer step
         strategy = lightning_swarm.SwarmStrategy(num_trainers=1, **settings)
         devices = 2
-        batch, samples_per_step, warm = global_batch, global_batch, cfg["warmup_steps"]
+        local_mb = cfg.get("local_microbatch") or global_batch  # rows per trainer step (target: global_batch)
+        batch, samples_per_step, warm = local_mb, local_mb, cfg["warmup_steps"] * global_batch // local_mb
     else:  # "swarm": peer A (trainer + stage 0) or B (stage 1 only), each in its own namespace
         a = args.peer == "A"
         strategy = lightning_swarm.SwarmStrategy(
