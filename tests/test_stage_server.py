@@ -570,6 +570,47 @@ def test_a_backward_reuses_its_kept_forward_unless_the_parameters_changed(dhts, 
     assert runs() == (before + 2, hits)
 
 
+@pytest.mark.timeout(180)
+def test_new_parameters_wait_for_the_backwards_of_kept_forwards(dhts, cleanup) -> None:
+    """Two microbatches in flight across an optimizer step: the step's new parameters are served only after the
+    second backward, which reuses its kept forward (a gradient at the parameters its forward saw); both steps
+    are applied in the end."""
+    torch.manual_seed(4)
+    run_id = _run_id("defer")
+    module = nn.Linear(6, 6)
+    initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    lr, rows = 0.5, 3
+    server = _serve(cleanup, dhts["server1"], run_id, module, optimizer_factory=_sgd(lr), target_batch_size=rows)
+    client = _client(cleanup, dhts["trainer"], run_id)
+    reference = nn.Linear(6, 6)
+    reference.load_state_dict(initial)
+    xa, xb = torch.randn(rows, 6), torch.randn(rows, 6)
+    ya, yb = client.call_stage(0, xa), client.call_stage(0, xb)  # both forwards kept, same parameters
+    ya.pow(2).sum().backward()  # one epoch: the optimizer steps, and its parameters wait for b's backward
+    deadline = time.monotonic() + 60
+    while server._refresh_pending_since is None:
+        assert time.monotonic() < deadline, "the stage never stepped"
+        time.sleep(0.05)
+    served = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    assert all(torch.equal(served[k], initial[k]) for k in initial)  # still the parameters b's forward saw
+    yb.pow(2).sum().backward()
+    assert server.kept_hits == 2
+    ga = torch.autograd.grad(reference(xa).pow(2).sum(), list(reference.parameters()))
+    gb = torch.autograd.grad(reference(xb).pow(2).sum(), list(reference.parameters()))
+    expected = {
+        name: initial[name] - lr * (a + b) for (name, _), a, b in zip(reference.named_parameters(), ga, gb)
+    }
+    server.flush(timeout=30)
+    deadline = time.monotonic() + 30
+    while server.optimizer.local_epoch < 2:
+        assert time.monotonic() < deadline, "the second step never came"
+        time.sleep(0.05)
+    after = client.fetch_stage_state(0)
+    for k in expected:
+        torch.testing.assert_close(after[k], expected[k], atol=1e-5, rtol=0)
+    assert server._refresh_pending_since is None
+
+
 class _Aliasing(nn.Module):
     """``x + p + q.sum()``: autograd hands ``x`` and ``p`` the very same gradient tensor, and ``q`` an expanded
     one; the server's pending sum adds into the first backward's gradients in place, so it must copy these."""

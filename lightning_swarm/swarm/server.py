@@ -25,6 +25,10 @@ Kept activations (``keep_activations`` > 0, the default): a forward served alone
 forwards (oldest dropped first); its backward, which the trainer sends to the same peer while it lives, reuses
 the graph instead of recomputing the forward, unless the served parameters were refreshed in between (the
 backward would then differ from the recomputed one); merged calls and every other backward recompute as above.
+New parameters from the optimizer wait for the backwards of the forwards kept so far (at most
+``_REFRESH_DEFER_S`` seconds; forwards that arrive meanwhile are not kept), so that a trainer's microbatch in
+flight across an optimizer step does not lose its kept forward; the served parameters may lag the optimizer
+by that much, as they may anyway while a step runs.
 
 At most once: every backward carries a request id; a peer applies each id once (a resent duplicate gets its
 input gradients recomputed, but its parameter gradients are dropped), and a backward whose compute ends after
@@ -106,6 +110,8 @@ __all__ = ["StageServer"]
 logger = logging.getLogger(__name__)
 
 _EPOCH_POLL_S = 0.25  # how often an idle server checks whether its stage is ready to step
+_REFRESH_DEFER_S = 5.0  # how long kept forwards may hold back new parameters (their backwards come first)
+_KEPT_MAX_AGE_S = 120.0  # a kept forward whose backward has not come by then is dropped
 _APPLIED_TTL_S = 600.0  # how long a peer remembers the id of a backward it applied
 _APPLIED_MAX = 100_000  # ... and how many ids at most (16 bytes each, plus the dict's overhead)
 _MAX_CALLS_PER_PEER = 32  # calls of one remote peer being received or served at once (a trainer's threads)
@@ -205,6 +211,8 @@ class StageServer(StageService):
         self._kept_lock = threading.Lock()
         self._param_version = 0
         self.kept_hits = 0  # backwards that reused a kept forward
+        self._refresh_pending_since: float | None = None  # new parameters wait for kept forwards' backwards
+        self._kept_in_use = 0  # kept forwards taken by a backward that has not finished yet
         # runs of the stage module for them (a merged group runs it once); counted under the parameters lock
         self.computations = 0
 
@@ -421,6 +429,9 @@ class StageServer(StageService):
                 return
             try:
                 self.step_pending()
+                if self._refresh_pending_since is not None:
+                    with self._step_lock:
+                        self._refresh_parameters(defer=True)
             except Exception as e:  # a failed round must not end the stepper; the next one may succeed
                 logger.warning(f"Stage {self.stage}: optimizer step failed: {e!r}")
 
@@ -452,20 +463,33 @@ class StageServer(StageService):
                 for master in self._master:
                     master.grad = None
             # refresh even without a new epoch: hivemind applies a finished background state averaging here
-            self._refresh_parameters()
+            self._refresh_parameters(defer=True)
             return True
 
-    def _refresh_parameters(self) -> None:
+    def _refresh_parameters(self, defer: bool = False) -> None:
         """Copy the optimizer's parameters into the served ones if they changed (under the parameters lock:
-        short). Unchanged ones are not written: a kept forward's graph stays valid (see ``keep_activations``)."""
+        short); the caller holds ``_step_lock``. Unchanged ones are not written: a kept forward's graph stays
+        valid. With ``defer``, changed parameters wait while forwards kept before are still waiting for their
+        backward, up to ``_REFRESH_DEFER_S`` (the stepper retries, see :meth:`_step_loop`)."""
         with self._lock, torch.no_grad():
-            changed = False
-            for served, master in zip(self._trained, self._master, strict=True):
-                if changed or not torch.equal(served, master):
+            changed = [not torch.equal(served, master) for served, master in zip(self._trained, self._master)]
+            if not any(changed):
+                self._refresh_pending_since = None
+                return
+            now = time.monotonic()
+            if defer:
+                with self._kept_lock:
+                    waiting = bool(self._kept) or self._kept_in_use > 0
+                since = self._refresh_pending_since
+                if since is None:
+                    since = self._refresh_pending_since = now
+                if waiting and now - since < _REFRESH_DEFER_S:
+                    return  # forwards arriving meanwhile are not kept (see _forward)
+            for served, master, differs in zip(self._trained, self._master, changed, strict=True):
+                if differs:
                     served.copy_(master)
-                    changed = True
-            if changed:
-                self._param_version += 1  # kept forwards saw the old values: their backwards recompute
+            self._param_version += 1  # kept forwards saw the old values: their backwards recompute
+            self._refresh_pending_since = None
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the gradients received so far have been handed to the optimizer (and a step they
@@ -482,7 +506,11 @@ class StageServer(StageService):
             self._wake.set()
             time.sleep(0.01)
         if self._step_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            self._step_lock.release()
+            try:  # the parameters of the steps taken so far are served from now on
+                if self._refresh_pending_since is not None:
+                    self._refresh_parameters()
+            finally:
+                self._step_lock.release()
 
     # ---- serving a request (the same for in-process and remote callers) ----
 
@@ -604,7 +632,7 @@ class StageServer(StageService):
         """The stage's outputs for ``inputs``; with ``keep_id`` (and ``keep_activations`` > 0) the forward runs with
         autograd and its graph is kept under that id for the backward."""
         leaves = _leaves(inputs, self.device)
-        keep = keep_id is not None and self.settings.keep_activations > 0
+        keep = keep_id is not None and self.settings.keep_activations > 0 and self._refresh_pending_since is None
         keep = keep and (bool(self._trained) or any(leaf.requires_grad for leaf in leaves))
         args, kwargs = inputs.rebuild_call(leaves)
         with self._lock, (torch.enable_grad() if keep else torch.no_grad()):
@@ -616,14 +644,16 @@ class StageServer(StageService):
         if not keep:
             return payload
         assert keep_id is not None
-        self._keep(keep_id, _Kept(leaves, payload.tensors, version, spent))
+        self._keep(keep_id, _Kept(leaves, payload.tensors, version, spent, time.monotonic()))
         return Payload(payload.skeleton, [t.detach() for t in payload.tensors])
 
     def _keep(self, forward_id: int, kept: _Kept) -> None:
         with self._kept_lock:
             self._kept.pop(forward_id, None)
             self._kept[forward_id] = kept
-            while len(self._kept) > self.settings.keep_activations:
+            while len(self._kept) > self.settings.keep_activations or (
+                self._kept and kept.created - next(iter(self._kept.values())).created > _KEPT_MAX_AGE_S
+            ):
                 self._kept.popitem(last=False)
 
     def _is_kept(self, request: StageRequest) -> bool:
@@ -636,7 +666,10 @@ class StageServer(StageService):
         if forward_id is None:
             return None
         with self._kept_lock:
-            return self._kept.pop(forward_id, None)
+            kept = self._kept.pop(forward_id, None)
+            if kept is not None:
+                self._kept_in_use += 1  # until its backward has run (see _backward)
+        return kept
 
     def _backward(
         self,
@@ -646,7 +679,14 @@ class StageServer(StageService):
         commit_by: float | None = None,
         kept: _Kept | None = None,
     ) -> Payload:
-        grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs, kept)
+        try:
+            grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs, kept)
+        finally:
+            if kept is not None:
+                with self._kept_lock:
+                    self._kept_in_use -= 1
+                if self._refresh_pending_since is not None:
+                    self._wake.set()  # new parameters may have been waiting for this backward
         self._commit(param_grads, inputs.batch_size(), request_id, commit_by)
         check_finite(list(grad_inputs), f"stage {self.stage} input gradient", _NonFinite)
         return Payload.flatten(grad_inputs)
@@ -1263,12 +1303,18 @@ class _Kept:
     """A forward kept for its backward: its input leaves, its outputs (with their autograd graph), the version
     of the served parameters it ran with, and how long it took."""
 
-    __slots__ = ("leaves", "outputs", "version", "forward_s")
+    __slots__ = ("leaves", "outputs", "version", "forward_s", "created")
 
     def __init__(
-        self, leaves: list[torch.Tensor], outputs: list[torch.Tensor], version: int, forward_s: float
+        self,
+        leaves: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        version: int,
+        forward_s: float,
+        created: float,
     ) -> None:
-        self.leaves, self.outputs, self.version, self.forward_s = leaves, outputs, version, forward_s
+        self.leaves, self.outputs, self.version = leaves, outputs, version
+        self.forward_s, self.created = forward_s, created
 
     def matches(self, inputs: Payload, version: int) -> bool:
         """Whether a backward of ``inputs`` may use this forward: same parameters, same input shapes and dtypes,
