@@ -1381,7 +1381,16 @@ class _GradientAverager(_StartsInAnyThread, _GuardedAveraging, GradientAverager)
 
 
 class _StageOptimizer(hivemind.Optimizer):
-    """hivemind's ``Optimizer`` with a :class:`_StateAverager`."""
+    """hivemind's ``Optimizer`` with a :class:`_StateAverager`, which does not pre-schedule a gradient averaging
+    round while its progress tracker sees no other peer of the stage: hivemind would run matchmaking for
+    ``matchmaking_time`` before every step only to cancel it (no partner), costing the averager, DHT and p2p
+    daemon CPU on every step. Once another peer reports progress, rounds are pre-scheduled as before; a round
+    that was not pre-scheduled still starts at the step (hivemind's own fallback)."""
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        if self.tracker.global_progress.num_peers <= 1:
+            return
+        super()._maybe_schedule_gradient_averaging()
 
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
         return _StateAverager(
