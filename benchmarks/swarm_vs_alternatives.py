@@ -60,8 +60,8 @@ REPO = Path(__file__).resolve().parents[1]
 PORT = 31337  # DHT/p2p port of swarm peer A, and the gloo rendezvous port (namespaces have their own ports)
 
 MODEL = {"vocab": 1024, "hidden": 1024, "heads": 16, "ffn": 4096, "layers": 8, "lr": 1e-4}
-QUICK = {"seq": 16, "microbatch": 2, "microbatches": 4, "global_steps": 4, "warmup_steps": 2}
-FULL = {"seq": 32, "microbatch": 4, "microbatches": 8, "global_steps": 8, "warmup_steps": 2}
+QUICK = {"seq": 16, "microbatch": 2, "microbatches": 4, "global_steps": 6, "warmup_steps": 3}
+FULL = {"seq": 32, "microbatch": 4, "microbatches": 8, "global_steps": 8, "warmup_steps": 3}
 
 
 # ----------------------------------------------------------------------------------- model (every worker)

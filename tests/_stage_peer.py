@@ -34,20 +34,29 @@ def stage_module(stage: int, width: int, blocks: int) -> nn.Module:
 
 
 class _Killer(nn.Module):
-    """Wraps the stage: SIGKILLs this process inside its ``after``-th forward (no grad) or backward (with grad)."""
+    """Wraps the stage: SIGKILLs this process inside its ``after``-th forward (a run of the module) or backward (as
+    the gradient enters the stage's graph, kept from the forward or recomputed)."""
 
     def __init__(self, inner: nn.Module, when: str | None, after: int) -> None:
         super().__init__()
         self.inner, self.when, self.after, self.calls = inner, when, after, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kind = "backward" if torch.is_grad_enabled() else "forward"
-        if kind == self.when:
+        if self.when == "forward":
             self.calls += 1
             if self.calls >= self.after:
                 self.inner(x)  # halfway through: the work has started
                 os.kill(os.getpid(), signal.SIGKILL)
-        return self.inner(x)
+        out = self.inner(x)
+        if self.when == "backward" and out.requires_grad:
+            out.register_hook(self._in_backward)
+        return out
+
+    def _in_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls >= self.after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return grad
 
 
 class _KillDuringAveraging(StageServer):

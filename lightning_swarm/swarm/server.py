@@ -1385,12 +1385,21 @@ class _StageOptimizer(hivemind.Optimizer):
     round while its progress tracker sees no other peer of the stage: hivemind would run matchmaking for
     ``matchmaking_time`` before every step only to cancel it (no partner), costing the averager, DHT and p2p
     daemon CPU on every step. Once another peer reports progress, rounds are pre-scheduled as before; a round
-    that was not pre-scheduled still starts at the step (hivemind's own fallback)."""
+    that was not pre-scheduled still starts at the step (hivemind's own fallback).
+
+    Alone at the step with no round scheduled, hivemind 1.1.12 would step with the optimizer's last ``.grad``
+    (here: the last batch handed over) instead of the epoch's accumulated gradients; it then takes the path of a
+    round that found no partner instead, which loads the accumulated gradients (averaged over the backwards)."""
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         if self.tracker.global_progress.num_peers <= 1:
             return
         super()._maybe_schedule_gradient_averaging()
+
+    def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
+        if grad_scaler is None and self.scheduled_grads is None and self.tracker.global_progress.num_peers <= 1:
+            return True  # _average_gradients_and_load_into_optimizer(None): "no other peers", local gradients
+        return super()._begin_averaging_gradients(grad_scaler)
 
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
         return _StateAverager(
