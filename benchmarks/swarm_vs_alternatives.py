@@ -701,10 +701,11 @@ def _r(x: float | None, nd: int = 3) -> float | None:
 
 def summarize(runs: dict, cal: dict, cfg: dict, links: list[float]) -> dict:
     mb, m = cfg["microbatch"], cfg["microbatches"]
-    # a swarm stage serves a microbatch with a forward, then a recomputed forward + backward
-    s0 = cal["stage0_fwd_ms"] + cal["stage0_fwd_bwd_ms"]
-    s1 = cal["stage1_fwd_ms"] + cal["stage1_fwd_bwd_ms"]
     g0, g1 = cal["stage0_fwd_bwd_ms"], cal["stage1_fwd_bwd_ms"]
+    # a swarm stage serves a microbatch with a forward that keeps its graph and a backward that reuses it (kept
+    # activations, the default): the calibrated forward + backward, as a GPipe rank (a backward that reaches
+    # another peer, or comes after a parameter update, recomputes the forward: one forward more)
+    s0, s1 = g0, g1
     per_link: dict[str, Any] = {}
     for link in links:
         key = f"{link:g}mbit"
@@ -743,7 +744,7 @@ def summarize(runs: dict, cal: dict, cfg: dict, links: list[float]) -> dict:
         w8 = wire_ms(sw, mb) or 0.0
         a0, a1 = cal["stage0_adamw_step_ms"], cal["stage1_adamw_step_ms"]
         # the best any swarm of these two stages could do on these two cores: per global step each core serves M
-        # microbatches of its stage (forward, then recomputed forward + backward) and steps AdamW once, the two
+        # microbatches of its stage (forward + backward, kept activations) and steps AdamW once, the two
         # cores perfectly overlapped with each other and with the wire (measured 8-bit bytes at the link rate);
         # no trainer, codec or framework time at all
         ideal = max(m * s0 + a0, m * s1 + a1, m * w8)
@@ -782,18 +783,17 @@ def summarize(runs: dict, cal: dict, cfg: dict, links: list[float]) -> dict:
         "stage0": {
             "fwd": _r(cal["stage0_fwd_ms"], 1),
             "fwd_bwd": _r(g0, 1),
-            "swarm_fwd_refwd_bwd": _r(s0, 1),
+            "swarm_fwd_refwd_bwd": _r(cal["stage0_fwd_ms"] + g0, 1),  # when a backward recomputes
         },
         "stage1": {
             "fwd": _r(cal["stage1_fwd_ms"], 1),
             "fwd_bwd": _r(g1, 1),
-            "swarm_fwd_refwd_bwd": _r(s1, 1),
+            "swarm_fwd_refwd_bwd": _r(cal["stage1_fwd_ms"] + g1, 1),
         },
         "trainer_embed_head_loss_fwd_bwd": _r(cal["trainer_fwd_bwd_ms"], 1),
         "encode_8bit_one_boundary_tensor": _r(cal["encode_8bit_ms"], 2),
     }
-    single_ms_per_sample = 1e3 / best["samples_per_s"] if best else None
-    one_trainer_ms_per_sample = (s0 + s1 + cal["trainer_fwd_bwd_ms"]) / mb
+    local_rows = cfg.get("local_microbatch") or mb * m  # rows per trainer step of swarm_local
     return {
         "per_link": per_link,
         # against the faster of the two single-process configurations (2 threads, or 1 thread) on the same box
@@ -817,15 +817,10 @@ def summarize(runs: dict, cal: dict, cfg: dict, links: list[float]) -> dict:
         "samples_per_s_single": _r(single and single["samples_per_s"]),
         "samples_per_s_single_1thread": _r(single1 and single1["samples_per_s"]),
         "samples_per_s_swarm_local": _r(local and local["samples_per_s"]),
-        # a one-trainer swarm runs its stages one after the other, each on one core, with the recomputed forward:
-        # its best samples/s on one box is mb / (stage0 + stage1 + trainer) of the calibration
-        "bound_efficiency_single_box_one_trainer": _r(
-            single_ms_per_sample / one_trainer_ms_per_sample if single_ms_per_sample else None
-        ),
-        "swarm_local_ms_per_microbatch": _r(local and 1e3 / local["samples_per_s"] * mb, 1),
-        "swarm_local_compute_ms_per_microbatch": _r(one_trainer_ms_per_sample * mb, 1),
-        "swarm_local_call_ms_per_microbatch": local and local.get("call_ms_per_microbatch"),
-        "swarm_local_trainer_rest_ms_per_microbatch": local and local.get("trainer_rest_ms_per_microbatch"),
+        "swarm_local_rows_per_trainer_step": local_rows,
+        "swarm_local_ms_per_trainer_step": _r(local and 1e3 / local["samples_per_s"] * local_rows, 1),
+        "swarm_local_call_ms_per_trainer_step": local and local.get("call_ms_per_microbatch"),
+        "swarm_local_trainer_rest_ms_per_trainer_step": local and local.get("trainer_rest_ms_per_microbatch"),
         "cpu_s_per_sample_single_box": {
             name: r.get("cpu_s_per_sample") for name, r in (("swarm_local", local), ("single", single)) if r
         },
