@@ -155,7 +155,12 @@ def test_serving_continues_during_a_long_optimizer_step(dhts, cleanup) -> None: 
     run_id = _run_id("avg")
     opts = {"target_batch_size": 4, "matchmaking_time": 1.0, "averaging_timeout": 8.0}
     a = _serve(
-        cleanup, dhts["server1"], run_id, nn.Linear(4, 4), optimizer_factory=lambda p: _SlowSGD(p, lr=0.1), **opts
+        cleanup,
+        dhts["server1"],
+        run_id,
+        nn.Linear(4, 4),
+        optimizer_factory=lambda p: _SlowSGD(p, lr=0.1),
+        **opts,
     )
     client = _client(cleanup, dhts["trainer"], run_id)
     uid = stage_uid(run_id, 0)

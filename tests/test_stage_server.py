@@ -530,7 +530,9 @@ def test_a_backward_reuses_its_kept_forward_unless_the_parameters_changed(dhts, 
     server = _serve(cleanup, dhts["server1"], run_id, module, throughput=1e6)
     other = _serve(cleanup, dhts["server2"], run_id, copy.deepcopy(module), throughput=1e6)
     local = {0: server} if where == "local" else None
-    client = _client(cleanup, dhts["trainer" if where == "remote" else "server1"], run_id, local_servers=local)
+    client = _client(
+        cleanup, dhts["trainer" if where == "remote" else "server1"], run_id, local_servers=local
+    )
     assert len(client.peers(0)) == 2
 
     def call(refresh: bool = False) -> None:
@@ -580,7 +582,9 @@ def test_new_parameters_wait_for_the_backwards_of_kept_forwards(dhts, cleanup) -
     module = nn.Linear(6, 6)
     initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
     lr, rows = 0.5, 3
-    server = _serve(cleanup, dhts["server1"], run_id, module, optimizer_factory=_sgd(lr), target_batch_size=rows)
+    server = _serve(
+        cleanup, dhts["server1"], run_id, module, optimizer_factory=_sgd(lr), target_batch_size=rows
+    )
     client = _client(cleanup, dhts["trainer"], run_id)
     reference = nn.Linear(6, 6)
     reference.load_state_dict(initial)
@@ -598,7 +602,8 @@ def test_new_parameters_wait_for_the_backwards_of_kept_forwards(dhts, cleanup) -
     ga = torch.autograd.grad(reference(xa).pow(2).sum(), list(reference.parameters()))
     gb = torch.autograd.grad(reference(xb).pow(2).sum(), list(reference.parameters()))
     expected = {
-        name: initial[name] - lr * (a + b) for (name, _), a, b in zip(reference.named_parameters(), ga, gb)
+        name: initial[name] - lr * (a + b)
+        for (name, _), a, b in zip(reference.named_parameters(), ga, gb, strict=True)
     }
     server.flush(timeout=30)
     deadline = time.monotonic() + 30
@@ -631,17 +636,19 @@ def test_gradients_shared_between_inputs_and_parameters_are_not_summed_into_the_
     module = _Aliasing()
     initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
     lr, n = 0.5, 3
-    server = _serve(cleanup, dhts["server1"], run_id, module, optimizer_factory=_sgd(lr), target_batch_size=4 * n)
+    server = _serve(
+        cleanup, dhts["server1"], run_id, module, optimizer_factory=_sgd(lr), target_batch_size=4 * n
+    )
     client = _client(cleanup, dhts["trainer"], run_id)
     reference = _Aliasing()
     reference.load_state_dict(initial)
     xs = [torch.randn(4, 5, requires_grad=True) for _ in range(n)]
     weights = [torch.randn(4, 5) for _ in range(n)]
     with server._step_lock:  # the backwards pile up in the pending sum
-        for x, w in zip(xs, weights):
+        for x, w in zip(xs, weights, strict=True):
             (client.call_stage(0, x) * w).sum().backward()
             torch.testing.assert_close(x.grad, w)  # the input gradient is this call's own, nothing added
-    for x, w in zip(xs, weights):
+    for x, w in zip(xs, weights, strict=True):
         (reference(x.detach()) * w).sum().backward()
     expected = {k: initial[k] - lr * p.grad / n for k, p in reference.named_parameters()}
     after = client.fetch_stage_state(0)

@@ -472,7 +472,10 @@ class StageServer(StageService):
         valid. With ``defer``, changed parameters wait while forwards kept before are still waiting for their
         backward, up to ``_REFRESH_DEFER_S`` (the stepper retries, see :meth:`_step_loop`)."""
         with self._lock, torch.no_grad():
-            changed = [not torch.equal(served, master) for served, master in zip(self._trained, self._master)]
+            changed = [
+                not torch.equal(served, master)
+                for served, master in zip(self._trained, self._master, strict=True)
+            ]
             if not any(changed):
                 self._refresh_pending_since = None
                 return
@@ -632,10 +635,12 @@ class StageServer(StageService):
         """The stage's outputs for ``inputs``; with ``keep_id`` (and ``keep_activations`` > 0) the forward runs with
         autograd and its graph is kept under that id for the backward."""
         leaves = _leaves(inputs, self.device)
-        keep = keep_id is not None and self.settings.keep_activations > 0 and self._refresh_pending_since is None
+        keep = (
+            keep_id is not None and self.settings.keep_activations > 0 and self._refresh_pending_since is None
+        )
         keep = keep and (bool(self._trained) or any(leaf.requires_grad for leaf in leaves))
         args, kwargs = inputs.rebuild_call(leaves)
-        with self._lock, (torch.enable_grad() if keep else torch.no_grad()):
+        with self._lock, torch.enable_grad() if keep else torch.no_grad():
             start = time.perf_counter()
             outputs = self._run_module(args, kwargs)
             version, spent = self._param_version, time.perf_counter() - start
@@ -1397,7 +1402,11 @@ class _StageOptimizer(hivemind.Optimizer):
         super()._maybe_schedule_gradient_averaging()
 
     def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
-        if grad_scaler is None and self.scheduled_grads is None and self.tracker.global_progress.num_peers <= 1:
+        if (
+            grad_scaler is None
+            and self.scheduled_grads is None
+            and self.tracker.global_progress.num_peers <= 1
+        ):
             return True  # _average_gradients_and_load_into_optimizer(None): "no other peers", local gradients
         return super()._begin_averaging_gradients(grad_scaler)
 
