@@ -22,10 +22,14 @@ consecutive batches after the warm-up steps (the first steps include the first h
 contain no rebuild, for the sparse variants alike). Bytes per step: ``bytes_per_step_*`` is the logical payload
 (the strategy's own count for D-SLIDE; for DDP the size of every gradient it reduces: dense ones whole, sparse
 ones as the rows every rank contributes, gathered), ``tx_bytes_per_step_per_rank_*`` what each rank really sent
-on its veth. ``peak_rss_mb_per_rank``: the largest ``ru_maxrss`` over the ranks (1 rank: the single process).
+on its veth. ``peak_rss_mb_per_rank``: the largest ``ru_maxrss`` over the ranks (1 rank: the single process);
+``rss_after_imports_mb`` the same right after the imports (torch, Lightning, the project: a floor every rank pays),
+``model_rss_ratio_4_ranks`` the 4-rank / single ratio of what the run adds above that floor. ``step_ms``: the
+single process and the 2-rank D-SLIDE runs are repeated ``--rounds`` times, interleaved, and the run of median step
+time is kept (``step_ms_rounds`` lists them all); ``cpu_ms_per_step_per_rank`` is the process CPU time per step.
 
 Headline: ``comm_reduction`` (1 - D-SLIDE / DDP-dense bytes sent on the veths, 1 Gbit/s, at 4 ranks; 2 with
-``--quick``) and ``parallel_efficiency`` (``single`` step time / 2-rank D-SLIDE step time). ``--quick`` (< 5 min on
+``--quick``) and ``parallel_efficiency`` (``single`` step time / 2-rank D-SLIDE step time). ``--quick`` (~6 min on
 an idle 2-core box) runs fewer steps and only: single, D-SLIDE at 2 ranks (loopback and 1 Gbit/s) and 4 ranks,
 DDP-sparse and DDP-dense at 2 ranks (1 Gbit/s). The last stdout line is one JSON object (with the load average).
 """
@@ -70,18 +74,22 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_swarm.strategy.dslide import DSlideStrategy
 
     torch.set_num_threads(args.threads)
+    rss_after_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
     class StepClock(Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.cpu: list[float] = []
             self.tx: list[int | None] = []
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self.times.append(time.perf_counter())
+            self.cpu.append(time.process_time())
             self.tx.append(_tx_bytes())
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.times.append(time.perf_counter())
+            self.cpu.append(time.process_time())
             self.tx.append(_tx_bytes())
 
     class DDPSparseXCModel(XCModel):
@@ -186,12 +194,14 @@ def worker(args: argparse.Namespace) -> None:
     result = {
         "rank": trainer.global_rank,
         "step_ms": 1000 * step_s,
+        "cpu_ms_per_step": 1000 * (clock.cpu[-1] - clock.cpu[warm]) / steps,
         "timed_steps": steps,
         "payload_bytes_per_step": payload,
         "output_grad_bytes": output_grad_bytes,
         "tx_bytes_per_step": tx_per_step,
         "threads": torch.get_num_threads(),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "rss_after_imports_mb": rss_after_imports,
     }
     (Path(args.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
@@ -243,7 +253,7 @@ def run_one(
     per_rank_batch = batch // ranks if strategy.startswith("ddp") else batch
     cmd += ["--batch", str(per_rank_batch), "--data-dir", str(data_dir), "--out", str(out)]
     procs, logs = [], []
-    port = str(29533 + (os.getpid() % 500))
+    port = str(29533 + (os.getpid() + ranks * 7 + len(strategy) + int(time.time())) % 500)
     try:
         for rank in range(ranks):
             env = {
@@ -280,11 +290,13 @@ def run_one(
     tx = [r["tx_bytes_per_step"] for r in per_rank]
     return {
         "step_ms": max(r["step_ms"] for r in per_rank),
+        "cpu_ms_per_step_per_rank": sum(r["cpu_ms_per_step"] for r in per_rank) / len(per_rank),
         "timed_steps": per_rank[0]["timed_steps"],
         "payload_bytes_per_step": max(r["payload_bytes_per_step"] for r in per_rank),
         "output_grad_bytes": per_rank[0]["output_grad_bytes"],
         "tx_bytes_per_step_per_rank": (sum(tx) / len(tx)) if all(t is not None for t in tx) else None,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in per_rank),
+        "rss_after_imports_mb": max(r["rss_after_imports_mb"] for r in per_rank),
     }
 
 
@@ -295,6 +307,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (under 5 minutes)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0, help="link rate of the shaped runs")
     parser.add_argument("--batch", type=int, default=256, help="global batch size")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of the parallel-efficiency runs (median kept)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="dslide", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", type=int, default=2, help=argparse.SUPPRESS)
@@ -316,10 +334,15 @@ def main() -> None:
     rate = args.rate_mbit
     cores = os.cpu_count() or 1
     # (name, strategy, ranks, link): every rank gets one thread; the single process gets the 2 ranks' 2 threads.
-    plan = [
-        ("single", "single", 1, "loopback"),
-        ("dslide_2_loopback", "dslide", 2, "loopback"),
-        ("dslide_2_link", "dslide", 2, rate),
+    plan = (
+        [
+            ("single", "single", 1, "loopback"),
+            ("dslide_2_loopback", "dslide", 2, "loopback"),
+            ("dslide_2_link", "dslide", 2, rate),
+        ]
+        * args.rounds
+    )  # the parallel-efficiency runs, interleaved: a slow spell of the box hits all of them alike
+    plan += [
         ("ddp_sparse_2_link", "ddp_sparse", 2, rate),
         ("ddp_2_link", "ddp", 2, rate),
         ("dslide_4_link", "dslide", 4, rate),
@@ -327,8 +350,8 @@ def main() -> None:
     if not args.quick:
         plan += [("ddp_sparse_4_link", "ddp_sparse", 4, rate), ("ddp_4_link", "ddp", 4, rate)]
     steps = {"ddp": (2, 1)} if args.quick else {"ddp": (6, 2)}
-    sparse_steps = (10, 3) if args.quick else (40, 5)
-    runs: dict[str, dict] = {}
+    sparse_steps = (16, 4) if args.quick else (40, 5)
+    tries: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="dslide_vs_ddp_") as tmp:
         data_dir = Path(tmp) / "data"
         data_dir.mkdir()
@@ -341,15 +364,30 @@ def main() -> None:
                 Loopback(ranks) if link == "loopback" else VirtualCluster(ranks, rate_mbit=link, net=index)
             )
             with cluster as net:
-                res = run_one(net, strategy, ranks, threads, n, warm, args.batch, data_dir, Path(tmp) / name)
+                res = run_one(
+                    net,
+                    strategy,
+                    ranks,
+                    threads,
+                    n,
+                    warm,
+                    args.batch,
+                    data_dir,
+                    Path(tmp) / f"{name}_{index}",
+                )
             res.update(strategy=strategy, ranks=ranks, link_mbit=None if link == "loopback" else link)
-            runs[name] = res
+            tries.setdefault(name, []).append(res)
             print(
-                f"[{name}] {res['step_ms']:.0f} ms/step, {res['payload_bytes_per_step']:,} B/step payload, "
+                f"[{name}] {res['step_ms']:.0f} ms/step ({res['cpu_ms_per_step_per_rank']:.0f} ms CPU per rank), "
+                f"{res['payload_bytes_per_step']:,} B/step payload, "
                 f"{(res['tx_bytes_per_step_per_rank'] or 0):,.0f} B/step sent per rank, peak RSS "
                 f"{res['peak_rss_mb']:.0f} MB ({time.monotonic() - started:.0f} s)",
                 flush=True,
             )
+    runs: dict[str, dict] = {}
+    for name, results in tries.items():  # the run of median step time stands for its variant
+        runs[name] = sorted(results, key=lambda r: r["step_ms"])[(len(results) - 1) // 2]
+        runs[name]["step_ms_rounds"] = [round(r["step_ms"], 1) for r in results]
 
     def tx(name: str) -> float | None:
         return runs[name]["tx_bytes_per_step_per_rank"]
@@ -381,6 +419,12 @@ def main() -> None:
             f"{rate:g}mbit": round(single["step_ms"] / runs["dslide_2_link"]["step_ms"], 3),
         },
         "step_ms_single_sparse": round(single["step_ms"], 1),
+        "step_ms_rounds": {
+            name: runs[name]["step_ms_rounds"] for name in ("single", "dslide_2_loopback", "dslide_2_link")
+        },
+        "cpu_ms_per_step_per_rank": {
+            name: round(r["cpu_ms_per_step_per_rank"], 1) for name, r in runs.items()
+        },
         "step_ms_dslide_2": round(runs["dslide_2_link"]["step_ms"], 1),
         "step_ms_dslide_2_loopback": round(runs["dslide_2_loopback"]["step_ms"], 1),
         "step_ms_dslide_4": round(runs["dslide_4_link"]["step_ms"], 1),
@@ -398,6 +442,14 @@ def main() -> None:
             "4": round(runs["dslide_4_link"]["peak_rss_mb"]),
         },
         "peak_rss_ratio_4_ranks": round(runs["dslide_4_link"]["peak_rss_mb"] / single["peak_rss_mb"], 3),
+        # What the model adds to a process (peak minus the process after `import torch, lightning, ...`):
+        # the part of a rank's memory that model parallelism divides.
+        "rss_after_imports_mb": round(single["rss_after_imports_mb"]),
+        "model_rss_ratio_4_ranks": round(
+            (runs["dslide_4_link"]["peak_rss_mb"] - runs["dslide_4_link"]["rss_after_imports_mb"])
+            / (single["peak_rss_mb"] - single["rss_after_imports_mb"]),
+            3,
+        ),
         "threads": {"single": 2, "per_rank": 1},
         "cpu_cores": cores,
         "load_average_1min": round(os.getloadavg()[0], 2),

@@ -175,22 +175,24 @@ def test_sharded_layers_match_single_process(world: int, active_set: str, tmp_pa
         torch.testing.assert_close(r["mid_weight"], reference["mid_weight"], rtol=1e-5, atol=1e-6)
     for name, tensor in full.items():
         assert tensor.shape == reference[name].shape
-        torch.testing.assert_close(tensor, reference[name], rtol=1e-5, atol=1e-6, msg=name)
+        # Float rounding only: the shards sum the softmax's exponentials in another order (per shard, then
+        # rescaled to the global max), and Adam's first steps magnify a 1e-7 gradient difference on a row whose
+        # gradient is near zero. A wrong gradient moves weights by ~lr (1e-2 here).
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5, msg=name)
     for r in ranks:
         assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5)
         assert torch.equal(r["top"], reference["top"])
         torch.testing.assert_close(r["scores"], reference["scores"], rtol=1e-5, atol=1e-6)
 
     # Bytes per step: batch x hidden floats for the hidden all-gather and the hidden-gradient all-reduce,
-    # batch floats for the softmax max, batch x (1 + Ymax) for the softmax sum packed with the labels' logits,
-    # rows x k float64 priorities per rank for the active set.
+    # batch x (2 + Ymax) floats per rank for the softmax (max, sum, the labels' logits), rows x k float64
+    # priorities per rank for the active set.
     b, h, k, ymax = NET["B"], NET["H"], NET["k"], NET["ymax"]
     rows = 1 if active_set == "shared" else b
     expected = {
         "hidden_all_gather": world * math.ceil(h / world) * b * 4,  # parts padded to the widest shard
         "hidden_grad_all_reduce": b * h * 4,
-        "softmax_max_all_reduce": b * 4,
-        "softmax_sum_all_reduce": b * (1 + ymax) * 4,
+        "softmax_all_gather": world * b * (2 + ymax) * 4,
         "active_set_all_gather": world * rows * k * 8,
         "replicated_grad_all_reduce": (h * h + h) * 4,  # the replicated Linear(H, H): data parallel
     }
@@ -384,16 +386,15 @@ def test_trainer_two_ranks_match_plain_run(two_rank_run: tuple[Path, dict, dict]
     assert sharded["logged_loss"] == pytest.approx(plain["logged_loss"], rel=1e-5)
 
     # Bytes of a step (counted from one step's start to the next): the lock-step check of one batch, the
-    # model's collectives: batch x hidden floats twice, batch floats for the softmax max, batch x (1 + Ymax)
-    # floats for the softmax sum and the labels' logits, and 2 ranks x k float64 active-set priorities.
+    # model's collectives: batch x hidden floats twice, 2 ranks x batch x (2 + Ymax) floats for the softmax
+    # (max, sum and the labels' logits), and 2 ranks x k float64 active-set priorities.
     b, h, k = 16, 16, 48
     for step_bytes, ymax in zip(sharded["bytes"][1:], sharded["label_widths"], strict=False):
         assert step_bytes == {
             "lockstep_all_reduce": 3 * 8,
             "hidden_all_gather": b * h * 4,
             "hidden_grad_all_reduce": b * h * 4,
-            "softmax_max_all_reduce": b * 4,
-            "softmax_sum_all_reduce": b * (1 + ymax) * 4,
+            "softmax_all_gather": 2 * b * (2 + ymax) * 4,
             "active_set_all_gather": 2 * k * 8,
         }
         assert sum(step_bytes.values()) < 300 * h * 4 / 5  # far below the smallest weight (300 x 16 floats)

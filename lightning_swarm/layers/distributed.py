@@ -91,6 +91,16 @@ class ShardGroup:
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
+    def all_reduce_async(
+        self, tensor: Tensor, kind: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> Any:
+        """Start an in-place all-reduce of ``tensor`` (counted under ``kind``) and return its work handle
+        (``None`` alone): the caller calls ``wait()`` on it before reading ``tensor``."""
+        if self.world_size == 1:
+            return None
+        self.stats.add(kind, tensor)
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+
     def all_gather_cat(
         self, tensor: Tensor, kind: str, dim: int = 0, sizes: list[int] | None = None
     ) -> Tensor:

@@ -224,15 +224,15 @@ class LockStepLoader:
             yield from self.dataloader
             return
         iterator = iter(self.dataloader)
+        # The check of each batch is started when the batch is fetched, one batch ahead, and waited for just
+        # before the batch is handed out: it runs while the previous step trains instead of adding a
+        # synchronisation point of its own to every step (every rank issues the same collectives in the same
+        # order, so the ranks' asynchronous all-reduces match).
+        pending = self._fetch(iterator)
         while True:
-            try:
-                batch = next(iterator)
-                fingerprint = batch_fingerprint(batch)
-                flags = torch.tensor([1, fingerprint, -fingerprint], dtype=torch.int64)
-            except StopIteration:
-                batch = None
-                flags = torch.tensor([0, 0, 0], dtype=torch.int64)
-            self.shard_group.all_reduce_(flags, "lockstep_all_reduce", op=dist.ReduceOp.MIN)
+            batch, flags, work = pending
+            if work is not None:
+                work.wait()
             if int(flags[0]) == 0:
                 if batch is not None and not self._warned:
                     self._warned = True
@@ -248,7 +248,20 @@ class LockStepLoader:
                     "every rank (it shards the model, not the data). Do not use your own DistributedSampler or "
                     "rank-dependent data; keep `Trainer(use_distributed_sampler=True)` (the default)."
                 )
+            pending = self._fetch(iterator)
             yield batch
+
+    def _fetch(self, iterator: Iterator[Any]) -> tuple[Any, Tensor, Any]:
+        """The next batch (``None`` at the end), its check flags, and the started all-reduce (MIN) of them."""
+        try:
+            batch = next(iterator)
+            fingerprint = batch_fingerprint(batch)
+            flags = torch.tensor([1, fingerprint, -fingerprint], dtype=torch.int64)
+        except StopIteration:
+            batch = None
+            flags = torch.tensor([0, 0, 0], dtype=torch.int64)
+        work = self.shard_group.all_reduce_async(flags, "lockstep_all_reduce", op=dist.ReduceOp.MIN)
+        return batch, flags, work
 
 
 def batch_fingerprint(batch: Any) -> int:

@@ -7,7 +7,8 @@
   its weight), with tables over its own rows. The active set is the single-process one: each shard ranks its
   own candidates (:meth:`SparseLSHLinear.candidate_priorities`), one all-gather of the ``[R, k]`` local top
   priorities gives every shard the global k-th priority, and a shard keeps its candidates above it. The
-  softmax over the active set is normalised globally with two all-reduces of ``[B]`` (max and sum).
+  softmax over the active set is normalised globally with one all-gather of ``[B, 2 + Ymax]`` (each shard's max, sum
+  of exponentials and own labels' logits).
 
 How the sharded training forward keeps the model's loss code unchanged: it returns, per row, the logits of
 the shard's active neurons, one column per label owned by another shard (holding that label's true logit,
@@ -241,7 +242,11 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
             logits = self._padded_logits(x, ids, valid)
             self.mark_active(ids[valid])
         foreign_ids, foreign_logits, rest = self._global_normaliser(ids, logits.detach(), labels, shared)
-        out_ids = torch.cat([ids, foreign_ids, torch.full((batch, 1), -2, dtype=torch.long)], dim=1)
+        if shared:  # one row of ids for the batch, as an expanded view: the loss then searches it once
+            rest_id = torch.full((1,), -2, dtype=torch.long)
+            out_ids = torch.cat([ids[0], foreign_ids[0], rest_id]).unsqueeze(0).expand(batch, -1)
+        else:
+            out_ids = torch.cat([ids, foreign_ids, torch.full((batch, 1), -2, dtype=torch.long)], dim=1)
         out_logits = torch.cat([logits, foreign_logits, rest.unsqueeze(1)], dim=1)
         self.num_steps += 1
         return out_ids, out_logits
@@ -252,9 +257,10 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The extra columns that make this shard's softmax the global one (see the module docstring).
 
-        Two collectives: an all-reduce (max) of the per-row max ``[B]``, then one all-reduce (sum) of the
-        per-row sum of exponentials together with the labels' logits ``[B, 1 + Ymax]`` (each label's logit
-        comes from the shard that owns it).
+        One collective: an all-gather of ``[B, 2 + Ymax]`` per shard holding, per row, the shard's max logit, its
+        sum of exponentials relative to that max, and the logits of the labels it owns (0 for the others). Every
+        rank then combines them the same way (``sum_r s_r * exp(m_r - M)`` with ``M`` the max over shards), so the
+        step has one synchronisation point here instead of a max all-reduce followed by a sum all-reduce.
 
         Returns:
             ``(foreign_ids [B, m], foreign_logits [B, m], rest [B])``.
@@ -264,20 +270,25 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         valid = labels >= 0
         own = valid & (labels >= lo) & (labels < hi)
         foreign = valid & ~own
-        local_max = logits.max(dim=1).values if logits.size(1) else logits.new_full((batch,), -math.inf)
-        glob_max = group.all_reduce_(local_max, "softmax_max_all_reduce", op=dist.ReduceOp.MAX)
-        shifted = logits - glob_max.unsqueeze(1)
         if logits.size(1):
+            local_max = logits.max(dim=1).values
+            local_sum = (logits - local_max.unsqueeze(1)).exp_().sum(dim=1)
             pos, _ = _label_positions(ids, labels)  # own labels are always in the shard's active set
             label_logits = logits.gather(1, pos).masked_fill(~own, 0.0)
         else:
+            local_max = logits.new_full((batch,), -math.inf)
+            local_sum = logits.new_zeros(batch)
             label_logits = logits.new_zeros(labels.shape)
-        packed = torch.cat([shifted.exp().sum(dim=1, keepdim=True), label_logits], dim=1)
-        group.all_reduce_(packed, "softmax_sum_all_reduce")
-        glob_sum, label_logits = packed[:, 0], packed[:, 1:]
+        packed = torch.cat([local_max.unsqueeze(1), local_sum.unsqueeze(1), label_logits], dim=1)
+        everyone = group.all_gather_cat(packed.unsqueeze(0), "softmax_all_gather", dim=0)  # [P, B, 2 + Ymax]
+        maxes, sums = everyone[:, :, 0], everyone[:, :, 1]
+        glob_max = maxes.max(dim=0).values
+        glob_sum = (sums * (maxes - glob_max).exp()).sum(dim=0)  # a shard without logits: 0 * exp(-inf) = 0
+        label_logits = everyone[:, :, 2:].sum(dim=0)  # each label's logit comes from the shard that owns it
         floor = (glob_max - _FAR).unsqueeze(1)
+        own_sum = local_sum * (local_max - glob_max).exp()
         foreign_mass = ((label_logits - glob_max.unsqueeze(1)).exp() * foreign).sum(dim=1)
-        other = (glob_sum - shifted.exp().sum(dim=1) - foreign_mass).clamp(min=0)
+        other = (glob_sum - own_sum - foreign_mass).clamp(min=0)
         rest = torch.maximum(glob_max + other.log(), floor.squeeze(1))
         if shared:  # one column per foreign label of the batch, shared ids; the row's own labels get values
             foreign_ids = torch.unique(labels[foreign])
