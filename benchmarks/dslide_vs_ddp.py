@@ -22,7 +22,7 @@ consecutive batches after the warm-up steps (the first steps include the first h
 contain no rebuild, for the sparse variants alike). Bytes per step: ``bytes_per_step_*`` is the logical payload
 (the strategy's own count for D-SLIDE; for DDP the size of every gradient it reduces: dense ones whole, sparse
 ones as the rows every rank contributes, gathered), ``tx_bytes_per_step_per_rank_*`` what each rank really sent
-on its veth. ``peak_rss_mb_per_rank``: the largest ``ru_maxrss`` over the ranks (1 rank: the single process);
+on its veth. ``peak_rss_mb_per_rank``: the largest peak RSS (``VmHWM``) over the ranks (1 rank: the single process);
 ``rss_after_imports_mb`` the same right after the imports (torch, Lightning, the project: a floor every rank pays),
 ``model_rss_ratio_4_ranks`` the 4-rank / single ratio of what the run adds above that floor. ``step_ms``: the
 single process and the 2-rank D-SLIDE runs are repeated ``--rounds`` times, interleaved, and the run of median step
@@ -61,6 +61,15 @@ def _tx_bytes() -> int | None:
         return None
 
 
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory (``VmHWM``). Not ``ru_maxrss``: Linux carries that across ``exec``
+    from the process that forked, so a rank would report at least the harness's own memory."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO))
     import torch
@@ -74,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_swarm.strategy.dslide import DSlideStrategy
 
     torch.set_num_threads(args.threads)
-    rss_after_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    rss_after_imports = _peak_rss_mb()
 
     class StepClock(Callback):
         def __init__(self) -> None:
@@ -200,7 +209,7 @@ def worker(args: argparse.Namespace) -> None:
         "output_grad_bytes": output_grad_bytes,
         "tx_bytes_per_step": tx_per_step,
         "threads": torch.get_num_threads(),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "peak_rss_mb": _peak_rss_mb(),
         "rss_after_imports_mb": rss_after_imports,
     }
     (Path(args.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
