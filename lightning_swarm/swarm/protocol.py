@@ -45,7 +45,7 @@ import torch
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from .codec import CodecError
+from .codec import CodecError, all_finite
 from .payload import EncodedPayload, Payload
 from .quantize import one_thread
 
@@ -299,7 +299,7 @@ def check_finite(tensors: list[torch.Tensor], what: str, error: type[Exception])
     would starve the p2p daemons sharing the cores, on every call."""
     with one_thread():
         for i, t in enumerate(tensors):
-            if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 raise error(
                     f"{what.capitalize()} tensor {i} holds NaN or infinite values; only finite values are accepted"
                 )

@@ -75,7 +75,7 @@ from torch import nn
 
 from ._loop import replicate_p2p, run_coroutine
 from .batching import RequestBatcher, concat_payloads, mixes_rows, split_payload
-from .codec import CodecError, TooLarge, check_encodable
+from .codec import CodecError, TooLarge, all_finite, check_encodable
 from .lifetime import sigint_kept
 from .payload import Payload
 from .protocol import (
@@ -1186,7 +1186,7 @@ class _RobustPartReducer(TensorPartReducer):
         for sender, part, weight in self._stash:
             if not (math.isfinite(weight) and weight >= 0):
                 reasons[sender] = f"weight {weight}"
-            elif not bool(torch.isfinite(part).all()):
+            elif not all_finite(part):
                 reasons[sender] = "NaN or infinite values"
             else:
                 kept.append((sender, part, weight))
@@ -1234,7 +1234,7 @@ class _GuardedAllReduceRunner(AllReduceRunner):
         peer_ids = self.ordered_peer_ids
 
         def register_checked(peer_index: int, part_index: int, part: torch.Tensor) -> None:
-            if not bool(torch.isfinite(part).all()):
+            if not all_finite(part):
                 logger.warning(
                     f"Averaging: peer {peer_ids[peer_index]} returned a non-finite average; keeping the local "
                     f"values of its slice"
