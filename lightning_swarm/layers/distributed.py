@@ -1,7 +1,7 @@
 """Batched, autograd-aware collectives for D-SLIDE model parallelism, with byte accounting.
 
 D-SLIDE shards wide layers by neurons across ranks. A training step then needs only a few collectives over
-small per-batch tensors (hidden activations ``[B, H]``, per-sample softmax max and sum ``[B]``, the gradient
+small per-batch tensors (hidden activations ``[B, H]``, per-sample softmax max and sum ``[B, 2]``, the gradient
 with respect to the hidden activations ``[B, H]``), never one per sample and never a weight-sized one. This
 module holds those collectives as autograd functions (their backward is the adjoint collective), and a
 :class:`CommStats` that counts every byte they move so that the strategy can log it and tests can compare it

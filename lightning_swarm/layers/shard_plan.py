@@ -196,9 +196,10 @@ def _is_row_state(value: Any, param_shape: torch.Size | tuple[int, ...], dim: in
 class LockStepLoader:
     """Wraps a data loader so that all ranks take the same number of batches, and checks they are the same.
 
-    Before each batch the ranks all-reduce three integers (have-a-batch, and the min and max of a fingerprint
-    of the batch). When any rank runs out, every rank stops; if the fingerprints differ the ranks were given
-    different batches, which D-SLIDE cannot train on, and the loader raises.
+    Before each batch is handed out, the ranks all-reduce three integers (have-a-batch, and the min and max of a
+    fingerprint of the batch; started asynchronously when the batch is fetched, one batch ahead). When any rank
+    runs out, every rank stops; if the fingerprints differ the ranks were given different batches, which D-SLIDE
+    cannot train on, and the loader raises.
 
     Args:
         dataloader: the loader Lightning prepared (already without a ``DistributedSampler`` split).

@@ -5,8 +5,9 @@ hidden units, ``SparseLSHLinear`` by output neurons) are replaced by sharded ver
 contiguous range of neurons, with its own hash tables (``lightning_swarm.layers.sharded``). Per step the ranks
 exchange only small per-batch tensors: the hidden activations (all-gather ``[B, H]``), the active-set
 priorities (all-gather ``[1, k]`` float64 per rank, so that the active set is exactly the single-process one),
-the per-sample softmax max (all-reduce ``[B]``) and sum, packed with the labels' logits (all-reduce
-``[B, 1 + Ymax]``), and the gradient with respect to the hidden activations (all-reduce ``[B, H]``).
+each shard's per-sample softmax max and sum of exponentials packed with the logits of the labels it owns
+(all-gather ``[B, 2 + Ymax]`` per rank), and the gradient with respect to the hidden activations (all-reduce
+``[B, H]``).
 Parameters outside the sharded layers are replicated and their gradients are summed over ranks after backward.
 
 Every rank computes the value of the whole network's loss; its gradient reaches only the rank's own logits,
