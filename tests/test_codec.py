@@ -11,6 +11,7 @@ from lightning_swarm.swarm import quantize
 from lightning_swarm.swarm.codec import (
     COMPRESSIONS,
     CodecError,
+    all_finite,
     decode_parts,
     decode_tensor,
     encode_tensor,
@@ -71,6 +72,23 @@ def test_scalar_empty_noncontiguous_and_tiny() -> None:
     y = decode_tensor(encode_tensor(torch.ones(3), "none"))
     y.add_(1)
     assert torch.equal(y, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.int64]
+)
+def test_all_finite_finds_any_nan_or_infinity(dtype: torch.dtype) -> None:
+    # all_finite is the one-pass check every stage call's tensors go through (protocol.check_finite)
+    base = torch.randn(3000, dtype=torch.float64).mul(100).to(dtype)
+    assert all_finite(base) and all_finite(base[:0]) and all_finite(base.reshape(30, 100).t())
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for pos in (0, 1, 7, 8, 15, 16, 17, 1023, 2999):  # every lane of a vectorised pass, both ends
+            t = base.clone()
+            t[pos] = bad
+            assert not all_finite(t), (bad, pos)
+            assert not all_finite(t.reshape(30, 100).t()), (bad, pos)  # non-contiguous
 
 
 def test_8bit_size_and_error_bounds() -> None:
