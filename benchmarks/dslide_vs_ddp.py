@@ -41,6 +41,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -235,6 +236,14 @@ class Loopback:
         return subprocess.Popen(cmd, env={**os.environ, **env}, **kwargs)
 
 
+def _free_port() -> int:
+    """A TCP port nobody listens on here (a fresh network namespace has none in use): back-to-back runs must not
+    meet the previous run's rendezvous port in TIME_WAIT."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def make_data(directory: Path, num_samples: int) -> None:
     """Amazon-670K-shaped synthetic points, written once in the repository format for every rank to read."""
     sys.path.insert(0, str(REPO))
@@ -262,7 +271,7 @@ def run_one(
     per_rank_batch = batch // ranks if strategy.startswith("ddp") else batch
     cmd += ["--batch", str(per_rank_batch), "--data-dir", str(data_dir), "--out", str(out)]
     procs, logs = [], []
-    port = str(29533 + (os.getpid() + ranks * 7 + len(strategy) + int(time.time())) % 500)
+    port = str(_free_port())
     try:
         for rank in range(ranks):
             env = {

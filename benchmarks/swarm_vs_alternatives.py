@@ -701,11 +701,10 @@ def _r(x: float | None, nd: int = 3) -> float | None:
 
 def summarize(runs: dict, cal: dict, cfg: dict, links: list[float]) -> dict:
     mb, m = cfg["microbatch"], cfg["microbatches"]
-    g0, g1 = cal["stage0_fwd_bwd_ms"], cal["stage1_fwd_bwd_ms"]
     # a swarm stage serves a microbatch with a forward that keeps its graph and a backward that reuses it (kept
     # activations, the default): the calibrated forward + backward, as a GPipe rank (a backward that reaches
     # another peer, or comes after a parameter update, recomputes the forward: one forward more)
-    s0, s1 = g0, g1
+    g0, g1 = cal["stage0_fwd_bwd_ms"], cal["stage1_fwd_bwd_ms"]
     per_link: dict[str, Any] = {}
     for link in links:
         key = f"{link:g}mbit"
@@ -747,7 +746,7 @@ def summarize(runs: dict, cal: dict, cfg: dict, links: list[float]) -> dict:
         # microbatches of its stage (forward + backward, kept activations) and steps AdamW once, the two
         # cores perfectly overlapped with each other and with the wire (measured 8-bit bytes at the link rate);
         # no trainer, codec or framework time at all
-        ideal = max(m * s0 + a0, m * s1 + a1, m * w8)
+        ideal = max(m * g0 + a0, m * g1 + a1, m * w8)
         entry["ideal_swarm_step_ms"] = _r(ideal, 1)
         if gp:
             gstep = 1e3 * mb * m / gp["samples_per_s"]
@@ -758,7 +757,7 @@ def summarize(runs: dict, cal: dict, cfg: dict, links: list[float]) -> dict:
             entry["gpipe_floor_step_ms"] = _r(floor, 1)
             entry["bound_speedup_vs_gpipe_calibrated"] = _r(floor / ideal)
             # one trainer (what ran): its microbatches cross stage 0, the link and stage 1 one after the other
-            entry["bound_speedup_vs_gpipe_one_trainer"] = _r(gstep / (m * (s0 + s1 + w8)))
+            entry["bound_speedup_vs_gpipe_one_trainer"] = _r(gstep / (m * (g0 + g1 + w8)))
         if dd:
             dstep = 1e3 * mb * m / dd["samples_per_s"]
             entry["bound_speedup_vs_ddp_ideal_swarm"] = _r(dstep / ideal)

@@ -338,9 +338,8 @@ def test_a_malformed_or_non_finite_reply_is_a_peer_failure(swarm) -> None:
             liar.lie = lie
             client.routers[0] = type(client.routers[0])(0, run_id=run_id, ban_base_s=0.0)  # forget bans
             client.peers(0)
-            client.routers[0].choose(
-                1e6, prefer=honest.peer_id
-            )  # the honest peer is busy: the liar goes first
+            # the honest peer is busy: the liar goes first
+            client.routers[0].choose(1e6, prefer=honest.peer_id)
             x = torch.randn(2, 8, requires_grad=True)
             y = client.call_stage(
                 0, x
