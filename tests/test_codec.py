@@ -239,6 +239,8 @@ def test_8bit_buffers_are_bitsandbytes_own_output(helpers: int, monkeypatch: pyt
     """Shares quantized by several threads straight into the wire buffer equal one bitsandbytes call."""
     import threading
 
+    import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
+
     monkeypatch.setenv(quantize.HELPERS_ENV, str(helpers))
     threads_before = torch.get_num_threads()
     g = torch.Generator().manual_seed(5)
@@ -359,3 +361,76 @@ def test_importing_the_engine_has_no_side_effects() -> None:
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "first use: LIGHTNING_SWARM_CODEC_HELPERS must be a non-negative integer" in proc.stdout
+
+
+def _edge_tensor() -> torch.Tensor:
+    """Values where a table-driven quantizer could go wrong: every block kind bitsandbytes treats specially."""
+    g = torch.Generator().manual_seed(11)
+    block = quantize.BLOCKSIZE
+    pieces = [
+        torch.randn(block, generator=g) * 10 ** torch.randint(-38, 38, (1,), generator=g).item(),
+        torch.zeros(block),  # 0/0: NaN after normalising
+        -torch.zeros(block),
+        torch.full((block,), -2.5),  # every value is the (negative) absmax
+        torch.full((block,), 2.5),
+        torch.randn(block, generator=g)
+        * 1e-8,  # tiny normalised values, where bitsandbytes' search is erratic
+        torch.cat([torch.tensor([1.0]), torch.randn(block - 1, generator=g) * 3e-8]),
+        torch.cat([torch.tensor([float("nan")]), torch.randn(block - 1, generator=g)]),
+        torch.cat([torch.tensor([float("inf"), float("-inf")]), torch.randn(block - 2, generator=g)]),
+        torch.full((block,), 1e-45),  # denormals
+        torch.randn(block, generator=g) * 3.0e38,
+        torch.randn(333, generator=g),  # a partial last block
+    ]
+    return torch.cat(pieces)
+
+
+@pytest.mark.parametrize("helpers", [0, 1])
+def test_fast_8bit_kernel_gives_bitsandbytes_bytes_on_edge_values(
+    helpers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    import bitsandbytes.functional as bnb_functional
+
+    monkeypatch.setenv(quantize.HELPERS_ENV, str(helpers))
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert (
+            quantize.using_fast_kernel()
+        )  # a compiler is here: the fast kernel must have built and self-checked
+    x = _edge_tensor()
+    expected_codes, state = bnb_functional.quantize_blockwise(
+        x, code=quantize.dynamic_code().clone(), blocksize=quantize.BLOCKSIZE
+    )
+    buffer = quantize.quantize_to_buffer(x)
+    header = quantize.BLOCKSIZE.to_bytes(4, "little")
+    assert buffer == header + state.absmax.numpy().tobytes() + expected_codes.numpy().tobytes()
+    expected = bnb_functional.dequantize_blockwise(expected_codes, state)
+    decoded = quantize.dequantize_buffer(buffer, quantize.BLOCKSIZE, x.numel(), torch.float32)
+    assert decoded.view(torch.int32).equal(expected.view(torch.int32))  # bitwise, NaN included
+
+
+def test_fast_8bit_kernel_matches_bitsandbytes_around_every_threshold() -> None:
+    """Each table threshold, and the floats two steps either side of it, get bitsandbytes' own code."""
+    fast = quantize._fast_kernel()
+    if fast is None:
+        pytest.skip("no C compiler: the codec runs bitsandbytes' kernels themselves")
+    kernel, _ = quantize._native_kernels()
+    threshold = fast.table[:, :4].contiguous().view(torch.float32).reshape(-1)
+    threshold = threshold[torch.isfinite(threshold)]
+    assert threshold.numel() >= 255  # 256 codes: at least one change between neighbouring codes
+    around = quantize._ordinal(threshold)[:, None] + torch.arange(-2, 3)[None, :]
+    values = quantize._from_ordinal(around.reshape(-1)).clamp(-1, 1)
+    values = torch.cat([values, torch.tensor([1.0, -1.0, 0.0, -0.0])])
+    assert torch.equal(quantize._fast_codes(fast, values), quantize._reference_codes(kernel, values))
+
+
+def test_native_codec_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+    with_fast = quantize.quantize_to_buffer(x)
+    monkeypatch.setenv(quantize.NATIVE_ENV, "0")
+    assert not quantize.using_fast_kernel()
+    assert quantize.quantize_to_buffer(x) == with_fast  # bitsandbytes' kernels: the same bytes
+    monkeypatch.setenv(quantize.NATIVE_ENV, "yes")
+    with pytest.raises(ValueError, match=quantize.NATIVE_ENV):
+        quantize.quantize_to_buffer(x)
