@@ -434,3 +434,29 @@ def test_native_codec_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(quantize.NATIVE_ENV, "yes")
     with pytest.raises(ValueError, match=quantize.NATIVE_ENV):
         quantize.quantize_to_buffer(x)
+
+
+def test_finiteness_of_a_decoded_8bit_tensor_comes_from_its_scales() -> None:
+    from lightning_swarm.swarm import codec
+
+    x = torch.randn(4 * quantize.BLOCKSIZE, generator=torch.Generator().manual_seed(8))
+    msg = encode_tensor(x, "8bit")
+    y = decode_tensor(msg)
+    assert getattr(y, codec._FINITE_ATTR) == y._version and codec.all_finite(y)
+    y[3] = float("nan")  # modified in place: scanned again, and the NaN is found
+    assert not codec.all_finite(y)
+    for bad in (float("inf"), float("nan")):  # a hostile scale decodes to non-finite values, and is not trusted
+        forged = runtime_pb2.Tensor()
+        forged.CopyFrom(msg)
+        buffer = bytearray(forged.buffer)
+        buffer[4 + 4 * 2 : 4 + 4 * 3] = torch.tensor([bad]).numpy().tobytes()  # block 2's scale
+        forged.buffer = bytes(buffer)
+        z = decode_tensor(forged)
+        assert not hasattr(z, codec._FINITE_ATTR) and not codec.all_finite(z)
+    half = decode_tensor(encode_tensor(x.half() * 1000, "8bit"))  # scales must also fit the dtype
+    assert half.dtype == torch.float16 and codec.all_finite(half)
+    forged = encode_tensor(x.half(), "8bit")
+    buffer = bytearray(forged.buffer)
+    buffer[4:8] = torch.tensor([1e6]).numpy().tobytes()  # beyond float16's range: decodes to infinities
+    forged.buffer = bytes(buffer)
+    assert not codec.all_finite(decode_tensor(forged))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 from hivemind.proto import runtime_pb2
 
@@ -86,6 +87,8 @@ WIRE_8BIT = 0x4C38  # "L8"
 _LOSSY_TYPES = {"8bit": WIRE_8BIT, "fp16": _FLOAT16}
 _LOSSY_RANGE = {"8bit": float(torch.finfo(torch.float32).max), "fp16": float(torch.finfo(torch.float16).max)}
 _WIRE_ATTR = "_lightning_swarm_wire"  # (tensor version when decoded, the parts it was decoded from)
+# the tensor version at which a decoded tensor was known to hold only finite values (see all_finite)
+_FINITE_ATTR = "_lightning_swarm_finite"
 
 
 class CodecError(ValueError):
@@ -116,8 +119,16 @@ def check_encodable(t: torch.Tensor) -> None:
 def all_finite(t: torch.Tensor) -> bool:
     """Whether ``t`` holds no NaN and no infinity. For real floating tensors one ``aminmax`` pass (both ends
     propagate NaN; an infinity is an end): ~30x faster than ``isfinite(t).all()``, which writes a bool per
-    element, and it allocates nothing of ``t``'s size. Run it inside :func:`~.quantize.one_thread` on a server."""
+    element, and it allocates nothing of ``t``'s size. Run it inside :func:`~.quantize.one_thread` on a server.
+
+    A tensor decoded from 8-bit parts whose block scales are all finite (and fit its dtype) is finite by
+    construction (each value is a code in [-1, 1] times its block's scale): unless modified since, it is not
+    scanned again."""
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return True
+    if (
+        getattr(t, _FINITE_ATTR, None) == t._version
+    ):  # decoded from 8 bits with finite scales, unmodified since
         return True
     if t.is_complex():  # aminmax does not order complex numbers
         return bool(torch.isfinite(t).all())
@@ -319,6 +330,9 @@ class PartsDecoder:
             self._decoded.append(
                 _decode_part(msg.buffer, msg.compression, self._dtype, self._first.dtype, numel)
             )
+        self._finite = (
+            self._finite and msg.compression == WIRE_8BIT and _scales_fit(msg.buffer, numel, self._dtype)
+        )
         self._parts.append(msg)
         if len(self._decoded) == len(self._bounds) - 1:
             self._complete()
@@ -362,6 +376,7 @@ class PartsDecoder:
             raise CodecError(f"Received a tensor of shape {list(shape)} in an impossible {chunks} parts")
         self._first, self._dtype, self._shape = msg, dtype, shape
         self._bounds = part_bounds(numel, chunks)
+        self._finite = True
 
     def _complete(self) -> None:
         first, decoded, parts = self._first, self._decoded, self._parts
@@ -374,6 +389,8 @@ class PartsDecoder:
         t = t.view(self._shape)
         if first.compression != _NONE:
             setattr(t, _WIRE_ATTR, (t._version, parts))  # see encode_parts
+        if self._finite:
+            setattr(t, _FINITE_ATTR, t._version)  # see all_finite
         if first.requires_grad and t.is_floating_point():
             t.requires_grad_(True)
         self.tensors.append(t)
@@ -417,6 +434,14 @@ def _decode_part(
             return torch.empty(0, dtype=dtype)
         return dequantize_buffer(buffer, blocksize, numel, dtype).to(dtype)
     raise CodecError(f"Received a tensor with unsupported compression type {compression}")
+
+
+def _scales_fit(buffer: bytes, numel: int, dtype: torch.dtype) -> bool:
+    """Whether a (decoded, so validated) 8-bit part's block scales are finite and within ``dtype``'s range: then
+    every decoded value is finite (a code in [-1, 1] times its block's scale)."""
+    num_blocks = -(numel // -int.from_bytes(buffer[:4], "little"))
+    scales = np.frombuffer(buffer, dtype=np.float32, count=num_blocks, offset=4)
+    return float(np.abs(scales).max(initial=0.0)) <= torch.finfo(dtype).max  # NaN compares False
 
 
 def nbytes(msgs: Iterable[runtime_pb2.Tensor]) -> int:

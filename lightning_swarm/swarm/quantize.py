@@ -138,12 +138,17 @@ def helper_count() -> int:
     """
     value = os.environ.get(HELPERS_ENV)
     if value is None:
-        return min((os.cpu_count() or 1) - 1, 3)
+        return min(_cpu_count() - 1, 3)
     if not value.strip().isdigit():
         raise ValueError(
             f"{HELPERS_ENV} must be a non-negative integer (threads that help quantize; 0 for none), got {value!r}"
         )
     return int(value)
+
+
+@functools.cache
+def _cpu_count() -> int:
+    return os.cpu_count() or 1  # ~50 us a call: it reads /sys
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -184,33 +189,50 @@ def part_bounds(numel: int, chunks: int) -> list[int]:
 class _Shares:
     """Block-aligned shares of one quantization, done by whichever thread claims them first.
 
-    ``kernel(lo, hi)`` quantizes elements ``[lo, hi)`` (block-aligned) into their final place.
+    ``kernel(lo, hi)`` quantizes elements ``[lo, hi)`` (block-aligned) into their final place. The caller waits
+    for the shares to be done, not for the helpers: a helper that wakes up after the caller took every share
+    (a busy machine) costs the caller nothing.
     """
 
     def __init__(self, kernel: Any, numel: int, helpers: int, openmp: bool):
         shares = min(64, numel // _SHARE_ELEMENTS) if helpers > 0 else 1
         self.kernel, self.helpers, self.openmp = kernel, helpers, openmp
         self.bounds = part_bounds(numel, max(1, shares))
-        self.next = 0
+        self.total = len(self.bounds) - 1
+        self.next = self.done = 0
+        self.error: BaseException | None = None
         self.lock = threading.Lock()
+        self.finished = threading.Condition(self.lock)
 
     def run(self) -> None:
         """Do the work with as many idle helper threads as there are spare shares."""
-        count = min(self.helpers, len(self.bounds) - 2)
-        helping = [_helpers(self.helpers).submit(self.work) for _ in range(count)] if count > 0 else []
+        count = min(self.helpers, self.total - 1)
+        for _ in range(count):
+            _helpers(self.helpers).submit(self.work)
         self.work()
-        for future in helping:
-            future.result()
+        with self.lock:
+            while self.done < self.total:
+                self.finished.wait()
+        if self.error is not None:
+            raise self.error
 
     def work(self) -> None:
         with one_thread() if self.openmp else contextlib.nullcontext():
             while True:
                 with self.lock:
                     index = self.next
-                    if index >= len(self.bounds) - 1:
+                    if index >= self.total:
                         return
                     self.next += 1
-                self.kernel(self.bounds[index], self.bounds[index + 1])
+                try:
+                    self.kernel(self.bounds[index], self.bounds[index + 1])
+                except BaseException as e:  # re-raised by run(), in the caller's thread
+                    self.error = e
+                finally:
+                    with self.lock:
+                        self.done += 1
+                        if self.done == self.total:
+                            self.finished.notify_all()
 
 
 # ---- the fast kernel ----
