@@ -460,3 +460,25 @@ def test_finiteness_of_a_decoded_8bit_tensor_comes_from_its_scales() -> None:
     buffer[4:8] = torch.tensor([1e6]).numpy().tobytes()  # beyond float16's range: decodes to infinities
     forged.buffer = bytes(buffer)
     assert not codec.all_finite(decode_tensor(forged))
+
+
+def test_fast_kernel_is_never_built_or_loaded_where_others_can_write(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import shutil
+    import tempfile
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler")
+    shared = tmp_path / "cache" / "lightning-swarm"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)  # another user could swap the library in
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
+    lib = quantize._compile()
+    assert lib is not None  # built in the private fallback directory instead
+    assert list(shared.iterdir()) == []
+    assert list((private_tmp / f"lightning-swarm-{os.getuid()}").glob("q8-*.so"))

@@ -37,6 +37,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -265,6 +266,35 @@ def _cache_dir() -> str:
     return os.path.join(base, "lightning-swarm")
 
 
+def _build(compiler: str, target: str) -> str | None:
+    """``target`` (built now unless it exists), or ``None`` if it could not be built there."""
+    directory = os.path.dirname(target)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        info = os.stat(directory)
+    except OSError as e:
+        logger.info(f"Cannot use {directory} for the fast 8-bit kernel: {e}")
+        return None
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:  # a library others could replace is never loaded
+        logger.info(f"Not using {directory} for the fast 8-bit kernel: owned or writable by another user")
+        return None
+    if os.path.exists(target):
+        return target
+    partial = f"{target}.{os.getpid()}.{threading.get_ident()}.part"
+    try:
+        subprocess.run(
+            [compiler, *_CFLAGS, "-o", partial, _SOURCE], check=True, capture_output=True, timeout=120
+        )
+        os.replace(partial, target)  # atomic: concurrent builders each write their own file
+        return target
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[:500]
+        logger.info(f"Could not build the fast 8-bit kernel in {os.path.dirname(target)} ({e}; {detail})")
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        return None
+
+
 def _compile() -> ctypes.CDLL | None:
     """Build ``_q8.c`` (once per machine: cached by the hash of source, flags and compiler) and load it."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
@@ -278,24 +308,14 @@ def _compile() -> ctypes.CDLL | None:
     key = hashlib.sha256(
         source + repr((_CFLAGS, os.path.realpath(compiler), platform.machine(), sys.platform)).encode()
     ).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"q8-{key}.so")
-    if not os.path.exists(target):
-        partial = f"{target}.{os.getpid()}.{threading.get_ident()}.part"
-        try:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            subprocess.run(
-                [compiler, *_CFLAGS, "-o", partial, _SOURCE], check=True, capture_output=True, timeout=120
-            )
-            os.replace(partial, target)  # atomic: concurrent builders each write their own file
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", b"") or b""
-            logger.info(
-                f"Could not build the fast 8-bit kernel ({e}; {detail.decode(errors='replace')[:500]}); the codec "
-                f"uses bitsandbytes' kernels (same output, ~6x slower)"
-            )
-            with contextlib.suppress(OSError):
-                os.unlink(partial)
-            return None
+    target = None
+    for directory in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"lightning-swarm-{os.getuid()}")):
+        target = _build(compiler, os.path.join(directory, f"q8-{key}.so"))
+        if target is not None:
+            break
+    if target is None:
+        logger.info("The 8-bit codec uses bitsandbytes' kernels (same output, ~6x slower)")
+        return None
     lib = ctypes.CDLL(target)  # CDLL releases the GIL during calls: helper threads run in parallel
     lib.ls_quantize.argtypes = [
         ctypes.c_void_p,
