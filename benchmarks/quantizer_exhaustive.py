@@ -7,13 +7,18 @@ bits. This script checks the assumption where it matters: all 2,130,706,434 floa
 included), quantized in blocks whose absmax is 1, by both kernels. Unit tests check random data, edge values and
 whole tensors; this is the exhaustive proof for the machine it runs on (~2 minutes on 2 cores).
 
-Usage: ``python benchmarks/quantizer_exhaustive.py``. The last stdout line is JSON: values checked, mismatches
-(must be 0), the largest mismatching |v| if any, seconds.
+It also times both kernels side by side on 1 MiB of Gaussian float32 (one thread, no helpers; best of 30 rounds
+of 10 calls): ``fast_quantize_ms``, ``bitsandbytes_quantize_ms``, their ratio, and the same for dequantizing.
+
+Usage: ``python benchmarks/quantizer_exhaustive.py [--speed-only]``. The last stdout line is JSON: values
+checked, mismatches (must be 0), the largest mismatching |v| if any, seconds, and the timings.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import time
 
 import torch
@@ -24,12 +29,50 @@ CHUNK = 1 << 24  # values per round (64 MB of float32)
 ONE = 0x3F800000  # bit pattern of 1.0: the non-negative floats <= 1 are the patterns 0..ONE
 
 
+def best_ms(fn, calls: int = 10, rounds: int = 30) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e3)
+    return round(best, 3)
+
+
+def speeds() -> dict:
+    """Both kernels through the codec's own entry points, on the same 1 MiB."""
+    os.environ[quantize.HELPERS_ENV] = "0"
+    x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0))
+    buffer = quantize.quantize_to_buffer(x)
+    times = {}
+    for name, setting in (("fast", "1"), ("bitsandbytes", "0")):
+        os.environ[quantize.NATIVE_ENV] = setting
+        assert quantize.quantize_to_buffer(x) == buffer  # the same bytes either way
+        times[f"{name}_quantize_ms"] = best_ms(lambda: quantize.quantize_to_buffer(x))
+        times[f"{name}_dequantize_ms"] = best_ms(
+            lambda: quantize.dequantize_buffer(buffer, quantize.BLOCKSIZE, x.numel(), torch.float32)
+        )
+    os.environ[quantize.NATIVE_ENV] = "1"
+    times["quantize_speedup"] = round(times["bitsandbytes_quantize_ms"] / times["fast_quantize_ms"], 2)
+    times["dequantize_speedup"] = round(times["bitsandbytes_dequantize_ms"] / times["fast_dequantize_ms"], 2)
+    times["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    return times
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--speed-only", action="store_true", help="only time the kernels (a few seconds)")
+    args = parser.parse_args()
     fast = quantize._fast_kernel()
     if fast is None:
         raise SystemExit(
             "the fast kernel is not available here (no C compiler, or LIGHTNING_SWARM_NATIVE_CODEC=0)"
         )
+    timings = speeds()
+    if args.speed_only:
+        print(json.dumps(timings))
+        return
     kernel, _ = quantize._native_kernels()
     start = time.time()
     checked = mismatches = 0
@@ -52,6 +95,7 @@ def main() -> None:
                 "mismatches": mismatches,
                 "largest_mismatching_abs": worst,
                 "seconds": round(time.time() - start, 1),
+                **timings,
             }
         )
     )

@@ -20,8 +20,9 @@ object with the medians, ``ratio_vs_stream_echo`` (8-bit hop / stream echo), ``f
 echo's fp32 bytes), ``ratio_8bit_vs_none`` (the codec's effect through the same stack), the bytes on the wire and
 the load average.
 
-The 8-bit hop does two bitsandbytes quantizations (~2.5 ms per MiB on one core; the client's request and the
-server's reply), so on a busy machine the ratios move: the JSON records the load average next to the figures.
+The 8-bit hop does two quantizations of 1 MiB (the client's request and the server's reply; ~0.7 ms each with
+the fast kernel, ~3 ms with bitsandbytes' own, see ``benchmarks/quantizer_exhaustive.py``), so on a busy machine
+the ratios move: the JSON records the load average next to the figures.
 """
 
 from __future__ import annotations
