@@ -445,7 +445,10 @@ def test_finiteness_of_a_decoded_8bit_tensor_comes_from_its_scales() -> None:
     assert getattr(y, codec._FINITE_ATTR) == y._version and codec.all_finite(y)
     y[3] = float("nan")  # modified in place: scanned again, and the NaN is found
     assert not codec.all_finite(y)
-    for bad in (float("inf"), float("nan")):  # a hostile scale decodes to non-finite values, and is not trusted
+    for bad in (
+        float("inf"),
+        float("nan"),
+    ):  # a hostile scale decodes to non-finite values, and is not trusted
         forged = runtime_pb2.Tensor()
         forged.CopyFrom(msg)
         buffer = bytearray(forged.buffer)
@@ -482,3 +485,21 @@ def test_fast_kernel_is_never_built_or_loaded_where_others_can_write(
     assert lib is not None  # built in the private fallback directory instead
     assert list(shared.iterdir()) == []
     assert list((private_tmp / f"lightning-swarm-{os.getuid()}").glob("q8-*.so"))
+
+
+@pytest.mark.parametrize("compression", ["8bit", "fp16", "none"])
+def test_tensors_decode_and_check_under_inference_mode(compression: str) -> None:
+    """Lightning's validate/test/predict run under torch.inference_mode: inference tensors have no version
+    counter, so nothing about them can be remembered, but decoding and checking them must work."""
+    from lightning_swarm.swarm import codec
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
+    msg = encode_tensor(x, compression)
+    with torch.inference_mode():
+        y = decode_tensor(msg)
+        assert y.is_inference() and codec.all_finite(y)
+        assert torch.allclose(y, x, atol=0.1)
+        assert codec.all_finite(torch.randn(4096)) and not codec.all_finite(torch.full((4096,), float("nan")))
+        again = encode_tensor(y, compression)  # encoded afresh (no remembered parts), to the same values
+        assert torch.equal(decode_tensor(again), y)
+        codec.remember_wire_format(decode_tensor(msg), y)

@@ -126,9 +126,8 @@ def all_finite(t: torch.Tensor) -> bool:
     scanned again."""
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return True
-    if (
-        getattr(t, _FINITE_ATTR, None) == t._version
-    ):  # decoded from 8 bits with finite scales, unmodified since
+    mark = getattr(t, _FINITE_ATTR, None)
+    if mark is not None and mark == _version(t):  # decoded from 8 bits with finite scales, unmodified since
         return True
     if t.is_complex():  # aminmax does not order complex numbers
         return bool(torch.isfinite(t).all())
@@ -137,6 +136,11 @@ def all_finite(t: torch.Tensor) -> bool:
     except RuntimeError:  # a dtype aminmax does not support: the slow, general way
         return bool(torch.isfinite(t).all())
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place modification counter; ``None`` for an inference tensor, which has none."""
+    return None if t.is_inference() else t._version
 
 
 def _peak(flat: torch.Tensor) -> float:
@@ -197,7 +201,7 @@ def encode_parts(t: torch.Tensor, compression: str, split: bool = True) -> Itera
 
 def _remembered_parts(t: torch.Tensor, compression: str) -> list[runtime_pb2.Tensor] | None:
     wire = getattr(t, _WIRE_ATTR, None)
-    if wire is None or wire[0] != t._version or wire[1][0].compression != _LOSSY_TYPES.get(compression):
+    if wire is None or wire[0] != _version(t) or wire[1][0].compression != _LOSSY_TYPES.get(compression):
         return None
     first = runtime_pb2.Tensor()
     first.CopyFrom(wire[1][0])
@@ -208,8 +212,13 @@ def _remembered_parts(t: torch.Tensor, compression: str) -> list[runtime_pb2.Ten
 def remember_wire_format(source: torch.Tensor, target: torch.Tensor) -> None:
     """Let ``target`` (e.g. ``source`` moved to another device) reuse ``source``'s received parts."""
     wire = getattr(source, _WIRE_ATTR, None)
-    if wire is not None and target is not source and wire[0] == source._version:
-        setattr(target, _WIRE_ATTR, (target._version, wire[1]))
+    if (
+        wire is not None
+        and target is not source
+        and wire[0] == _version(source)
+        and _version(target) is not None
+    ):
+        setattr(target, _WIRE_ATTR, (_version(target), wire[1]))
 
 
 def _encode_parts(t: torch.Tensor, compression: str, chunks: int | None) -> Iterator[runtime_pb2.Tensor]:
@@ -387,10 +396,11 @@ class PartsDecoder:
             with one_thread():
                 t = torch.cat(decoded)
         t = t.view(self._shape)
-        if first.compression != _NONE:
-            setattr(t, _WIRE_ATTR, (t._version, parts))  # see encode_parts
-        if self._finite:
-            setattr(t, _FINITE_ATTR, t._version)  # see all_finite
+        version = _version(t)  # None under torch.inference_mode: nothing can be remembered then
+        if first.compression != _NONE and version is not None:
+            setattr(t, _WIRE_ATTR, (version, parts))  # see encode_parts
+        if self._finite and version is not None:
+            setattr(t, _FINITE_ATTR, version)  # see all_finite
         if first.requires_grad and t.is_floating_point():
             t.requires_grad_(True)
         self.tensors.append(t)
