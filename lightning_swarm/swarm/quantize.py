@@ -181,6 +181,20 @@ def _native_kernels() -> tuple[Any, Any]:
     )
 
 
+def _run_native(kernel: Any, code: int, source: int, middle: int, out: int, blocksize: int, n: int) -> None:
+    """One call of a bitsandbytes CPU kernel on one OpenMP thread of the caller: ``quantize(code, A, absmax, out,
+    blocksize, n)`` or ``dequantize(code, codes, absmax, out, blocksize, n)`` (pointers as integers)."""
+    with one_thread():
+        kernel(
+            ctypes.c_void_p(code),
+            ctypes.c_void_p(source),
+            ctypes.c_void_p(middle),
+            ctypes.c_void_p(out),
+            ctypes.c_longlong(blocksize),
+            ctypes.c_longlong(n),
+        )
+
+
 def part_bounds(numel: int, chunks: int) -> list[int]:
     """Element offsets of ``chunks`` pieces of a flat tensor: block-aligned, as even as possible."""
     units = -(numel // -BLOCKSIZE)
@@ -195,9 +209,9 @@ class _Shares:
     (a busy machine) costs the caller nothing.
     """
 
-    def __init__(self, kernel: Any, numel: int, helpers: int, openmp: bool):
+    def __init__(self, kernel: Any, numel: int, helpers: int):
         shares = min(64, numel // _SHARE_ELEMENTS) if helpers > 0 else 1
-        self.kernel, self.helpers, self.openmp = kernel, helpers, openmp
+        self.kernel, self.helpers = kernel, helpers
         self.bounds = part_bounds(numel, max(1, shares))
         self.total = len(self.bounds) - 1
         self.next = self.done = 0
@@ -218,22 +232,21 @@ class _Shares:
             raise self.error
 
     def work(self) -> None:
-        with one_thread() if self.openmp else contextlib.nullcontext():
-            while True:
+        while True:
+            with self.lock:
+                index = self.next
+                if index >= self.total:
+                    return
+                self.next += 1
+            try:
+                self.kernel(self.bounds[index], self.bounds[index + 1])
+            except BaseException as e:  # re-raised by run(), in the caller's thread
+                self.error = e
+            finally:
                 with self.lock:
-                    index = self.next
-                    if index >= self.total:
-                        return
-                    self.next += 1
-                try:
-                    self.kernel(self.bounds[index], self.bounds[index + 1])
-                except BaseException as e:  # re-raised by run(), in the caller's thread
-                    self.error = e
-                finally:
-                    with self.lock:
-                        self.done += 1
-                        if self.done == self.total:
-                            self.finished.notify_all()
+                    self.done += 1
+                    if self.done == self.total:
+                        self.finished.notify_all()
 
 
 # ---- the fast kernel ----
@@ -379,15 +392,10 @@ def _reference_codes(kernel: Any, values: torch.Tensor) -> torch.Tensor:
     """bitsandbytes' code for each normalised value in ``values``."""
 
     def run(data: torch.Tensor, absmax: torch.Tensor, codes: torch.Tensor) -> None:
-        with one_thread():
-            kernel(
-                ctypes.c_void_p(dynamic_code().data_ptr()),
-                ctypes.c_void_p(data.data_ptr()),
-                ctypes.c_void_p(absmax.data_ptr()),
-                ctypes.c_void_p(codes.data_ptr()),
-                ctypes.c_longlong(BLOCKSIZE),
-                ctypes.c_longlong(data.numel()),
-            )
+        code = dynamic_code().data_ptr()
+        _run_native(
+            kernel, code, data.data_ptr(), absmax.data_ptr(), codes.data_ptr(), BLOCKSIZE, data.numel()
+        )
 
     return _codes_of(run, values)
 
@@ -445,31 +453,13 @@ def _self_check(fast: _FastKernel, kernel: Any, dekernel: Any) -> bool:
     ours, theirs = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
     ours_max, theirs_max = torch.empty(blocks), torch.empty(blocks)
     fast.quantize(x.data_ptr(), ours_max.data_ptr(), ours.data_ptr(), 0, n, BLOCKSIZE)
-    code = ctypes.c_void_p(dynamic_code().data_ptr())
-    with one_thread():
-        kernel(
-            code,
-            ctypes.c_void_p(x.data_ptr()),
-            ctypes.c_void_p(theirs_max.data_ptr()),
-            ctypes.c_void_p(theirs.data_ptr()),
-            ctypes.c_longlong(BLOCKSIZE),
-            ctypes.c_longlong(n),
-        )
+    code = dynamic_code().data_ptr()
+    _run_native(kernel, code, x.data_ptr(), theirs_max.data_ptr(), theirs.data_ptr(), BLOCKSIZE, n)
     if not (torch.equal(ours, theirs) and ours_max.view(torch.int32).equal(theirs_max.view(torch.int32))):
         return False
-    finite = torch.ones(blocks, dtype=torch.bool)
-    finite[[3, 5]] = False  # NaN decodes to NaN, which equal() does not match
-    out_ours, out_theirs = torch.empty(n), torch.empty(n)
+    out_ours, out_theirs = torch.empty(n), torch.empty(n)  # NaN decodes to NaN: compared bit for bit below
     fast.dequantize(ours.data_ptr(), ours_max.data_ptr(), out_ours.data_ptr(), n, BLOCKSIZE)
-    with one_thread():
-        dekernel(
-            code,
-            ctypes.c_void_p(ours.data_ptr()),
-            ctypes.c_void_p(ours_max.data_ptr()),
-            ctypes.c_void_p(out_theirs.data_ptr()),
-            ctypes.c_longlong(BLOCKSIZE),
-            ctypes.c_longlong(n),
-        )
+    _run_native(dekernel, code, ours.data_ptr(), ours_max.data_ptr(), out_theirs.data_ptr(), BLOCKSIZE, n)
     return out_ours.view(torch.int32).equal(out_theirs.view(torch.int32))
 
 
@@ -537,21 +527,16 @@ def quantize_to_buffer(source: torch.Tensor) -> bytes:
         def share(lo: int, hi: int) -> None:
             fast.quantize(data, absmax, codes, lo, hi, BLOCKSIZE)
 
-        _Shares(share, numel, helper_count(), openmp=False).run()
+        _Shares(share, numel, helper_count()).run()
     else:
         code = dynamic_code().data_ptr()
 
         def share(lo: int, hi: int) -> None:
-            kernel(  # (code, A, absmax, out, blocksize, n)
-                ctypes.c_void_p(code),
-                ctypes.c_void_p(data + 4 * lo),
-                ctypes.c_void_p(absmax + 4 * (lo // BLOCKSIZE)),
-                ctypes.c_void_p(codes + lo),
-                ctypes.c_longlong(BLOCKSIZE),
-                ctypes.c_longlong(hi - lo),
+            _run_native(
+                kernel, code, data + 4 * lo, absmax + 4 * (lo // BLOCKSIZE), codes + lo, BLOCKSIZE, hi - lo
             )
 
-        _Shares(share, numel, helper_count(), openmp=True).run()
+        _Shares(share, numel, helper_count()).run()
     return buffer.numpy().tobytes()
 
 
@@ -576,13 +561,14 @@ def dequantize_buffer(buffer: bytes, blocksize: int, numel: int, dtype: torch.dt
     if fast is not None:
         fast.dequantize(base + 4 + 4 * num_blocks, base + 4, out.data_ptr(), numel, blocksize)
         return out
-    with one_thread():  # memory-bound: one thread, no helpers
-        kernel(  # (code, codes, absmax, out, blocksize, n)
-            ctypes.c_void_p(dynamic_code().data_ptr()),
-            ctypes.c_void_p(base + 4 + 4 * num_blocks),
-            ctypes.c_void_p(base + 4),
-            ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_longlong(blocksize),
-            ctypes.c_longlong(numel),
-        )
+    # memory-bound: one thread, no helpers
+    _run_native(
+        kernel,
+        dynamic_code().data_ptr(),
+        base + 4 + 4 * num_blocks,
+        base + 4,
+        out.data_ptr(),
+        blocksize,
+        numel,
+    )
     return out
