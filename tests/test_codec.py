@@ -373,8 +373,8 @@ def _edge_tensor() -> torch.Tensor:
         -torch.zeros(block),
         torch.full((block,), -2.5),  # every value is the (negative) absmax
         torch.full((block,), 2.5),
-        torch.randn(block, generator=g)
-        * 1e-8,  # tiny normalised values, where bitsandbytes' search is erratic
+        # tiny normalised values, where bitsandbytes' search is erratic
+        torch.randn(block, generator=g) * 1e-8,
         torch.cat([torch.tensor([1.0]), torch.randn(block - 1, generator=g) * 3e-8]),
         torch.cat([torch.tensor([float("nan")]), torch.randn(block - 1, generator=g)]),
         torch.cat([torch.tensor([float("inf"), float("-inf")]), torch.randn(block - 2, generator=g)]),
@@ -445,10 +445,8 @@ def test_finiteness_of_a_decoded_8bit_tensor_comes_from_its_scales() -> None:
     assert getattr(y, codec._FINITE_ATTR) == y._version and codec.all_finite(y)
     y[3] = float("nan")  # modified in place: scanned again, and the NaN is found
     assert not codec.all_finite(y)
-    for bad in (
-        float("inf"),
-        float("nan"),
-    ):  # a hostile scale decodes to non-finite values, and is not trusted
+    # a hostile scale decodes to non-finite values, and is not trusted
+    for bad in (float("inf"), float("nan")):
         forged = runtime_pb2.Tensor()
         forged.CopyFrom(msg)
         buffer = bytearray(forged.buffer)
@@ -495,6 +493,7 @@ def test_tensors_decode_and_check_under_inference_mode(compression: str) -> None
 
     x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
     msg = encode_tensor(x, compression)
+    received = decode_tensor(msg)  # outside inference mode: it remembers its parts (lossy compressions)
     with torch.inference_mode():
         y = decode_tensor(msg)
         assert y.is_inference() and codec.all_finite(y)
@@ -502,4 +501,6 @@ def test_tensors_decode_and_check_under_inference_mode(compression: str) -> None
         assert codec.all_finite(torch.randn(4096)) and not codec.all_finite(torch.full((4096,), float("nan")))
         again = encode_tensor(y, compression)  # encoded afresh (no remembered parts), to the same values
         assert torch.equal(decode_tensor(again), y)
-        codec.remember_wire_format(decode_tensor(msg), y)
+        moved = received * 1  # an inference tensor: the received parts cannot be attached to it
+        codec.remember_wire_format(received, moved)
+        assert not hasattr(moved, codec._WIRE_ATTR)

@@ -14,7 +14,7 @@ Two kernels give the same bytes:
   it is loaded. ``LIGHTNING_SWARM_NATIVE_CODEC=0`` turns it off.
 - bitsandbytes' CPU kernels, called directly (where no compiler is found, or the fast kernel is turned off).
 
- bitsandbytes' CPU kernel is an OpenMP loop, but OpenMP workers spin for milliseconds after
+bitsandbytes' CPU kernel is an OpenMP loop, but OpenMP workers spin for milliseconds after
 each parallel region and so starve the p2p daemons and peers sharing the cores (while choosing this design, a
 1 MiB hop measured 19 ms with two OpenMP threads against 11 ms with one). So every kernel call runs on one
 OpenMP thread of its caller, and a large tensor is cut at block boundaries into *shares* that the caller and
@@ -302,7 +302,7 @@ def _build(compiler: str, target: str) -> str | None:
         return target
     except (OSError, subprocess.SubprocessError) as e:
         detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[:500]
-        logger.info(f"Could not build the fast 8-bit kernel in {os.path.dirname(target)} ({e}; {detail})")
+        logger.info(f"Could not build the fast 8-bit kernel in {directory} ({e}; {detail})")
         with contextlib.suppress(OSError):
             os.unlink(partial)
         return None
@@ -521,22 +521,17 @@ def quantize_to_buffer(source: torch.Tensor) -> bytes:
     buffer[:4] = torch.tensor(list(header), dtype=torch.uint8)
     base, data = buffer.data_ptr(), flat.data_ptr()
     absmax, codes = base + 4, base + 4 + 4 * num_blocks
-    fast = _fast_kernel()
-    if fast is not None:
+    fast, code = _fast_kernel(), dynamic_code().data_ptr()
 
-        def share(lo: int, hi: int) -> None:
+    def share(lo: int, hi: int) -> None:
+        if fast is not None:
             fast.quantize(data, absmax, codes, lo, hi, BLOCKSIZE)
-
-        _Shares(share, numel, helper_count()).run()
-    else:
-        code = dynamic_code().data_ptr()
-
-        def share(lo: int, hi: int) -> None:
+        else:
             _run_native(
                 kernel, code, data + 4 * lo, absmax + 4 * (lo // BLOCKSIZE), codes + lo, BLOCKSIZE, hi - lo
             )
 
-        _Shares(share, numel, helper_count()).run()
+    _Shares(share, numel, helper_count()).run()
     return buffer.numpy().tobytes()
 
 
