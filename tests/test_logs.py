@@ -75,3 +75,65 @@ def test_a_receiver_dying_in_the_resource_sharer_is_not_a_traceback(tmp_path) ->
     quiet = subprocess.run([sys.executable, str(script), "quiet"], capture_output=True, text=True, timeout=60)
     assert "done" in quiet.stdout and "resource_sharer" not in quiet.stderr, quiet.stderr
     assert "ValueError: not routine" in quiet.stderr
+
+
+_VANISHED_SENDER_SCRIPT = r"""
+import multiprocessing, socket, sys, time
+from multiprocessing import resource_sharer
+from multiprocessing.reduction import ForkingPickler
+import torch
+import hivemind
+from lightning_swarm.swarm.footprint import trim_footprint
+trim_footprint()  # as a swarm peer: tensors are shared by file descriptor, handed over by the resource sharer
+if sys.argv[1] == "quiet":
+    from lightning_swarm.swarm.logs import quiet_routine_logs
+    quiet_routine_logs()
+dht = hivemind.DHT(start=True)
+
+
+def send_and_vanish():  # sends the DHT a request carrying a tensor, then vanishes mid-handshake
+    shared = torch.zeros(4).share_memory_()
+    message = bytes(ForkingPickler.dumps(("get", (shared,), {})))  # registers the tensor's fd with this sharer
+    address = resource_sharer._resource_sharer._address
+    resource_sharer._resource_sharer.stop()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    listener.listen(1)
+    dht._outer_pipe.send_bytes(message)
+    conn, _ = listener.accept()  # the DHT process asks for the descriptor: the sender is gone before answering
+    conn.close()
+
+
+sender = multiprocessing.get_context("fork").Process(target=send_and_vanish)
+sender.start()
+sender.join()
+assert sender.exitcode == 0
+time.sleep(1.0)
+assert dht.is_alive(), "the DHT process died"
+dht.store("key", "value", hivemind.utils.get_dht_time() + 60)
+assert dht.get("key", latest=True).value == "value"
+dht.shutdown()
+print("done", flush=True)
+"""
+
+
+def test_a_dht_request_whose_sender_vanished_is_dropped_not_fatal(tmp_path) -> None:
+    """Real hivemind DHT process and ``multiprocessing`` resource sharer: a request carrying a tensor from a
+    process that exits mid-handshake ends the DHT process with a traceback, unless :func:`quiet_routine_logs` is
+    installed; then the DHT drops that request quietly and keeps serving."""
+    import subprocess
+
+    script = tmp_path / "vanished.py"
+    script.write_text(_VANISHED_SENDER_SCRIPT)
+    runs = {
+        mode: subprocess.Popen(
+            [sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for mode in ("loud", "quiet")
+    }
+    (loud_out, loud_err), (quiet_out, quiet_err) = (
+        runs[m].communicate(timeout=120) for m in ("loud", "quiet")
+    )
+    assert "EOFError" in loud_err and "done" not in loud_out, loud_err[-3000:]
+    assert "done" in quiet_out, quiet_err[-3000:]
+    assert "Traceback" not in quiet_err and "ERROR" not in quiet_err, quiet_err[-3000:]

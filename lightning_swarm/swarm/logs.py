@@ -13,6 +13,12 @@ descriptor to the process that receives it through a pipe, as between a peer and
 that died mid-handshake through ``sys.excepthook``, with a traceback. When a peer is killed that is expected;
 :func:`quiet_routine_logs` installs a hook that turns exactly that (a connection error raised in the sharer's
 serving loop) into one DEBUG line, and passes every other exception to the previous hook.
+
+The receiving side of that race is a hivemind helper process (the DHT, an averager) reading a request whose tensor
+was sent by a process that exited before handing the tensor's descriptor over. hivemind skips a request it cannot
+read when the error is an ``OSError``, but the sharer's handshake reports a sender that went away mid-handshake as
+``EOFError``, which ends the helper process with a traceback. :func:`quiet_routine_logs` makes the sharer report it
+as ``ConnectionResetError`` (what it is), so the helper drops that one request and carries on, logged at DEBUG.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import traceback
 from typing import Any
 
 __all__ = ["quiet_routine_logs", "RoutineFilter"]
+
+_SENDER_GONE = "exited before handing it over"
 
 # (logger name prefix, message pattern, level it becomes, concise message or None to keep the text)
 _ROUTINE: list[tuple[str, re.Pattern[str], int, str | None]] = [
@@ -57,8 +65,9 @@ _ROUTINE: list[tuple[str, re.Pattern[str], int, str | None]] = [
     # matchmaking cancelled when a round ends or gives up: its tasks are closed mid-await
     ("hivemind.utils.asyncio", re.compile(r"GeneratorExit|CancelledError"), logging.DEBUG, None),
     ("asyncio", re.compile(r"aclose\(\): asynchronous generator is already running"), logging.DEBUG, None),
-    # a request reached the DHT process from a process that has exited: its pipe can no longer be fetched
-    ("hivemind.dht", re.compile(r"rebuild_connection|resource_sharer"), logging.DEBUG, None),
+    # a request reached the DHT or an averager process from a process that has exited: what it carried (a pipe,
+    # a tensor's descriptor) can no longer be fetched; the helper drops that request and goes on
+    ("hivemind", re.compile(r"rebuild_connection|resource_sharer|" + _SENDER_GONE), logging.DEBUG, None),
     # hivemind's averager finishing a round that its optimizer had just cancelled (a benign race in 1.1.12)
     ("asyncio", re.compile(r"Can't set_result to a future that is CANCELLED"), logging.DEBUG, None),
     ("asyncio", re.compile(r"Task was destroyed but it is pending.*hivemind", re.S), logging.DEBUG, None),
@@ -117,6 +126,28 @@ def quiet_routine_logs() -> None:
                 handler.addFilter(_FILTER)
     if not isinstance(sys.excepthook, _SharerExceptHook):
         sys.excepthook = _SharerExceptHook(sys.excepthook)
+    _sender_gone_is_a_connection_error()
+
+
+def _sender_gone_is_a_connection_error() -> None:
+    """Make ``multiprocessing``'s resource sharer report a sender that vanished mid-handshake as
+    ``ConnectionResetError`` instead of ``EOFError`` (see the module docstring); idempotent."""
+    from multiprocessing import resource_sharer
+
+    detach = resource_sharer.DupFd.detach
+    if getattr(detach, "_lightning_swarm", False):
+        return
+
+    def _detach(self: Any) -> Any:
+        try:
+            return detach(self)
+        except EOFError as error:
+            raise ConnectionResetError(
+                f"The process that sent this shared resource {_SENDER_GONE}"
+            ) from error
+
+    _detach._lightning_swarm = True  # type: ignore[attr-defined]
+    resource_sharer.DupFd.detach = _detach
 
 
 def _in_resource_sharer(tb: Any) -> bool:
