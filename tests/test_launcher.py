@@ -171,3 +171,63 @@ def test_a_signal_to_the_process_group_stops_a_training_local_swarm_promptly(tmp
         for p in pids:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+_SWALLOWED_CTRL_C = r"""
+import os, signal, sys, weakref
+from lightning_swarm.strategy import SwarmStrategy
+from lightning_swarm.swarm.lifetime import latch_interrupts
+
+if sys.argv[1] == "latched":
+    latch_interrupts()
+
+
+class Garbage:
+    pass
+
+
+def callback(ref):  # a weakref callback, run by the garbage collector wherever the main thread is
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C arrives now: KeyboardInterrupt is raised in here
+    for _ in range(100_000):
+        pass
+
+
+obj = Garbage()
+ref = weakref.ref(obj, callback)
+del obj
+print("carried on", flush=True)
+strategy = SwarmStrategy(num_stages=2)
+for attempt in range(2):
+    try:
+        strategy._stop_requested()  # what the peer polls before every stage call and while it waits
+        print("not raised", flush=True)
+    except KeyboardInterrupt as e:
+        print("raised", flush=True)
+        strategy.on_exception(e)  # Lightning hands the interrupt to the strategy: it is not raised twice
+"""
+
+
+def test_a_ctrl_c_swallowed_by_a_weakref_callback_is_raised_at_the_next_stage_call(tmp_path):
+    """Real SIGINT: Python swallows a KeyboardInterrupt raised in a weakref callback ("Exception ignored", and the
+    program carries on). Latched (what ``SwarmStrategy`` does), the peer's next poll raises it, once, and the
+    swallowed one is not reported as an error."""
+    script = tmp_path / "swallowed.py"
+    script.write_text(_SWALLOWED_CTRL_C)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    runs = {
+        mode: subprocess.Popen(
+            [sys.executable, str(script), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for mode in ("plain", "latched")
+    }
+    (plain_out, plain_err), (latched_out, latched_err) = (
+        runs[m].communicate(timeout=120) for m in ("plain", "latched")
+    )
+    assert plain_out.split() == ["carried", "on", "not", "raised", "not", "raised"], plain_err[-2000:]
+    assert "Exception ignored" in plain_err and "KeyboardInterrupt" in plain_err
+    assert latched_out.split() == ["carried", "on", "raised", "not", "raised"], latched_err[-2000:]
+    assert "Exception ignored" not in latched_err and "Traceback" not in latched_err, latched_err

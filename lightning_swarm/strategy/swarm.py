@@ -23,7 +23,12 @@ from typing_extensions import override
 
 from lightning_swarm.strategy.launcher import _SwarmLauncher
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
-from lightning_swarm.swarm.lifetime import die_with_parent
+from lightning_swarm.swarm.lifetime import (
+    die_with_parent,
+    interrupt_handled,
+    latch_interrupts,
+    raise_pending_interrupt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +223,7 @@ class SwarmStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         die_with_parent()  # hivemind's helper processes (DHT, averagers) must not outlive this peer
+        latch_interrupts()  # a Ctrl-C swallowed by a weakref callback is raised again at the next stage call
         local_swarm = self.world_size if self.world_size > 1 else None
         rendezvous = None
         if local_swarm is not None:
@@ -237,7 +243,9 @@ class SwarmStrategy(ParallelStrategy):
 
     def _stop_requested(self) -> bool:
         """Whether this process got SIGTERM during the run (Lightning's flag): the peer's waits end at once, and
-        Lightning stops the run after the current step."""
+        Lightning stops the run after the current step. A Ctrl-C that Python swallowed (in a weakref callback) is
+        raised here, on the main thread (see ``lifetime.latch_interrupts``)."""
+        raise_pending_interrupt()
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
         return bool(trainer is not None and trainer.received_sigterm)
@@ -321,6 +329,8 @@ class SwarmStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        if isinstance(exception, KeyboardInterrupt):
+            interrupt_handled()
 
     @override
     def teardown(self) -> None:

@@ -19,7 +19,15 @@ peer that is still leaving turned a clean stop into a minute of failed calls and
 another program (``subprocess`` with a ``preexec_fn``, e.g. the launcher's peers) are left in their group when
 started inside :func:`exec_children`.
 
-Linux only; elsewhere these functions do nothing.
+A Ctrl-C must not be lost either. Python raises ``KeyboardInterrupt`` wherever the main thread happens to be; when
+that is a weakref callback or a ``__del__`` (the garbage collector runs them at any allocation), Python prints
+"Exception ignored in ..." with a traceback and carries on: the peer trains on while its neighbours stop.
+:func:`latch_interrupts` makes the SIGINT handler also set a flag, which the peer's waits poll
+(:func:`raise_pending_interrupt`, on every stage call and while waiting for peers): a swallowed Ctrl-C is raised
+again there, and its "ignored" report is not printed. :func:`interrupt_handled` clears it once the interrupt has
+reached the trainer.
+
+Linux only, except the Ctrl-C latch; elsewhere the other functions do nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +45,15 @@ from typing import Any
 
 from .footprint import p2pd_env
 
-__all__ = ["die_with_parent", "exec_children", "set_parent_death_signal", "sigint_kept"]
+__all__ = [
+    "die_with_parent",
+    "exec_children",
+    "interrupt_handled",
+    "latch_interrupts",
+    "raise_pending_interrupt",
+    "set_parent_death_signal",
+    "sigint_kept",
+]
 
 _PR_SET_PDEATHSIG = 1
 _installed_in_pid: int | None = None
@@ -89,6 +105,52 @@ def sigint_kept() -> Iterator[None]:
     finally:
         if handler is not None and signal.getsignal(signal.SIGINT) is not handler:
             signal.signal(signal.SIGINT, handler)
+
+
+_interrupt_pending = False
+
+
+def _latched_sigint(signum: int, frame: Any) -> None:
+    global _interrupt_pending
+    _interrupt_pending = True
+    raise KeyboardInterrupt
+
+
+def latch_interrupts() -> None:
+    """Make a Ctrl-C in this process impossible to lose (see the module docstring). Call on the main thread;
+    idempotent. A SIGINT handler other than Python's default (one the user set, or SIGINT ignored) is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _latched_sigint)
+    if not isinstance(sys.unraisablehook, _LatchedInterruptHook):
+        sys.unraisablehook = _LatchedInterruptHook(sys.unraisablehook)
+
+
+def raise_pending_interrupt() -> None:
+    """On the main thread, raise the ``KeyboardInterrupt`` of a Ctrl-C that has not reached the trainer yet."""
+    global _interrupt_pending
+    if _interrupt_pending and threading.current_thread() is threading.main_thread():
+        _interrupt_pending = False
+        raise KeyboardInterrupt
+
+
+def interrupt_handled() -> None:
+    """The pending Ctrl-C has reached the trainer (which is stopping): nothing to raise again."""
+    global _interrupt_pending
+    _interrupt_pending = False
+
+
+class _LatchedInterruptHook:
+    """``sys.unraisablehook`` that does not print a latched ``KeyboardInterrupt``: it will be raised again."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+
+    def __call__(self, unraisable: Any) -> None:
+        if _interrupt_pending and isinstance(unraisable.exc_value, KeyboardInterrupt):
+            return
+        self.previous(unraisable)
 
 
 def _before_fork() -> None:
