@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -483,6 +485,36 @@ def test_state_and_optimizer_step_after_target_batch(dhts, cleanup) -> None:
     for k in expected:
         torch.testing.assert_close(after[k], expected[k], atol=1e-5, rtol=0)
     assert server.info()["epoch"] == 1
+
+
+def test_starting_a_stage_never_leaves_this_process_ignoring_ctrl_c(dhts, cleanup) -> None:
+    """hivemind's averagers set SIGINT to be ignored in the process that starts them, for as long as they start: a
+    Ctrl-C then is lost. Starting a stage (two averagers) leaves this process's SIGINT as it is throughout, and
+    the forked averagers ignore SIGINT themselves."""
+    assert threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT)
+    seen: set = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.add(signal.getsignal(signal.SIGINT))
+            time.sleep(0.0002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        server = _serve(cleanup, dhts["server1"], _run_id("sigint"), nn.Linear(3, 3), target_batch_size=4)
+    finally:
+        done.set()
+        watcher.join()
+    assert seen == {before} and signal.getsignal(signal.SIGINT) is before
+    averagers = [server.optimizer.state_averager, server.optimizer.grad_averager]
+    assert all(a is not None and a.is_alive() for a in averagers)
+    for averager in averagers:
+        with open(f"/proc/{averager.pid}/status") as f:
+            ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (signal.SIGINT - 1)), f"averager {averager.pid} does not ignore SIGINT"
 
 
 @pytest.mark.timeout(120)

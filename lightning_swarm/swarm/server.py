@@ -52,6 +52,7 @@ import asyncio
 import functools
 import logging
 import math
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -76,7 +77,6 @@ from torch import nn
 from ._loop import replicate_p2p, run_coroutine
 from .batching import RequestBatcher, concat_payloads, mixes_rows, split_payload
 from .codec import CodecError, TooLarge, all_finite, check_encodable
-from .lifetime import sigint_kept
 from .payload import Payload
 from .protocol import (
     COMPUTE,
@@ -1276,17 +1276,20 @@ class _GuardedAveraging:
 
 
 class _StartsInAnyThread:
-    """hivemind's averagers set SIGINT to be ignored in the calling process when they start, which only the main
-    thread may do; a peer that migrates starts its new stage's averagers in a background thread. There they start
-    without touching the signal; on the main thread the peer's own SIGINT handler is put back (Ctrl-C stops it)."""
+    """hivemind's averagers set SIGINT to be ignored in the *calling* process before they fork, so that the forked
+    averager inherits it; only the main thread may do that, and a Ctrl-C that comes while the averager starts
+    (a second or more) would be lost by the peer. These start from any thread without touching this process's
+    SIGINT (a peer that migrates starts its new stage's averagers in a background thread); the forked averager
+    ignores SIGINT itself, first thing (it is already in a process group of its own, see ``lifetime``)."""
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
-        if threading.current_thread() is threading.main_thread():
-            with sigint_kept():  # the forked averager ignores SIGINT; this peer keeps its Ctrl-C
-                return super().run_in_background(await_ready=await_ready, timeout=timeout)  # type: ignore[misc]
         self.start()  # type: ignore[attr-defined]
         if await_ready:
             self.wait_until_ready(timeout)  # type: ignore[attr-defined]
+
+    def run(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the peer stops its averagers itself, in order
+        super().run()  # type: ignore[misc]
 
 
 class _StateAverager(_StartsInAnyThread, _GuardedAveraging, TrainingStateAverager, _LoadProbe):
