@@ -909,35 +909,26 @@ class StageServer(StageService):
                     error = _error(-1, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running"))
                     yield _reply(error)
                     continue
-                outbox: asyncio.Queue = asyncio.Queue()
 
                 def serve(
-                    received: MessageReceiver = received, outbox: asyncio.Queue = outbox
-                ) -> runtime_pb2.ExpertResponse:
-                    # every message but the last is handed over as soon as it is encoded (a pipelined reply); the
-                    # last comes back as the result, so a one-message reply costs a single wake-up of the loop
-                    last = None
-                    for reply in self._serve_received(received, peer):
-                        if last is not None:
-                            loop.call_soon_threadsafe(outbox.put_nowait, last)
-                        last = reply
-                    assert last is not None
-                    return last
+                    received: MessageReceiver = received,
+                ) -> tuple[runtime_pb2.ExpertResponse, Iterator[runtime_pb2.ExpertResponse]]:
+                    # the compute thread serves the call and encodes the reply's first message; the others are
+                    # encoded below, on the loop, each as the previous one goes out (a large reply's parts:
+                    # quantizing part i + 1 overlaps with sending part i, without a thread hand-over per part)
+                    replies = self._serve_received(received, peer)
+                    return next(replies), replies
 
-                done = loop.run_in_executor(self._executor, serve)
+                message, rest = await loop.run_in_executor(self._executor, serve)
                 while True:
-                    getter = asyncio.ensure_future(outbox.get())
-                    finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
-                    if getter in finished:
-                        yield getter.result()
-                        continue
-                    getter.cancel()
-                    break
-                while not outbox.empty():  # handed over just before the last one
-                    yield outbox.get_nowait()
-                self._calls_by_peer[peer] -= 1
-                counted = False
-                yield done.result()
+                    last = bool(message.metadata)  # the reply's header travels in its last message
+                    if last:
+                        self._calls_by_peer[peer] -= 1
+                        counted = False
+                    yield message
+                    if last:
+                        break
+                    message = next(rest)  # never raises: a failure becomes an error reply (with its header)
         finally:
             if counted:
                 self._calls_by_peer[peer] -= 1

@@ -20,9 +20,7 @@ import asyncio
 import itertools
 import logging
 import math
-import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -54,10 +52,10 @@ Msg = TypeVar("Msg", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 MESSAGE_BYTES = 64 * 1024
 # Payloads whose encoded size exceeds this are cut into block-aligned parts (64 Ki elements each, see
 # codec.PART_ELEMENTS) and pipelined: the sender encodes part i + 1 while part i is on the wire, the receiver
-# decodes part i while part i + 1 is in flight. Smaller payloads go as one message each way: every extra message
-# costs thread wake-ups, and on a 2-core box those cost more than the overlap saves (1 MiB of fp32 in 8 bits over a
-# 1 Gbit/s link, measured interleaved in the same processes: 9.9-10.3 ms as one message each way, 12.4-13.0 ms in two
-# messages, 14.8 ms against 11.5 in four; see README).
+# decodes part i while part i + 1 is in flight (both on the event loop, without a thread hand-over per message).
+# Smaller payloads go as one message each way: on a 2-core box a hop is bound by the CPU, not the wire, and the
+# parts' codec work competes with the daemons moving the earlier parts (1 MiB of fp32 in 8 bits over a 1 Gbit/s
+# link, interleaved runs: 11-14 ms as one message each way, 13-25 ms in parts of 64 Ki elements; see README).
 SPLIT_ABOVE = 2 * 1024 * 1024 - 64 * 1024
 _END = object()
 
@@ -76,11 +74,11 @@ def messages(
     batch: list[runtime_pb2.Tensor] = []
     size = 0
     for part in parts:
-        if size >= message_bytes:
-            yield message_type(tensors=batch)
-            batch, size = [], 0
         batch.append(part)
         size += len(part.buffer) + 32
+        if size >= message_bytes:  # full: out now, before the next part is encoded
+            yield message_type(tensors=batch)
+            batch, size = [], 0
     yield message_type(tensors=batch, metadata=header)
 
 
@@ -212,10 +210,10 @@ class P2PTransport:
             reused = channel.calls > 0
             try:
                 parts = itertools.chain.from_iterable(p.parts() for p in payloads)
-                streamed = any(p.split for p in payloads)
-                size = MESSAGE_BYTES if streamed else math.inf  # not split: everything in one message
+                split = any(p.split for p in payloads)
+                size = MESSAGE_BYTES if split else math.inf  # not split: everything in one message
                 outgoing = messages(runtime_pb2.ExpertRequest, parts, header, size)
-                reply_header, tensors, sent, recv = channel.call(outgoing, timeout or self.timeout, streamed)
+                reply_header, tensors, sent, recv = channel.call(outgoing, timeout or self.timeout)
             except Exception as e:
                 channel.close()
                 if reused and not fresh_attempt and not isinstance(e, TimeoutError):
@@ -263,7 +261,14 @@ class P2PTransport:
 
 
 class _Channel:
-    """A long-lived stream to one stage of one peer (``StageServer.rpc_channel``), one call at a time."""
+    """A long-lived stream to one stage of one peer (``StageServer.rpc_channel``), one call at a time.
+
+    A call runs on the swarm event loop from start to end, with one hand-over from the calling thread and one
+    back: the request's messages are encoded there one at a time, each as the previous one goes on the wire (a
+    tensor's parts are encoded lazily, so quantizing part ``i + 1`` overlaps with sending part ``i``), and the
+    reply's messages are decoded as they arrive. Handing every message between threads instead costs a wake-up
+    of each thread per message, which on a busy 2-core machine costs more than the overlap saves.
+    """
 
     def __init__(self, stub: Any):
         self.stub = stub
@@ -275,94 +280,63 @@ class _Channel:
         outbox: asyncio.Queue = asyncio.Queue()
 
         async def outgoing() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            while (request := await outbox.get()) is not None:
-                yield request
+            while (item := await outbox.get()) is not None:
+                message, taken = item
+                if not taken.done():
+                    taken.set_result(None)  # the sender may encode the next message: this one is written now
+                yield message
 
         self._outbox = outbox
         self._replies = await self.stub.rpc_channel(outgoing())
 
-    async def _receive(self, inbox: queue.SimpleQueue) -> None:
-        """Move this call's reply messages into ``inbox`` as they arrive (runs on the swarm event loop)."""
-        while True:
-            try:
-                message = await self._replies.__anext__()
-            except StopAsyncIteration:
-                raise TransportError("the peer closed the channel") from None
-            inbox.put(message)
-            if message.metadata:
-                return
-
-    async def _roundtrip(self, message: runtime_pb2.ExpertRequest) -> list[runtime_pb2.ExpertResponse]:
-        """Send a one-message request and collect the reply's messages (runs on the swarm event loop)."""
+    async def _exchange(self, outgoing: Iterator[runtime_pb2.ExpertRequest]) -> tuple[bytes, list, int, int]:
+        """Send the request's messages and decode the reply's (runs on the swarm event loop)."""
         if self._replies is None:
             await self._open()
         assert self._outbox is not None
-        self._outbox.put_nowait(message)
-        replies = []
+        loop = asyncio.get_running_loop()
+        receiving = asyncio.ensure_future(self._receive())
+        sent = 0
+        try:
+            for message in outgoing:  # encoded here, one message at a time
+                sent += message.ByteSize()
+                taken = loop.create_future()
+                self._outbox.put_nowait((message, taken))
+                # hivemind's writer takes it and writes it before this task resumes; a reply (or a broken
+                # channel) before the request's end stops the sending
+                await asyncio.wait((taken, receiving), return_when=asyncio.FIRST_COMPLETED)
+                if receiving.done():
+                    break
+            header, tensors, received = await receiving
+        finally:
+            if not receiving.done():
+                receiving.cancel()
+        return header, tensors, sent, received
+
+    async def _receive(self) -> tuple[bytes, list, int]:
+        """The reply: its messages decoded as they arrive, each while the next is in flight."""
+        receiver = _reply_receiver()
+        received = 0
         while True:
             try:
                 reply = await self._replies.__anext__()
             except StopAsyncIteration:
                 raise TransportError("the peer closed the channel") from None
-            replies.append(reply)
-            if reply.metadata:
-                return replies
+            received += reply.ByteSize()
+            if receiver.feed(reply):
+                break
+        try:
+            header, tensors = receiver.result()
+        except CodecError as e:
+            raise ProtocolError(f"the reply's tensors are malformed: {e}") from e
+        return header, tensors, received
 
     def call(
-        self, outgoing: Iterator[runtime_pb2.ExpertRequest], timeout: float, streamed: bool = True
+        self, outgoing: Iterator[runtime_pb2.ExpertRequest], timeout: float
     ) -> tuple[bytes, list, int, int]:
-        """Send the messages and decode the reply's; bounded by ``timeout``.
-
-        ``streamed``: the request is several messages, encoded lazily here and sent one by one as they are ready
-        while the reply is decoded as it comes. Otherwise the one message makes a single round trip on the event
-        loop (fewer thread wake-ups, which matter on a busy machine).
-        """
-        if not streamed:
-            (message,) = list(outgoing)
-            replies = run_coroutine(asyncio.wait_for(self._roundtrip(message), timeout), timeout=timeout + 5)
-            receiver = _reply_receiver()
-            for reply in replies:
-                receiver.feed(reply)
-            try:
-                header, tensors = receiver.result()
-            except CodecError as e:
-                raise ProtocolError(f"the reply's tensors are malformed: {e}") from e
-            return header, tensors, message.ByteSize(), sum(reply.ByteSize() for reply in replies)
-        loop = get_loop()
-        deadline = time.monotonic() + timeout
-        if self._replies is None:
-            run_coroutine(self._open(), timeout=timeout)
-        outbox = self._outbox
-        assert outbox is not None
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        future = asyncio.run_coroutine_threadsafe(self._receive(inbox), loop)
-        future.add_done_callback(lambda _: inbox.put(_END))
-        sent = recv = 0
-        try:
-            for message in outgoing:
-                sent += message.ByteSize()
-                loop.call_soon_threadsafe(outbox.put_nowait, message)
-                if future.done():
-                    break  # the channel already failed: stop encoding
-            receiver = _reply_receiver()
-            while True:
-                message = inbox.get(timeout=max(0.0, deadline - time.monotonic()))
-                if message is _END:
-                    future.result()  # the transport's error, if any
-                    raise TransportError("the channel ended without a reply")
-                recv += message.ByteSize()
-                if receiver.feed(message):
-                    break
-            try:
-                header, tensors = receiver.result()
-            except CodecError as e:
-                raise ProtocolError(f"the reply's tensors are malformed: {e}") from e
-            return header, tensors, sent, recv
-        except queue.Empty:
-            raise TimeoutError(f"the peer did not reply within {timeout} s") from None
-        finally:
-            if not future.done():
-                future.cancel()
+        """Send the messages (encoded lazily, on the event loop) and decode the reply's; bounded by ``timeout``.
+        Returns the reply's header and tensors and the bytes sent and received."""
+        return run_coroutine(asyncio.wait_for(self._exchange(outgoing), timeout), timeout=timeout + 5)
 
     def close(self) -> None:
         """End the stream (from any thread; idempotent)."""
