@@ -253,15 +253,14 @@ class _Shares:
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_q8.c")
 _CFLAGS = ("-O3", "-std=c99", "-fPIC", "-shared")
-_ENTRY = 8  # bytes per table entry: float32 threshold, uint8 below, uint8 above, 2 unused (see _q8.c)
 _MAX_BLOCK = 4096  # LS_MAX_BLOCK in _q8.c
 
 
 class _FastKernel:
     """The compiled ``_q8.c`` and its mapping table."""
 
-    def __init__(self, lib: ctypes.CDLL, table: torch.Tensor) -> None:
-        self.lib, self.table = lib, table
+    def __init__(self, lib: ctypes.CDLL, table: torch.Tensor, thresholds: torch.Tensor) -> None:
+        self.lib, self.table, self.thresholds = lib, table, thresholds
         self.table_ptr = table.data_ptr()
         self.code_ptr = dynamic_code().data_ptr()
 
@@ -409,13 +408,14 @@ def _fast_codes(fast: _FastKernel, values: torch.Tensor) -> torch.Tensor:
     return _codes_of(run, values)
 
 
-def _mapping_table(kernel: Any) -> torch.Tensor:
-    """The table ``_q8.c`` looks codes up in, built from bitsandbytes' kernel (~20 ms).
+def _mapping_table(kernel: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table ``_q8.c`` looks codes up in, built from bitsandbytes' kernel (~20 ms), and each entry's threshold.
 
     Entry ``k`` covers the floats whose top 16 bits are ``k``. Those in [-1, 1] (the only normalised values a
     block has, besides NaN) take bitsandbytes' code; where it changes inside the bucket, the first float with
-    the new code is found by bisection. Other buckets hold NaN (from a block of zeros or a NaN input), which
-    bitsandbytes maps to code 0, as does every such entry.
+    the new code (in value order) is found by bisection: the bucket's threshold (``inf`` where the code does not
+    change). Other buckets hold NaN (from a block of zeros or a NaN input), which bitsandbytes maps to code 0, as
+    does every such entry. Returns ``(entries, thresholds)``: see :func:`_pack_entries` for the entries.
     """
     keys = torch.arange(1 << 16, dtype=torch.int64)
     first, last = _floats(keys << 16), _floats((keys << 16) | 0xFFFF)
@@ -434,11 +434,35 @@ def _mapping_table(kernel: Any) -> torch.Tensor:
         moved = _reference_codes(kernel, _from_ordinal(mid)) != base
         hi, lo = torch.where(moved, mid, hi), torch.where(moved, lo, mid)
     threshold[changes] = _from_ordinal(hi)
-    table = torch.zeros(1 << 16, _ENTRY, dtype=torch.uint8)
-    table[inside, :4] = threshold.view(torch.uint8).view(-1, 4)
-    table[inside, 4] = below
-    table[inside, 5] = above
-    return table
+    thresholds = torch.full((1 << 16,), float("inf"))
+    codes_below = torch.zeros(1 << 16, dtype=torch.int64)
+    codes_above = torch.zeros(1 << 16, dtype=torch.int64)
+    thresholds[inside], codes_below[inside], codes_above[inside] = threshold, below.long(), above.long()
+    return _pack_entries(thresholds, codes_below, codes_above), thresholds
+
+
+def _pack_entries(thresholds: torch.Tensor, below: torch.Tensor, above: torch.Tensor) -> torch.Tensor:
+    """``_q8.c``'s uint32 entries: ``T | Y << 16 | X << 24``, a value whose low 16 bits are ``>= T`` taking code
+    ``X`` and the others ``Y``, for buckets where values ``>=`` the threshold take ``above`` and the others
+    ``below``. Within a bucket (same sign, exponent and top mantissa bits) the value order is the order of the
+    low 16 bits for positive floats and its reverse for negative ones."""
+    keys = torch.arange(1 << 16, dtype=torch.int64)
+    finite = torch.isfinite(thresholds)
+    bits = thresholds.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if bool(((bits >> 16) != keys)[finite].any()):
+        raise AssertionError("a threshold lies outside its bucket")
+    negative = keys >= 1 << 15
+    low = bits & 0xFFFF
+    # positive: v >= t <=> low16(v) >= low16(t); negative: v >= t <=> low16(v) <= low16(t) < low16(t) + 1
+    cut = torch.where(negative, low + 1, low)
+    take, other = torch.where(negative, below, above), torch.where(negative, above, below)
+    # one code for the whole bucket: no change inside it, or a negative bucket whose threshold is its last float
+    single = ~finite | (cut > 0xFFFF)
+    code = torch.where(finite, above, below)
+    take, other = torch.where(single, code, take), torch.where(single, code, other)
+    cut = torch.where(single, torch.zeros_like(cut), cut)
+    entries = cut | (other << 16) | (take << 24)
+    return torch.from_numpy(entries.numpy().astype(np.uint32).view(np.int32).copy())
 
 
 def _self_check(fast: _FastKernel, kernel: Any, dekernel: Any) -> bool:
@@ -489,7 +513,7 @@ def _load_fast_kernel() -> _FastKernel | None:
     lib = _compile()
     if lib is None:
         return None
-    fast = _FastKernel(lib, _mapping_table(kernel))
+    fast = _FastKernel(lib, *_mapping_table(kernel))
     if not _self_check(fast, kernel, dekernel):
         logger.warning(
             "The fast 8-bit kernel does not reproduce this bitsandbytes' output; using bitsandbytes' kernels "
