@@ -5,7 +5,7 @@ kernels and threads lives here.
 
 Two kernels give the same bytes:
 
-- the *fast* one (``_q8.c``, ~4x faster than bitsandbytes' on one core): bitsandbytes' quantizer maps each
+- the *fast* one (``_q8.c``, ~6x faster than bitsandbytes' on one core): bitsandbytes' quantizer maps each
   value, divided by its block's absmax, to a code with a bucketed search; that mapping depends only on the
   normalised float32 value, so it is tabulated once per process, from bitsandbytes' own kernel, by the value's
   top 16 bits (one threshold per bucket at most; every float in [-1, 1] is checked by
@@ -312,7 +312,7 @@ def _compile() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         logger.info(
-            "No C compiler found: the 8-bit codec uses bitsandbytes' kernels (same output, ~4x slower)"
+            "No C compiler found: the 8-bit codec uses bitsandbytes' kernels (same output, ~6x slower)"
         )
         return None
     with open(_SOURCE, "rb") as f:
@@ -326,7 +326,7 @@ def _compile() -> ctypes.CDLL | None:
         if target is not None:
             break
     if target is None:
-        logger.info("The 8-bit codec uses bitsandbytes' kernels (same output, ~4x slower)")
+        logger.info("The 8-bit codec uses bitsandbytes' kernels (same output, ~6x slower)")
         return None
     lib = ctypes.CDLL(target)  # CDLL releases the GIL during calls: helper threads run in parallel
     lib.ls_quantize.argtypes = [
