@@ -221,6 +221,8 @@ def test_a_ctrl_c_swallowed_by_a_weakref_callback_is_raised_at_the_next_stage_ca
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            # a shell starts background jobs (a CI run, say) with SIGINT ignored; Python then keeps it ignored
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         for mode in ("plain", "latched")
     }

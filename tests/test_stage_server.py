@@ -492,7 +492,8 @@ def test_starting_a_stage_never_leaves_this_process_ignoring_ctrl_c(dhts, cleanu
     Ctrl-C then is lost. Starting a stage (two averagers) leaves this process's SIGINT as it is throughout, and
     the forked averagers ignore SIGINT themselves."""
     assert threading.current_thread() is threading.main_thread()
-    before = signal.getsignal(signal.SIGINT)
+    # Python's own Ctrl-C handler, even where this process started with SIGINT ignored (a background CI job)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     seen: set = set()
     done = threading.Event()
 
@@ -508,7 +509,8 @@ def test_starting_a_stage_never_leaves_this_process_ignoring_ctrl_c(dhts, cleanu
     finally:
         done.set()
         watcher.join()
-    assert seen == {before} and signal.getsignal(signal.SIGINT) is before
+        after = signal.signal(signal.SIGINT, previous)
+    assert seen == {signal.default_int_handler} and after is signal.default_int_handler
     averagers = [server.optimizer.state_averager, server.optimizer.grad_averager]
     assert all(a is not None and a.is_alive() for a in averagers)
     for averager in averagers:
