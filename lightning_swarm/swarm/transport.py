@@ -57,7 +57,6 @@ MESSAGE_BYTES = 64 * 1024
 # parts' codec work competes with the daemons moving the earlier parts (1 MiB of fp32 in 8 bits over a 1 Gbit/s
 # link, interleaved runs: 11-14 ms as one message each way, 13-25 ms in parts of 64 Ki elements; see README).
 SPLIT_ABOVE = 2 * 1024 * 1024 - 64 * 1024
-_END = object()
 
 
 class TransportError(ConnectionError):
@@ -302,6 +301,8 @@ class _Channel:
                 sent += message.ByteSize()
                 taken = loop.create_future()
                 self._outbox.put_nowait((message, taken))
+                if message.metadata:  # the last one (it carries the header): nothing more to encode
+                    break
                 # hivemind's writer takes it and writes it before this task resumes; a reply (or a broken
                 # channel) before the request's end stops the sending
                 await asyncio.wait((taken, receiving), return_when=asyncio.FIRST_COMPLETED)
