@@ -1,7 +1,11 @@
 """One SWARM stage hop versus an echo of the same activations over the same transport, on a shaped link.
 
 A server process (its own DHT node and p2p daemon) hosts identity stages that reply in "8bit", "fp16" and
-"none", plus trivial ``ServicerBase`` echo handlers. The trainer process times, interleaved and many times:
+"none", plus trivial ``ServicerBase`` echo handlers. The trainer process times, interleaved and many times
+(``--order blocks``, the default: runs of 4 calls of each variant in turn, the first call of each run untimed, so
+that every variant is timed in its own steady state; ``--order calls``: one call of each in turn, so that every
+call follows a different variant and pays for its leftover work in the daemons, e.g. an 8-bit hop after a 1 MiB
+fp32 echo):
 
 - ``hop_<compression>``: ``SwarmClient.call_stage`` on 1 MiB of fp32 activations ([64, 4096]) under
   ``torch.no_grad()``: encode with the codec, send over the swarm's channel to the peer, identity stage, encode
@@ -50,6 +54,7 @@ from lightning_swarm.swarm.codec import COMPRESSIONS, encode_tensor, nbytes
 
 RUN_ID = "swarm_hop_bench"
 SHAPE = (64, 4096)  # 262144 floats = 1 MiB of fp32
+BLOCK = 4  # calls per variant in a row with --order blocks (the first one untimed)
 
 
 class Echo(ServicerBase):
@@ -122,7 +127,7 @@ def serve(host: str) -> None:
     dht.shutdown()
 
 
-def measure(host: str, server_info: dict, reps: int, warmup: int = 10) -> dict:
+def measure(host: str, server_info: dict, reps: int, order: str = "blocks", warmup: int = 10) -> dict:
     """The trainer side: time every variant, interleaved; returns the JSON summary."""
     dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=server_info["maddrs"])
     server_peer = PeerID.from_base58(server_info["peer_id"])
@@ -161,12 +166,20 @@ def measure(host: str, server_info: dict, reps: int, warmup: int = 10) -> dict:
             out = fn()  # also discovers the peers
             errors[name] = ((out - x).norm() / x.norm()).item()
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for rep in range(warmup + reps):
-            for name, fn in variants.items():  # interleaved, so that load changes hit every variant alike
-                start = time.perf_counter()
-                fn()
-                if rep >= warmup:
-                    times[name].append((time.perf_counter() - start) * 1e3)
+        # interleaved, so that load changes hit every variant alike: one call of each variant in turn
+        # (order "calls"), or short runs of each variant in turn (order "blocks", the default): a call that
+        # follows a different variant pays for that variant's leftover work in the daemons and the kernel (an
+        # 8-bit hop right after a 1 MiB fp32 echo is ~10% slower than right after another hop), so each run's
+        # first call is not timed and every variant is timed in its own steady state
+        block = 1 if order == "calls" else BLOCK
+        rounds = reps if block == 1 else -(reps // -(block - 1))
+        for rep in range(warmup + rounds):
+            for name, fn in variants.items():
+                for call in range(block):
+                    start = time.perf_counter()
+                    fn()
+                    if rep >= warmup and (block == 1 or call > 0) and len(times[name]) < reps:
+                        times[name].append((time.perf_counter() - start) * 1e3)
         medians = {name: statistics.median(values) for name, values in times.items()}
         bytes_on_wire = {c: nbytes([encode_tensor(x, c)]) for c in COMPRESSIONS}
         for name in variants:
@@ -189,6 +202,7 @@ def measure(host: str, server_info: dict, reps: int, warmup: int = 10) -> dict:
             "bytes_on_wire_fp16": bytes_on_wire["fp16"],
             "rel_error_8bit": round(errors["hop_8bit"], 5),
             "reps": reps,
+            "order": order,
             "load_avg_1m": round(os.getloadavg()[0], 2),  # these figures move a lot on a busy machine
             "cpu_count": os.cpu_count(),
         }
@@ -228,6 +242,13 @@ def main() -> None:
         "Mbit/s each way (needs root; default: both on loopback, unshaped)",
     )
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added to the shaped link")
+    parser.add_argument(
+        "--order",
+        choices=("blocks", "calls"),
+        default="blocks",
+        help="interleave the variants in runs of 4 calls, the first untimed (blocks: each variant in its own "
+        "steady state), or one call at a time (calls: each call follows a different variant)",
+    )
     parser.add_argument("--serve", metavar="HOST", help=argparse.SUPPRESS)
     parser.add_argument("--client", metavar="HOST", help=argparse.SUPPRESS)
     parser.add_argument("--server-info", help=argparse.SUPPRESS)
@@ -237,7 +258,7 @@ def main() -> None:
         return
     reps = args.reps or (60 if args.quick else 300)
     if args.client is not None:
-        print(json.dumps(measure(args.client, json.loads(args.server_info), reps)), flush=True)
+        print(json.dumps(measure(args.client, json.loads(args.server_info), reps, args.order)), flush=True)
         return
     this = [sys.executable, os.path.abspath(__file__)]
     if args.link_mbit is None:
@@ -245,7 +266,7 @@ def main() -> None:
             [*this, "--serve", "127.0.0.1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         try:
-            result = measure("127.0.0.1", _server_info(server), reps)
+            result = measure("127.0.0.1", _server_info(server), reps, args.order)
         finally:
             _stop(server)
         print(json.dumps(result))
@@ -261,7 +282,17 @@ def main() -> None:
             info = _server_info(server)
             client = net.popen(
                 0,
-                [*this, "--client", net.address(0), "--server-info", json.dumps(info), "--reps", str(reps)],
+                [
+                    *this,
+                    "--client",
+                    net.address(0),
+                    "--server-info",
+                    json.dumps(info),
+                    "--reps",
+                    str(reps),
+                    "--order",
+                    args.order,
+                ],
                 stdout=subprocess.PIPE,
                 text=True,
             )
