@@ -363,6 +363,24 @@ def test_importing_the_engine_has_no_side_effects() -> None:
     assert "first use: LIGHTNING_SWARM_CODEC_HELPERS must be a non-negative integer" in proc.stdout
 
 
+def test_first_use_of_the_codec_prints_nothing_from_bitsandbytes() -> None:
+    """bitsandbytes 0.50, imported on a CPU with AVX512-BF16, warns that its optional ``kernels`` package (a 4-bit
+    kernel fetched from the Hugging Face hub) is missing: not this project's concern, so the codec's first use
+    lowers that one notice to DEBUG. The process prints nothing."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from lightning_swarm.swarm.codec import decode_tensor, encode_tensor\n"
+        "x = torch.randn(100000)\n"
+        "assert (decode_tensor(encode_tensor(x, '8bit')) - x).abs().max() < 0.1\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "" and proc.stdout == "", proc.stderr[-3000:]
+
+
 def _edge_tensor() -> torch.Tensor:
     """Values where a table-driven quantizer could go wrong: every block kind bitsandbytes treats specially."""
     g = torch.Generator().manual_seed(11)

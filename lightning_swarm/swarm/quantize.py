@@ -67,6 +67,33 @@ NATIVE_ENV = "LIGHTNING_SWARM_NATIVE_CODEC"
 _SHARE_ELEMENTS = 32 * BLOCKSIZE  # the unit of work the threads claim
 
 
+class _OptionalKernelNotice(logging.Filter):
+    """Lowers bitsandbytes' notice about its optional 4-bit kernel package to DEBUG (see :func:`_import_bitsandbytes`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "kernels-community" not in str(record.msg):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_NOTICE = _OptionalKernelNotice()
+
+
+def _import_bitsandbytes() -> None:
+    """Import bitsandbytes (on first use) without a WARNING that does not concern us.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50 looks for the optional ``kernels`` package (which fetches a 4-bit
+    matmul kernel from the Hugging Face hub) when it is imported, and warns in every process where it is missing.
+    This project uses no 4-bit kernel and downloads nothing, so that one notice is lowered to DEBUG (visible with
+    the ``bitsandbytes`` logger at DEBUG); every other bitsandbytes message is left as it is.
+    """
+    source = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if _NOTICE not in source.filters:
+        source.addFilter(_NOTICE)
+    import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
+
+
 @functools.cache
 def dynamic_code() -> torch.Tensor:
     """bitsandbytes' dynamic 8-bit code, with ``code[0]`` fixed to -1.0.
@@ -74,6 +101,7 @@ def dynamic_code() -> torch.Tensor:
     bitsandbytes' CPU quantizer overwrites code[0] (-0.993) with -1.0 in the tensor it is given; fixing it up
     front makes a peer that never quantized decode index 0 like the peer that encoded it.
     """
+    _import_bitsandbytes()
     import bitsandbytes.functional as bnb_functional
 
     code = bnb_functional.create_dynamic_map().to(torch.float32)
@@ -171,6 +199,7 @@ def _helpers(count: int) -> ThreadPoolExecutor:
 def _native_kernels() -> tuple[Any, Any]:
     """bitsandbytes' CPU kernels for float32 blockwise (de)quantization; ``(None, None)`` where unavailable."""
     try:
+        _import_bitsandbytes()
         from bitsandbytes.cextension import ErrorHandlerMockBNBNativeLibrary, lib
     except ImportError:
         return None, None
