@@ -8,6 +8,10 @@ forks afterwards, and the exception handler of the swarm's event loop): a round 
 others DEBUG; a failed state download from a donor that is gone (hivemind tries the next one) becomes one WARNING
 line without its traceback. Every other message, and every real failure, is left as it is.
 
+bitsandbytes logs one such notice when imported on a CPU with AVX512-BF16 (its optional ``kernels`` package,
+which would fetch a 4-bit kernel from the Hugging Face hub, is missing; nothing here uses 4-bit kernels): the codec
+imports bitsandbytes after :func:`quiet_bitsandbytes_import`, which lowers it to DEBUG.
+
 One more source is not a logger: ``multiprocessing``'s resource sharer (the thread that hands a tensor's file
 descriptor to the process that receives it through a pipe, as between a peer and its averager) reports a receiver
 that died mid-handshake through ``sys.excepthook``, with a traceback. When a peer is killed that is expected;
@@ -30,9 +34,10 @@ import sys
 import traceback
 from typing import Any
 
-__all__ = ["quiet_routine_logs", "RoutineFilter"]
+__all__ = ["quiet_bitsandbytes_import", "quiet_routine_logs", "RoutineFilter"]
 
 _SENDER_GONE = "exited before handing it over"
+_BNB_CPU_OPS = "bitsandbytes.backends.cpu.ops"  # the logger of bitsandbytes' CPU kernels
 
 # (logger name prefix, message pattern, level it becomes, concise message or None to keep the text)
 _ROUTINE: list[tuple[str, re.Pattern[str], int, str | None]] = [
@@ -71,6 +76,9 @@ _ROUTINE: list[tuple[str, re.Pattern[str], int, str | None]] = [
     # hivemind's averager finishing a round that its optimizer had just cancelled (a benign race in 1.1.12)
     ("asyncio", re.compile(r"Can't set_result to a future that is CANCELLED"), logging.DEBUG, None),
     ("asyncio", re.compile(r"Task was destroyed but it is pending.*hivemind", re.S), logging.DEBUG, None),
+    # bitsandbytes 0.50 on a CPU with AVX512-BF16 looks for its optional `kernels` package (a 4-bit kernel fetched
+    # from the Hugging Face hub) at import and warns where it is missing: this project uses no 4-bit kernel
+    (_BNB_CPU_OPS, re.compile(r"kernels-community"), logging.DEBUG, None),
 ]
 
 
@@ -78,7 +86,7 @@ class RoutineFilter(logging.Filter):
     """Rewrites routine hivemind records (see the module docstring); drops them below the handler's level."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith(("hivemind", "asyncio")):
+        if not record.name.startswith(("hivemind", "asyncio", "bitsandbytes")):
             return True
         text = _text(record)
         for prefix, pattern, level, concise in _ROUTINE:
@@ -127,6 +135,14 @@ def quiet_routine_logs() -> None:
     if not isinstance(sys.excepthook, _SharerExceptHook):
         sys.excepthook = _SharerExceptHook(sys.excepthook)
     _sender_gone_is_a_connection_error()
+
+
+def quiet_bitsandbytes_import() -> None:
+    """Install the filter on bitsandbytes' CPU-kernel logger (idempotent; call before bitsandbytes is imported: its
+    notice about the optional ``kernels`` package is logged at import)."""
+    source = logging.getLogger(_BNB_CPU_OPS)
+    if _FILTER not in source.filters:
+        source.addFilter(_FILTER)
 
 
 def _sender_gone_is_a_connection_error() -> None:

@@ -67,30 +67,12 @@ NATIVE_ENV = "LIGHTNING_SWARM_NATIVE_CODEC"
 _SHARE_ELEMENTS = 32 * BLOCKSIZE  # the unit of work the threads claim
 
 
-class _OptionalKernelNotice(logging.Filter):
-    """Lowers bitsandbytes' notice about its optional 4-bit kernel package to DEBUG (see :func:`_import_bitsandbytes`)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "kernels-community" not in str(record.msg):
-            return True
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
-
-
-_NOTICE = _OptionalKernelNotice()
-
-
 def _import_bitsandbytes() -> None:
-    """Import bitsandbytes (on first use) without a WARNING that does not concern us.
+    """Import bitsandbytes (on first use) without its import-time notice about an optional package that does not
+    concern us (see :mod:`.logs`); every other bitsandbytes message is left as it is."""
+    from .logs import quiet_bitsandbytes_import
 
-    On a CPU with AVX512-BF16, bitsandbytes 0.50 looks for the optional ``kernels`` package (which fetches a 4-bit
-    matmul kernel from the Hugging Face hub) when it is imported, and warns in every process where it is missing.
-    This project uses no 4-bit kernel and downloads nothing, so that one notice is lowered to DEBUG (visible with
-    the ``bitsandbytes`` logger at DEBUG); every other bitsandbytes message is left as it is.
-    """
-    source = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    if _NOTICE not in source.filters:
-        source.addFilter(_NOTICE)
+    quiet_bitsandbytes_import()
     import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import math
 import signal
@@ -919,16 +920,14 @@ class StageServer(StageService):
                     replies = self._serve_received(received, peer)
                     return next(replies), replies
 
-                message, rest = await loop.run_in_executor(self._executor, serve)
-                while True:
-                    last = bool(message.metadata)  # the reply's header travels in its last message
-                    if last:
+                first, rest = await loop.run_in_executor(self._executor, serve)
+                # ``rest`` never raises (a failure becomes an error reply) and ends with the reply's last message,
+                # the one that carries its header
+                for message in itertools.chain((first,), rest):
+                    if message.metadata:
                         self._calls_by_peer[peer] -= 1
                         counted = False
                     yield message
-                    if last:
-                        break
-                    message = next(rest)  # never raises: a failure becomes an error reply (with its header)
         finally:
             if counted:
                 self._calls_by_peer[peer] -= 1
