@@ -146,3 +146,29 @@ def test_measurements_keep_honest_shares() -> None:
     router.observe(slow, 4, float("nan"))  # nonsense timings are ignored
     router.observe(slow, 0, 1.0)
     assert set(router.peers) == {slow, fast}
+
+
+def test_a_newcomer_probed_at_its_first_estimate_is_not_starved_once_it_announces_its_real_figure() -> None:
+    """A server announces a rough estimate until it has measured a backward call (throughput.py); the router charges
+    the newcomer's probe at that figure. Once the newcomer announces a figure as high as its peers', the lead its
+    probe gave it is re-expressed at the new figure: it gets calls again within a few picks, not after the others
+    have caught up with a probe charged at a 100x smaller throughput (what made the chaos test's restarted peer
+    wait most of the run)."""
+    router = StageRouter(stage=1)
+    router.update_peers([_info(0, 16000.0)])
+    for _ in range(5):
+        router.choose(task_size=8, now=0.0)
+        router.observe(_peer(0), samples=8, seconds=0.008)  # the client times 1000 samples/s per call
+    router.update_peers([_info(0, 16000.0), _info(1, 100.0)])  # a newcomer, still at its estimate
+    assert router.choose(task_size=8, now=0.0) == _peer(1)  # probed at once
+    router.update_peers([_info(0, 16000.0), _info(1, 16000.0)])  # it measured its backward and announced
+    picks = [router.choose(task_size=8, now=0.0) for _ in range(8)]
+    assert _peer(1) in picks[:3], picks
+    # and a peer believed faster than it turns out to be falls back at once
+    router = StageRouter(stage=1)
+    router.update_peers([_info(0, 10.0)])
+    assert {router.choose(task_size=10, now=0.0) for _ in range(4)} == {_peer(0)}
+    router.update_peers([_info(0, 10.0), _info(1, 10.0)])
+    assert router.choose(task_size=10, now=0.0) == _peer(1)  # its probe: a lead of 1 s of work over peer 0
+    router.update_peers([_info(0, 10.0), _info(1, 0.1)])  # ...which is 100 s at its new figure
+    assert [router.choose(task_size=10, now=0.0) for _ in range(20)].count(_peer(1)) == 0

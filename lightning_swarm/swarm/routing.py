@@ -4,7 +4,9 @@ SWARM routes each microbatch to one peer per stage in proportion to the peers' m
 interleaved weighted round robin: every peer has an *expected busy time* (virtual seconds of work already
 assigned to it); the peer with the smallest one gets the task and its busy time grows by
 ``task_size / throughput``. Peers that join (or come back from a ban) enter at the current minimum, so they
-are probed right away without being flooded. Failing peers are banned with exponential backoff.
+are probed right away without being flooded. When the throughput believed of a peer changes, its lead over the
+least busy peer is re-expressed at the new figure (a newcomer probed at its first estimate is not starved).
+Failing peers are banned with exponential backoff.
 
 Announced throughputs are claims. Once the client has timed ``MEASURED_CALLS`` successful calls to a peer
 (:meth:`StageRouter.observe`: samples per second of the whole call, as the client sees it), its measured rate
@@ -136,7 +138,24 @@ class StageRouter:
         if scale is not None:
             for p, rate in measured.items():
                 believed[p] = max(min(believed[p], scale * rate), _MIN_THROUGHPUT)
-        self._throughput = believed
+        before, self._throughput = self._throughput, believed
+        self._rescale_leads(before)
+
+    def _rescale_leads(self, before: dict[PeerID, float]) -> None:
+        """Re-express each peer's lead over the least busy peer at the throughput now believed.
+
+        A lead is work charged at the figure believed then. A newcomer's probe is charged at the estimate a server
+        announces before it has measured a backward (:mod:`.throughput`), often far below its peers' measured
+        figures: left as it was, the lead would starve the newcomer until the others had caught up with it, long
+        after it announced its real figure. Conversely a peer found slower than believed falls back at once.
+        """
+        if len(self._busy) < 2:
+            return
+        floor = min(self._busy.values())
+        for peer_id, busy in list(self._busy.items()):
+            old, new = before.get(peer_id), self._throughput.get(peer_id)
+            if busy > floor and old and new and old != new:
+                self._set_busy(peer_id, floor + (busy - floor) * old / new)
 
     def is_banned(self, peer_id: PeerID, now: float | None = None) -> bool:
         """Whether ``peer_id`` is banned at time ``now``."""
