@@ -44,7 +44,7 @@ from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, Presence
 from .rebalance import Move, PeerLoad, choose_stage, next_check, plan_move
 from .records import LEAVING as LEAVING_STATE
 from .records import ONLINE, STATES, PeerIdentity, get_stage_peers, record_validators, register_identity
-from .server import StageServer, initialize_optimizer_state
+from .server import HivemindOptimizer, StageServer, initialize_optimizer_state
 from .settings import SwarmSettings
 
 logger = logging.getLogger(__name__)
@@ -432,7 +432,7 @@ class SwarmPeer:
             return optimizers
         initialize_optimizer_state(optimizers[0])  # before hivemind does it with a real (decaying) step
         with sigint_kept():  # hivemind's averager would leave this process ignoring Ctrl-C
-            self._trainer_optimizer = hivemind.Optimizer(
+            self._trainer_optimizer = HivemindOptimizer(
                 dht=self.dht,
                 run_id=f"{self.settings.run_id}_trainers",
                 target_batch_size=self.settings.target_batch_size,

@@ -68,6 +68,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
@@ -1378,7 +1379,51 @@ class _GradientAverager(_StartsInAnyThread, _GuardedAveraging, GradientAverager)
             grad_acc.add_(grad_buf.to(grad_acc.device))
 
 
-class _StageOptimizer(hivemind.Optimizer):
+class _ProgressTracker(ProgressTracker):
+    """hivemind's progress tracker, whose thread finishes its event loop's tasks before it ends.
+
+    hivemind 1.1.12 stops the tracker's loop as soon as its two coroutines return, leaving the DHT lookup or store
+    that was in flight at shutdown pending (the store cancelled, the lookup not); when the loop is garbage-collected,
+    asyncio logs "Task was destroyed but it is pending!" at ERROR for each, often at interpreter exit. Here the
+    leftovers are cancelled and run to their end (at most ``_DRAIN_S``), then the loop is closed.
+    """
+
+    def run(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(asyncio.gather(self._progress_reporter(), self._progress_fetcher()))
+        finally:
+            try:
+                leftovers = asyncio.all_tasks(loop)
+                for task in leftovers:
+                    task.cancel()
+                if leftovers:
+                    loop.run_until_complete(asyncio.wait(leftovers, timeout=_DRAIN_S))
+                loop.close()
+            finally:
+                self.shutdown_complete.set()
+
+
+_DRAIN_S = 2.0  # seconds a progress tracker's leftover tasks get to finish once cancelled
+
+
+class HivemindOptimizer(hivemind.Optimizer):
+    """``hivemind.Optimizer`` whose progress tracker finishes its tasks at shutdown (:class:`_ProgressTracker`)."""
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
+        return _ProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
+
+
+class _StageOptimizer(HivemindOptimizer):
     """hivemind's ``Optimizer`` with a :class:`_StateAverager`, which does not pre-schedule a gradient averaging
     round while its progress tracker sees no other peer of the stage: hivemind would run matchmaking for
     ``matchmaking_time`` before every step only to cancel it (no partner), costing the averager, DHT and p2p
