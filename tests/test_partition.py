@@ -99,6 +99,9 @@ def test_module_list_proxy_passes_args_and_kwargs_and_keeps_block_surface():
     torch.testing.assert_close(got, expected)
     got.sum().backward()
     assert x.grad is not None and memory.grad is not None
+    assert proxy[-1] is proxy[1]
+    with pytest.raises(IndexError, match=r"stage index 4 is out of range.*2 stages \(its 5 blocks"):
+        proxy[4]  # a block index: the blocks are grouped into stages
 
 
 def test_stage_blocks_chain_tuple_outputs():

@@ -187,6 +187,12 @@ class SwarmModuleList(nn.Module):
         return iter(self.stages)
 
     def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, int) and not -len(self.stages) <= index < len(self.stages):
+            raise IndexError(
+                f"stage index {index} is out of range: this ModuleList pipeline runs in the swarm as "
+                f"{len(self.stages)} stages (its {self.num_blocks} blocks are grouped into them), and indexing or "
+                "iterating over it gives stages. Iterate over it (`for stage in self.layers: x = stage(x)`)."
+            )
         return self.stages[index]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
