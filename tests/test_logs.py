@@ -41,6 +41,31 @@ def test_a_state_download_from_a_dead_donor_is_one_warning_line_and_real_errors_
     assert other.levelno == logging.ERROR and other.exc_info is not None  # not routine: left as it is
 
 
+def test_a_zero_weight_round_that_found_no_partner_is_not_an_error() -> None:
+    """hivemind's optimizer logs a failed round it joined with zero weight ("tagging along") with a traceback at
+    ERROR; when its partner was killed that is routine (the CI run of 6f471de printed one in the killed-peer test)."""
+    from hivemind.averaging.partition import AllreduceException
+
+    def _tag_along_with_zero_weight(error: BaseException) -> None:  # the frame hivemind's record carries
+        raise error
+
+    def record_of(error: BaseException) -> logging.LogRecord:
+        try:
+            _tag_along_with_zero_weight(error)
+        except type(error):
+            exc_info = sys.exc_info()
+        return logging.LogRecord("hivemind.optim.optimizer", logging.ERROR, __file__, 1, error, (), exc_info)
+
+    routine = record_of(AllreduceException("Averaging step failed: could not find a group"))
+    assert not RoutineFilter().filter(routine)  # DEBUG: below hivemind's level, dropped
+    real = record_of(ValueError("tensor size mismatch"))
+    assert RoutineFilter().filter(real) and real.levelno == logging.ERROR and real.exc_info is not None
+    elsewhere = _record(
+        "hivemind.optim.optimizer", "could not find a group", RuntimeError("could not find a group")
+    )
+    assert RoutineFilter().filter(elsewhere) and elsewhere.levelno == logging.ERROR  # not a tag-along: left
+
+
 _SHARER_SCRIPT = r"""
 import os, socket, sys, time
 from multiprocessing import resource_sharer

@@ -56,6 +56,18 @@ _ROUTINE: list[tuple[str, re.Pattern[str], int, str | None]] = [
         logging.DEBUG,
         None,
     ),
+    # a peer with no gradients of its own joins a round with zero weight ("tags along"): that the round found no
+    # partner (one was killed) or broke off costs it nothing, yet hivemind logs it as an exception
+    (
+        "hivemind.optim",
+        re.compile(
+            r"(could not find a group|AllreduceException|did not finish|TimeoutError|CancelledError)"
+            r".*_tag_along_with_zero_weight",
+            re.S,
+        ),
+        logging.DEBUG,
+        None,
+    ),
     ("hivemind.averaging", re.compile(r"Averager shutdown has no effect"), logging.DEBUG, None),
     # a joining peer asks a donor that has just died (its DHT record outlives it): hivemind tries the next donor
     (
