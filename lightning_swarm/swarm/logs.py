@@ -5,8 +5,8 @@ averaging round that finds no partner (the peer steps with its own gradients), a
 P2P task abandoned when a peer or stream went away. :func:`quiet_routine_logs` lowers exactly these, at the
 source (a filter on hivemind's log handler and on asyncio's logger, inherited by the helper processes hivemind
 forks afterwards, and the exception handler of the swarm's event loop): a round without a partner becomes one concise INFO line, the
-others DEBUG; a failed state download from a donor that is gone (hivemind tries the next one) becomes one WARNING
-line without its traceback. Every other message, and every real failure, is left as it is.
+others DEBUG; a failed state download from a donor that is gone (hivemind tries the next one), or an incomplete one
+(hivemind downloads again), becomes one WARNING line without its traceback. Every other message, and every real failure, is left as it is.
 
 bitsandbytes logs one such notice when imported on a CPU with AVX512-BF16 (its optional ``kernels`` package,
 which would fetch a 4-bit kernel from the Hugging Face hub, is missing; nothing here uses 4-bit kernels): the codec
@@ -67,6 +67,14 @@ _ROUTINE: list[tuple[str, re.Pattern[str], int, str | None]] = [
         ),
         logging.DEBUG,
         None,
+    ),
+    # a downloaded state whose tensors do not match its metadata (fewer optimizer statistics than it lists: hivemind
+    # catches only the StopIteration of the opposite case, which it logs as a WARNING); hivemind retries the download
+    (
+        "hivemind.optim",
+        re.compile(r"Failed to load state from peers.*IndexError.*load_optimizer_state", re.S),
+        logging.WARNING,
+        "A state downloaded from a peer was incomplete (fewer optimizer statistics than it lists); retrying",
     ),
     ("hivemind.averaging", re.compile(r"Averager shutdown has no effect"), logging.DEBUG, None),
     # a joining peer asks a donor that has just died (its DHT record outlives it): hivemind tries the next donor

@@ -1400,6 +1400,9 @@ class _ProgressTracker(ProgressTracker):
                     task.cancel()
                 if leftovers:
                     loop.run_until_complete(asyncio.wait(leftovers, timeout=_DRAIN_S))
+                for task in leftovers:  # retrieved, or asyncio would log "exception was never retrieved"
+                    if task.done() and not task.cancelled():
+                        task.exception()
                 loop.close()
             finally:
                 self.shutdown_complete.set()
