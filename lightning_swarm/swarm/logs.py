@@ -4,9 +4,10 @@ In a swarm, some things that hivemind logs as errors with a traceback happen all
 averaging round that finds no partner (the peer steps with its own gradients), a matchmaking attempt retried, a
 P2P task abandoned when a peer or stream went away. :func:`quiet_routine_logs` lowers exactly these, at the
 source (a filter on hivemind's log handler and on asyncio's logger, inherited by the helper processes hivemind
-forks afterwards, and the exception handler of the swarm's event loop): a round without a partner becomes one concise INFO line, the
-others DEBUG; a failed state download from a donor that is gone (hivemind tries the next one), or an incomplete one
-(hivemind downloads again), becomes one WARNING line without its traceback. Every other message, and every real failure, is left as it is.
+forks afterwards, and the exception handler of the swarm's event loop): a round without a partner becomes one
+concise INFO line, the others DEBUG; a failed state download from a donor that is gone (hivemind tries the next
+one), or an incomplete one (hivemind downloads again), becomes one WARNING line without its traceback. Every other
+message, and every real failure, is left as it is.
 
 bitsandbytes logs one such notice when imported on a CPU with AVX512-BF16 (its optional ``kernels`` package,
 which would fetch a 4-bit kernel from the Hugging Face hub, is missing; nothing here uses 4-bit kernels): the codec
