@@ -1379,6 +1379,9 @@ class _GradientAverager(_StartsInAnyThread, _GuardedAveraging, GradientAverager)
             grad_acc.add_(grad_buf.to(grad_acc.device))
 
 
+_DRAIN_S = 2.0  # seconds a progress tracker's leftover tasks get to finish once cancelled
+
+
 class _ProgressTracker(ProgressTracker):
     """hivemind's progress tracker, whose thread finishes its event loop's tasks before it ends.
 
@@ -1406,9 +1409,6 @@ class _ProgressTracker(ProgressTracker):
                 loop.close()
             finally:
                 self.shutdown_complete.set()
-
-
-_DRAIN_S = 2.0  # seconds a progress tracker's leftover tasks get to finish once cancelled
 
 
 class HivemindOptimizer(hivemind.Optimizer):
