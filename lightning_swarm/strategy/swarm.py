@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 from typing import Any, Literal
@@ -11,11 +12,13 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import ReduceOp
+from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
@@ -29,11 +32,13 @@ from lightning_swarm.swarm.lifetime import (
     latch_interrupts,
     raise_pending_interrupt,
 )
+from lightning_swarm.swarm.stepping import hyper_parameters
 
 log = logging.getLogger(__name__)
 
 Role = Literal["both", "trainer", "server"]
 Compression = Literal["8bit", "fp16", "none"]
+StageSteps = Literal["auto", "trainer", "swarm"]
 _DEFAULTS = SwarmSettings()  # the one source of the defaults below
 
 
@@ -63,8 +68,16 @@ class SwarmStrategy(ParallelStrategy):
         run_id: name of the swarm; peers with the same ``run_id`` train together.
         compression: codec for activations and gradients crossing stage boundaries: ``"8bit"`` (blockwise
             quantization, 1/4 of fp32 bytes), ``"fp16"`` or ``"none"``.
-        target_batch_size: samples a stage's swarm (and the trainers, for their local parameters) accumulates
-            before its peers average gradients and step together.
+        stage_steps: when the stages' optimizers step. ``"trainer"``: exactly when the trainer's optimizer
+            steps (the step of one process: the trainer's LR schedule, gradient clipping, loss scale and
+            accumulation reach the stages; needs a single trainer). ``"swarm"``: every ``target_batch_size``
+            samples the swarm processed, asynchronously (hivemind's optimizer; for several trainers).
+            ``"auto"``: ``"trainer"`` when the run has one trainer (a local swarm with one trainer, or
+            ``num_trainers=1``), else ``"swarm"``.
+        target_batch_size: with ``stage_steps="swarm"``: samples a stage's swarm (and the trainers, for their
+            local parameters) accumulates before its peers average gradients and step together (``None``: 256).
+            With ``"trainer"`` a step is the trainer's batch times ``accumulate_grad_batches``; a value given
+            here must equal that.
         request_timeout: seconds before a call to a peer counts as failed and is retried on another peer.
         no_peers_timeout: seconds to wait for a stage that has no live peers before raising an error.
         matchmaking_time: seconds peers of a stage spend finding each other before averaging gradients.
@@ -107,7 +120,7 @@ class SwarmStrategy(ParallelStrategy):
         host_maddrs: list[str] | None = None,
         run_id: str = _DEFAULTS.run_id,
         compression: Compression = _DEFAULTS.compression,
-        target_batch_size: int = _DEFAULTS.target_batch_size,
+        target_batch_size: int | None = None,
         request_timeout: float = _DEFAULTS.request_timeout,
         no_peers_timeout: float = _DEFAULTS.no_peers_timeout,
         matchmaking_time: float = _DEFAULTS.matchmaking_time,
@@ -122,6 +135,7 @@ class SwarmStrategy(ParallelStrategy):
         max_batch_rows: int = _DEFAULTS.max_batch_rows,
         batch_wait_ms: float = _DEFAULTS.batch_wait_ms,
         keep_activations: int = _DEFAULTS.keep_activations,
+        stage_steps: StageSteps = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -145,7 +159,7 @@ class SwarmStrategy(ParallelStrategy):
             host_maddrs=tuple(host_maddrs or ()),
             run_id=run_id,
             compression=compression,
-            target_batch_size=target_batch_size,
+            target_batch_size=_DEFAULTS.target_batch_size if target_batch_size is None else target_batch_size,
             request_timeout=request_timeout,
             no_peers_timeout=no_peers_timeout,
             matchmaking_time=matchmaking_time,
@@ -159,7 +173,9 @@ class SwarmStrategy(ParallelStrategy):
             max_batch_rows=max_batch_rows,
             batch_wait_ms=batch_wait_ms,
             keep_activations=keep_activations,
+            stage_steps=stage_steps,
         )
+        self._target_batch_size = target_batch_size  # as given: checked against the trainer's step
         if restart_peers < 0:
             raise ValueError(f"SwarmStrategy(restart_peers={restart_peers}) must be 0 or more.")
         self.restart_peers = restart_peers
@@ -167,6 +183,12 @@ class SwarmStrategy(ParallelStrategy):
         self._peer: SwarmPeer | None = None
         self._failed = False
         self._runs = 0  # fit/validate/test/predict calls so far: each one starts a fresh swarm
+        self._step_id: int | None = None  # the trainer's optimizer step in progress (see swarm/stepping.py)
+        self._clip: tuple[str, float] | None = (
+            None  # how the step in progress clipped: ("norm", coef)/("value", v)
+        )
+        self._batch_checked = False
+        self.stage_steps: dict[int, int] = {}  # optimizer steps each stage took in the last run, as it replied
 
     @property
     @override
@@ -230,8 +252,12 @@ class SwarmStrategy(ParallelStrategy):
             port = os.environ.get("MASTER_PORT", "0")
             name = f"lightning_swarm_{port}_{self.settings.run_id}_{self._runs}"
             rendezvous = os.path.join(tempfile.gettempdir(), name)
+        settings = self.settings
+        autocast = _autocast_dtype(self.precision_plugin)
+        if autocast is not None:  # the servers compute the stages in the trainer's mixed precision
+            settings = settings.replace(autocast=autocast)
         self._peer = SwarmPeer(
-            self.settings,
+            settings,
             peer_index=self.global_rank,
             local_swarm_size=local_swarm,
             rendezvous_path=rendezvous,
@@ -255,6 +281,8 @@ class SwarmStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
+        # "bf16-true"/"16-true": the stages are converted with the rest, before they are cut out and served
+        self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -265,6 +293,9 @@ class SwarmStrategy(ParallelStrategy):
         if fitting:
             self.optimizers = optimizers
         self.setup_precision_plugin()
+        self._step_id, self._clip, self._batch_checked = None, None, False
+        if fitting and self.peer.drives_stages:
+            self._install_clipping()
 
     @override
     def model_to_device(self) -> None:
@@ -285,7 +316,10 @@ class SwarmStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if args:
-            self.peer.note_batch_size(extract_batch_size(args[0]))
+            batch_size = extract_batch_size(args[0])
+            self.peer.note_batch_size(batch_size)
+            if not self._batch_checked:
+                self._check_target_batch_size(batch_size)
         output = super().training_step(*args, **kwargs)
         assert self.lightning_module is not None
         for name, value in self.peer.stats().items():
@@ -293,10 +327,30 @@ class SwarmStrategy(ParallelStrategy):
         return output
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        return super().optimizer_step(
-            optimizer, closure, model, **self.peer.optimizer_step_kwargs(), **kwargs
+    def optimizer_step(self, optimizer: Optimizable, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The trainer's step; with ``stage_steps="trainer"``, then every stage's step with the same optimizer's
+        hyper-parameters, clipping and loss scale (the stages serve the new parameters before this returns)."""
+        peer = self.peer
+        if not peer.drives_stages:
+            return super().optimizer_step(optimizer, closure, model, **peer.optimizer_step_kwargs(), **kwargs)
+        scaler = _scaler(self.precision_plugin)
+        scale = float(scaler.get_scale()) if scaler is not None else None
+        self._clip = None
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        skipped = scaler is not None and scale is not None and float(scaler.get_scale()) < scale
+        step_id, clip = self._current_step_id(), self._clip
+        self._step_id, self._clip = None, None
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        peer.step_stages(
+            step_id,
+            self._optimizer_index(raw),
+            {g: hyper_parameters(group) for g, group in enumerate(raw.param_groups)},
+            grad_scale=1.0 / scale if scale else 1.0,
+            clip_coef=clip[1] if clip is not None and clip[0] == "norm" else None,
+            clip_value=clip[1] if clip is not None and clip[0] == "value" else None,
+            skip=skipped,
         )
+        return output
 
     @override
     def reduce(
@@ -305,6 +359,12 @@ class SwarmStrategy(ParallelStrategy):
         """Peers of a swarm never wait for each other, so values are not reduced across peers: each peer logs its
         own figures."""
         return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Each peer decides for itself (peers do not wait for each other): e.g. ``ModelCheckpoint`` top-k
+        compares the monitored value this peer logged."""
+        return bool(decision)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -334,7 +394,11 @@ class SwarmStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self.precision_plugin.__dict__.pop(
+            "clip_gradients", None
+        )  # our clipping hook (see _install_clipping)
         if self._peer is not None:
+            self.stage_steps = dict(self._peer.stage_steps)
             self._peer.leave(failed=self._failed)
             self._peer = None
         self._failed = False
@@ -351,7 +415,92 @@ class SwarmStrategy(ParallelStrategy):
             return
         super().teardown()
 
+    # ------------------------------------------------------------------ trainer-driven steps
+    def _current_step_id(self) -> int:
+        if self._step_id is None:
+            self._step_id = self.peer.new_step_id()
+        return self._step_id
+
+    def _optimizer_index(self, optimizer: Any) -> int:
+        for i, opt in enumerate(self.optimizers):
+            if opt is optimizer or getattr(opt, "_optimizer", None) is optimizer:
+                return i
+        raise ValueError(
+            "When using the SwarmStrategy, only the optimizers returned by `configure_optimizers` can step the "
+            f"pipeline; got {type(optimizer).__name__}."
+        )
+
+    def _install_clipping(self) -> None:
+        """Clip by the whole model: the precision plugin's ``clip_gradients`` (what Lightning's gradient clipping
+        and ``LightningModule.clip_gradients`` call) also takes the stages' gradients into account."""
+        plugin = self.precision_plugin
+        original = plugin.clip_gradients
+
+        def clip_gradients(
+            optimizer: Any,
+            clip_val: float = 0.0,
+            gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+        ) -> None:
+            self._clip_gradients(original, optimizer, clip_val, gradient_clip_algorithm)
+
+        plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
+
+    def _clip_gradients(
+        self, original: Any, optimizer: Any, clip_val: float | None, algorithm: GradClipAlgorithmType | str
+    ) -> None:
+        if clip_val is None or clip_val <= 0:
+            return
+        algorithm = GradClipAlgorithmType(algorithm)
+        if algorithm == GradClipAlgorithmType.VALUE:
+            original(optimizer, clip_val, algorithm)
+            self._clip = ("value", float(clip_val))
+            return
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        grads = [p.grad for group in raw.param_groups for p in group["params"] if p.grad is not None]
+        local = sum(float(g.detach().float().pow(2).sum()) for g in grads)
+        scaler = _scaler(self.precision_plugin)
+        scale = 1.0 / float(scaler.get_scale()) if scaler is not None else 1.0
+        stages = self.peer.stage_grad_sq_norm(self._current_step_id(), self._optimizer_index(raw), scale)
+        total = math.sqrt(local + stages)
+        coef = min(1.0, float(clip_val) / (total + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        self._clip = ("norm", coef)
+
+    def _check_target_batch_size(self, batch_size: int) -> None:
+        """With trainer-driven steps, a step is ``batch_size x accumulate_grad_batches`` samples; a
+        ``target_batch_size`` given that says otherwise is refused (it would not be honoured)."""
+        self._batch_checked = True
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not self.peer.drives_stages or self._target_batch_size is None:
+            return
+        step = batch_size * trainer.accumulate_grad_batches
+        if self._target_batch_size != step:
+            raise ValueError(
+                f"SwarmStrategy(target_batch_size={self._target_batch_size}) but the trainer steps every "
+                f"{step} samples (batch {batch_size} x accumulate_grad_batches={trainer.accumulate_grad_batches}),"
+                " and with one trainer the stages step with it: drop target_batch_size, or set the batch size or "
+                "accumulate_grad_batches to match."
+            )
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+
+
+def _scaler(plugin: Any) -> Any:
+    """The precision plugin's enabled loss scaler (``16-mixed``), or ``None``."""
+    scaler = getattr(plugin, "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def _autocast_dtype(plugin: Any) -> str | None:
+    """The dtype Lightning's mixed precision autocasts to (``"bfloat16"``/``"float16"``), or ``None``."""
+    precision = getattr(plugin, "precision", None)
+    if precision == "bf16-mixed":
+        return "bfloat16"
+    if precision == "16-mixed":
+        return "float16"
+    return None

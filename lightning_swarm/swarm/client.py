@@ -52,6 +52,7 @@ from .protocol import (
 from .records import PeerInfo, parse_stage_peers, stage_key
 from .routing import NoPeersError, PeerStopping, StageRouter
 from .settings import SwarmSettings
+from .stepping import StepCommand, parse_step_reply
 from .transport import LocalTransport, P2PTransport, decode_payload_stream, encode_request
 
 __all__ = ["SwarmClient"]
@@ -181,6 +182,52 @@ class SwarmClient:
             return state
 
         return self._with_retries(stage, 1.0, attempt, timed=False)
+
+    def step_stage(self, stage: int, command: StepCommand) -> list[dict[str, Any]]:
+        """Send a trainer's step command (see :mod:`.stepping`) to every live peer of ``stage`` at once and wait
+        for their replies; returns the replies of the peers that answered (a peer that fails is banned and
+        logged; it catches up from the others at the next step). Raises ``NoPeersError`` if none answered."""
+        self._check_stage(stage)
+        self._maybe_refresh(stage)
+        with self._router_lock:
+            router = self.routers[stage]
+            peers = [p for p in router.peers if not router.is_banned(p)]
+        if not peers:
+            self.peers(stage)
+            with self._router_lock:
+                peers = [p for p in router.peers if not router.is_banned(p)]
+        command.peers = max(1, len(peers))
+        data = command.encode()
+        timeout = (
+            self.settings.averaging_timeout + self.settings.matchmaking_time + self.settings.request_timeout
+        )
+
+        async def one(peer_id: PeerID) -> dict[str, Any]:
+            if peer_id == self.peer_id and stage in self.local_servers:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(None, self.local_servers[stage].step_command, command)
+            stub = self._transport(peer_id, stage).stub
+            reply = await stub.rpc_step(runtime_pb2.ExpertInfo(serialized_info=data), timeout=timeout)
+            return parse_step_reply(reply.serialized_info)
+
+        async def every() -> list[Any]:
+            return await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
+
+        results = run_coroutine(every(), timeout=timeout + 5)
+        replies = []
+        for peer_id, result in zip(peers, results, strict=True):
+            if isinstance(result, dict) and "error" not in result:
+                replies.append(result)
+                continue
+            error = result.get("error") if isinstance(result, dict) else repr(result)
+            with self._router_lock:
+                router.ban(peer_id)
+            logger.warning(f"Stage {stage} peer {peer_id} did not take step {command.step_id}: {error}")
+        if not replies:
+            raise NoPeersError(
+                f"No peer of stage {stage} took the trainer's optimizer step {command.step_id}"
+            )
+        return replies
 
     def stage_info(self, stage: int) -> list[dict[str, Any]]:
         """``rpc_info`` of every live peer of ``stage`` (peers that fail to answer are skipped)."""

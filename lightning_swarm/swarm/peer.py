@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import logging
 import os
 import random
+import secrets
 import tempfile
 import threading
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +44,13 @@ from .lifetime import sigint_kept
 from .logs import quiet_routine_logs
 from .partition import Partition
 from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, Presence
+from .protocol import stage_uid
 from .rebalance import Move, PeerLoad, choose_stage, next_check, plan_move
 from .records import LEAVING as LEAVING_STATE
 from .records import ONLINE, STATES, PeerIdentity, get_stage_peers, record_validators, register_identity
 from .server import HivemindOptimizer, StageServer, initialize_optimizer_state
 from .settings import SwarmSettings
+from .stepping import StepCommand
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +96,13 @@ class SwarmPeer:
         device: torch.device | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> None:
-        self.settings = settings
         self.should_stop: Callable[[], bool] = should_stop or (lambda: False)
         self.peer_index = peer_index
         self.local_swarm_size = local_swarm_size
+        self.settings = settings
+        if settings.stage_steps == "auto":  # one trainer drives the stages' steps; several: the swarm does
+            settings = settings.replace(stage_steps="trainer" if self.num_trainers == 1 else "swarm")
+        self.settings = settings
         self.rendezvous_path = rendezvous_path
         self.device = device or torch.device("cpu")
         self.dht: hivemind.DHT | None = None
@@ -107,6 +115,12 @@ class SwarmPeer:
         self.migrations: list[Move] = []
         self._trainer_optimizer: hivemind.Optimizer | None = None
         self._batch_size = 1
+        self._samples_since_step = 0
+        self._step_ids = itertools.count(secrets.randbits(62))
+        self._stage_epochs: dict[int, int] = {}  # the epoch each stage replied with at the last step
+        self.stage_steps: dict[
+            int, int
+        ] = {}  # optimizer steps each stage took (most of any peer), as replied
         self._stage_optimizer: _OptimizerTemplate | None = None
         self._pipeline_ids: set[int] = set()
         self._measured_since: _Since | None = None
@@ -131,9 +145,15 @@ class SwarmPeer:
 
     @property
     def num_trainers(self) -> int | None:
+        """How many trainers the run has, where known (a local swarm, or ``num_trainers`` given)."""
         if self.local_swarm_size is None:
-            return None
+            return self.settings.num_trainers
         return min(self.settings.num_trainers or self.local_swarm_size, self.local_swarm_size)
+
+    @property
+    def drives_stages(self) -> bool:
+        """Whether this trainer's optimizer steps are the stages' steps (``stage_steps="trainer"``)."""
+        return self.settings.stage_steps == "trainer" and self.is_trainer
 
     # ------------------------------------------------------------------ DHT
     def start_dht(self) -> hivemind.DHT:
@@ -222,10 +242,8 @@ class SwarmPeer:
         self.partition = Partition(module, s.pipeline or find_pipeline(module), s.num_stages)
         self._pipeline_ids = {id(p) for p in self.partition.container.parameters()}  # before any reallocation
         self.stage = self._choose_stage()
-        optimizer = optimizers[0] if training and optimizers else None
-        if optimizer is not None:
-            self._stage_optimizer = _OptimizerTemplate(optimizer)  # before the trainer's optimizer loses them
-            self._stage_optimizer.remember(self.partition.container)
+        if training and optimizers:  # before the trainer's optimizers lose the pipeline's parameters
+            self._stage_optimizer = _OptimizerTemplate(optimizers, self.partition.container)
         local_servers = {}
         if self.is_server:
             self.server = self._make_server(self.stage)
@@ -452,10 +470,81 @@ class SwarmPeer:
         return [self._trainer_optimizer]
 
     def note_batch_size(self, batch_size: int) -> None:
+        """Count a training batch's samples towards the next optimizer step (accumulated batches add up)."""
         self._batch_size = max(1, int(batch_size))
+        self._samples_since_step += self._batch_size
 
     def optimizer_step_kwargs(self) -> dict[str, Any]:
-        return {"batch_size": self._batch_size} if self._trainer_optimizer is not None else {}
+        """What the trainers' hivemind optimizer's ``step`` needs: the samples since the last step (every
+        accumulated batch, not the last one only)."""
+        samples, self._samples_since_step = max(1, self._samples_since_step), 0
+        return {"batch_size": samples} if self._trainer_optimizer is not None else {}
+
+    def new_step_id(self) -> int:
+        """The id of this trainer's next optimizer step (see :mod:`.stepping`)."""
+        return next(self._step_ids)
+
+    def _command_stages(self, make: Callable[[int], StepCommand]) -> dict[int, list[dict[str, Any]]]:
+        """Send ``make(stage)`` to every stage at once (each to all its live peers); returns the replies."""
+        assert self.client is not None
+        client = self.client
+        stages = range(self.settings.num_stages)
+        if len(stages) == 1:
+            return {0: client.step_stage(0, make(0))}
+        with ThreadPoolExecutor(max_workers=len(stages), thread_name_prefix="swarm-step") as pool:
+            futures = {k: pool.submit(client.step_stage, k, make(k)) for k in stages}
+            return {k: f.result() for k, f in futures.items()}
+
+    def stage_grad_sq_norm(self, step_id: int, optimizer: int, grad_scale: float = 1.0) -> float:
+        """The squared norm of the stages' gradients of step ``step_id`` (summed over each stage's peers,
+        unscaled by ``grad_scale``), for clipping by the whole model's norm; ``inf`` if any is not finite."""
+        replies = self._command_stages(
+            lambda k: StepCommand(
+                stage_uid(self.settings.run_id, k),
+                step_id,
+                phase="norm",
+                optimizer=optimizer,
+                grad_scale=grad_scale,
+                epoch=self._stage_epochs.get(k, 0),
+            )
+        )
+        total = 0.0
+        for stage_replies in replies.values():
+            reply = stage_replies[0]  # the peers of a stage summed the same gradients
+            if not reply.get("finite", True):
+                return float("inf")
+            total += float(reply.get("sq_norm", 0.0))
+        return total
+
+    def step_stages(
+        self,
+        step_id: int,
+        optimizer: int,
+        groups: dict[int, dict[str, Any]],
+        grad_scale: float = 1.0,
+        clip_coef: float | None = None,
+        clip_value: float | None = None,
+        skip: bool = False,
+    ) -> None:
+        """Step every stage as this trainer's optimizer ``optimizer`` just stepped (see :mod:`.stepping`), and
+        wait until each stage serves its new parameters."""
+        replies = self._command_stages(
+            lambda k: StepCommand(
+                stage_uid(self.settings.run_id, k),
+                step_id,
+                phase="apply",
+                optimizer=optimizer,
+                groups=groups,
+                grad_scale=grad_scale,
+                clip_coef=clip_coef,
+                clip_value=clip_value,
+                skip=skip,
+                epoch=self._stage_epochs.get(k, 0),
+            )
+        )
+        for k, stage_replies in replies.items():
+            self._stage_epochs[k] = max(int(r["epoch"]) for r in stage_replies)
+            self.stage_steps[k] = max(int(r.get("steps", 0)) for r in stage_replies)
 
     def stats(self) -> dict[str, float]:
         return self.client.stats() if self.client is not None else {}
@@ -610,28 +699,61 @@ def stage_optimizer(
     and its parameter groups restricted to the stage's parameters, each with its own hyper-parameters (a
     group without weight decay stays without it). Returns ``(factory, param_groups)``; parameters of the stage
     in none of the optimizer's groups are not trained, as in the user's optimizer."""
-    return _OptimizerTemplate(optimizer).for_stage(stage_module)
+    return _OptimizerTemplate(optimizer, stage_module).for_stage(stage_module)
 
 
 class _OptimizerTemplate:
-    """The user's optimizer as a recipe for stage servers: its class, defaults, and which group (with its own
-    hyper-parameters) each block parameter belongs to, by the parameter's place in its module. Taken once when
-    the peer joins, so that a peer that migrates later builds its new stage's optimizer the same way even though
-    its blocks were freed and allocated again (new tensors)."""
+    """The user's optimizers as a recipe for stage servers: the class and defaults of the ones that own pipeline
+    parameters, and which group of which optimizer (with its own hyper-parameters) each block parameter belongs
+    to, by the parameter's place in its module. Taken once when the peer joins, so that a peer that migrates
+    later builds its new stage's optimizer the same way even though its blocks were freed and allocated again
+    (new tensors). Each stage group carries ``swarm_optimizer``/``swarm_group``: the trainer's optimizer and
+    group it mirrors, whose hyper-parameters the trainer's step commands bring (see :mod:`.stepping`).
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        if isinstance(optimizer, hivemind.Optimizer):
+    Raises:
+        TypeError: a hivemind optimizer was given, or pipeline parameters belong to optimizers of different
+            classes (a stage steps with one optimizer).
+    """
+
+    def __init__(
+        self, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer], pipeline: nn.Module
+    ) -> None:
+        optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        for optimizer in optimizers:
+            if isinstance(optimizer, hivemind.Optimizer):
+                raise TypeError(
+                    "configure_optimizers must return a torch optimizer; the SwarmStrategy wraps it itself."
+                )
+        pipeline_ids = {id(p) for p in pipeline.parameters()}
+        owners = [
+            i
+            for i, opt in enumerate(optimizers)
+            if any(id(p) in pipeline_ids for g in opt.param_groups for p in g["params"])
+        ]
+        classes = {type(optimizers[i]) for i in owners}
+        if len(classes) > 1:
+            names = ", ".join(f"optimizer {i}: {type(optimizers[i]).__name__}" for i in owners)
             raise TypeError(
-                "configure_optimizers must return a torch optimizer; the SwarmStrategy wraps it itself."
+                f"When using the SwarmStrategy, the pipeline's parameters must belong to optimizers of one class "
+                f"({names}); a stage steps with one optimizer. Use one class for the pipeline's parameters, or "
+                "move the parameters of the other optimizer out of the pipeline."
             )
-        self.cls = type(optimizer)
+        first = optimizers[owners[0]] if owners else (optimizers[0] if optimizers else None)
+        self.cls = type(first) if first is not None else torch.optim.SGD
         # `defaults` may hold entries the constructor does not take (AdamW's `decoupled_weight_decay`)
         accepted = inspect.signature(self.cls.__init__).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-        self.defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
-        self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        self._group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        self._by_slot: dict[tuple[int, str], int] = {}  # (id(owner module), param name) -> group index
+        defaults = first.defaults if first is not None else {"lr": 0.0}
+        self.defaults = {k: v for k, v in defaults.items() if takes_any or k in accepted}
+        self.hyper: dict[tuple[int, int], dict[str, Any]] = {}
+        self._group_of: dict[int, tuple[int, int]] = {}
+        for i in owners:
+            for g, group in enumerate(optimizers[i].param_groups):
+                self.hyper[i, g] = {k: v for k, v in group.items() if k != "params"}
+                for p in group["params"]:
+                    self._group_of.setdefault(id(p), (i, g))
+        self._by_slot: dict[tuple[int, str], tuple[int, int]] = {}  # (id(owner module), name) -> group
+        self.remember(pipeline)
 
     def remember(self, modules: nn.Module) -> None:
         """Note the group of every parameter under ``modules`` by (owning module, name), which survives
@@ -644,13 +766,16 @@ class _OptimizerTemplate:
     def for_stage(
         self, stage_module: nn.Module
     ) -> tuple[Callable[[Any], torch.optim.Optimizer], list[dict[str, Any]]]:
-        grouped: dict[int, list[torch.Tensor]] = {}
+        grouped: dict[tuple[int, int], list[torch.Tensor]] = {}
         for module in stage_module.modules():
             for name, p in module.named_parameters(recurse=False):
-                index = self._group_of.get(id(p), self._by_slot.get((id(module), name)))
-                if index is not None:
-                    grouped.setdefault(index, []).append(p)
-        groups = [{**self.hyper[i], "params": grouped[i]} for i in sorted(grouped)]
+                key = self._group_of.get(id(p), self._by_slot.get((id(module), name)))
+                if key is not None:
+                    grouped.setdefault(key, []).append(p)
+        groups = [
+            {**self.hyper[key], "params": grouped[key], "swarm_optimizer": key[0], "swarm_group": key[1]}
+            for key in sorted(grouped)
+        ]
         cls, defaults = self.cls, self.defaults
 
         def make(params: Any) -> torch.optim.Optimizer:

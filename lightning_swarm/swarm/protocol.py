@@ -461,7 +461,8 @@ class StageService(ServicerBase):
 
     - ``rpc_channel``: a long-lived stream of calls, each one or more request messages (parts, then the
       request header on the last) answered by one or more reply messages (parts, then the reply header);
-    - ``rpc_info``: ``ExpertUID(uid)`` -> msgpack ``{"stage", "throughput", "samples_processed", "epoch"}``;
+    - ``rpc_info``: ``ExpertUID(uid)`` -> msgpack ``{"stage", "throughput", "samples_processed", "epoch", "steps"}``;
+    - ``rpc_step``: a trainer's step command (msgpack, see :mod:`.stepping`) -> msgpack reply;
     - ``rpc_state``: ``ExpertUID(uid)`` -> the stage's ``state_dict`` as a payload in messages (metadata last).
     """
 
@@ -472,6 +473,9 @@ class StageService(ServicerBase):
         yield  # pragma: no cover
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        raise NotImplementedError
+
+    async def rpc_step(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError
 
     async def rpc_state(

@@ -104,6 +104,7 @@ from .protocol import (
 )
 from .records import JOINING, LEAVING, ONLINE, STATES, declare_stage_peer
 from .settings import SwarmSettings
+from .stepping import StepCommand, parse_command
 from .throughput import Throughput
 from .transport import MESSAGE_BYTES, SPLIT_ABOVE, MessageReceiver, messages
 
@@ -191,7 +192,7 @@ class StageServer(StageService):
         self._trained: list[nn.Parameter] = []
         self._master: list[nn.Parameter] = []
         self._grads_lock = threading.Lock()
-        self._pending: list[torch.Tensor] | None = None
+        self._pending: list[torch.Tensor | None] | None = None
         self._pending_samples = 0
         self._pending_backwards = 0  # how many backwards the pending gradients sum (see _GradientAverager)
         self._stepper: threading.Thread | None = None
@@ -217,6 +218,16 @@ class StageServer(StageService):
         self._kept_in_use = 0  # kept forwards taken by a backward that has not finished yet
         # runs of the stage module for them (a merged group runs it once); counted under the parameters lock
         self.computations = 0
+        # trainer-driven steps (settings.stage_steps == "trainer", see .stepping): the trainer's group of each
+        # of this stage's optimizer groups, the prepared gradients of the step in progress, the ids applied
+        self.driven = settings.stage_steps == "trainer"
+        self._group_sources: list[
+            tuple[int, int]
+        ] = []  # (trainer optimizer, group) per stage optimizer group
+        self._prepared: tuple[int, list[torch.Tensor | None], dict[str, Any]] | None = None
+        self._steps_applied: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self.steps = 0  # optimizer steps this server took (trainer-driven or swarm-driven)
+        self.averaged_rounds = 0  # steps whose gradients were summed with other peers of the stage
 
     @property
     def device(self) -> torch.device:
@@ -250,6 +261,10 @@ class StageServer(StageService):
         if groups is None:
             groups = [{"params": [p for p in self.module.parameters() if p.requires_grad]}]
         groups = [g for g in groups if g["params"]]
+        self._group_sources = [
+            (int(g.get("swarm_optimizer", 0)), int(g.get("swarm_group", i))) for i, g in enumerate(groups)
+        ]
+        groups = [{k: v for k, v in g.items() if k not in ("swarm_optimizer", "swarm_group")} for g in groups]
         if groups and self.optimizer_factory is not None:
             request_timeout = max(0.2, s.matchmaking_time / 3)
             self._trained = [p for g in groups for p in g["params"]]
@@ -299,7 +314,7 @@ class StageServer(StageService):
         self.p2p = run_coroutine(self._start_p2p(), timeout=60)
         self._stop.clear()
         self._started = True
-        if self.optimizer is not None:
+        if self.optimizer is not None and not self.driven:  # driven: the trainer's step commands step
             self._stepper = threading.Thread(
                 target=self._step_loop, name=f"stage{self.stage}-step", daemon=True
             )
@@ -455,15 +470,17 @@ class StageServer(StageService):
                     return False  # nothing to contribute: the others step without us, we catch up from them
                 grads = [torch.zeros_like(m) for m in self._master]
             for master, grad in zip(self._master, grads, strict=True):
-                master.grad = grad
+                master.grad = torch.zeros_like(master) if grad is None else grad
             averager = opt.grad_averager
             if isinstance(averager, _GradientAverager):
                 averager.backwards = backwards
+            epoch = opt.local_epoch
             try:
                 opt.step(batch_size=samples)
             finally:
                 for master in self._master:
                     master.grad = None
+            self.steps += max(0, opt.local_epoch - epoch)
             # refresh even without a new epoch: hivemind applies a finished background state averaging here
             self._refresh_parameters(defer=True)
             return True
@@ -516,6 +533,155 @@ class StageServer(StageService):
                     self._refresh_parameters()
             finally:
                 self._step_lock.release()
+
+    # ---- trainer-driven steps (see .stepping) ----
+
+    def step_command(self, command: StepCommand) -> dict[str, Any]:
+        """Run one phase of a trainer's step command (see :mod:`.stepping`); returns the reply
+        (``epoch``, and ``sq_norm``/``finite`` of the step's gradients). Never applies a ``step_id`` twice."""
+        opt = self.optimizer
+        if opt is None or not self._trained:
+            return {"epoch": 0, "sq_norm": 0.0, "finite": True, "steps": self.steps}
+        with self._step_lock:
+            done = self._steps_applied.get(command.step_id)
+            if done is not None:
+                return done
+            if command.epoch > opt.local_epoch and command.phase == "apply" and self._prepared is None:
+                self._catch_up(command.epoch)
+            prepared = self._prepared
+            if prepared is None or prepared[0] != command.step_id:
+                prepared = self._prepared = (command.step_id, *self._prepare(command))
+            _, grads, facts = prepared
+            if command.phase == "norm":
+                return {"epoch": int(opt.local_epoch), **facts}
+            self._prepared = None
+            self._apply(command, grads, facts)
+            reply = {"epoch": int(opt.local_epoch), **facts, "steps": self.steps}
+            self._steps_applied[command.step_id] = reply
+            while len(self._steps_applied) > 64:
+                self._steps_applied.popitem(last=False)
+            return reply
+
+    def _catch_up(self, epoch: int) -> None:
+        """This peer missed steps (the trainer saw the stage at ``epoch``): load the stage's state from its
+        peers before stepping with them. Under ``_step_lock``."""
+        opt = self.optimizer
+        assert opt is not None
+        logger.info(
+            f"Stage {self.stage}: this peer is at step {opt.local_epoch}, the stage at {epoch}; loading its state"
+        )
+        averager = opt.state_averager
+        assert isinstance(averager, _StateAverager)
+        averager.loaded = False
+        try:
+            opt.load_state_from_peers()
+        except Exception as e:
+            logger.warning(f"Stage {self.stage}: could not load the stage's state from its peers: {e!r}")
+        self._refresh_parameters()
+
+    def _prepare(self, command: StepCommand) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
+        """Take the gradients this peer received for the commanded optimizer's parameters, sum them with the
+        stage's other commanded peers and unscale them; returns them (``None``: no gradient) and their facts."""
+        owned = {i for i, (optimizer, _) in enumerate(self._group_sources) if optimizer == command.optimizer}
+        opt = self.optimizer
+        assert opt is not None
+        groups = opt.state_averager.optimizer.param_groups
+        index_of = {id(m): i for i, m in enumerate(self._master)}
+        wanted = [index_of[id(p)] for g, group in enumerate(groups) if g in owned for p in group["params"]]
+        with self._grads_lock:
+            pending = self._pending
+            grads: list[torch.Tensor | None] = [None] * len(self._master)
+            if pending is not None:
+                for i in wanted:
+                    grads[i], pending[i] = pending[i], None
+                if all(g is None for g in pending):
+                    self._pending, self._pending_samples, self._pending_backwards = None, 0, 0
+        group_size = 1
+        if command.peers > 1:
+            grads, group_size = self._sum_with_peers(grads, wanted)
+        sq_norm, finite = 0.0, True
+        with torch.no_grad():
+            for g in grads:
+                if g is None:
+                    continue
+                if command.grad_scale != 1.0:
+                    g.mul_(command.grad_scale)
+                value = float(g.detach().float().pow(2).sum())
+                finite = finite and math.isfinite(value)
+                sq_norm += value
+        return grads, {"sq_norm": sq_norm if finite else 0.0, "finite": finite, "group": group_size}
+
+    def _sum_with_peers(
+        self, grads: list[torch.Tensor | None], wanted: list[int]
+    ) -> tuple[list[torch.Tensor | None], int]:
+        """The sum of ``grads`` over the stage's peers stepping now (one all-reduce round of the stage's gradient
+        averager, every peer with weight 1, times the group's size); this peer's own gradients if no round
+        could be made (logged)."""
+        opt = self.optimizer
+        assert opt is not None
+        averager = opt.grad_averager
+        with torch.no_grad(), averager.get_tensors() as buffers:
+            for buffer, grad in zip(buffers, grads, strict=True):
+                buffer.copy_(grad) if grad is not None else buffer.zero_()
+        s = self.settings
+        try:
+            group = DecentralizedAverager.step(averager, weight=1.0, timeout=s.averaging_timeout)
+        except Exception as e:
+            group = None
+            logger.error(
+                f"Stage {self.stage}: summing the step's gradients with the stage's peers failed: {e!r}"
+            )
+        if not group:
+            logger.warning(
+                f"Stage {self.stage}: found no peer of the stage to sum this step's gradients with; stepping with "
+                "this peer's own gradients"
+            )
+            return grads, 1
+        self.averaged_rounds += 1
+        with torch.no_grad(), averager.get_tensors() as buffers:
+            summed: list[torch.Tensor | None] = [None] * len(grads)
+            for i in wanted:
+                summed[i] = buffers[i].detach().clone().mul_(len(group))
+        return summed, len(group)
+
+    def _apply(self, command: StepCommand, grads: list[torch.Tensor | None], facts: dict[str, Any]) -> None:
+        """Clip ``grads`` as commanded, take the trainer's hyper-parameters and step; then serve the new
+        parameters. Under ``_step_lock``."""
+        opt = self.optimizer
+        assert opt is not None
+        if command.skip or not facts["finite"]:
+            if not facts["finite"] and not command.skip:
+                logger.warning(
+                    f"Stage {self.stage}: the step's gradients are not finite; this stage skips the step"
+                )
+            return
+        averager = opt.state_averager
+        with torch.no_grad():
+            for g in grads:
+                if g is None:
+                    continue
+                if command.clip_coef is not None and command.clip_coef < 1.0:
+                    g.mul_(command.clip_coef)
+                if command.clip_value is not None:
+                    g.clamp_(-command.clip_value, command.clip_value)
+        for group, (optimizer, index) in zip(
+            averager.optimizer.param_groups, self._group_sources, strict=True
+        ):
+            if optimizer == command.optimizer and index in command.groups:
+                group.update(command.groups[index])
+        for master, grad in zip(self._master, grads, strict=True):
+            master.grad = grad
+        with opt.tracker.pause_updates():
+            try:
+                averager.step(increment_epoch=True, optimizer_step=True)
+            finally:
+                for master in self._master:
+                    master.grad = None
+            self.steps += 1
+            opt.tracker.update_epoch(new_epoch=averager.local_epoch)
+        if not opt.client_mode:
+            averager.state_sharing_priority = averager.local_epoch
+        self._refresh_parameters()
 
     # ---- serving a request (the same for in-process and remote callers) ----
 
@@ -822,18 +988,27 @@ class StageServer(StageService):
         ``_grads_lock``."""
         if self._pending is None:
             self._pending = [
-                torch.zeros_like(m) if g is None else g.to(device=m.device, dtype=m.dtype)
+                None if g is None else g.to(device=m.device, dtype=m.dtype)
                 for m, g in zip(self._master, grads, strict=True)
             ]
             return
-        for acc, grad in zip(self._pending, grads, strict=True):
-            if grad is not None:
+        for i, (acc, grad) in enumerate(zip(self._pending, grads, strict=True)):
+            if grad is None:
+                continue
+            if acc is None:
+                self._pending[i] = grad.to(device=self._master[i].device, dtype=self._master[i].dtype)
+            else:
                 acc.add_(grad.to(acc.device))
 
     def _run_module(self, args: tuple, kwargs: dict) -> Any:
         self.computations += 1
         try:
-            return self.module(*args, **kwargs)
+            autocast = self.settings.autocast
+            if autocast is None:
+                return self.module(*args, **kwargs)
+            # the trainer's mixed precision (Lightning's "bf16-mixed"/"16-mixed"): the same autocast here
+            with torch.autocast(self.device.type, dtype=getattr(torch, autocast), cache_enabled=False):
+                return self.module(*args, **kwargs)
         except (MemoryError, torch.OutOfMemoryError):
             raise
         except Exception as e:
@@ -854,6 +1029,8 @@ class StageServer(StageService):
             "throughput": self.throughput.value,
             "samples_processed": self.samples_processed,
             "epoch": int(epoch),
+            "steps": self.steps,
+            "averaged_rounds": self.averaged_rounds,
         }
 
     # ---- RPC handlers ----
@@ -1002,6 +1179,29 @@ class StageServer(StageService):
             logger.warning(f"Stage {self.stage}: failed to reply: {e!r}")
             yield _reply(_error(request_id, UNAVAILABLE, e))
 
+    async def rpc_step(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        """A trainer's step command (see :mod:`.stepping`): msgpack in, msgpack reply out; a malformed command
+        gets ``{"epoch": -1, "error": ...}`` and counts as a bad request of its sender."""
+        remaining = self.bad_peers.ignored_for(context.remote_id)
+        try:
+            if remaining:
+                raise BadRequest(
+                    f"This peer ignores you for another {remaining:.0f} s: too many bad requests"
+                )
+            try:
+                command = parse_command(request.serialized_info, self.uid)
+            except ValueError as e:
+                self._strike(context.remote_id, e)
+                raise BadRequest(str(e)) from None
+            loop = asyncio.get_running_loop()
+            reply = await loop.run_in_executor(None, self.step_command, command)
+        except BadRequest as e:
+            reply = {"epoch": -1, "error": str(e)[:4096]}
+        except Exception as e:
+            logger.error(f"Stage {self.stage}: a step command failed: {e!r}")
+            reply = {"epoch": -1, "error": f"{type(e).__name__}: {e}"[:4096]}
+        return runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(reply))
+
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         """Stage index, throughput, samples processed and optimizer epoch (msgpack dict)."""
         self._check_uid(request, context)
@@ -1086,8 +1286,10 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     any parameter.
 
     hivemind does this with one optimizer step on zero gradients, which still applies weight decay: a silent
-    extra step. Here that step runs with every learning rate at 0, and step counters are reset afterwards, so the
-    first real step is the same as in a plain torch optimizer.
+    extra step. Here that step runs with every learning rate at 0, and every state tensor it made is zeroed
+    afterwards (weight decay on a zero gradient leaves ``wd x p`` in SGD's momentum and Adam's moments) and step
+    counters reset, so the first real step is the same as in a plain torch optimizer (exactly so for Adam(W) and
+    SGD without dampening, whose zero state equals a fresh one).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grads = [p.grad for p in params]
@@ -1103,10 +1305,13 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             group["lr"] = lr
         for p, grad in zip(params, grads, strict=True):
             p.grad = grad
-    for state in optimizer.state.values():
-        if "step" in state:
-            step = state["step"]
-            state["step"] = torch.zeros_like(step) if isinstance(step, torch.Tensor) else 0
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+                elif key == "step":
+                    state[key] = 0
 
 
 class _LoadProbe(DecentralizedAverager):

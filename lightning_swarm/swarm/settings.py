@@ -17,6 +17,7 @@ from .protocol import check_run_id
 __all__ = ["ROLES", "SwarmSettings"]
 
 ROLES = ("both", "trainer", "server")
+STAGE_STEPS = ("auto", "trainer", "swarm")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class SwarmSettings:
         secret: private swarm: only peers that prove this shared secret may talk to this peer (see
             :mod:`.auth`); ``None`` reads ``LIGHTNING_SWARM_SECRET``, unset means an open swarm.
         allowed_peers: private swarm: base58 ids of the only peers that may talk to this peer (empty: any).
+        autocast: the dtype (``"bfloat16"``/``"float16"``) stage servers compute in under ``torch.autocast``, as
+            the trainer does with Lightning's mixed precision; ``None``: no autocast.
         identity_path: file holding this peer's private key (created if missing), for a peer id that stays the
             same across restarts (needed to be on other peers' ``allowed_peers``); ``None``: a new key per run.
     """
@@ -68,6 +71,8 @@ class SwarmSettings:
     max_batch_rows: int = 256
     batch_wait_ms: float = 0.0
     keep_activations: int = 16
+    stage_steps: str = "auto"
+    autocast: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
@@ -83,6 +88,14 @@ class SwarmSettings:
         name = "SwarmStrategy"
         if self.role not in ROLES:
             raise ValueError(f"{name}(role={self.role!r}) is not supported; use one of {ROLES}.")
+        if self.stage_steps not in STAGE_STEPS:
+            raise ValueError(
+                f"{name}(stage_steps={self.stage_steps!r}) is not supported; use one of {STAGE_STEPS}."
+            )
+        if self.autocast not in (None, "bfloat16", "float16"):
+            raise ValueError(
+                f"{name}: autocast must be None, 'bfloat16' or 'float16', got {self.autocast!r}."
+            )
         if self.compression not in COMPRESSIONS:
             raise ValueError(
                 f"{name}(compression={self.compression!r}) is not supported; use one of {COMPRESSIONS}."

@@ -1,0 +1,150 @@
+"""A job for the training-contract tests: one small module trained with a chosen Lightning setting, either in one
+plain process or in a local swarm (one trainer, 2 stages, compression "none").
+
+``python tests/_contract_job.py '<json>'``; peer 0 saves ``{"state", "losses", "stage_steps", "lrs"}`` to ``out``.
+Config keys: ``swarm`` (bool), ``steps``, ``scheduler`` (None, "warmup", "step_epoch", "onecycle", "plateau"),
+``clip`` (None or [value, "norm"|"value"]), ``precision``, ``accumulate``, ``manual`` (two optimizers, manual
+optimization), ``optimizer`` ("sgd"|"adamw"), ``dropout`` (float), ``out``.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_swarm  # noqa: E402
+
+
+class Net(LightningModule):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.cfg = cfg
+        p = cfg.get("dropout", 0.0)
+        self.inp = nn.Linear(6, 16)
+        self.layers = nn.Sequential(
+            *(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Dropout(p)) for _ in range(4))
+        )
+        self.out = nn.Linear(16, 1)
+        self.automatic_optimization = not cfg.get("manual", False)
+
+    def forward(self, x):
+        return self.out(self.layers(self.inp(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=False)
+        if self.automatic_optimization:
+            return loss
+        first, second = self.optimizers()
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        if batch_idx % 2 == 1:  # the pipeline's second half steps every other batch
+            second.step()
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def configure_optimizers(self):
+        cfg = self.cfg
+        if cfg.get("manual"):
+            half = list(self.layers[2:].parameters())
+            rest = [p for p in self.parameters() if all(p is not q for q in half)]
+            return torch.optim.SGD(rest, lr=0.05), torch.optim.SGD(half, lr=0.2, momentum=0.5)
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+        other = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+        groups = [{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}]
+        if cfg.get("optimizer", "sgd") == "adamw":
+            opt = torch.optim.AdamW(groups, lr=0.01)
+        else:
+            opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+        kind = cfg.get("scheduler")
+        steps = cfg["steps"]
+        if kind is None:
+            return opt
+        if kind == "warmup":
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 5))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if kind == "step_epoch":
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.3)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+        if kind == "onecycle":
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=steps)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if kind == "plateau":
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.2, patience=0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}
+        raise ValueError(kind)
+
+
+class Record(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.lrs: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+        self.lrs.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+
+
+def data(n: int = 64, batch: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, 6, generator=g)
+    y = x[:, :1] * 2 - x[:, 1:2] + 0.1 * torch.randn(n, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    seed_everything(cfg.get("seed", 0))
+    model = Net(cfg)
+    record = Record()
+    swarm = cfg.get("swarm", False)
+    strategy = (
+        lightning_swarm.SwarmStrategy(
+            pipeline="layers", num_stages=2, num_trainers=1, compression="none", **cfg.get("strategy", {})
+        )
+        if swarm
+        else "auto"
+    )
+    clip = cfg.get("clip")
+    loader = data()
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2 if swarm else 1,
+        max_steps=cfg["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2 if cfg.get("scheduler") == "plateau" else 0,
+        precision=cfg.get("precision", "32-true"),
+        accumulate_grad_batches=cfg.get("accumulate", 1),
+        gradient_clip_val=clip[0] if clip else None,
+        gradient_clip_algorithm=clip[1] if clip else None,
+        callbacks=[record],
+    )
+    trainer.fit(model, loader, loader if cfg.get("scheduler") == "plateau" else None)
+    stage_steps = dict(trainer.strategy.stage_steps) if swarm else {}
+    if trainer.global_rank == 0:
+        torch.save(
+            {"state": model.state_dict(), "losses": record.losses, "lrs": record.lrs, "stage_steps": stage_steps},
+            cfg["out"],
+        )
+
+
+if __name__ == "__main__":
+    main()
