@@ -141,7 +141,12 @@ def main() -> None:
     stage_steps = dict(trainer.strategy.stage_steps) if swarm else {}
     if trainer.global_rank == 0:
         torch.save(
-            {"state": model.state_dict(), "losses": record.losses, "lrs": record.lrs, "stage_steps": stage_steps},
+            {
+                "state": model.state_dict(),
+                "losses": record.losses,
+                "lrs": record.lrs,
+                "stage_steps": stage_steps,
+            },
             cfg["out"],
         )
 

@@ -188,7 +188,9 @@ class SwarmStrategy(ParallelStrategy):
             None  # how the step in progress clipped: ("norm", coef)/("value", v)
         )
         self._batch_checked = False
-        self.stage_steps: dict[int, int] = {}  # optimizer steps each stage took in the last run, as it replied
+        self.stage_steps: dict[
+            int, int
+        ] = {}  # optimizer steps each stage took in the last run, as it replied
 
     @property
     @override
@@ -296,6 +298,8 @@ class SwarmStrategy(ParallelStrategy):
         self._step_id, self._clip, self._batch_checked = None, None, False
         if fitting and self.peer.drives_stages:
             self._install_clipping()
+            if not self.lightning_module.automatic_optimization:
+                self._mirror_zero_grad()
 
     @override
     def model_to_device(self) -> None:
@@ -429,6 +433,23 @@ class SwarmStrategy(ParallelStrategy):
             "When using the SwarmStrategy, only the optimizers returned by `configure_optimizers` can step the "
             f"pipeline; got {type(optimizer).__name__}."
         )
+
+    def _mirror_zero_grad(self) -> None:
+        """Manual optimization: ``optimizer.zero_grad()`` also drops the gradients the stages hold for that
+        optimizer's pipeline parameters (under automatic optimization every backward is followed by a step,
+        which consumes them). Both the optimizer and its ``LightningOptimizer`` wrapper (what
+        ``self.optimizers()`` returns) get the mirrored ``zero_grad``."""
+        wrappers = self._lightning_optimizers
+        for index, optimizer in enumerate(self.optimizers):
+            original = type(optimizer).zero_grad.__get__(optimizer)
+
+            def zero_grad(set_to_none: bool = True, _index: int = index, _original: Any = original) -> None:
+                _original(set_to_none=set_to_none)
+                self.peer.zero_stage_grads(_index)
+
+            optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+            if index < len(wrappers):
+                wrappers[index].zero_grad = zero_grad  # type: ignore[method-assign]
 
     def _install_clipping(self) -> None:
         """Clip by the whole model: the precision plugin's ``clip_gradients`` (what Lightning's gradient clipping

@@ -516,6 +516,16 @@ class SwarmPeer:
             total += float(reply.get("sq_norm", 0.0))
         return total
 
+    def zero_stage_grads(self, optimizer: int) -> None:
+        """Drop the gradients the stages hold for the parameters of this trainer's optimizer ``optimizer``
+        (``optimizer.zero_grad()`` under manual optimization, see :mod:`.stepping`)."""
+        step_id = self.new_step_id()
+        self._command_stages(
+            lambda k: StepCommand(
+                stage_uid(self.settings.run_id, k), step_id, phase="zero", optimizer=optimizer
+            )
+        )
+
     def step_stages(
         self,
         step_id: int,

@@ -546,6 +546,10 @@ class StageServer(StageService):
             done = self._steps_applied.get(command.step_id)
             if done is not None:
                 return done
+            if command.phase == "zero":
+                self._take_pending(command.optimizer)
+                self._prepared = None
+                return {"epoch": int(opt.local_epoch), "steps": self.steps}
             if command.epoch > opt.local_epoch and command.phase == "apply" and self._prepared is None:
                 self._catch_up(command.epoch)
             prepared = self._prepared
@@ -582,20 +586,7 @@ class StageServer(StageService):
     def _prepare(self, command: StepCommand) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
         """Take the gradients this peer received for the commanded optimizer's parameters, sum them with the
         stage's other commanded peers and unscale them; returns them (``None``: no gradient) and their facts."""
-        owned = {i for i, (optimizer, _) in enumerate(self._group_sources) if optimizer == command.optimizer}
-        opt = self.optimizer
-        assert opt is not None
-        groups = opt.state_averager.optimizer.param_groups
-        index_of = {id(m): i for i, m in enumerate(self._master)}
-        wanted = [index_of[id(p)] for g, group in enumerate(groups) if g in owned for p in group["params"]]
-        with self._grads_lock:
-            pending = self._pending
-            grads: list[torch.Tensor | None] = [None] * len(self._master)
-            if pending is not None:
-                for i in wanted:
-                    grads[i], pending[i] = pending[i], None
-                if all(g is None for g in pending):
-                    self._pending, self._pending_samples, self._pending_backwards = None, 0, 0
+        grads, wanted = self._take_pending(command.optimizer)
         group_size = 1
         if command.peers > 1:
             grads, group_size = self._sum_with_peers(grads, wanted)
@@ -610,6 +601,25 @@ class StageServer(StageService):
                 finite = finite and math.isfinite(value)
                 sq_norm += value
         return grads, {"sq_norm": sq_norm if finite else 0.0, "finite": finite, "group": group_size}
+
+    def _take_pending(self, optimizer: int) -> tuple[list[torch.Tensor | None], list[int]]:
+        """Remove from the pending gradients those of the parameters in the trainer's optimizer ``optimizer``;
+        returns them (aligned with the master parameters, ``None`` elsewhere) and those parameters' indices."""
+        owned = {i for i, (source, _) in enumerate(self._group_sources) if source == optimizer}
+        opt = self.optimizer
+        assert opt is not None
+        groups = opt.state_averager.optimizer.param_groups
+        index_of = {id(m): i for i, m in enumerate(self._master)}
+        wanted = [index_of[id(p)] for g, group in enumerate(groups) if g in owned for p in group["params"]]
+        grads: list[torch.Tensor | None] = [None] * len(self._master)
+        with self._grads_lock:
+            pending = self._pending
+            if pending is not None:
+                for i in wanted:
+                    grads[i], pending[i] = pending[i], None
+                if all(g is None for g in pending):
+                    self._pending, self._pending_samples, self._pending_backwards = None, 0, 0
+        return grads, wanted
 
     def _sum_with_peers(
         self, grads: list[torch.Tensor | None], wanted: list[int]

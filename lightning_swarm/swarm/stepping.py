@@ -15,6 +15,10 @@ A step has up to two phases with the same ``step_id``:
 - ``"apply"``: the peer (preparing the gradients first if no ``"norm"`` phase did) clips them (by the trainer's
   coefficient, or by value), sets the trainer's hyper-parameters on its parameter groups and steps.
 
+With manual optimization, ``optimizer.zero_grad()`` on the trainer is mirrored too (phase ``"zero"``): the
+stages drop the gradients they hold for that optimizer's parameters. (With automatic optimization every
+backward is followed by a step, which consumes them.)
+
 Commands are idempotent per ``step_id`` (a retried command is answered again, never applied twice).
 
 The wire form is a msgpack dict in ``runtime_pb2.ExpertInfo.serialized_info`` (``rpc_step``); every field is
@@ -33,7 +37,7 @@ import torch
 
 __all__ = ["PHASES", "StepCommand", "hyper_parameters", "parse_command", "parse_step_reply"]
 
-PHASES = ("norm", "apply")
+PHASES = ("norm", "apply", "zero")
 _MAX_GROUPS = 4096
 _MAX_KEYS = 64
 _MAX_KEY_LEN = 64
@@ -47,7 +51,7 @@ class StepCommand:
         uid: the stage's uid (see :func:`~.protocol.stage_uid`).
         step_id: the trainer's id of this step (random start, then counted): the same for both phases and for
             every peer of the stage; a peer applies each id once.
-        phase: ``"norm"`` or ``"apply"``.
+        phase: ``"norm"``, ``"apply"`` or ``"zero"``.
         optimizer: index of the trainer's optimizer that steps (``configure_optimizers`` order); only the stage's
             parameters in that optimizer's groups step.
         groups: that optimizer's parameter groups' hyper-parameters, by group index (``lr``, ``betas``,
