@@ -146,6 +146,7 @@ def main() -> None:
                 "losses": record.losses,
                 "lrs": record.lrs,
                 "stage_steps": stage_steps,
+                "global_step": trainer.global_step,
             },
             cfg["out"],
         )

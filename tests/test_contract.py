@@ -1,0 +1,91 @@
+"""The training contract with one trainer: a swarm step is the single-process step.
+
+Each case trains the same small module (4 blocks, 2 stages of one peer each) with a Lightning setting in a local
+swarm (``compression="none"``) and in one plain process, and compares the parameters after the run. With
+compression off and one peer per stage, the stage servers compute the same float operations in the same order
+as the single process (the step's gradient is the sum of the backwards the stage served, summed in arrival
+order, which is the order of the single process's backward passes), so the tolerance is float32 rounding:
+1e-6 absolute on parameters of magnitude ~0.3.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "_contract_job.py")
+TOLERANCE = 1e-6
+
+
+def run(cfg: dict, tmp_path, name: str, expect_failure: bool = False) -> dict | str:
+    out = str(tmp_path / f"{name}.pt")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run(
+        [sys.executable, JOB, json.dumps({**cfg, "out": out})],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    if expect_failure:
+        assert proc.returncode != 0, proc.stdout[-2000:]
+        return proc.stderr
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return torch.load(out, weights_only=False)
+
+
+CASES = {
+    # LR schedule by step (warm-up from 0), clipping by the whole model's norm, accumulation, AdamW groups
+    "warmup_clipnorm_accumulate_adamw": {
+        "scheduler": "warmup",
+        "clip": [0.3, "norm"],
+        "accumulate": 2,
+        "optimizer": "adamw",
+        "steps": 8,
+    },
+    # OneCycle (lr and momentum), clipping by value, bf16 autocast on trainer and servers
+    "onecycle_clipvalue_bf16mixed": {
+        "scheduler": "onecycle",
+        "clip": [0.05, "value"],
+        "precision": "bf16-mixed",
+        "steps": 10,
+    },
+    # epoch-interval schedule and ReduceLROnPlateau on a validation metric
+    "plateau": {"scheduler": "plateau", "steps": 12},
+    "step_epoch": {"scheduler": "step_epoch", "steps": 12},
+    # two optimizers, manual optimization: the second steps every other batch, zero_grad in between
+    "manual_two_optimizers": {"manual": True, "steps": 12},
+    # a model converted to bf16 by Lightning ("bf16-true"): the stages are converted too
+    "bf16_true": {"precision": "bf16-true", "steps": 6},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_swarm_step_is_the_single_process_step(case, tmp_path):
+    cfg = CASES[case]
+    single = run({**cfg, "swarm": False}, tmp_path, "single")
+    swarm = run({**cfg, "swarm": True}, tmp_path, "swarm")
+    assert swarm["global_step"] == single["global_step"] == cfg["steps"]
+    # every stage stepped exactly as often as the trainer's optimizers did
+    assert swarm["stage_steps"] == {0: cfg["steps"], 1: cfg["steps"]}, swarm["stage_steps"]
+    assert swarm["lrs"] == pytest.approx(single["lrs"])
+    moved = max(float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"])
+    tolerance = 1e-2 if "bf16" in case else TOLERANCE  # bf16: one rounding step of 2^-8 relative
+    assert moved <= tolerance, {
+        k: float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"]
+    }
+    # the run trained something: the pipeline moved away from its initialisation
+    assert swarm["losses"][-1] != swarm["losses"][0]
+
+
+def test_a_target_batch_size_that_the_trainer_does_not_step_with_is_refused(tmp_path):
+    stderr = run(
+        {"swarm": True, "steps": 2, "strategy": {"target_batch_size": 64}}, tmp_path, "refused", expect_failure=True
+    )
+    assert "SwarmStrategy(target_batch_size=64) but the trainer steps every 8 samples" in stderr
