@@ -87,6 +87,17 @@ class Net(LightningModule):
         raise ValueError(kind)
 
 
+class SaveAtEpochEnd(Callback):
+    """Saves a full checkpoint (with optimizer states) at the end of the first epoch, on the trainer."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if self.path and trainer.current_epoch == 0 and trainer.global_rank == 0:
+            trainer.save_checkpoint(self.path)
+
+
 class Record(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -135,9 +146,10 @@ def main() -> None:
         accumulate_grad_batches=cfg.get("accumulate", 1),
         gradient_clip_val=clip[0] if clip else None,
         gradient_clip_algorithm=clip[1] if clip else None,
-        callbacks=[record],
+        callbacks=[record, SaveAtEpochEnd(cfg.get("save"))],
     )
-    trainer.fit(model, loader, loader if cfg.get("scheduler") == "plateau" else None)
+    val = loader if cfg.get("scheduler") == "plateau" else None
+    trainer.fit(model, loader, val, ckpt_path=cfg.get("resume"))
     stage_steps = dict(trainer.strategy.stage_steps) if swarm else {}
     if trainer.global_rank == 0:
         torch.save(

@@ -86,6 +86,29 @@ def test_a_swarm_step_is_the_single_process_step(case, tmp_path):
 
 def test_a_target_batch_size_that_the_trainer_does_not_step_with_is_refused(tmp_path):
     stderr = run(
-        {"swarm": True, "steps": 2, "strategy": {"target_batch_size": 64}}, tmp_path, "refused", expect_failure=True
+        {"swarm": True, "steps": 2, "strategy": {"target_batch_size": 64}},
+        tmp_path,
+        "refused",
+        expect_failure=True,
     )
     assert "SwarmStrategy(target_batch_size=64) but the trainer steps every 8 samples" in stderr
+
+
+def test_resuming_restores_the_stages_optimizer_state(tmp_path):
+    """A checkpoint saved at the end of the first epoch holds the stages' AdamW moments and step; resuming from it
+    in a swarm continues exactly as resuming the same checkpoint in one process (without the stages' optimizer
+    state, their moments would restart from zero and the parameters part)."""
+    cfg = {"optimizer": "adamw"}
+    run({**cfg, "swarm": False, "steps": 8, "save": str(tmp_path / "single.ckpt")}, tmp_path, "single_a")
+    single = run(
+        {**cfg, "swarm": False, "steps": 16, "resume": str(tmp_path / "single.ckpt")}, tmp_path, "single_b"
+    )
+    run({**cfg, "swarm": True, "steps": 8, "save": str(tmp_path / "swarm.ckpt")}, tmp_path, "swarm_a")
+    checkpoint = torch.load(tmp_path / "swarm.ckpt", weights_only=False)
+    assert sorted(checkpoint["swarm_stages"]["optimizer_states"]) == [0, 1]
+    swarm = run(
+        {**cfg, "swarm": True, "steps": 16, "resume": str(tmp_path / "swarm.ckpt")}, tmp_path, "swarm_b"
+    )
+    assert len(swarm["losses"]) == len(single["losses"]) == 8
+    moved = max(float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"])
+    assert moved <= TOLERANCE

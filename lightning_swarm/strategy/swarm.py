@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 Role = Literal["both", "trainer", "server"]
 Compression = Literal["8bit", "fp16", "none"]
 StageSteps = Literal["auto", "trainer", "swarm"]
+_STAGES_KEY = "swarm_stages"  # a checkpoint's entry with the stages' optimizer states
 _DEFAULTS = SwarmSettings()  # the one source of the defaults below
 
 
@@ -389,6 +390,28 @@ class SwarmStrategy(ParallelStrategy):
         if self._peer is None or not self._peer.joined:
             return self.lightning_module.state_dict()
         return self._peer.full_state_dict(self.lightning_module)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """A full checkpoint (with optimizer states) also holds every stage's optimizer state and epoch, gathered
+        from the swarm, so that resuming is resuming; the file stays an ordinary Lightning checkpoint."""
+        peer = self._peer
+        if "optimizer_states" in checkpoint and peer is not None and peer.joined and peer.is_trainer:
+            checkpoint[_STAGES_KEY] = {
+                "num_stages": self.settings.num_stages,
+                "optimizer_states": peer.stage_optimizer_states(),
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """The trainer's optimizers, and the stages' optimizers on their peers (see :meth:`save_checkpoint`)."""
+        super().load_optimizer_state_dict(checkpoint)
+        stages = checkpoint.get(_STAGES_KEY)
+        if stages is not None and self.peer.is_trainer:
+            self.peer.load_stage_optimizer_states(stages["optimizer_states"])
 
     @override
     def on_exception(self, exception: BaseException) -> None:

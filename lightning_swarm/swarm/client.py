@@ -229,6 +229,49 @@ class SwarmClient:
             )
         return replies
 
+    def fetch_optimizer_state(self, stage: int) -> bytes:
+        """The optimizer state of stage ``stage`` (see ``StageServer.optimizer_state``), from any live peer."""
+        self._check_stage(stage)
+
+        def attempt(peer_id: PeerID) -> bytes:
+            if peer_id == self.peer_id and stage in self.local_servers:
+                return self.local_servers[stage].optimizer_state()
+            return self._optimizer_rpc(peer_id, stage, {"op": "get"})["state"]
+
+        return self._with_retries(stage, 1.0, attempt, timed=False)
+
+    def load_optimizer_state(self, stage: int, data: bytes) -> int:
+        """Restore the optimizer state of stage ``stage`` on every live peer of it; returns how many took it.
+
+        Raises:
+            ValueError: a peer refused the state (it does not fit the stage).
+        """
+        self._check_stage(stage)
+        self.peers(stage)
+        with self._router_lock:
+            router = self.routers[stage]
+            peers = [p for p in router.peers if not router.is_banned(p)]
+        for peer_id in peers:
+            if peer_id == self.peer_id and stage in self.local_servers:
+                self.local_servers[stage].load_optimizer_state(data)
+            else:
+                self._optimizer_rpc(peer_id, stage, {"op": "set", "state": data})
+        return len(peers)
+
+    def _optimizer_rpc(self, peer_id: PeerID, stage: int, fields: dict[str, Any]) -> dict[str, Any]:
+        request = runtime_pb2.ExpertInfo(
+            serialized_info=msgpack.packb({"uid": stage_uid(self.run_id, stage), **fields}, use_bin_type=True)
+        )
+        stub = self._transport(peer_id, stage).stub
+        reply = msgpack.unpackb(self._run(stub.rpc_optimizer(request)).serialized_info, raw=False)
+        if not isinstance(reply, dict):
+            raise ProtocolError(f"Peer {peer_id} sent a malformed optimizer reply")
+        if "error" in reply:
+            raise ValueError(f"Peer {peer_id} of stage {stage}: {reply['error']}")
+        if fields["op"] == "get" and not isinstance(reply.get("state"), bytes):
+            raise ProtocolError(f"Peer {peer_id} sent a malformed optimizer state of stage {stage}")
+        return reply
+
     def stage_info(self, stage: int) -> list[dict[str, Any]]:
         """``rpc_info`` of every live peer of ``stage`` (peers that fail to answer are skipped)."""
         infos = []

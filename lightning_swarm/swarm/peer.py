@@ -593,6 +593,32 @@ class SwarmPeer:
             "have finished (they linger for `linger_timeout` seconds), and save checkpoints during training."
         )
 
+    def stage_optimizer_states(self) -> dict[int, bytes]:
+        """Every stage's optimizer state (and epoch), each from some live peer of it, for a checkpoint."""
+        assert self.client is not None
+        return {k: self.client.fetch_optimizer_state(k) for k in range(self.settings.num_stages)}
+
+    def load_stage_optimizer_states(self, states: dict[int, bytes]) -> None:
+        """Restore each stage's optimizer state on all its live peers (resuming from a checkpoint).
+
+        Raises:
+            ValueError: the checkpoint's stages do not match this run's (another ``num_stages``), or a stage
+                refused its state.
+        """
+        assert self.client is not None
+        if sorted(states) != list(range(self.settings.num_stages)):
+            raise ValueError(
+                f"SwarmStrategy: the checkpoint holds the optimizer states of stages {sorted(states)}, but this run "
+                f"has num_stages={self.settings.num_stages}: resume with the num_stages of the run that saved it."
+            )
+        self.wait_for_stages()  # a local swarm's other peers may still be starting
+        for stage, data in states.items():
+            if not self.client.load_optimizer_state(stage, data):
+                raise RuntimeError(
+                    f"SwarmStrategy: no peer of stage {stage} is online to restore its optimizer state from the "
+                    "checkpoint; start the stage's servers before resuming."
+                )
+
     def full_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """``module.state_dict()`` as if the pipeline were local, with the stages' parameters from the swarm."""
         assert self.partition is not None

@@ -463,6 +463,7 @@ class StageService(ServicerBase):
       request header on the last) answered by one or more reply messages (parts, then the reply header);
     - ``rpc_info``: ``ExpertUID(uid)`` -> msgpack ``{"stage", "throughput", "samples_processed", "epoch", "steps"}``;
     - ``rpc_step``: a trainer's step command (msgpack, see :mod:`.stepping`) -> msgpack reply;
+    - ``rpc_optimizer``: get or set the stage optimizer's state (checkpoints and resuming);
     - ``rpc_state``: ``ExpertUID(uid)`` -> the stage's ``state_dict`` as a payload in messages (metadata last).
     """
 
@@ -476,6 +477,11 @@ class StageService(ServicerBase):
         raise NotImplementedError
 
     async def rpc_step(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        raise NotImplementedError
+
+    async def rpc_optimizer(
+        self, request: runtime_pb2.ExpertInfo, context: P2PContext
+    ) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError
 
     async def rpc_state(

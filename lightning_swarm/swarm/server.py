@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import itertools
 import logging
 import math
@@ -693,6 +694,69 @@ class StageServer(StageService):
             averager.state_sharing_priority = averager.local_epoch
         self._refresh_parameters()
 
+    def optimizer_state(self) -> bytes:
+        """The stage optimizer's state (``torch.save`` of ``{"optimizer": state_dict, "epoch": int}``), for a
+        trainer's checkpoint; empty if this server does not train its stage."""
+        opt = self.optimizer
+        if opt is None:
+            return b""
+        with self._step_lock:
+            averager = opt.state_averager
+            buffer = io.BytesIO()
+            torch.save(
+                {"optimizer": averager.optimizer.state_dict(), "epoch": int(averager.local_epoch)}, buffer
+            )
+            return buffer.getvalue()
+
+    def load_optimizer_state(self, data: bytes) -> None:
+        """Restore the stage optimizer's state and epoch from :meth:`optimizer_state`'s bytes (a resumed run),
+        in place: the state tensors that hivemind averages and shares stay the same objects.
+
+        Raises:
+            ValueError: the state does not fit this stage's optimizer (another model or stage layout).
+        """
+        opt = self.optimizer
+        if opt is None:
+            return
+        try:
+            loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            state, epoch = loaded["optimizer"], int(loaded["epoch"])
+            params = state["state"]
+        except Exception as e:
+            raise ValueError(
+                f"Stage {self.stage}: unreadable optimizer state ({type(e).__name__}: {e})"
+            ) from None
+        with self._step_lock:
+            averager = opt.state_averager
+            torch_opt = averager.optimizer
+            masters = [p for group in torch_opt.param_groups for p in group["params"]]
+            if len(state["param_groups"]) != len(torch_opt.param_groups) or sum(
+                len(g["params"]) for g in state["param_groups"]
+            ) != len(masters):
+                raise ValueError(
+                    f"Stage {self.stage}: the checkpoint's optimizer state has {len(state['param_groups'])} groups "
+                    f"for another set of parameters than this stage's {len(torch_opt.param_groups)}: resume with "
+                    "the same model, pipeline and num_stages as the run that saved it."
+                )
+            with torch.no_grad():
+                for index, param in enumerate(masters):
+                    mine, theirs = torch_opt.state.get(param), params.get(index, {})
+                    for key, value in theirs.items():
+                        if mine is not None and isinstance(mine.get(key), torch.Tensor):
+                            if mine[key].shape != value.shape:
+                                raise ValueError(
+                                    f"Stage {self.stage}: optimizer state {key!r} of parameter {index} has shape "
+                                    f"{list(value.shape)}, here {list(mine[key].shape)}: another model"
+                                )
+                            mine[key].copy_(value)
+                        else:
+                            torch_opt.state[param][key] = value
+                for group, saved in zip(torch_opt.param_groups, state["param_groups"], strict=True):
+                    group.update({k: v for k, v in saved.items() if k != "params"})
+            with opt.tracker.pause_updates():
+                averager.local_epoch = epoch
+                opt.tracker.update_epoch(new_epoch=epoch)
+
     # ---- serving a request (the same for in-process and remote callers) ----
 
     def handle(self, request: StageRequest) -> StageReply:
@@ -1211,6 +1275,41 @@ class StageServer(StageService):
             logger.error(f"Stage {self.stage}: a step command failed: {e!r}")
             reply = {"epoch": -1, "error": f"{type(e).__name__}: {e}"[:4096]}
         return runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(reply))
+
+    async def rpc_optimizer(
+        self, request: runtime_pb2.ExpertInfo, context: P2PContext
+    ) -> runtime_pb2.ExpertInfo:
+        """The stage optimizer's state for a checkpoint (``{"uid", "op": "get"}`` -> ``{"state": bytes}``) or
+        its restoration (``{"uid", "op": "set", "state": bytes}`` -> ``{"ok": True}``); msgpack both ways, an
+        ``{"error": str}`` reply if refused."""
+        try:
+            remaining = self.bad_peers.ignored_for(context.remote_id)
+            if remaining:
+                raise BadRequest(
+                    f"This peer ignores you for another {remaining:.0f} s: too many bad requests"
+                )
+            try:
+                fields = msgpack.unpackb(request.serialized_info, raw=False)
+                if not isinstance(fields, dict) or fields.get("uid") != self.uid:
+                    raise BadRequest(f"This peer serves {self.uid!r}")
+                op, data = fields.get("op"), fields.get("state")
+                if op not in ("get", "set") or (op == "set" and not isinstance(data, bytes)):
+                    raise BadRequest("expected op 'get', or op 'set' with the state's bytes")
+            except BadRequest as e:
+                self._strike(context.remote_id, e)
+                raise
+            except Exception as e:
+                self._strike(context.remote_id, e)
+                raise BadRequest(f"malformed optimizer request ({type(e).__name__})") from None
+            loop = asyncio.get_running_loop()
+            if op == "get":
+                reply: dict[str, Any] = {"state": await loop.run_in_executor(None, self.optimizer_state)}
+            else:
+                await loop.run_in_executor(None, self.load_optimizer_state, data)
+                reply = {"ok": True}
+        except (BadRequest, ValueError) as e:
+            reply = {"error": str(e)[:4096]}
+        return runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(reply, use_bin_type=True))
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         """Stage index, throughput, samples processed and optimizer epoch (msgpack dict)."""
