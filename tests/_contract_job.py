@@ -98,6 +98,19 @@ class SaveAtEpochEnd(Callback):
             trainer.save_checkpoint(self.path)
 
 
+class DumpStage(Callback):
+    """At the end of training, every peer writes the parameters of the stage it serves to ``<out>.peer<rank>``."""
+
+    def __init__(self, out: str, enabled: bool) -> None:
+        self.out, self.enabled = out, enabled
+
+    def on_train_end(self, trainer, pl_module):
+        server = trainer.strategy.peer.server if self.enabled else None
+        if server is not None:
+            state = {"stage": server.stage, "state": server.state_dict_local(), "info": server.info()}
+            torch.save(state, f"{self.out}.peer{trainer.global_rank}")
+
+
 class Record(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -122,6 +135,7 @@ def main() -> None:
     model = Net(cfg)
     record = Record()
     swarm = cfg.get("swarm", False)
+    peers_per_stage = cfg.get("peers_per_stage", 1)
     strategy = (
         lightning_swarm.SwarmStrategy(
             pipeline="layers", num_stages=2, num_trainers=1, compression="none", **cfg.get("strategy", {})
@@ -134,7 +148,7 @@ def main() -> None:
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=2 if swarm else 1,
+        devices=2 * peers_per_stage if swarm else 1,
         max_steps=cfg["steps"],
         logger=False,
         enable_checkpointing=False,
@@ -146,7 +160,7 @@ def main() -> None:
         accumulate_grad_batches=cfg.get("accumulate", 1),
         gradient_clip_val=clip[0] if clip else None,
         gradient_clip_algorithm=clip[1] if clip else None,
-        callbacks=[record, SaveAtEpochEnd(cfg.get("save"))],
+        callbacks=[record, SaveAtEpochEnd(cfg.get("save")), DumpStage(cfg["out"], swarm)],
     )
     val = loader if cfg.get("scheduler") == "plateau" else None
     trainer.fit(model, loader, val, ckpt_path=cfg.get("resume"))

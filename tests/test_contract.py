@@ -112,3 +112,25 @@ def test_resuming_restores_the_stages_optimizer_state(tmp_path):
     assert len(swarm["losses"]) == len(single["losses"]) == 8
     moved = max(float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"])
     assert moved <= TOLERANCE
+
+
+def test_two_peers_per_stage_sum_their_gradients_and_end_identical(tmp_path):
+    """One trainer, 2 stages of 2 peers each: the trainer's microbatches spread over a stage's peers, whose
+    gradients are summed in an averaging round at every step. The peers of a stage end with identical
+    parameters, every step was an averaging round, and the result is the single process's (up to the
+    all-reduce's float summation order: 1e-5)."""
+    cfg = {"steps": 6, "strategy": {"matchmaking_time": 1.0, "rebalance_period": 0}}
+    single = run({**cfg, "swarm": False}, tmp_path, "single")
+    swarm = run({**cfg, "swarm": True, "peers_per_stage": 2}, tmp_path, "swarm")
+    peers = [torch.load(f"{tmp_path / 'swarm.pt'}.peer{rank}", weights_only=False) for rank in range(4)]
+    by_stage: dict[int, list[dict]] = {}
+    for peer in peers:
+        by_stage.setdefault(peer["stage"], []).append(peer)
+    assert sorted(by_stage) == [0, 1] and all(len(p) == 2 for p in by_stage.values())
+    for stage, (a, b) in by_stage.items():
+        assert a["state"].keys() == b["state"].keys()
+        for key in a["state"]:
+            assert torch.equal(a["state"][key], b["state"][key]), (stage, key)
+        assert a["info"]["averaged_rounds"] == b["info"]["averaged_rounds"] == cfg["steps"]
+    moved = max(float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"])
+    assert moved <= 1e-5

@@ -328,7 +328,11 @@ class SwarmStrategy(ParallelStrategy):
         output = super().training_step(*args, **kwargs)
         assert self.lightning_module is not None
         for name, value in self.peer.stats().items():
-            self.lightning_module.log(name, value, on_step=True, on_epoch=False, reduce_fx="max")
+            # the stages' averaging rounds show on the progress bar: averaging that never happens is visible
+            bar = name.endswith("/rounds")
+            self.lightning_module.log(
+                name, value, on_step=True, on_epoch=False, reduce_fx="max", prog_bar=bar
+            )
         return output
 
     @override

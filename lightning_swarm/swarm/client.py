@@ -188,14 +188,29 @@ class SwarmClient:
         for their replies; returns the replies of the peers that answered (a peer that fails is banned and
         logged; it catches up from the others at the next step). Raises ``NoPeersError`` if none answered."""
         self._check_stage(stage)
+        deadline = time.monotonic() + self.settings.no_peers_timeout
+        while True:
+            replies = self._step_once(stage, command)
+            if replies:
+                return replies
+            # every peer failed (e.g. the stage's only peer died): wait for a live one, as calls do
+            if self.should_stop():
+                raise PeerStopping(f"stage {stage} step abandoned: this peer is stopping")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NoPeersError(
+                    f"No peer of stage {stage} took the trainer's optimizer step {command.step_id} within "
+                    f"no_peers_timeout ({self.settings.no_peers_timeout:.1f} s)"
+                )
+            self._maybe_refresh(stage, block=True, max_wait=min(self.settings.refresh_period, remaining))
+
+    def _step_once(self, stage: int, command: StepCommand) -> list[dict[str, Any]]:
         self._maybe_refresh(stage)
         with self._router_lock:
             router = self.routers[stage]
             peers = [p for p in router.peers if not router.is_banned(p)]
         if not peers:
-            self.peers(stage)
-            with self._router_lock:
-                peers = [p for p in router.peers if not router.is_banned(p)]
+            return []
         command.peers = max(1, len(peers))
         data = command.encode()
         timeout = (

@@ -55,6 +55,7 @@ from .stepping import StepCommand
 logger = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "LIGHTNING_SWARM_INITIAL_PEERS"
+_INFO_POLL_S = 10.0  # with stage_steps="swarm": how often a trainer asks the stages for their step counts
 
 
 def find_pipeline(module: nn.Module) -> str:
@@ -118,9 +119,11 @@ class SwarmPeer:
         self._samples_since_step = 0
         self._step_ids = itertools.count(secrets.randbits(62))
         self._stage_epochs: dict[int, int] = {}  # the epoch each stage replied with at the last step
-        self.stage_steps: dict[
-            int, int
-        ] = {}  # optimizer steps each stage took (most of any peer), as replied
+        # per stage: optimizer steps taken (the most of any peer) and averaging rounds with other peers
+        self.stage_steps: dict[int, int] = {}
+        self.stage_rounds: dict[int, int] = {}
+        self._last_info_poll = -float("inf")
+        self._info_poller: threading.Thread | None = None
         self._stage_optimizer: _OptimizerTemplate | None = None
         self._pipeline_ids: set[int] = set()
         self._measured_since: _Since | None = None
@@ -555,9 +558,43 @@ class SwarmPeer:
         for k, stage_replies in replies.items():
             self._stage_epochs[k] = max(int(r["epoch"]) for r in stage_replies)
             self.stage_steps[k] = max(int(r.get("steps", 0)) for r in stage_replies)
+            if max(int(r.get("group", 1)) for r in stage_replies) > 1:
+                self.stage_rounds[k] = self.stage_rounds.get(k, 0) + 1
 
     def stats(self) -> dict[str, float]:
-        return self.client.stats() if self.client is not None else {}
+        """The client's traffic counters, and per stage the optimizer steps and the averaging rounds with other
+        peers of the stage (``swarm/stage{k}/steps``, ``swarm/stage{k}/rounds``): as the stages replied to this
+        trainer's step commands, or (``stage_steps="swarm"``) as their peers last reported (``rpc_info``, polled
+        in the background every ``_INFO_POLL_S`` seconds)."""
+        stats = self.client.stats() if self.client is not None else {}
+        if not self.drives_stages and self.client is not None:
+            self._poll_stage_info()
+        for k, steps in self.stage_steps.items():
+            stats[f"swarm/stage{k}/steps"] = float(steps)
+        for k, rounds in self.stage_rounds.items():
+            stats[f"swarm/stage{k}/rounds"] = float(rounds)
+        return stats
+
+    def _poll_stage_info(self) -> None:
+        now = time.monotonic()
+        if now - self._last_info_poll < _INFO_POLL_S or (self._info_poller and self._info_poller.is_alive()):
+            return
+        self._last_info_poll = now
+        client = self.client
+
+        def poll() -> None:
+            for k in range(self.settings.num_stages):
+                try:
+                    infos = client.stage_info(k) if client is not None else []
+                except Exception as e:
+                    logger.debug(f"rpc_info of stage {k} failed: {e!r}")
+                    continue
+                if infos:
+                    self.stage_steps[k] = max(int(i.get("steps", 0)) for i in infos)
+                    self.stage_rounds[k] = max(int(i.get("averaged_rounds", 0)) for i in infos)
+
+        self._info_poller = threading.Thread(target=poll, name="swarm-info", daemon=True)
+        self._info_poller.start()
 
     # ------------------------------------------------------------------ state
     def gather_stage_states(self, attempts: int = 2) -> dict[int, dict[str, torch.Tensor]]:

@@ -451,7 +451,7 @@ class StageServer(StageService):
                     with self._step_lock:
                         self._refresh_parameters(defer=True)
             except Exception as e:  # a failed round must not end the stepper; the next one may succeed
-                logger.warning(f"Stage {self.stage}: optimizer step failed: {e!r}")
+                logger.error(f"Stage {self.stage}: optimizer step failed: {e!r}; its gradients were dropped")
 
     def step_pending(self) -> bool:
         """Hand the gradients of the backwards served so far to the optimizer (one ``step``); returns whether it
@@ -639,9 +639,12 @@ class StageServer(StageService):
             group = DecentralizedAverager.step(averager, weight=1.0, timeout=s.averaging_timeout)
         except Exception as e:
             group = None
-            logger.error(
-                f"Stage {self.stage}: summing the step's gradients with the stage's peers failed: {e!r}"
-            )
+            if not _no_partner(e):  # a broken round (shapes, a reducer's failure...), not a missing partner
+                logger.error(
+                    f"Stage {self.stage}: summing the step's gradients with the stage's peers failed: {e!r}; "
+                    "stepping with this peer's own gradients"
+                )
+                return grads, 1
         if not group:
             logger.warning(
                 f"Stage {self.stage}: found no peer of the stage to sum this step's gradients with; stepping with "
@@ -1104,7 +1107,7 @@ class StageServer(StageService):
             "samples_processed": self.samples_processed,
             "epoch": int(epoch),
             "steps": self.steps,
-            "averaged_rounds": self.averaged_rounds,
+            "averaged_rounds": self.averaged_rounds + getattr(self.optimizer, "rounds", 0),
         }
 
     # ---- RPC handlers ----
@@ -1765,6 +1768,19 @@ class _StageOptimizer(HivemindOptimizer):
             return True  # _average_gradients_and_load_into_optimizer(None): "no other peers", local gradients
         return super()._begin_averaging_gradients(grad_scaler)
 
+    rounds = 0  # gradient averaging rounds completed with other peers
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
+        # hivemind logs a failed round at its status level (INFO) whatever the cause: a broken round is an ERROR
+        if maybe_step_control is not None:
+            try:
+                maybe_step_control.result(self.averaging_timeout)
+                self.rounds += 1
+            except BaseException as e:
+                if not _no_partner(e):
+                    logger.error(f"{self.run_id}: averaging gradients failed: {e!r}; using local gradients")
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
         return _StateAverager(
             dht=self.dht,
@@ -1781,6 +1797,12 @@ class _StageOptimizer(HivemindOptimizer):
             start=True,
             **kwargs,
         )
+
+
+def _no_partner(error: BaseException) -> bool:
+    """Whether an averaging round failed only because no partner showed up (expected now and then), as opposed
+    to a broken round (shape mismatch, a reducer's exception, a peer that sent garbage)."""
+    return "could not find a group" in str(error)
 
 
 def _make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Optimizer:
