@@ -238,10 +238,6 @@ class SwarmClient:
             with self._router_lock:
                 router.ban(peer_id)
             logger.warning(f"Stage {stage} peer {peer_id} did not take step {command.step_id}: {error}")
-        if not replies:
-            raise NoPeersError(
-                f"No peer of stage {stage} took the trainer's optimizer step {command.step_id}"
-            )
         return replies
 
     def fetch_optimizer_state(self, stage: int) -> bytes:
