@@ -131,6 +131,7 @@ def main() -> None:
     model, data = build(cfg)
     strategy = lightning_swarm.SwarmStrategy(**cfg["strategy"]) if cfg.get("strategy") is not None else "auto"
     record = RecordLoss()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("layers.")}
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -148,7 +149,7 @@ def main() -> None:
         trainer.fit(model, data)
     else:
         trainer.fit(model, datamodule=data)
-    result = {"losses": record.losses}
+    result = {"losses": record.losses, "initial": initial}
     launcher = getattr(trainer.strategy, "_launcher", None)
     result["deaths"] = list(getattr(launcher, "deaths", []))
     if cfg.get(

@@ -134,3 +134,32 @@ def test_two_peers_per_stage_sum_their_gradients_and_end_identical(tmp_path):
         assert a["info"]["averaged_rounds"] == b["info"]["averaged_rounds"] == cfg["steps"]
     moved = max(float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"])
     assert moved <= 1e-5
+
+
+def test_callbacks_that_copy_the_weights_are_refused_with_one_line():
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+
+    from lightning_swarm.strategy.swarm import _refuse_weight_copies
+
+    for callback in (StochasticWeightAveraging(swa_lrs=0.01), EMAWeightAveraging()):
+        trainer = Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[callback])
+        with pytest.raises(ValueError, match=f"the {type(callback).__name__} callback is not supported") as e:
+            _refuse_weight_copies(trainer)
+        assert "\n" not in str(e.value)
+
+
+def test_top_k_checkpointing_decides_on_each_peers_own_value():
+    """ModelCheckpoint(save_top_k=k) asks the strategy whether all ranks agree to save; swarm peers do not wait
+    for each other, so each decides for itself (a sum compared with the world size would never agree)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_swarm import SwarmStrategy
+
+    strategy = SwarmStrategy(
+        parallel_devices=[torch.device("cpu")] * 4, cluster_environment=LightningEnvironment()
+    )
+    strategy.set_world_ranks()
+    assert strategy.world_size == 4
+    assert strategy.reduce_boolean_decision(True) is True
+    assert strategy.reduce_boolean_decision(False) is False

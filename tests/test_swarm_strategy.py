@@ -186,6 +186,15 @@ def test_four_peers_train_a_transformer_lm_and_8bit_matches_uncompressed(tmp_pat
         finals[compression] = last
         # the gathered model is whole again: every block of the pipeline came back from the swarm
         assert sum(k.startswith("layers.") for k in result["state"]) == 4 * 12
+        # ... and trained: every block's weights moved from their initialisation (a loss that falls through the
+        # trainer-side embeddings and output bias alone would leave the stages where they started)
+        for block in range(4):
+            keys = [k for k in result["initial"] if k.startswith(f"layers.{block}.") and k.endswith("weight")]
+            before = torch.cat([result["initial"][k].flatten() for k in keys])
+            after = torch.cat([result["state"][k].flatten() for k in keys])
+            assert float((after - before).norm()) > 0.01 * float(before.norm()), (
+                f"block {block} did not train"
+            )
         # a healthy run is quiet: no tracebacks, no ERROR lines (from any of the 4 peers or their helpers)
         assert "Traceback" not in result["stderr"] and "ERROR" not in result["stderr"], result["stderr"][
             -5000:

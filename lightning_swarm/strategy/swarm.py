@@ -281,6 +281,7 @@ class SwarmStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        _refuse_weight_copies(trainer)
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
@@ -552,3 +553,21 @@ def _autocast_dtype(plugin: Any) -> str | None:
     if precision == "16-mixed":
         return "float16"
     return None
+
+
+def _refuse_weight_copies(trainer: Trainer) -> None:
+    """Callbacks that keep their own copy of the model's weights (SWA, EMA) would average only the trainer-side
+    parameters: the pipeline's live on the stages. Refused at setup, with one line."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # Lightning before 2.5
+        WeightAveraging = StochasticWeightAveraging  # noqa: N806
+    for callback in trainer.callbacks:
+        if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
+            raise ValueError(
+                f"When using the SwarmStrategy, the {type(callback).__name__} callback is not supported: it keeps a "
+                "copy of the model's weights in this process, while the pipeline's weights live on the stages. "
+                "Average a saved checkpoint's weights after training instead."
+            )
