@@ -217,12 +217,18 @@ class SwarmClient:
             self.settings.averaging_timeout + self.settings.matchmaking_time + self.settings.request_timeout
         )
 
+        local = self.local_servers.get(stage)
+        # the channels are made here, not on the event loop (making one may wait for the loop)
+        stubs = {p: self._transport(p, stage).stub for p in peers if p != self.peer_id or local is None}
+
         async def one(peer_id: PeerID) -> dict[str, Any]:
-            if peer_id == self.peer_id and stage in self.local_servers:
+            if peer_id not in stubs:
+                assert local is not None
                 loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(None, self.local_servers[stage].step_command, command)
-            stub = self._transport(peer_id, stage).stub
-            reply = await stub.rpc_step(runtime_pb2.ExpertInfo(serialized_info=data), timeout=timeout)
+                return await loop.run_in_executor(None, local.step_command, command)
+            reply = await stubs[peer_id].rpc_step(
+                runtime_pb2.ExpertInfo(serialized_info=data), timeout=timeout
+            )
             return parse_step_reply(reply.serialized_info)
 
         async def every() -> list[Any]:
@@ -235,6 +241,8 @@ class SwarmClient:
                 replies.append(result)
                 continue
             error = result.get("error") if isinstance(result, dict) else repr(result)
+            if isinstance(result, dict) and result.get("fatal"):  # a misconfigured run, not a failing peer
+                raise RuntimeError(f"SwarmStrategy: peer {peer_id}: {error}")
             with self._router_lock:
                 router.ban(peer_id)
             logger.warning(f"Stage {stage} peer {peer_id} did not take step {command.step_id}: {error}")

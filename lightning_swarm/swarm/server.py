@@ -543,6 +543,14 @@ class StageServer(StageService):
         opt = self.optimizer
         if opt is None or not self._trained:
             return {"epoch": 0, "sq_norm": 0.0, "finite": True, "steps": self.steps}
+        if not self.driven:
+            return {
+                "epoch": -1,
+                "fatal": True,
+                "error": f"the server of stage {self.stage} steps every target_batch_size samples "
+                "(stage_steps='swarm') but a trainer commands its steps (stage_steps='trainer'): start every peer "
+                "of the run with the same stage_steps",
+            }
         with self._step_lock:
             done = self._steps_applied.get(command.step_id)
             if done is not None:

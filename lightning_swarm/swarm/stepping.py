@@ -185,8 +185,8 @@ def parse_step_reply(data: bytes) -> dict[str, Any]:
     if not isinstance(reply, dict) or type(reply.get("epoch")) is not int:
         raise ValueError(f"malformed step reply {str(reply)[:100]}")
     if "error" in reply:
-        if not isinstance(reply["error"], str):
-            raise ValueError("malformed step reply: error must be a string")
+        if not isinstance(reply["error"], str) or not isinstance(reply.get("fatal", False), bool):
+            raise ValueError("malformed step reply: error must be a string, fatal a boolean")
         return reply
     norm = reply.get("sq_norm")
     if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float))):

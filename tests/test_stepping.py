@@ -1,0 +1,148 @@
+"""Trainer-driven stage steps (``swarm/stepping.py``) on real stage servers over hivemind's P2P on 127.0.0.1:
+a remote peer steps exactly as a local torch optimizer with the commanded hyper-parameters, a retried command is
+applied once, malformed commands are refused without harm, and a server that steps on its own says so."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import hivemind
+import msgpack
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+from torch import nn
+
+from lightning_swarm.swarm._loop import run_coroutine
+from lightning_swarm.swarm.client import SwarmClient
+from lightning_swarm.swarm.protocol import stage_uid
+from lightning_swarm.swarm.server import StageServer
+from lightning_swarm.swarm.settings import SwarmSettings
+from lightning_swarm.swarm.stepping import StepCommand, hyper_parameters, parse_command
+
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def dhts() -> Iterator[tuple[hivemind.DHT, hivemind.DHT]]:
+    trainer = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    server = hivemind.DHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=trainer.get_visible_maddrs()
+    )
+    yield trainer, server
+    server.shutdown()
+    trainer.shutdown()
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list]:
+    things: list = []
+    yield things
+    for thing in reversed(things):
+        thing.shutdown()
+
+
+def _setup(dhts, cleanup, stage_steps: str = "trainer") -> tuple[StageServer, SwarmClient, nn.Module, str]:
+    trainer_dht, server_dht = dhts
+    run_id = f"step-{next(_ids)}"
+    settings = SwarmSettings(
+        run_id=run_id,
+        num_stages=1,
+        compression="none",
+        stage_steps=stage_steps,
+        request_timeout=10.0,
+        no_peers_timeout=5.0,
+    )
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference.load_state_dict(module.state_dict())
+    groups = [
+        {"params": [module[0].weight, module[2].weight], "weight_decay": 0.1, "swarm_group": 0},
+        {"params": [module[0].bias, module[2].bias], "weight_decay": 0.0, "swarm_group": 1},
+    ]
+    server = StageServer(
+        0,
+        module,
+        dht=server_dht,
+        settings=settings,
+        param_groups=groups,
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        throughput=1.0,
+    )
+    cleanup.append(server)
+    server.start()
+    client = SwarmClient(trainer_dht, settings)
+    cleanup.append(client)
+    client.peers(0)
+    return server, client, reference, run_id
+
+
+def test_a_remote_stage_steps_as_a_torch_optimizer_with_the_commanded_hyper_parameters(dhts, cleanup):
+    server, client, reference, run_id = _setup(dhts, cleanup)
+    opt = torch.optim.SGD(
+        [
+            {"params": [reference[0].weight, reference[2].weight], "weight_decay": 0.1},
+            {"params": [reference[0].bias, reference[2].bias], "weight_decay": 0.0},
+        ],
+        lr=0.1,
+        momentum=0.9,
+    )
+    x = torch.randn(8, 4)
+    for step, lr in enumerate([0.0, 0.05, 0.2]):  # a schedule: the server was built with lr 0.1
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        reference(x).pow(2).sum().backward()
+        opt.step()
+        # the swarm: a differentiable call, then the trainer's step command with its groups' hyper-parameters
+        inputs = x.clone().requires_grad_()
+        client.call_stage(0, inputs).pow(2).sum().backward()
+        command = StepCommand(
+            stage_uid(run_id, 0),
+            1000 + step,
+            groups={g: hyper_parameters(h) for g, h in enumerate(opt.param_groups)},
+        )
+        replies = client.step_stage(0, command)
+        assert replies[0]["epoch"] == step + 1
+        again = client.step_stage(0, command)  # a retried command is answered, not applied twice
+        assert again[0]["epoch"] == step + 1
+    served = server.state_dict_local()
+    for key, value in reference.state_dict().items():
+        assert torch.allclose(served[key], value, atol=1e-6), key
+    assert server.steps == 3
+
+
+def test_malformed_step_commands_are_refused_and_the_server_keeps_serving(dhts, cleanup):
+    server, client, _, run_id = _setup(dhts, cleanup)
+    uid = stage_uid(run_id, 0)
+    good = msgpack.unpackb(StepCommand(uid, 1).encode(), strict_map_key=False)
+    bad = [
+        b"\x00garbage",
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({**good, "uid": "other.stage0"}),
+        msgpack.packb({**good, "phase": "explode"}),
+        msgpack.packb({**good, "grad_scale": float("nan")}),
+        msgpack.packb({**good, "clip_coef": 3.0}),
+        msgpack.packb({**good, "groups": {0: {"lr": "x" * 10, "params": [1]}}}),
+        msgpack.packb({**good, "groups": {0: {"lr": [float("nan")]}}}),
+        msgpack.packb({**good, "step_id": -1}),
+    ]
+    stub = client._transport(server.peer_id, 0).stub
+    for data in bad:
+        reply = run_coroutine(stub.rpc_step(runtime_pb2.ExpertInfo(serialized_info=data)), timeout=10)
+        parsed = msgpack.unpackb(reply.serialized_info)
+        assert parsed["epoch"] == -1 and parsed["error"], data
+    with pytest.raises(ValueError, match="phase"):
+        parse_command(msgpack.packb({**good, "phase": "explode"}), uid)
+    assert server.steps == 0
+    # still serving and stepping
+    client.call_stage(0, torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert client.step_stage(0, StepCommand(uid, 7))[0]["epoch"] == 1
+
+
+def test_a_server_that_steps_on_its_own_refuses_commands_with_the_fix(dhts, cleanup):
+    _, client, _, run_id = _setup(dhts, cleanup, stage_steps="swarm")
+    with pytest.raises(RuntimeError, match="start every peer of the run with the same stage_steps"):
+        client.step_stage(0, StepCommand(stage_uid(run_id, 0), 1))
