@@ -298,6 +298,8 @@ class SwarmStrategy(ParallelStrategy):
             self.optimizers = optimizers
         self.setup_precision_plugin()
         self._step_id, self._clip, self._batch_checked = None, None, False
+        if fitting and self.peer.is_trainer and not self.peer.drives_stages:
+            _refuse_for_swarm_steps(trainer, self.precision_plugin)
         if fitting and self.peer.drives_stages:
             self._install_clipping()
             if not self.lightning_module.automatic_optimization:
@@ -342,7 +344,16 @@ class SwarmStrategy(ParallelStrategy):
         hyper-parameters, clipping and loss scale (the stages serve the new parameters before this returns)."""
         peer = self.peer
         if not peer.drives_stages:
-            return super().optimizer_step(optimizer, closure, model, **peer.optimizer_step_kwargs(), **kwargs)
+            output = super().optimizer_step(
+                optimizer, closure, model, **peer.optimizer_step_kwargs(), **kwargs
+            )
+            raw = getattr(optimizer, "_optimizer", optimizer)
+            raw = getattr(raw, "opt", raw)  # the trainers' hivemind optimizer wraps the torch one
+            index = 0 if len(self.optimizers) == 1 else self._optimizer_index(optimizer)
+            peer.send_stage_hyper(
+                index, {g: hyper_parameters(group) for g, group in enumerate(raw.param_groups)}
+            )
+            return output
         scaler = _scaler(self.precision_plugin)
         scale = float(scaler.get_scale()) if scaler is not None else None
         self._clip = None
@@ -571,3 +582,20 @@ def _refuse_weight_copies(trainer: Trainer) -> None:
                 "copy of the model's weights in this process, while the pipeline's weights live on the stages. "
                 "Average a saved checkpoint's weights after training instead."
             )
+
+
+def _refuse_for_swarm_steps(trainer: Trainer, plugin: Any) -> None:
+    """With ``stage_steps="swarm"`` (several trainers) the stages step on their own: settings that need the
+    trainer's step on the stages are refused at setup, with one line."""
+    fix = "train with one trainer (num_trainers=1: the stages then step with it)"
+    if trainer.gradient_clip_val:
+        raise ValueError(
+            "When using the SwarmStrategy with stage_steps='swarm' (several trainers), gradient_clip_val is not "
+            f"supported: the stages step on their own and cannot clip by the whole model; {fix}, or clip nothing."
+        )
+    if _scaler(plugin) is not None:
+        raise ValueError(
+            "When using the SwarmStrategy with stage_steps='swarm' (several trainers), precision='16-mixed' is not "
+            f"supported: the stages cannot unscale gradients of several trainers' loss scales; {fix}, or use "
+            "'bf16-mixed'."
+        )

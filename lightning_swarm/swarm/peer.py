@@ -123,6 +123,7 @@ class SwarmPeer:
         self.stage_steps: dict[int, int] = {}
         self.stage_rounds: dict[int, int] = {}
         self._last_info_poll = -float("inf")
+        self._sent_hyper: dict[int, dict[int, dict[str, Any]]] = {}
         self._info_poller: threading.Thread | None = None
         self._stage_optimizer: _OptimizerTemplate | None = None
         self._pipeline_ids: set[int] = set()
@@ -518,6 +519,19 @@ class SwarmPeer:
                 return float("inf")
             total += float(reply.get("sq_norm", 0.0))
         return total
+
+    def send_stage_hyper(self, optimizer: int, groups: dict[int, dict[str, Any]]) -> None:
+        """With ``stage_steps="swarm"``: give the stages this trainer's current hyper-parameters of ``optimizer``
+        (its LR schedule) if they changed since last sent; the stages use them from their next step."""
+        if self._sent_hyper.get(optimizer) == groups:
+            return
+        step_id = self.new_step_id()
+        self._command_stages(
+            lambda k: StepCommand(
+                stage_uid(self.settings.run_id, k), step_id, phase="hyper", optimizer=optimizer, groups=groups
+            )
+        )
+        self._sent_hyper[optimizer] = groups
 
     def zero_stage_grads(self, optimizer: int) -> None:
         """Drop the gradients the stages hold for the parameters of this trainer's optimizer ``optimizer``

@@ -543,6 +543,9 @@ class StageServer(StageService):
         opt = self.optimizer
         if opt is None or not self._trained:
             return {"epoch": 0, "sq_norm": 0.0, "finite": True, "steps": self.steps}
+        if command.phase == "hyper":  # no lock: the stepper reads the groups at its next step
+            self._set_hyper(command)
+            return {"epoch": int(opt.local_epoch), "steps": self.steps}
         if not self.driven:
             return {
                 "epoch": -1,
@@ -574,6 +577,15 @@ class StageServer(StageService):
             while len(self._steps_applied) > 64:
                 self._steps_applied.popitem(last=False)
             return reply
+
+    def _set_hyper(self, command: StepCommand) -> None:
+        """Give each of the stage optimizer's groups the trainer's hyper-parameters of the group it mirrors."""
+        opt = self.optimizer
+        assert opt is not None
+        groups = opt.state_averager.optimizer.param_groups
+        for group, (optimizer, index) in zip(groups, self._group_sources, strict=True):
+            if optimizer == command.optimizer and index in command.groups:
+                group.update(command.groups[index])
 
     def _catch_up(self, epoch: int) -> None:
         """This peer missed steps (the trainer saw the stage at ``epoch``): load the stage's state from its
@@ -686,11 +698,7 @@ class StageServer(StageService):
                     g.mul_(command.clip_coef)
                 if command.clip_value is not None:
                     g.clamp_(-command.clip_value, command.clip_value)
-        for group, (optimizer, index) in zip(
-            averager.optimizer.param_groups, self._group_sources, strict=True
-        ):
-            if optimizer == command.optimizer and index in command.groups:
-                group.update(command.groups[index])
+        self._set_hyper(command)
         for master, grad in zip(self._master, grads, strict=True):
             master.grad = grad
         with opt.tracker.pause_updates():

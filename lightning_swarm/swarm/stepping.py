@@ -19,6 +19,10 @@ With manual optimization, ``optimizer.zero_grad()`` on the trainer is mirrored t
 stages drop the gradients they hold for that optimizer's parameters. (With automatic optimization every
 backward is followed by a step, which consumes them.)
 
+With several trainers (``stage_steps="swarm"``) the stages step on their own, every ``target_batch_size``
+samples; a trainer's optimizer step then only sends its groups' hyper-parameters when they changed (phase
+``"hyper"``), which the stages use from their next step: the schedule of the trainer that stepped last.
+
 Commands are idempotent per ``step_id`` (a retried command is answered again, never applied twice).
 
 The wire form is a msgpack dict in ``runtime_pb2.ExpertInfo.serialized_info`` (``rpc_step``); every field is
@@ -37,7 +41,7 @@ import torch
 
 __all__ = ["PHASES", "StepCommand", "hyper_parameters", "parse_command", "parse_step_reply"]
 
-PHASES = ("norm", "apply", "zero")
+PHASES = ("norm", "apply", "zero", "hyper")
 _MAX_GROUPS = 4096
 _MAX_KEYS = 64
 _MAX_KEY_LEN = 64
@@ -51,7 +55,7 @@ class StepCommand:
         uid: the stage's uid (see :func:`~.protocol.stage_uid`).
         step_id: the trainer's id of this step (random start, then counted): the same for both phases and for
             every peer of the stage; a peer applies each id once.
-        phase: ``"norm"``, ``"apply"`` or ``"zero"``.
+        phase: ``"norm"``, ``"apply"``, ``"zero"`` or ``"hyper"``.
         optimizer: index of the trainer's optimizer that steps (``configure_optimizers`` order); only the stage's
             parameters in that optimizer's groups step.
         groups: that optimizer's parameter groups' hyper-parameters, by group index (``lr``, ``betas``,
