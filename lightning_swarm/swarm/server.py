@@ -1380,16 +1380,16 @@ def _seeded_rng(seed: int | None, device: torch.device) -> Iterator[list[bool]]:
 
 @contextlib.contextmanager
 def _buffers_kept(module: nn.Module, training: bool) -> Iterator[None]:
-    """Restore, on exit, the module's buffers that the body changed in place (a recomputed train-mode forward
-    must not update batch normalisation's running statistics a second time). Eval mode updates none: no copy."""
-    saved = [(b, b._version, b.detach().clone()) for b in module.buffers()] if training else []
+    """Restore the module's buffers on exit (a recomputed train-mode forward must not update batch
+    normalisation's running statistics a second time). All of them: batch norm's kernel updates its running
+    statistics without bumping their version counter, so a change cannot be told cheaply. Eval mode: no copy."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()] if training else []
     try:
         yield
     finally:
         with torch.no_grad():
-            for buffer, version, value in saved:
-                if buffer._version != version:
-                    buffer.copy_(value)
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 def _leaves(inputs: Payload, device: torch.device) -> list[torch.Tensor]:
