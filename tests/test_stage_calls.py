@@ -187,6 +187,16 @@ def test_train_and_eval_mode_reach_the_stages(dhts, cleanup, where) -> None:
     assert int(bn.num_batches_tracked) == 1
     torch.testing.assert_close(bn.running_mean, reference.layers[1].running_mean, atol=1e-6, rtol=0)
 
+    root.eval()
+    with torch.no_grad():
+        root.layers(x)
+    assert not any(m.training for s in servers for m in s.module.modules())
+    for (
+        server
+    ) in servers:  # the blocks (the trainer's own, in process) are left in the modes they were built in
+        server.shutdown()
+    assert all(m.training for s in servers for m in s.module.modules())
+
 
 @pytest.mark.timeout(120)
 def test_a_recomputed_backward_updates_batch_norm_statistics_once(dhts, cleanup) -> None:

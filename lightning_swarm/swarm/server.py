@@ -355,6 +355,8 @@ class StageServer(StageService):
                 logger.debug(f"Stage {self.stage} server: error while removing handlers: {e!r}")
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        with self._lock:  # the stage's blocks may be the trainer's own (put back when the run ends): as built
+            self._set_mode(True)
         with self._kept_lock:
             self._kept.clear()
         if self._batcher is not None:
