@@ -3,8 +3,8 @@
 When several trainers call the same stage peer at once, their calls queue up while the stage computes. A
 :class:`RequestBatcher` serves them: each time the stage is free, the oldest waiting call is taken with the
 waiting calls that can be merged with it (:func:`merge_key`: same kind, same mode, same structure and plain
-values, same dtypes and sizes except along the first dimension) up to ``max_rows`` rows, and the group goes to the server,
-which concatenates the tensors along the first (batch) dimension (:func:`concat_payloads`), runs the stage once
+values, same dtypes and sizes except along the first dimension) up to ``max_rows`` rows, and the group goes to the
+server, which concatenates the tensors along the first (batch) dimension (:func:`concat_payloads`), runs the stage once
 and splits the results again (:func:`split_payload`).
 
 A call that is alone is served at once (``wait_s`` only applies to a group that already holds several calls):

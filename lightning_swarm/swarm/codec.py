@@ -15,8 +15,8 @@ with encoding, transfer and decoding overlapped. Floating tensors are compressed
 Integer, bool and complex tensors always travel losslessly, and so do tiny floating tensors (fewer than
 :data:`LOSSLESS_BELOW` elements), whose compression would save nothing worth the error, and floating values a
 lossy format cannot carry: a tensor beyond the fp16 range is sent raw, and so is each 8-bit part that holds NaN
-or an infinity (a float attention mask's ``-inf``), so such a tensor's parts may mix 8-bit and raw ones. Decoding anything a
-remote peer may send raises :class:`CodecError` and nothing else.
+or an infinity (a float attention mask's ``-inf``), so such a tensor's parts may mix 8-bit and raw ones.
+Decoding anything a remote peer may send raises :class:`CodecError` and nothing else.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ The client (:mod:`.client`) and the server (:mod:`.server`) depend on this modul
   None, training, seed or None]`` for a request (protocol version 3; a peer refuses other versions) and
   ``["ok", request_id, outputs metadata]`` or ``["error", request_id, category, type, message]`` for a reply.
   Which input tensors require grad travels with each tensor (its first part's ``requires_grad``, see
-  :mod:`.codec`), so the server differentiates exactly the inputs the trainer marked. Every request carries a caller-chosen ``request_id`` that its reply repeats, unique across callers
-  (random 62-bit start, then counted) and the same on every retry of one call: a server applies a backward's
-  gradients at most once per id. ``commit_by`` (wall-clock seconds, ``time.time()``) is when the caller stops
+  :mod:`.codec`), so the server differentiates exactly the inputs the trainer marked. Every request carries a
+  caller-chosen ``request_id`` that its reply repeats, unique across callers (random 62-bit start, then
+  counted) and the same on every retry of one call: a server applies a backward's gradients at most once per
+  id. ``commit_by`` (wall-clock seconds, ``time.time()``) is when the caller stops
   counting on the call: a backward that ends later is not applied, since the caller has retried it elsewhere.
   ``forward_id`` links a backward to its forward: a forward that sets it (to its own id) asks the server to keep
   its activations, and the backward that names it reuses them on that server instead of recomputing the forward
@@ -28,11 +29,10 @@ The client (:mod:`.client`) and the server (:mod:`.server`) depend on this modul
   activations and gradients are checked: NaN is refused everywhere, an infinity in an input that requires grad
   and in an output gradient (:func:`check_values`). Outputs are checked the same way on both sides
   (:func:`check_outputs`): NaN nowhere, and an infinity only in an output that is one of the call's data inputs
-  passed through. Size limits apply
-  while the request is decoded (:data:`MAX_REQUEST_BYTES` etc., see :class:`~.transport.MessageReceiver`),
-  before anything is allocated. A server checks a request's tensors against the stage's :class:`InputSchema`
-  (count, dtype and number of dimensions of each tensor, learned from the calls it served
-  successfully), and ignores for a while a peer that keeps sending bad requests (:class:`BadPeers`).
+  passed through. Size limits apply while the request is decoded (:data:`MAX_REQUEST_BYTES` etc., see
+  :class:`~.transport.MessageReceiver`), before anything is allocated. A server checks a request's tensors
+  against the stage's :class:`InputSchema` (count, dtype and number of dimensions of each tensor, learned from
+  the calls it served successfully), and ignores for a while a peer that keeps sending bad requests (:class:`BadPeers`).
 - Errors: an error reply says *why* a call failed. ``"compute"``: the stage's own code raised (a shape
   mismatch, a wrong dtype): the trainer gets that error, with the remote type and message, at once.
   ``"request"``: the server refused the request's own content (malformed, a schema mismatch, a non-finite
