@@ -107,12 +107,15 @@ def test_a_transformer_with_causal_and_padding_masks_trains_as_in_one_process(dh
 def test_a_refused_request_is_raised_at_once_without_retry_or_ban(dhts, cleanup) -> None:
     torch.manual_seed(0)
     run_id = _run_id("refused")
-    for name in ("server1", "server2"):
-        _serve(cleanup, dhts[name], run_id, nn.Linear(8, 8))
+    servers = [_serve(cleanup, dhts[name], run_id, nn.Linear(8, 8)) for name in ("server1", "server2")]
     # a long no_peers_timeout: a refusal treated as a peer failure would take that long, then NoPeersError
     client = _client(cleanup, dhts["trainer"], run_id, no_peers_timeout=60.0)
     assert len(client.peers(0)) == 2
-    client.call_stage(0, torch.randn(2, 8))  # the stage learns its input schema
+    for _ in range(20):  # both peers learn the stage's input schema
+        if all(server.requests_served for server in servers):
+            break
+        client.call_stage(0, torch.randn(2, 8))
+    assert all(server.requests_served for server in servers)
 
     activation = torch.randn(2, 8)
     activation[1, 2] = float("nan")
