@@ -33,10 +33,11 @@ VOCAB, WIDTH, SEQ = 50, 32, 40  # SEQ x SEQ = 1600 mask elements: above the code
 
 class Decoder(nn.Module):
     """A GPT-style decoder written the usual PyTorch way: a float causal mask and a boolean padding mask, passed
-    to every block of a ModuleList."""
+    to every block of a ModuleList (as keyword arguments, or ``positional``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, positional: bool = False) -> None:
         super().__init__()
+        self.positional = positional
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(WIDTH, 4, 64, dropout=0.0, batch_first=True) for _ in range(4)
@@ -47,7 +48,10 @@ class Decoder(nn.Module):
         causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
         h = self.embed(tokens)
         for layer in self.layers:
-            h = layer(h, src_mask=causal, src_key_padding_mask=padding)
+            if self.positional:
+                h = layer(h, causal, padding)
+            else:
+                h = layer(h, src_mask=causal, src_key_padding_mask=padding)
         return self.head(h)
 
 
@@ -57,7 +61,7 @@ class Decoder(nn.Module):
 def test_a_transformer_with_causal_and_padding_masks_trains_as_in_one_process(dhts, cleanup, where) -> None:
     torch.manual_seed(0)
     run_id = _run_id("masks")
-    model, reference = Decoder(), None
+    model = Decoder(positional=where == "local")
     reference = copy.deepcopy(model)
     part = Partition(model, "layers", 2)
     host = dhts["trainer"] if where == "local" else dhts["server1"]
