@@ -527,3 +527,28 @@ def test_tensors_decode_and_check_under_inference_mode(compression: str) -> None
         moved = received * 1  # an inference tensor: the received parts cannot be attached to it
         codec.remember_wire_format(received, moved)
         assert not hasattr(moved, codec._WIRE_ATTR)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_float_mask_with_infinities_survives_8bit_compression_exactly(dtype: torch.dtype) -> None:
+    """Quantized, a causal mask's 0/-inf blocks would arrive as NaN and +inf (an infinite block scale): the parts
+    that hold an infinity travel raw, the finite parts of the same tensor still in 8 bits (issue 23)."""
+    from lightning_swarm.swarm.codec import PART_ELEMENTS, WIRE_8BIT, encode_parts
+
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(64).to(dtype)
+    (decoded,) = decode_parts(list(encode_parts(mask, "8bit")))
+    assert decoded.dtype == dtype and torch.equal(decoded, mask)
+    # a large tensor whose infinities sit in its first part only: that part raw, the others quantized
+    big = torch.randn(3 * PART_ELEMENTS).to(dtype)
+    big[5] = float("-inf")
+    parts = list(encode_parts(big, "8bit"))
+    assert [p.compression for p in parts] == [0, WIRE_8BIT, WIRE_8BIT]
+    (decoded,) = decode_parts(parts)
+    assert decoded[5] == float("-inf") and torch.equal(decoded[:PART_ELEMENTS], big[:PART_ELEMENTS])
+    assert float((decoded[PART_ELEMENTS:] - big[PART_ELEMENTS:]).abs().max()) < 0.1
+    # one tensor's lossy parts must still agree with each other
+    other = runtime_pb2.Tensor()
+    other.CopyFrom(parts[2])
+    other.compression = runtime_pb2.CompressionType.FLOAT16
+    with pytest.raises(CodecError, match="different lossy compressions"):
+        decode_parts([*parts[:2], other])

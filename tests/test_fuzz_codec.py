@@ -129,8 +129,8 @@ def test_the_parts_decoder_raises_only_codec_errors_and_stays_within_its_limit(p
     assert sum(t.numel() * t.element_size() for t in tensors) <= max_bytes
 
 
-def _valid_request(backward: bool) -> runtime_pb2.ExpertRequest:
-    x = torch.randn(2, 8, requires_grad=backward)
+def _valid_request(backward: bool, requires_grad: bool | None = None) -> runtime_pb2.ExpertRequest:
+    x = torch.randn(2, 8, requires_grad=backward if requires_grad is None else requires_grad)
     grads = Payload.flatten((torch.randn(2, 8),)) if backward else None
     request = StageRequest("backward" if backward else "forward", UID, Payload.call((x,), {"k": 1}), grads, 5)
     metadata, encoded = encode_request(request, "none")
@@ -193,10 +193,29 @@ def test_the_request_decoder_raises_only_bad_request(header, parts, keep) -> Non
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_non_finite_inputs_and_gradients_are_bad_requests(value: float) -> None:
-    for backward in (False, True):
-        good = _valid_request(backward)
+def test_non_finite_activations_and_gradients_are_bad_requests(value: float) -> None:
+    """NaN is refused everywhere; an infinity in an input that requires grad (an activation) and in an output
+    gradient. (Until issue 23 every input was refused: a float mask's -inf too, see the next test.)"""
+    for backward, requires_grad in ((False, True), (True, True), (True, False)):
+        good = _valid_request(backward, requires_grad)
         tensors = decode_parts(good.tensors)
-        tensors[-1].view(-1)[3] = value
+        with torch.no_grad():  # the output gradient of a backward, else the input
+            tensors[-1].view(-1)[3] = value
         with pytest.raises(BadRequest, match="NaN or infinite"):
             parse_request(good.metadata, tensors, UID)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_inputs_that_need_no_grad_are_data_and_may_hold_infinities(value: float) -> None:
+    """A float mask with -inf (``nn.Transformer.generate_square_subsequent_mask``) is data: accepted untouched.
+    NaN is not a value anyone means to send: refused in data too."""
+    for backward in (False, True):
+        good = _valid_request(backward, requires_grad=False)
+        tensors = decode_parts(good.tensors)
+        tensors[0].view(-1)[3] = value
+        if math.isnan(value):
+            with pytest.raises(BadRequest, match="NaN values"):
+                parse_request(good.metadata, tensors, UID)
+        else:
+            request = parse_request(good.metadata, tensors, UID)
+            assert request.inputs.tensors[0].view(-1)[3] == value

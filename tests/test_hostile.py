@@ -27,6 +27,7 @@ from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.payload import Payload
 from lightning_swarm.swarm.protocol import (
     BadPeers,
+    RequestRefused,
     StageReply,
     StageRequest,
     StageService,
@@ -121,11 +122,12 @@ def _good(swarm: dict, p2p: P2P | None = None) -> None:
     torch.testing.assert_close(reply.outputs.rebuild(), swarm["module"](x), atol=1e-6, rtol=0)
 
 
-def _refused(reply: StageReply | None, match: str | None = None) -> None:
-    """An error reply of category "request" (matching ``match``), or a stream the server cut."""
+def _refused(reply: StageReply | None, match: str | None = None, category: str = "request") -> None:
+    """An error reply of ``category`` (matching ``match``), or a stream the server cut. "request": the request's
+    own content is refused; "unavailable": this peer does not take it (another stage, ignored peer)."""
     if reply is None:
         return
-    assert reply.error is not None and reply.error.category == "request", reply
+    assert reply.error is not None and reply.error.category == category, reply
     if match is not None:
         assert match in reply.error.message, reply.error.message
 
@@ -181,17 +183,19 @@ def test_hostile_requests_are_refused_and_the_server_keeps_serving(swarm) -> Non
     _refused(_call(hostile, server, endless()), "limit")
     assert sent[0] < 10_000  # the server stopped reading long before
 
-    # NaN and Inf in inputs or output gradients
+    # NaN and Inf in activations (inputs that require grad) or output gradients (an infinity in an input that
+    # needs no grad is data, e.g. a float mask: see test_stage_server)
     for bad in (math.nan, math.inf, -math.inf):
         poisoned = torch.randn(2, 8)
         poisoned[1, 3] = bad
-        _refused(_call(hostile, server, [_message(Payload.call((poisoned,), {}))]), "NaN or infinite")
+        activation = Payload.call((poisoned.clone().requires_grad_(True),), {})
+        _refused(_call(hostile, server, [_message(activation)]), "NaN or infinite")
         grads = Payload.flatten((poisoned,))
         inputs = Payload.call((torch.randn(2, 8, requires_grad=True),), {})
         _refused(_call(hostile, server, [_message(inputs, grads)]), "NaN or infinite")
 
-    # an unknown stage, over every RPC
-    _refused(_call(hostile, server, [_message(x, uid="other.stage3")]), "other.stage3")
+    # an unknown stage, over every RPC (a call: "unavailable", since another peer may serve that stage)
+    _refused(_call(hostile, server, [_message(x, uid="other.stage3")]), "other.stage3", "unavailable")
     wrong = runtime_pb2.ExpertUID(uid="other.stage3")
     with pytest.raises(P2PHandlerError, match="serves"):
         run_coroutine(
@@ -231,9 +235,8 @@ def test_a_peer_that_keeps_sending_bad_requests_is_ignored_for_a_while(swarm) ->
         for _ in range(5):
             _refused(_call(hostile, server, [garbage]))
         x = torch.randn(2, 8)
-        _refused(
-            _call(hostile, server, [_message(Payload.call((x,), {}))]), "ignores peer"
-        )  # even a good one
+        # even a good one ("unavailable": this peer does not serve the caller; another peer of the stage may)
+        _refused(_call(hostile, server, [_message(Payload.call((x,), {}))]), "ignores peer", "unavailable")
         with pytest.raises(P2PHandlerError, match="ignores you"):
             run_coroutine(
                 hostile.call_protobuf_handler(
@@ -251,15 +254,15 @@ def test_a_peer_that_keeps_sending_bad_requests_is_ignored_for_a_while(swarm) ->
 
 @pytest.mark.timeout(120)
 def test_a_trainer_whose_request_is_too_large_is_told_why(swarm) -> None:
-    from lightning_swarm.swarm.routing import NoPeersError
-
+    """At once, with the server's message: every peer would refuse it (no retry, no ban)."""
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=swarm["maddrs"])
     settings = SwarmSettings(run_id=RUN_ID, num_stages=1, compression="none", no_peers_timeout=1.0)
     client = SwarmClient(dht, settings)
     try:
-        with pytest.raises(NoPeersError, match="exceed the receiver's limit of 1048576 bytes"):
+        with pytest.raises(RequestRefused, match="exceed the receiver's limit of 1048576 bytes"):
             with torch.no_grad():
                 client.call_stage(0, torch.randn(40_000, 8))  # 1.28 MB
+        assert client.stats().get("swarm/bans", 0) == 0
         _good(swarm)
     finally:
         client.shutdown()

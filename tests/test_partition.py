@@ -60,15 +60,18 @@ def test_sequential_proxy_runs_every_stage_and_restores():
     part = Partition(model, "body.layers", 2)
     calls = []
 
-    def call_stage(k, *args, **kwargs):
-        calls.append(k)
+    def call_stage(k, *args, swarm_training, **kwargs):
+        calls.append((k, swarm_training))
         return part.stage_module(k)(*args, **kwargs)
 
     proxy = part.install_proxy(call_stage)
     assert model.body.layers is proxy and len(proxy) == 5
     assert not any(n.startswith("body.layers") for n, _ in model.named_parameters())
     torch.testing.assert_close(model.body.layers(x), expected)
-    assert calls == [0, 1]
+    assert calls == [(0, True), (1, True)]
+    model.eval()  # the proxy is a submodule: its calls carry the mode
+    model.body.layers(x)
+    assert calls[2:] == [(0, False), (1, False)]
     # a stage's state maps back to the container's keys
     state = {k: v + 1 for k, v in part.stage_module(1).state_dict().items()}
     full = part.full_state_keys({1: state})
@@ -92,11 +95,21 @@ def test_module_list_proxy_passes_args_and_kwargs_and_keeps_block_surface():
 
     expected = run(model.body.layers)
     part = Partition(model, "body.layers", 2)
-    proxy = part.install_proxy(lambda k, *a, **kw: part.stage_module(k)(*a, **kw))
+    modes = []
+
+    def call_stage(k, *args, swarm_training, **kwargs):
+        modes.append(swarm_training)
+        return part.stage_module(k)(*args, **kwargs)
+
+    proxy = part.install_proxy(call_stage)
     assert len(proxy) == 2 and proxy.num_blocks == 5 and len(proxy[0]) == 3 and len(proxy[1]) == 2
     assert proxy[0].width == 8  # attribute reads fall through to the stage's first block
     got = run(proxy)
     torch.testing.assert_close(got, expected)
+    assert modes == [True, True]
+    model.eval()
+    run(proxy)
+    assert modes[2:] == [False, False]
     got.sum().backward()
     assert x.grad is not None and memory.grad is not None
     assert proxy[-1] is proxy[1]
@@ -133,7 +146,7 @@ def test_sequential_proxy_refuses_to_run_its_blocks_locally():
     model = Parent("seq")
     calls = []
     part = Partition(model, "body.layers", 2)
-    part.install_proxy(lambda k, x: calls.append(k) or x)
+    part.install_proxy(lambda k, x, swarm_training: calls.append(k) or x)
     x = torch.randn(2, 8)
     with pytest.raises(TypeError, match=r"runs in the swarm.*cannot be iterated over.*Call it as a whole"):
         for block in model.body.layers:

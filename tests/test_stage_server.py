@@ -357,7 +357,18 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(dhts, cl
     def with_header(**changes) -> runtime_pb2.ExpertRequest:
         fields = dict(
             zip(
-                ["version", "kind", "request_id", "uid", "inputs", "grads", "commit_by", "forward_id"],
+                [
+                    "version",
+                    "kind",
+                    "request_id",
+                    "uid",
+                    "inputs",
+                    "grads",
+                    "commit_by",
+                    "forward_id",
+                    "training",
+                    "seed",
+                ],
                 header,
                 strict=True,
             )
@@ -369,15 +380,22 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(dhts, cl
     truncated.CopyFrom(good.tensors[0])
     truncated.buffer = truncated.buffer[:5]
     bad_requests = {
-        "request": [
+        # another peer of the stage may take these: the trainer retries there
+        "unavailable": [
             with_header(uid="other.stage0"),  # a stage this peer does not serve
+            with_header(version=99),
+        ],
+        # the request's own content: every peer would refuse it
+        "request": [
             runtime_pb2.ExpertRequest(tensors=good.tensors, metadata=b"\xc1garbage"),
             with_header(kind="explode"),
-            with_header(version=99),
             runtime_pb2.ExpertRequest(tensors=[], metadata=good.metadata),  # a tensor missing
             runtime_pb2.ExpertRequest(tensors=[truncated], metadata=good.metadata),
             with_header(kind="backward"),  # a backward without output gradients
             with_header(forward_id="7"),  # the forward id must be an integer
+            with_header(training=1),  # the mode is a bool
+            with_header(seed=-1),  # the seed is a 63-bit non-negative integer
+            with_header(seed=1 << 63),
         ],
         "compute": [_request_message(run_id, Payload.call((torch.randn(2, 5),), {}))],  # wrong width
     }

@@ -2,16 +2,21 @@
 
 When several trainers call the same stage peer at once, their calls queue up while the stage computes. A
 :class:`RequestBatcher` serves them: each time the stage is free, the oldest waiting call is taken with the
-waiting calls that can be merged with it (:func:`merge_key`: same kind, same structure and plain values, same
-dtypes and sizes except along the first dimension) up to ``max_rows`` rows, and the group goes to the server,
-which concatenates the tensors along the first (batch) dimension (:func:`concat_payloads`), runs the stage once
+waiting calls that can be merged with it (:func:`merge_key`: same kind, same mode, same structure and plain
+values, same dtypes and sizes except along the first dimension) up to ``max_rows`` rows, and the group goes to the
+server, which concatenates the tensors along the first (batch) dimension (:func:`concat_payloads`), runs the stage once
 and splits the results again (:func:`split_payload`).
 
 A call that is alone is served at once (``wait_s`` only applies to a group that already holds several calls):
 batching adds no latency to an idle stage; it only merges calls that would have waited anyway.
 
 Merging assumes the stage treats the rows of its inputs independently (true of Transformer blocks, MLPs,
-convolutions; not of batch normalisation in training mode, which :func:`mixes_rows` detects).
+convolutions; not of batch normalisation in training mode, which :func:`mixes_rows` detects), and calls of
+different modes (train/eval) never merge. Nor do train-mode calls of a stage that draws random numbers
+(dropout): each call's masks come from its own seed, which its backward replays when it recomputes the forward
+alone, and one merged run cannot draw per-call masks. The server tells :func:`merge_key` whether its stage
+draws (``distinct_seeds``); it learns that from the calls it serves, and a merged train-mode run that turns out
+to draw is discarded and its calls served one by one.
 """
 
 from __future__ import annotations
@@ -49,10 +54,11 @@ def _frozen(skeleton: Any) -> bytes | None:
         return None
 
 
-def merge_key(request: Any) -> tuple[Hashable | None, int]:
+def merge_key(request: Any, distinct_seeds: bool = False) -> tuple[Hashable | None, int]:
     """``(key, rows)`` of a :class:`~.protocol.StageRequest`: requests with equal keys can be merged; ``None``:
     this one runs alone. Mergeable: every tensor of the inputs (and of the output gradients) has the batch
-    dimension first, the same for all of them (``rows``), and at least one row."""
+    dimension first, the same for all of them (``rows``), and at least one row; the same mode; with
+    ``distinct_seeds`` (a stage that draws random numbers), train-mode calls only with calls of the same seed."""
     inputs: Payload = request.inputs
     rows = inputs.batch_size()
     if not inputs.tensors or rows < 1:
@@ -61,7 +67,10 @@ def merge_key(request: Any) -> tuple[Hashable | None, int]:
     skeleton = _frozen(inputs.skeleton)
     if specs is None or skeleton is None:
         return None, rows
-    key: tuple = (request.kind, skeleton, specs)
+    training = bool(getattr(request, "training", True))
+    key: tuple = (request.kind, training, skeleton, specs)
+    if training and distinct_seeds:
+        key += (getattr(request, "seed", None),)
     grads: Payload | None = request.grad_outputs
     if grads is not None:
         grad_specs = _tensor_specs(grads, rows)
@@ -142,10 +151,18 @@ class RequestBatcher:
         max_rows: a group holds at most this many rows (a larger request still runs, alone).
         wait_s: how long a group that already holds several requests, but fewer than ``max_rows`` rows, waits for
             more; a lone request never waits.
+        key: ``(key, rows)`` of a request (default :func:`merge_key`).
     """
 
-    def __init__(self, run: Callable[[list[Any]], list[Any]], *, max_rows: int, wait_s: float = 0.0) -> None:
-        self.run, self.max_rows, self.wait_s = run, max_rows, wait_s
+    def __init__(
+        self,
+        run: Callable[[list[Any]], list[Any]],
+        *,
+        max_rows: int,
+        wait_s: float = 0.0,
+        key: Callable[[Any], tuple[Hashable | None, int]] = merge_key,
+    ) -> None:
+        self.run, self.max_rows, self.wait_s, self.key = run, max_rows, wait_s, key
         self._cond = threading.Condition()
         self._queue: list[_Entry] = []
         self._busy = False  # a leader is serving
@@ -162,7 +179,7 @@ class RequestBatcher:
     def submit(self, request: Any) -> Any:
         """Serve ``request``, alone or merged with others; returns its result (or raises ``run``'s error, or
         ``RuntimeError`` if the batcher is closed)."""
-        key, rows = merge_key(request)
+        key, rows = self.key(request)
         entry = _Entry(request, key, rows)
         with self._cond:
             if self._closed:

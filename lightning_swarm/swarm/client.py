@@ -5,12 +5,18 @@
 backward sends the saved stage *inputs* plus the output gradients to *any* live peer of the stage, which
 recomputes the forward, accumulates its parameter gradients and returns the input gradients.
 
-Failure handling lives here, in :meth:`SwarmClient._with_retries`: a call that the peer could not serve (no
-answer, a timeout, a malformed reply, an error reply of category ``request``/``unavailable``) is retried on
-another peer of the stage and the failing peer is banned with exponential backoff; when a stage has no live
-peer the client polls the DHT for up to ``no_peers_timeout`` seconds, then raises
-:class:`~.routing.NoPeersError`. An error raised by the stage's own code is raised to the caller at once, with
-the remote type and message (see :class:`~.protocol.RemoteStageError`): every peer would fail the same way.
+Failure handling lives here, in :meth:`SwarmClient._with_retries`: a call that the peer could not serve but
+another peer may (no answer, a timeout, a malformed or non-finite reply, an error reply of category
+``unavailable``: shutting down, out of memory, serving another stage) is retried on another peer of the stage
+and the failing peer is banned with exponential backoff; when a stage has no live peer the client polls the
+DHT for up to ``no_peers_timeout`` seconds, then raises :class:`~.routing.NoPeersError`. An error that every
+peer would give is raised to the caller at once, with the remote message, and bans nobody: one raised by the
+stage's own code (with the remote type, see :class:`~.protocol.RemoteStageError`), and a refusal of the
+request's own content (:class:`~.protocol.RequestRefused`: NaN in an input, a schema mismatch, too large...).
+
+Every call carries the trainer's mode (``swarm_training``, which the proxies of :mod:`.partition` take from
+their ``.training``) and a random seed drawn per forward and repeated by its backward, so that a backward
+recomputed on any peer replays the forward's dropout masks (see :mod:`.protocol`).
 
 Requests go through a transport (:mod:`.transport`): the in-process server for a stage this peer hosts, P2P
 channels for the others.
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import random
 import secrets
 import threading
 import time
@@ -39,11 +46,13 @@ from ._loop import replicate_p2p, run_coroutine
 from .codec import CodecError, check_encodable, remember_wire_format
 from .payload import EncodedPayload, Payload
 from .protocol import (
+    SEED_BITS,
     ProtocolError,
     RemoteStageError,
     StageRequest,
     StageService,
     check_finite,
+    check_outputs,
     encode_request_header,
     remote_exception,
     stage_uid,
@@ -114,6 +123,9 @@ class SwarmClient:
         self._p2p: P2P | None = None
         # unique across trainers: a server remembers the ids of the backwards it applied
         self._request_ids = itertools.count(secrets.randbits(62))
+        # per-forward seeds of the stages' random number generators, from a generator of its own: drawing them
+        # must not move the trainer's torch generators
+        self._seeds = random.Random(secrets.randbits(64))
         self._lock = threading.Lock()
         self._transport_lock = threading.Lock()
         self._router_lock = threading.Lock()
@@ -127,23 +139,34 @@ class SwarmClient:
 
     # ---- public API ----
 
-    def call_stage(self, stage: int, *args: Any, **kwargs: Any) -> Any:
+    def call_stage(self, stage: int, /, *args: Any, swarm_training: bool = True, **kwargs: Any) -> Any:
         """Run stage ``stage`` on ``(*args, **kwargs)`` somewhere in the swarm; differentiable.
 
         Every floating tensor argument that requires grad receives its gradient; the stage's parameters are
-        trained on the servers. Outputs have the structure the stage module returns.
+        trained on the servers. Outputs have the structure the stage module returns. Tensors that do not
+        require grad are data (masks, token ids) and travel untouched.
+
+        Args:
+            swarm_training: keyword only (not passed to the stage): run the stage in training mode (default, as
+                a freshly built module) or in eval mode (dropout off, batch normalisation with its running
+                statistics); the pipeline's proxies pass their ``.training``.
         """
         self._check_stage(stage)
+        if type(swarm_training) is not bool:
+            raise TypeError(f"SwarmClient.call_stage: swarm_training must be a bool, got {swarm_training!r}")
         inputs = Payload.call(args, kwargs)
         for t in inputs.tensors:  # the caller's mistake, not a peer's: raise it before any peer is tried
             check_encodable(t)
         inputs.metadata()
         device = inputs.tensors[0].device if inputs.tensors else torch.device("cpu")
+        seed = self._seeds.getrandbits(SEED_BITS)
         if not torch.is_grad_enabled():
-            request = StageRequest("forward", stage_uid(self.run_id, stage), inputs)
+            request = StageRequest(
+                "forward", stage_uid(self.run_id, stage), inputs, training=swarm_training, seed=seed
+            )
             outputs, _ = self._call(stage, request, check=self._output_check(stage, inputs))
             return outputs.rebuild([_moved(t, device) for t in outputs.tensors])
-        call = _StageCall(self, stage, inputs, device)
+        call = _StageCall(self, stage, inputs, device, swarm_training, seed)
         diff_inputs = [t for t, mark in zip(inputs.tensors, call.marks, strict=True) if mark]
         flat_outputs = _StageFunction.apply(call, _DUMMY, *diff_inputs)
         return call.output_skeleton.rebuild(list(flat_outputs))
@@ -411,14 +434,15 @@ class SwarmClient:
         return min(full, max(MIN_ATTEMPT_TIMEOUT_S, SLOW_FACTOR * max(recent)))
 
     def _output_check(self, stage: int, inputs: Payload) -> Callable[[Payload], None]:
-        """Validates a forward reply of ``stage`` to ``inputs``: finite values, and, once the stage has answered
+        """Validates a forward reply of ``stage`` to ``inputs``: no NaN, no infinity except in an output that is
+        one of the data inputs passed back (:func:`~.protocol.check_outputs`), and, once the stage has answered
         inputs of the same dtypes and shapes before, outputs of the same count, dtypes and shapes as then (every
         peer of a stage runs the same module; up to ``_OUTPUT_SHAPES`` input shapes are remembered per stage). A
         reply that fails counts as a failure of its peer (retried elsewhere, banned)."""
         key = tuple((t.dtype, tuple(t.shape)) for t in inputs.tensors)
 
         def check(outputs: Payload) -> None:
-            check_finite(outputs.tensors, f"stage {stage} output", ProtocolError)
+            check_outputs(outputs.tensors, inputs.tensors, f"stage {stage} output", ProtocolError)
             if not self.check_outputs:
                 return
             shapes = tuple((t.dtype, tuple(t.shape)) for t in outputs.tensors)
@@ -473,7 +497,8 @@ class SwarmClient:
             except (KeyboardInterrupt, SystemExit):
                 raise
             except RemoteStageError as e:
-                if e.is_compute_error:  # the stage's own code failed: the same on every peer
+                # the stage's own code failed, or the request was refused for its content: the same on every peer
+                if e.is_caller_error:
                     with self._router_lock:
                         router.report_success(peer_id)
                     raise
@@ -579,8 +604,17 @@ class SwarmClient:
 class _StageCall:
     """What one differentiable stage call keeps between its forward and backward."""
 
-    def __init__(self, client: SwarmClient, stage: int, inputs: Payload, device: torch.device):
+    def __init__(
+        self,
+        client: SwarmClient,
+        stage: int,
+        inputs: Payload,
+        device: torch.device,
+        training: bool,
+        seed: int,
+    ):
         self.client, self.stage, self.inputs, self.device = client, stage, inputs, device
+        self.training, self.seed = training, seed  # the backward repeats both (a recompute replays dropout)
         self.marks = [t.requires_grad and t.is_floating_point() for t in inputs.tensors]
         self.encoded_inputs: EncodedPayload | None = (
             None  # the forward's encoding of the inputs, re-sent by the backward
@@ -590,7 +624,8 @@ class _StageCall:
         self.forward_peer: PeerID | None = None
 
     def forward(self) -> list[torch.Tensor]:
-        request = StageRequest("forward", stage_uid(self.client.run_id, self.stage), self.inputs)
+        uid = stage_uid(self.client.run_id, self.stage)
+        request = StageRequest("forward", uid, self.inputs, training=self.training, seed=self.seed)
         check = self.client._output_check(self.stage, self.inputs)
         served: list[PeerID] = []
         outputs, self.encoded_inputs = self.client._call(
@@ -604,7 +639,8 @@ class _StageCall:
         self, grad_outputs: list[torch.Tensor | None], expected: list[tuple[torch.Size, torch.dtype]]
     ) -> list[torch.Tensor]:
         grads = Payload.flatten(tuple(grad_outputs))
-        request = StageRequest("backward", stage_uid(self.client.run_id, self.stage), self.inputs, grads)
+        uid = stage_uid(self.client.run_id, self.stage)
+        request = StageRequest("backward", uid, self.inputs, grads, training=self.training, seed=self.seed)
         request.forward_id = self.forward_id
         reply, _ = self.client._call(
             self.stage,

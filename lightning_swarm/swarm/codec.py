@@ -13,8 +13,10 @@ with encoding, transfer and decoding overlapped. Floating tensors are compressed
 - ``"none"``: the raw bytes.
 
 Integer, bool and complex tensors always travel losslessly, and so do tiny floating tensors (fewer than
-:data:`LOSSLESS_BELOW` elements), whose compression would save nothing worth the error. Decoding anything a
-remote peer may send raises :class:`CodecError` and nothing else.
+:data:`LOSSLESS_BELOW` elements), whose compression would save nothing worth the error, and floating values a
+lossy format cannot carry: a tensor beyond the fp16 range is sent raw, and so is each 8-bit part that holds NaN
+or an infinity (a float attention mask's ``-inf``), so such a tensor's parts may mix 8-bit and raw ones.
+Decoding anything a remote peer may send raises :class:`CodecError` and nothing else.
 """
 
 from __future__ import annotations
@@ -201,7 +203,8 @@ def encode_parts(t: torch.Tensor, compression: str, split: bool = True) -> Itera
 
 def _remembered_parts(t: torch.Tensor, compression: str) -> list[runtime_pb2.Tensor] | None:
     wire = getattr(t, _WIRE_ATTR, None)
-    if wire is None or wire[0] != _version(t) or wire[1][0].compression != _LOSSY_TYPES.get(compression):
+    lossy = _LOSSY_TYPES.get(compression)
+    if wire is None or wire[0] != _version(t) or not any(part.compression == lossy for part in wire[1]):
         return None
     first = runtime_pb2.Tensor()
     first.CopyFrom(wire[1][0])
@@ -259,8 +262,11 @@ def _encode_parts(t: torch.Tensor, compression: str, chunks: int | None) -> Iter
             msg.compression = _FLOAT16
         else:  # 8bit
             source = part if part.dtype in _QUANTIZABLE else part.to(torch.float32)
-            msg.buffer = quantize_to_buffer(source)
-            msg.compression = WIRE_8BIT
+            buffer = quantize_to_buffer(source)
+            if _scales_fit(buffer, part.numel(), torch.float32):
+                msg.buffer, msg.compression = buffer, WIRE_8BIT
+            else:  # NaN or an infinity in this part (a float mask's -inf): quantized, it would arrive mangled
+                msg.buffer = _raw_bytes(part)
         yield msg
 
 
@@ -331,8 +337,16 @@ class PartsDecoder:
             raise CodecError(f"decode_tensor expects a runtime_pb2.Tensor, got {type(msg).__name__}")
         if self._first is None:
             self._start(msg)
-        elif msg.compression != self._first.compression:
-            raise CodecError("Received a tensor whose parts use different compressions")
+        elif msg.compression != _NONE:
+            # raw parts may stand among lossy ones (see encode_parts), nothing else
+            if msg.compression not in (_FLOAT16, WIRE_8BIT) or not self._dtype.is_floating_point:
+                raise CodecError(
+                    f"Received a {self._first.dtype} tensor part with compression {msg.compression}"
+                )
+            if self._lossy not in (_NONE, msg.compression):
+                raise CodecError("Received a tensor whose parts use different lossy compressions")
+        if msg.compression != _NONE:
+            self._lossy = msg.compression
         index = len(self._decoded)
         numel = self._bounds[index + 1] - self._bounds[index]
         with one_thread():  # dequantizing is a cheap table lookup: never worth a parallel region
@@ -386,6 +400,7 @@ class PartsDecoder:
         self._first, self._dtype, self._shape = msg, dtype, shape
         self._bounds = part_bounds(numel, chunks)
         self._finite = True
+        self._lossy = _NONE  # the lossy compression of its parts (all the same), if any
 
     def _complete(self) -> None:
         first, decoded, parts = self._first, self._decoded, self._parts
@@ -397,7 +412,7 @@ class PartsDecoder:
                 t = torch.cat(decoded)
         t = t.view(self._shape)
         version = _version(t)  # None under torch.inference_mode: nothing can be remembered then
-        if first.compression != _NONE and version is not None:
+        if self._lossy != _NONE and version is not None:
             setattr(t, _WIRE_ATTR, (version, parts))  # see encode_parts
         if self._finite and version is not None:
             setattr(t, _FINITE_ATTR, version)  # see all_finite

@@ -3,9 +3,12 @@ stand proxies in its place.
 
 A *stage* is a group of consecutive blocks served by a swarm of peers. The trainer keeps everything outside the
 pipeline; the container itself is swapped for a proxy with the same calling interface, whose calls go through
-``call_stage(stage, *args, **kwargs)`` (the :class:`~lightning_swarm.swarm.client.SwarmClient`, or anything with
-that signature). The original container is kept aside (not registered as a submodule, so its parameters are not
-the trainer's) so it can be put back with the trained weights when the swarm run ends.
+``call_stage(stage, *args, swarm_training=..., **kwargs)`` (the
+:class:`~lightning_swarm.swarm.client.SwarmClient`, or anything with that signature). The proxies are submodules
+of the root, so ``root.train()``/``root.eval()`` sets their ``.training``, which every call passes on as the
+keyword-only ``swarm_training`` (a name no block argument may use): the stages run in the trainer's mode. The
+original container is kept aside (not registered as a submodule, so its parameters are not the trainer's) so it
+can be put back with the trained weights when the swarm run ends.
 
 Memory: a peer keeps only the blocks of the stage it hosts. :meth:`Partition.release` moves every other block's
 tensors to PyTorch's ``meta`` device (shape and dtype, no storage), :meth:`Partition.materialize` allocates a
@@ -145,7 +148,7 @@ class RemoteStage(nn.Module):
         return len(self._blocks)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call_stage(self.stage, *args, **kwargs)
+        return self._call_stage(self.stage, *args, swarm_training=self.training, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -227,7 +230,7 @@ class SwarmSequential(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         for stage in range(self.num_stages):
-            x = self._call_stage(stage, x)
+            x = self._call_stage(stage, x, swarm_training=self.training)
         return x
 
     def extra_repr(self) -> str:

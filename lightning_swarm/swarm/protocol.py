@@ -8,26 +8,40 @@ The client (:mod:`.client`) and the server (:mod:`.server`) depend on this modul
   :class:`StageReply` (the outputs or input gradients, or an :class:`ErrorReply`). In-process calls pass these
   objects as they are; over the network (:mod:`.transport`) they travel as tensor parts plus a *header*:
   ``[version, kind, request_id, uid, inputs metadata, grads metadata or None, commit_by or None, forward_id or
-  None]`` for a
-  request and ``["ok", request_id, outputs metadata]`` or ``["error", request_id, category, type, message]`` for
-  a reply. Every request carries a caller-chosen ``request_id`` that its reply repeats, unique across callers
-  (random 62-bit start, then counted) and the same on every retry of one call: a server applies a backward's
-  gradients at most once per id. ``commit_by`` (wall-clock seconds, ``time.time()``) is when the caller stops
+  None, training, seed or None]`` for a request (protocol version 3; a peer refuses other versions) and
+  ``["ok", request_id, outputs metadata]`` or ``["error", request_id, category, type, message]`` for a reply.
+  Which input tensors require grad travels with each tensor (its first part's ``requires_grad``, see
+  :mod:`.codec`), so the server differentiates exactly the inputs the trainer marked. Every request carries a
+  caller-chosen ``request_id`` that its reply repeats, unique across callers (random 62-bit start, then
+  counted) and the same on every retry of one call: a server applies a backward's gradients at most once per
+  id. ``commit_by`` (wall-clock seconds, ``time.time()``) is when the caller stops
   counting on the call: a backward that ends later is not applied, since the caller has retried it elsewhere.
   ``forward_id`` links a backward to its forward: a forward that sets it (to its own id) asks the server to keep
   its activations, and the backward that names it reuses them on that server instead of recomputing the forward
-  (a server that does not have them recomputes). Headers without it (7 fields) are accepted too.
+  (a server that does not have them recomputes). ``training`` is the mode of the trainer's proxy module
+  (``module.train()``/``eval()``): the server runs the stage in that mode for this call. ``seed`` (a 63-bit
+  integer the caller draws per forward, repeated by its backward) seeds the random number generators the
+  stage draws from (dropout), so that a backward served by recomputing the forward, on any peer, draws the
+  forward's masks.
 - Validation: :func:`parse_request` is the one place where a received request is checked (framing, stage,
-  structure, and every floating tensor finite); anything wrong raises :class:`BadRequest`. Size limits apply
-  while the request is decoded (:data:`MAX_REQUEST_BYTES` etc., see :class:`~.transport.MessageReceiver`),
-  before anything is allocated. A server checks a request's tensors against the stage's :class:`InputSchema`
-  (count, dtype and number of dimensions of each tensor, learned from the calls it served
-  successfully), and ignores for a while a peer that keeps sending bad requests (:class:`BadPeers`).
+  structure, values); anything wrong raises :class:`BadRequest`. Values: inputs that do not require grad are
+  *data* (a float attention mask with ``-inf``, booleans, integers) and pass untouched unless they hold NaN;
+  activations and gradients are checked: NaN is refused everywhere, an infinity in an input that requires grad
+  and in an output gradient (:func:`check_values`). Outputs are checked the same way on both sides
+  (:func:`check_outputs`): NaN nowhere, and an infinity only in an output that is one of the call's data inputs
+  passed through. Size limits apply while the request is decoded (:data:`MAX_REQUEST_BYTES` etc., see
+  :class:`~.transport.MessageReceiver`), before anything is allocated. A server checks a request's tensors
+  against the stage's :class:`InputSchema` (count, dtype and number of dimensions of each tensor, learned from
+  the calls it served successfully), and ignores for a while a peer that keeps sending bad requests (:class:`BadPeers`).
 - Errors: an error reply says *why* a call failed. ``"compute"``: the stage's own code raised (a shape
   mismatch, a wrong dtype): the trainer gets that error, with the remote type and message, at once.
-  ``"request"``: the request was malformed or reached a peer that does not serve that stage. ``"unavailable"``:
-  the peer cannot serve now (shutting down, out of memory). The last two, like transport failures (a peer
-  that does not answer), make the trainer retry on another peer of the stage.
+  ``"request"``: the server refused the request's own content (malformed, a schema mismatch, a non-finite
+  activation, too large): every peer would refuse it, so the trainer raises :class:`RequestRefused` with the
+  server's message at once, without retrying or banning anyone. ``"unavailable"``: this peer cannot serve
+  it, another may: it is shutting down, out of memory, serves another stage (:class:`Misrouted`: a peer that
+  migrated) or speaks another protocol version, or ignores the caller for a while (:class:`BadPeers`). Those,
+  like transport failures (a peer that does not answer) and malformed replies, make the trainer retry on
+  another peer of the stage and ban this one.
 """
 
 from __future__ import annotations
@@ -54,15 +68,19 @@ __all__ = [
     "PROTOCOL_VERSION",
     "BadPeers",
     "BadRequest",
+    "Misrouted",
     "ErrorReply",
     "InputSchema",
     "ProtocolError",
     "RemoteStageError",
+    "RequestRefused",
     "StageSchemas",
     "StageReply",
     "StageRequest",
     "StageService",
     "check_finite",
+    "check_outputs",
+    "check_values",
     "check_run_id",
     "encode_reply_header",
     "encode_request_header",
@@ -72,7 +90,8 @@ __all__ = [
     "warm_up_codec",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+SEED_BITS = 63  # a request's seed is in [0, 2**SEED_BITS)
 KINDS = ("forward", "backward")
 COMPUTE, REQUEST, UNAVAILABLE = "compute", "request", "unavailable"
 _CATEGORIES = (COMPUTE, REQUEST, UNAVAILABLE)
@@ -112,7 +131,12 @@ def check_run_id(run_id: str, owner: str = "SwarmSettings") -> str:
 
 
 class BadRequest(ValueError):
-    """A received request is malformed or was sent to the wrong stage."""
+    """A received request is malformed: its own content is refused (every peer of the stage would refuse it)."""
+
+
+class Misrouted(BadRequest):
+    """A request this peer cannot take but another peer of the stage may: it names a stage this peer does not
+    serve (it migrated), or speaks another protocol version. Replied as ``"unavailable"``."""
 
 
 class ProtocolError(CodecError):
@@ -133,6 +157,10 @@ class StageRequest:
             gradients any more; ``None``: no deadline (in-process calls).
         forward_id: forward: its own ``request_id`` to ask the server to keep its activations for the backward;
             backward: the ``request_id`` of its forward, whose kept activations it may reuse. ``None``: neither.
+        training: run the stage in training mode (``True``) or in eval mode (dropout off, batch normalisation
+            with its running statistics).
+        seed: seeds the stage's random number generators for this call (a backward repeats its forward's, so a
+            recomputed forward draws the same dropout masks); ``None``: the server's own generators, unseeded.
     """
 
     kind: str
@@ -142,6 +170,8 @@ class StageRequest:
     request_id: int = 0
     commit_by: float | None = None
     forward_id: int | None = None
+    training: bool = True
+    seed: int | None = None
 
     def payloads(self) -> list[Payload]:
         return [self.inputs] if self.grad_outputs is None else [self.inputs, self.grad_outputs]
@@ -188,6 +218,18 @@ class RemoteStageError(RuntimeError):
         """Whether the stage's own code raised (retrying on another peer would fail the same way)."""
         return self.error is not None and self.error.category == COMPUTE
 
+    @property
+    def is_caller_error(self) -> bool:
+        """Whether another peer would fail the same way (the stage's code raised, or the request was refused):
+        such an error is raised to the trainer at once, never retried elsewhere."""
+        return self.error is not None and self.error.category in (COMPUTE, REQUEST)
+
+
+class RequestRefused(RemoteStageError):
+    """A peer refused a stage call for the request's own content (error category ``"request"``: malformed, a
+    schema mismatch, NaN in an input, an infinity in an activation or gradient, beyond the size limits): every
+    peer of the stage would, so it is raised at once with the server's message."""
+
 
 @functools.cache
 def _remote_class(type_name: str) -> type[RemoteStageError]:
@@ -204,9 +246,13 @@ def remote_exception(error: ErrorReply, stage: int, peer: Any) -> RemoteStageErr
     """The exception a trainer raises for an error reply from ``peer`` serving ``stage``."""
     if error.category == COMPUTE:
         message = f"Stage {stage} raised {error.type_name}: {error.message} (on peer {peer})"
+        cls = _remote_class(error.type_name)
+    elif error.category == REQUEST:
+        message = f"Peer {peer} refused the call of stage {stage}: {error.type_name}: {error.message}"
+        cls = RequestRefused
     else:
         message = f"Peer {peer} could not serve stage {stage} ({error.category}): {error.type_name}: {error.message}"
-    cls = _remote_class(error.type_name) if error.category == COMPUTE else RemoteStageError
+        cls = RemoteStageError
     return cls(message, error, stage, peer)
 
 
@@ -227,6 +273,8 @@ def encode_request_header(
             None if grads is None else grads.metadata,
             request.commit_by,
             request.forward_id,
+            bool(request.training),
+            request.seed,
         ],
         use_bin_type=True,
     )
@@ -236,20 +284,27 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
     """Validate a received request (its header and decoded tensors) for the stage ``expected_uid``.
 
     Raises:
-        BadRequest: anything is wrong: framing, version, kind, stage, metadata, tensor count or structure.
+        BadRequest: anything is wrong: framing, kind, metadata, tensor count, structure or values
+            (:class:`Misrouted`: another protocol version, or another stage).
     """
     try:
         fields = msgpack.unpackb(header, raw=False)
     except Exception as e:
         raise BadRequest(f"Malformed request header ({type(e).__name__}: {e})") from None
     if isinstance(fields, list) and fields and fields[0] != PROTOCOL_VERSION:
-        raise BadRequest(f"Request uses protocol version {fields[0]!r}; this peer speaks {PROTOCOL_VERSION}")
-    if not isinstance(fields, list) or len(fields) not in (7, 8):
-        raise BadRequest(
-            "Malformed request header: expected [version, kind, id, uid, inputs, grads, commit_by, forward_id]"
+        raise Misrouted(
+            f"Request uses protocol version {str(fields[0])[:20]}; this peer speaks {PROTOCOL_VERSION}"
         )
-    version, kind, request_id, uid, inputs_meta, grads_meta, commit_by = fields[:7]
-    forward_id = fields[7] if len(fields) == 8 else None
+    if not isinstance(fields, list) or len(fields) != 10:
+        raise BadRequest(
+            "Malformed request header: expected [version, kind, id, uid, inputs, grads, commit_by, forward_id, "
+            "training, seed]"
+        )
+    version, kind, request_id, uid, inputs_meta, grads_meta, commit_by, forward_id, training, seed = fields
+    if type(training) is not bool:
+        raise BadRequest("Malformed request header: training must be true or false")
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 1 << SEED_BITS):
+        raise BadRequest(f"Malformed request header: seed must be an integer in [0, 2**{SEED_BITS}) or None")
     if forward_id is not None and type(forward_id) is not int:
         raise BadRequest("Malformed request header: forward_id must be an integer or None")
     if commit_by is not None and (type(commit_by) not in (int, float) or commit_by != commit_by):
@@ -259,7 +314,7 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
     if type(request_id) is not int:
         raise BadRequest("Malformed request header: the request id must be an integer")
     if uid != expected_uid:
-        raise BadRequest(f"This peer serves {expected_uid!r}, but the request was for {uid!r}")
+        raise Misrouted(f"This peer serves {expected_uid!r}, but the request was for {str(uid)[:200]!r}")
     if not isinstance(inputs_meta, bytes) or (kind == "backward") != isinstance(grads_meta, bytes):
         raise BadRequest(f"Malformed {kind} request: wrong payload metadata")
     try:
@@ -284,16 +339,15 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
             raise BadRequest(f"Malformed request: {len(tensors) - num_inputs} tensors beyond the inputs")
     except CodecError as e:
         raise BadRequest(str(e)) from None
-    check_finite(inputs.tensors, "input", BadRequest)
+    check_values(inputs.tensors, "input", BadRequest)
     if grads is not None:
         check_finite(grads.tensors, "output gradient", BadRequest)
-    return StageRequest(
-        kind, uid, inputs, grads, request_id, None if commit_by is None else float(commit_by), forward_id
-    )
+    commit_by = None if commit_by is None else float(commit_by)
+    return StageRequest(kind, uid, inputs, grads, request_id, commit_by, forward_id, training, seed)
 
 
 def check_finite(tensors: list[torch.Tensor], what: str, error: type[Exception]) -> None:
-    """Raise ``error`` if a floating tensor among ``tensors`` holds a NaN or an infinity.
+    """Raise ``error`` if a floating tensor among ``tensors`` holds a NaN or an infinity (for gradients).
 
     Runs on one OpenMP thread, as the codec does (see :mod:`.quantize`): a parallel region's spinning workers
     would starve the p2p daemons sharing the cores, on every call."""
@@ -303,6 +357,51 @@ def check_finite(tensors: list[torch.Tensor], what: str, error: type[Exception])
                 raise error(
                     f"{what.capitalize()} tensor {i} holds NaN or infinite values; only finite values are accepted"
                 )
+
+
+def check_values(tensors: list[torch.Tensor], what: str, error: type[Exception]) -> None:
+    """Raise ``error`` if a floating tensor among ``tensors`` holds a NaN, or an infinity while it requires grad.
+
+    A tensor that does not require grad is data, not an activation: a float attention mask holds ``-inf`` by
+    design (``nn.Transformer.generate_square_subsequent_mask``). Finite tensors cost one pass, as in
+    :func:`check_finite`; only a non-finite one is scanned again for NaN."""
+    with one_thread():
+        for i, t in enumerate(tensors):
+            if all_finite(t):
+                continue
+            if t.requires_grad:
+                raise error(
+                    f"{what.capitalize()} tensor {i} holds NaN or infinite values; an input that requires grad "
+                    "(an activation) must be finite"
+                )
+            if bool(torch.isnan(t).any()):
+                raise error(f"{what.capitalize()} tensor {i} holds NaN values; only numbers are accepted")
+
+
+def check_outputs(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], what: str, error: type[Exception]
+) -> None:
+    """Raise ``error`` if a floating tensor among a call's ``outputs`` holds a NaN, or an infinity unless it is
+    one of the call's data ``inputs`` (one that does not require grad, e.g. a mask a block passes through)
+    returned as it is: equal in dtype, shape and values. Checked by the server before it replies and by the
+    trainer on receipt; finite outputs cost one pass each."""
+    with one_thread():
+        for i, t in enumerate(outputs):
+            if all_finite(t):
+                continue
+            if not bool(torch.isnan(t).any()) and any(_same_data(t, x) for x in inputs):
+                continue
+            raise error(
+                f"{what.capitalize()} tensor {i} holds NaN or infinite values; only finite values are accepted"
+            )
+
+
+def _same_data(output: torch.Tensor, data: torch.Tensor) -> bool:
+    if output is data:
+        return not data.requires_grad
+    if data.requires_grad or data.dtype != output.dtype or data.shape != output.shape:
+        return False
+    return bool(torch.equal(output.detach().to(data.device), data))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,13 @@ this process (:meth:`StageServer.handle`, through :class:`~.transport.LocalTrans
   the stage's ``hivemind.Optimizer`` steps together with the other peers of the stage once the swarm has
   processed ``target_batch_size`` samples.
 
+Mode and randomness: every request carries the trainer's mode and a seed (see :mod:`.protocol`). The stage
+module runs in eval mode for an eval call (every submodule ``.eval()``) and in the modes it was built with for
+a train call, and its random number generators (CPU, and the CUDA device it runs on) are seeded with the
+call's seed for that run and restored afterwards: a recomputed forward draws the dropout masks its forward drew,
+on whichever peer. A recompute in train mode leaves the module's buffers as it found them (batch normalisation's
+running statistics were updated once, by the forward).
+
 Serving never waits on averaging. Forward and backward run in one compute thread under the *parameters lock*;
 a backward's parameter gradients go to a pending buffer, and a separate *stepper* thread feeds that buffer to
 the ``hivemind.Optimizer``, which keeps its own copy of the stage's parameters (the *master* copy): its averaging
@@ -17,8 +24,11 @@ refreshed from it under the parameters lock afterwards (a copy, well under a mil
 Gradients of backwards served during a round count towards the next optimizer step.
 
 Batching (``max_batch_rows`` > 0, the default): calls are served in several threads, the stage running in one of
-them at a time, which merges the calls waiting for the stage into one forward or backward when they fit together (see :mod:`.batching`), falling back to one by one whenever a merged computation cannot be
-split or committed per call.
+them at a time, which merges the calls waiting for the stage into one forward or backward when they fit together
+(see :mod:`.batching`), falling back to one by one whenever a merged computation cannot be split or committed per
+call. Calls of different modes never merge, and train-mode calls of a stage that draws random numbers (dropout)
+do not either: a merged run cannot draw each call's own masks (the server learns whether its stage draws from
+the runs it serves; a merged train-mode run that drew is discarded and its calls served one by one).
 
 Kept activations (``keep_activations`` > 0, the default): a forward served alone whose request asks for it
 (``forward_id``, see :mod:`.protocol`) runs with autograd and its graph is kept, up to ``keep_activations``
@@ -49,6 +59,7 @@ its measured throughput (samples/s of forward + backward, see :mod:`.throughput`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import io
 import itertools
@@ -78,7 +89,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from ._loop import replicate_p2p, run_coroutine
-from .batching import RequestBatcher, concat_payloads, mixes_rows, split_payload
+from .batching import RequestBatcher, concat_payloads, merge_key, mixes_rows, split_payload
 from .codec import CodecError, TooLarge, all_finite, check_encodable
 from .payload import Payload
 from .protocol import (
@@ -92,12 +103,14 @@ from .protocol import (
     BadPeers,
     BadRequest,
     ErrorReply,
+    Misrouted,
     StageReply,
     StageRequest,
     StageSchemas,
     StageService,
     check_finite,
     check_grad_outputs,
+    check_outputs,
     encode_reply_header,
     parse_request,
     stage_uid,
@@ -229,6 +242,10 @@ class StageServer(StageService):
         self._steps_applied: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.steps = 0  # optimizer steps this server took (trainer-driven or swarm-driven)
         self.averaged_rounds = 0  # steps whose gradients were summed with other peers of the stage
+        # the modes the module was built with (a train call runs in them; an eval call in eval), the mode it is in
+        self._built_modes = [(m, m.training) for m in module.modules()]
+        self._training = True
+        self.draws_rng = False  # whether a train-mode run of the stage drew random numbers (learned, sticky)
 
     @property
     def device(self) -> torch.device:
@@ -303,7 +320,10 @@ class StageServer(StageService):
         # batching: calls are served in several threads (the stage runs in one of them at a time)
         if batching:
             self._batcher = RequestBatcher(
-                self._serve_group, max_rows=s.max_batch_rows, wait_s=s.batch_wait_ms / 1000
+                self._serve_group,
+                max_rows=s.max_batch_rows,
+                wait_s=s.batch_wait_ms / 1000,
+                key=self._merge_key,
             )
             self._executor = ThreadPoolExecutor(
                 max_workers=_SERVING_THREADS, thread_name_prefix=f"stage{self.stage}-serve"
@@ -351,6 +371,8 @@ class StageServer(StageService):
                 logger.debug(f"Stage {self.stage} server: error while removing handlers: {e!r}")
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        with self._lock:  # the stage's blocks may be the trainer's own (put back when the run ends): as built
+            self._set_mode(True)
         with self._kept_lock:
             self._kept.clear()
         if self._batcher is not None:
@@ -781,9 +803,11 @@ class StageServer(StageService):
     def handle(self, request: StageRequest) -> StageReply:
         """Serve one request; never raises: failures become error replies (see :mod:`.protocol`). With batching,
         the request waits for the compute thread, which may merge it with other waiting requests."""
+        # a trainer that has not seen this peer migrate: another peer of the stage can serve it
+        if request.uid != self.uid:
+            error = Misrouted(f"This peer serves {self.uid!r}, but the request was for {request.uid[:200]!r}")
+            return _error(request.request_id, UNAVAILABLE, error)
         try:
-            if request.uid != self.uid:
-                raise BadRequest(f"This peer serves {self.uid!r}, but the request was for {request.uid!r}")
             if not self._started or not self._accepting:
                 return _error(
                     request.request_id, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running")
@@ -807,7 +831,7 @@ class StageServer(StageService):
         try:
             if request.kind == "forward":
                 keep = request.forward_id if request.forward_id == request.request_id else None
-                outputs = self._forward(request.inputs, keep)
+                outputs = self._forward(request.inputs, keep, request.training, request.seed)
             else:
                 assert request.grad_outputs is not None
                 outputs = self._backward(
@@ -816,6 +840,8 @@ class StageServer(StageService):
                     request.request_id,
                     request.commit_by,
                     self._take_kept(request.forward_id),
+                    request.training,
+                    request.seed,
                 )
             self.schemas.learn(request.inputs.tensors)
             return StageReply(request.request_id, outputs=outputs)
@@ -860,14 +886,22 @@ class StageServer(StageService):
                 )
         return [self._serve_one(request) for request in requests]
 
+    def _merge_key(self, request: StageRequest) -> tuple[Any, int]:
+        return merge_key(request, distinct_seeds=self.draws_rng)
+
     def _serve_merged(self, requests: list[StageRequest]) -> list[StageReply] | None:
-        """Serve ``requests`` (same kind and structure, see :func:`.batching.merge_key`) with one computation;
-        ``None`` if the results cannot be split or committed per request (the caller serves them one by one).
-        Raises whatever the merged computation raised."""
+        """Serve ``requests`` (same kind, mode and structure, see :func:`.batching.merge_key`) with one
+        computation, under the first request's seed; ``None`` if the results cannot be split or committed per
+        request, or if a train-mode run drew random numbers (each call's dropout masks must come from its own
+        seed): the caller serves them one by one. Raises whatever the merged computation raised."""
         rows = [request.inputs.batch_size() for request in requests]
         inputs = concat_payloads([request.inputs for request in requests])
+        training, seed = requests[0].training, requests[0].seed
         if requests[0].kind == "forward":
-            outputs = split_payload(self._forward(inputs), rows)
+            merged = self._forward(inputs, None, training, seed)
+            if training and self.draws_rng:
+                return None
+            outputs = split_payload(merged, rows)
             if outputs is None:
                 return None
             replies = [
@@ -875,7 +909,9 @@ class StageServer(StageService):
             ]
         else:
             grad_outputs = concat_payloads([request.grad_outputs for request in requests])  # type: ignore[misc]
-            grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs)
+            grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs, None, training, seed)
+            if training and self.draws_rng:
+                return None
             pieces = split_payload(Payload.flatten(grad_inputs), rows)
             if pieces is None or not self._commit_merged(requests, param_grads, rows):
                 return None
@@ -892,9 +928,12 @@ class StageServer(StageService):
                 self.schemas.learn(request.inputs.tensors)
         return replies
 
-    def _forward(self, inputs: Payload, keep_id: int | None = None) -> Payload:
-        """The stage's outputs for ``inputs``; with ``keep_id`` (and ``keep_activations`` > 0) the forward runs with
-        autograd and its graph is kept under that id for the backward."""
+    def _forward(
+        self, inputs: Payload, keep_id: int | None = None, training: bool = True, seed: int | None = None
+    ) -> Payload:
+        """The stage's outputs for ``inputs`` in mode ``training`` under ``seed``; with ``keep_id`` (and
+        ``keep_activations`` > 0) the forward runs with autograd and its graph is kept under that id for the
+        backward."""
         leaves = _leaves(inputs, self.device)
         keep = (
             keep_id is not None and self.settings.keep_activations > 0 and self._refresh_pending_since is None
@@ -903,10 +942,10 @@ class StageServer(StageService):
         args, kwargs = inputs.rebuild_call(leaves)
         with self._lock, torch.enable_grad() if keep else torch.no_grad():
             start = time.perf_counter()
-            outputs = self._run_module(args, kwargs)
+            outputs = self._run_module(args, kwargs, training, seed)
             version, spent = self._param_version, time.perf_counter() - start
         payload = _outputs_payload(outputs)
-        check_finite(payload.tensors, f"stage {self.stage} output", _NonFinite)
+        check_outputs(payload.tensors, leaves, f"stage {self.stage} output", _NonFinite)
         if not keep:
             return payload
         assert keep_id is not None
@@ -944,9 +983,11 @@ class StageServer(StageService):
         request_id: int | None = None,
         commit_by: float | None = None,
         kept: _Kept | None = None,
+        training: bool = True,
+        seed: int | None = None,
     ) -> Payload:
         try:
-            grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs, kept)
+            grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs, kept, training, seed)
         finally:
             if kept is not None:
                 with self._kept_lock:
@@ -958,10 +999,17 @@ class StageServer(StageService):
         return Payload.flatten(grad_inputs)
 
     def _backward_compute(
-        self, inputs: Payload, grad_outputs: Payload, kept: _Kept | None = None
+        self,
+        inputs: Payload,
+        grad_outputs: Payload,
+        kept: _Kept | None = None,
+        training: bool = True,
+        seed: int | None = None,
     ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor | None]]:
         """The gradients of the inputs that require grad and of the trained parameters (nothing committed), from
-        the ``kept`` forward of these inputs if it is still valid, else by recomputing the forward."""
+        the ``kept`` forward of these inputs if it is still valid, else by recomputing the forward in mode
+        ``training`` under ``seed`` (the forward's dropout masks; buffers such as batch normalisation's running
+        statistics are left as they were: the forward updated them already)."""
         grads = grad_outputs.rebuild()
         batch_size = inputs.batch_size()
         trained = self._trained
@@ -979,9 +1027,9 @@ class StageServer(StageService):
             if results is None:
                 leaves, spent = _leaves(inputs, self.device), 0.0
                 args, kwargs = inputs.rebuild_call(leaves)
-                with torch.enable_grad():
-                    outputs = _outputs_payload(self._run_module(args, kwargs)).tensors
-                results = self._grads_of(leaves, outputs, grads, trained)
+                with _buffers_kept(self.module, training), torch.enable_grad():
+                    outputs = _outputs_payload(self._run_module(args, kwargs, training, seed)).tensors
+                    results = self._grads_of(leaves, outputs, grads, trained)
             self.throughput.record(batch_size, spent + time.perf_counter() - start)
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         grad_inputs = tuple(
@@ -1093,19 +1141,40 @@ class StageServer(StageService):
             else:
                 acc.add_(grad.to(acc.device))
 
-    def _run_module(self, args: tuple, kwargs: dict) -> Any:
+    def _run_module(self, args: tuple, kwargs: dict, training: bool = True, seed: int | None = None) -> Any:
+        """Run the stage module in mode ``training`` with its random generators seeded with ``seed`` (under the
+        parameters lock)."""
         self.computations += 1
+        self._set_mode(training)
         try:
             autocast = self.settings.autocast
-            if autocast is None:
-                return self.module(*args, **kwargs)
             # the trainer's mixed precision (Lightning's "bf16-mixed"/"16-mixed"): the same autocast here
-            with torch.autocast(self.device.type, dtype=getattr(torch, autocast), cache_enabled=False):
-                return self.module(*args, **kwargs)
+            precision = (
+                torch.autocast(self.device.type, dtype=getattr(torch, autocast), cache_enabled=False)
+                if autocast is not None
+                else contextlib.nullcontext()
+            )
+            with _seeded_rng(seed, self.device) as drew, precision:
+                outputs = self.module(*args, **kwargs)
         except (MemoryError, torch.OutOfMemoryError):
             raise
         except Exception as e:
             raise _ComputeError(e) from e
+        if training and drew[0]:
+            self.draws_rng = True  # from now on its train-mode calls are not merged (see batching)
+        return outputs
+
+    def _set_mode(self, training: bool) -> None:
+        """Eval: every submodule in eval mode; train: the modes the module was built with (a block the user
+        froze in eval stays so), as Lightning restores them after validation. Under the parameters lock."""
+        if training == self._training:
+            return
+        if training:
+            for module, mode in self._built_modes:
+                module.training = mode
+        else:
+            self.module.eval()
+        self._training = training
 
     def state_dict_local(self) -> dict[str, torch.Tensor]:
         """A detached CPU copy of the stage module's ``state_dict``, including every backward received so far
@@ -1218,10 +1287,10 @@ class StageServer(StageService):
         remaining = self.bad_peers.ignored_for(peer)
         if not remaining:
             return None
-        return _reply(
+        return _reply(  # not this request's fault: another peer of the stage may serve it
             _error(
                 -1,
-                REQUEST,
+                UNAVAILABLE,
                 BadRequest(
                     f"Stage {self.stage} server ignores peer {peer} for another {remaining:.0f} s: it sent too many bad "
                     f"requests"
@@ -1248,6 +1317,10 @@ class StageServer(StageService):
                 header, tensors = received.result()
                 request_id = _request_id(header)
                 request = parse_request(header, tensors, self.uid)
+            except Misrouted as e:  # another peer may serve it (a peer that migrated, another version)
+                self._strike(peer, e)
+                yield _reply(_error(request_id, UNAVAILABLE, e))
+                return
             except (CodecError, BadRequest) as e:
                 self._strike(peer, e)
                 yield _reply(_error(request_id, REQUEST, e))
@@ -1618,6 +1691,42 @@ class _StartsInAnyThread:
 
 class _StateAverager(_StartsInAnyThread, _GuardedAveraging, TrainingStateAverager, _LoadProbe):
     """hivemind's state averager of a stage, telling whether a joiner's download succeeded."""
+
+
+@contextlib.contextmanager
+def _seeded_rng(seed: int | None, device: torch.device) -> Iterator[list[bool]]:
+    """Run the body with torch's CPU generator (and ``device``'s, if CUDA) seeded with ``seed``, restored
+    afterwards (the server's own stream, and an in-process trainer's, do not move); ``None``: unseeded, as they
+    are. Yields ``[drew]``, set on exit to whether the body drew random numbers from them."""
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+    generators = [torch.default_generator] + ([torch.cuda.default_generators[index]] if cuda else [])
+    drew = [False]
+    with contextlib.ExitStack() as stack:
+        if seed is not None:
+            stack.enter_context(torch.random.fork_rng(devices=[] if index is None else [index]))
+            for generator in generators:
+                generator.manual_seed(seed)
+        before = [generator.get_state() for generator in generators]
+        yield drew
+        drew[0] = any(
+            not torch.equal(state, generator.get_state())
+            for state, generator in zip(before, generators, strict=True)
+        )
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module, training: bool) -> Iterator[None]:
+    """Restore the module's buffers on exit (a recomputed train-mode forward must not update batch
+    normalisation's running statistics a second time). All of them: batch norm's kernel updates its running
+    statistics without bumping their version counter, so a change cannot be told cheaply. Eval mode: no copy."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()] if training else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 def _leaves(inputs: Payload, device: torch.device) -> list[torch.Tensor]:

@@ -34,6 +34,7 @@ from .payload import EncodedPayload, Payload
 from .protocol import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_TENSORS,
+    REQUEST,
     ProtocolError,
     StageReply,
     StageRequest,
@@ -230,6 +231,9 @@ class P2PTransport:
             except CodecError as e:  # ProtocolError included: the peer replied garbage
                 raise TransportError(f"Peer {self.peer_id} sent a malformed reply: {e}") from e
             if reply.request_id == -1 and reply.error is not None:  # refused before its id was read
+                # refused for its own content (e.g. too large): the caller's fault, not the peer's
+                if reply.error.category == REQUEST:
+                    return StageReply(request.request_id, error=reply.error), sent, recv
                 raise TransportError(
                     f"Peer {self.peer_id} refused the request ({reply.error.category}): {reply.error.type_name}: "
                     f"{reply.error.message}"
