@@ -214,6 +214,9 @@ class SwarmClient:
         deadline = time.monotonic() + self.settings.no_peers_timeout
         while True:
             replies = self._step_once(stage, command)
+            if replies and any(r.get("retry") for r in replies):
+                command.attempt += 1  # the stage's peers missed each other's averaging round: again
+                continue
             if replies:
                 return replies
             # every peer failed (e.g. the stage's only peer died): wait for a live one, as calls do

@@ -126,6 +126,7 @@ __all__ = ["StageServer"]
 
 logger = logging.getLogger(__name__)
 
+MAX_STEP_ATTEMPTS = 3  # averaging rounds a trainer-driven step tries before a peer steps on its own gradients
 _EPOCH_POLL_S = 0.25  # how often an idle server checks whether its stage is ready to step
 _REFRESH_DEFER_S = 5.0  # how long kept forwards may hold back new parameters (their backwards come first)
 _KEPT_MAX_AGE_S = 120.0  # a kept forward whose backward has not come by then is dropped
@@ -238,7 +239,8 @@ class StageServer(StageService):
         self._group_sources: list[
             tuple[int, int]
         ] = []  # (trainer optimizer, group) per stage optimizer group
-        self._prepared: tuple[int, list[torch.Tensor | None], dict[str, Any]] | None = None
+        # the step in progress: (step id, own gradients, their indices, (summed gradients, facts) or None)
+        self._prepared: tuple[int, list[torch.Tensor | None], list[int], Any] | None = None
         self._steps_applied: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.steps = 0  # optimizer steps this server took (trainer-driven or swarm-driven)
         self.averaged_rounds = 0  # steps whose gradients were summed with other peers of the stage
@@ -584,16 +586,32 @@ class StageServer(StageService):
                 self._take_pending(command.optimizer)
                 self._prepared = None
                 return {"epoch": int(opt.local_epoch), "steps": self.steps}
-            if command.epoch > opt.local_epoch and command.phase == "apply" and self._prepared is None:
-                self._catch_up(command.epoch)
-            prepared = self._prepared
-            if prepared is None or prepared[0] != command.step_id:
-                prepared = self._prepared = (command.step_id, *self._prepare(command))
-            _, grads, facts = prepared
+            state = self._prepared
+            if state is None or state[0] != command.step_id:
+                own, wanted = self._take_pending(command.optimizer)
+                state = self._prepared = (command.step_id, own, wanted, None)
+            _, own, wanted, summed = state
+            if summed is None:
+                grads, group = own, 1
+                if command.peers > 1:
+                    grads, group = self._sum_with_peers(own, wanted)
+                    if group == 1 and command.attempt < MAX_STEP_ATTEMPTS - 1:
+                        # nobody to sum with this time (the peers missed each other): the trainer sends the command
+                        # again, and this peer keeps its own gradients for that round
+                        return {"epoch": int(opt.local_epoch), "retry": True, "group": 1, "steps": self.steps}
+                summed = (grads, self._unscale(grads, command.grad_scale, group))
+                self._prepared = (command.step_id, own, wanted, summed)
+            grads, facts = summed
             if command.phase == "norm":
                 return {"epoch": int(opt.local_epoch), **facts}
             self._prepared = None
-            self._apply(command, grads, facts)
+            behind = command.epoch > opt.local_epoch
+            if behind:
+                # this peer missed steps: it takes the stage's state from its peers; the step's summed gradients
+                # apply to it only if that state is from before this step (as the others' was)
+                self._catch_up(command.epoch)
+            if not behind or opt.local_epoch <= command.epoch:
+                self._apply(command, grads, facts)
             reply = {"epoch": int(opt.local_epoch), **facts, "steps": self.steps}
             self._steps_applied[command.step_id] = reply
             while len(self._steps_applied) > 64:
@@ -626,24 +644,20 @@ class StageServer(StageService):
             logger.warning(f"Stage {self.stage}: could not load the stage's state from its peers: {e!r}")
         self._refresh_parameters()
 
-    def _prepare(self, command: StepCommand) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
-        """Take the gradients this peer received for the commanded optimizer's parameters, sum them with the
-        stage's other commanded peers and unscale them; returns them (``None``: no gradient) and their facts."""
-        grads, wanted = self._take_pending(command.optimizer)
-        group_size = 1
-        if command.peers > 1:
-            grads, group_size = self._sum_with_peers(grads, wanted)
+    @staticmethod
+    def _unscale(grads: list[torch.Tensor | None], grad_scale: float, group: int) -> dict[str, Any]:
+        """Unscale the step's gradients in place; returns their facts (squared norm, finiteness, group size)."""
         sq_norm, finite = 0.0, True
         with torch.no_grad():
             for g in grads:
                 if g is None:
                     continue
-                if command.grad_scale != 1.0:
-                    g.mul_(command.grad_scale)
+                if grad_scale != 1.0:
+                    g.mul_(grad_scale)
                 value = float(g.detach().float().pow(2).sum())
                 finite = finite and math.isfinite(value)
                 sq_norm += value
-        return grads, {"sq_norm": sq_norm if finite else 0.0, "finite": finite, "group": group_size}
+        return {"sq_norm": sq_norm if finite else 0.0, "finite": finite, "group": group}
 
     def _take_pending(self, optimizer: int) -> tuple[list[torch.Tensor | None], list[int]]:
         """Remove from the pending gradients those of the parameters in the trainer's optimizer ``optimizer``;

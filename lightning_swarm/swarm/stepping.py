@@ -69,6 +69,8 @@ class StepCommand:
             among them (all-reduce) before the step.
         epoch: the stage's epoch as the trainer last saw it; a peer behind it missed steps and first loads the
             stage's state from its peers.
+        attempt: how many times this phase was sent before: a peer that found none of the other commanded peers
+            to sum its gradients with replies ``retry`` and keeps them for the next attempt.
     """
 
     uid: str
@@ -82,6 +84,7 @@ class StepCommand:
     skip: bool = False
     peers: int = 1
     epoch: int = 0
+    attempt: int = 0
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -97,6 +100,7 @@ class StepCommand:
                 "skip": self.skip,
                 "peers": self.peers,
                 "epoch": self.epoch,
+                "attempt": self.attempt,
             },
             use_bin_type=True,
         )
@@ -177,6 +181,7 @@ def parse_command(data: bytes, expected_uid: str) -> StepCommand:
         skip=skip,
         peers=_int(fields.get("peers"), "peers", low=1),
         epoch=_int(fields.get("epoch"), "epoch"),
+        attempt=_int(fields.get("attempt", 0), "attempt"),
     )
 
 
