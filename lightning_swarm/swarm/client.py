@@ -267,8 +267,14 @@ class SwarmClient:
                 replies.append(result)
                 continue
             error = result.get("error") if isinstance(result, dict) else repr(result)
-            if isinstance(result, dict) and result.get("fatal"):  # a misconfigured run, not a failing peer
+            if isinstance(result, dict) and result.get(
+                "fatal"
+            ):  # a misconfigured run or an optimizer that raises
                 raise RuntimeError(f"SwarmStrategy: peer {peer_id}: {error}")
+            if peer_id not in stubs and isinstance(
+                result, Exception
+            ):  # this process's own server: not a peer fault
+                raise result
             with self._router_lock:
                 router.ban(peer_id)
             logger.warning(f"Stage {stage} peer {peer_id} did not take step {command.step_id}: {error}")

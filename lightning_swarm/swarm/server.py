@@ -1378,8 +1378,14 @@ class StageServer(StageService):
         except BadRequest as e:
             reply = {"epoch": -1, "error": str(e)[:4096]}
         except Exception as e:
+            # the optimizer's own failure (a bad hyper-parameter, a user optimizer that raises): the same on every
+            # peer, so the trainer raises it at once instead of retrying
             logger.error(f"Stage {self.stage}: a step command failed: {e!r}")
-            reply = {"epoch": -1, "error": f"{type(e).__name__}: {e}"[:4096]}
+            reply = {
+                "epoch": -1,
+                "fatal": True,
+                "error": f"stage {self.stage}'s optimizer step raised {type(e).__name__}: {e}"[:4096],
+            }
         return runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(reply))
 
     async def rpc_optimizer(
