@@ -448,7 +448,8 @@ class SwarmPeer:
         for opt in optimizers:
             for group in opt.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in pipeline]
-        if not self.is_trainer or self.num_trainers == 1 or len(optimizers) != 1:
+        one_trainer = self.num_trainers == 1 or self.settings.stage_steps == "trainer"  # "trainer": one trainer
+        if not self.is_trainer or one_trainer or len(optimizers) != 1:
             return optimizers
         if not any(g["params"] for g in optimizers[0].param_groups):
             return optimizers
