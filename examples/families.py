@@ -379,7 +379,7 @@ class ConvNet(FamilyModule):
         self,
         batch_size: int = 16,
         steps: int = 20,
-        lr: float = 0.05,
+        lr: float = 0.02,
         data_seed: int = 4,
         image_size: int = 16,
         channels: int = 16,

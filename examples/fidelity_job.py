@@ -15,7 +15,8 @@ or ``run(config)`` in-process (the single-process runs). The config:
   (asynchronous) steps have landed before its next forward;
 - ``out``: where peer 0 (the trainer) saves the result with ``torch.save``.
 
-The result: the pipeline's parameters and buffers before and after training (``initial``, ``final``), per optimizer
+The result: the pipeline's parameters and buffers before and after training (``initial``, ``final``; the names
+of the parameters in ``parameters``), per optimizer
 step the training loss and the learning rate of the first group (``loss``, ``lr``), ``val`` (``[step, val_loss]``),
 ``held_out`` (the final model's held-out loss, computed in this process after the run), ``trainer_steps``
 (``trainer.global_step``), ``stage_steps`` (each stage's optimizer steps, read from its servers after they have
@@ -104,6 +105,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any] | None:
     steps, family = int(cfg["steps"]), cfg["family"]
     model = build(family, batch_size=cfg["batch_size"], steps=steps, **cfg.get("model", {}))
     initial = pipeline_state(model)
+    parameters = [name for name, _ in model.named_parameters() if name.startswith(f"{model.pipeline}.")]
     if cfg.get("dropout_seed") is not None:
         torch.manual_seed(int(cfg["dropout_seed"]))
     swarm = cfg.get("swarm")
@@ -135,6 +137,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any] | None:
     result = {
         "family": family,
         "initial": initial,
+        "parameters": parameters,
         "final": pipeline_state(model),
         "loss": record.loss,
         "lr": record.lr,
