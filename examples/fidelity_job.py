@@ -178,17 +178,26 @@ def launch(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
         return torch.load(out, weights_only=False)
 
 
-def parameter_gap(reference: dict[str, Any], other: dict[str, Any]) -> float:
-    """How far ``other``'s trained pipeline is from ``reference``'s, relative to how far training moved the
-    reference: ``|final_other - final_ref| / |final_ref - initial|`` over every floating parameter and buffer."""
-
+def _gap(reference: dict[str, Any], other: dict[str, Any], keys: list[str]) -> float:
     def flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat(
-            [v.detach().flatten().double() for _, v in sorted(state.items()) if v.is_floating_point()]
-        )
+        return torch.cat([state[k].detach().flatten().double() for k in keys])
 
     initial, ref, oth = flat(reference["initial"]), flat(reference["final"]), flat(other["final"])
     return float((oth - ref).norm() / (ref - initial).norm())
+
+
+def parameter_gap(reference: dict[str, Any], other: dict[str, Any]) -> float:
+    """How far ``other``'s trained pipeline parameters are from ``reference``'s, relative to how far training moved
+    the reference's: ``|final_other - final_ref| / |final_ref - initial|`` over every parameter of the pipeline."""
+    return _gap(reference, other, reference["parameters"])
+
+
+def buffer_gap(reference: dict[str, Any], other: dict[str, Any]) -> float | None:
+    """:func:`parameter_gap` of the pipeline's floating buffers (BatchNorm's running statistics); ``None`` if it
+    has none."""
+    names = set(reference["parameters"])
+    keys = [k for k, v in sorted(reference["final"].items()) if k not in names and v.is_floating_point()]
+    return _gap(reference, other, keys) if keys else None
 
 
 if __name__ == "__main__":
