@@ -34,6 +34,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -48,6 +49,7 @@ from examples.families import FAMILIES  # noqa: E402
 from examples.fidelity_job import buffer_gap, launch, parameter_gap, run  # noqa: E402
 
 TARGET_GAP = 0.02
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w]*\.)*[A-Za-z_]\w*(Error|Exception|Interrupt): ")
 
 
 def swarm_settings(family: str, target_batch_size: int, compression: str) -> dict[str, Any]:
@@ -88,9 +90,9 @@ def compare(family: str, args: argparse.Namespace) -> dict[str, Any]:
         )
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         lines = [line for line in str(e).splitlines() if line.strip()]
-        out["error"] = next(
-            (line for line in reversed(lines) if "Error" in line), lines[-1] if lines else repr(e)
-        )
+        # the first "pkg.SomeError: message" line is the cause; later ones come from the run's shutdown
+        causes = [line.strip() for line in lines if _EXCEPTION_LINE.match(line.strip())]
+        out["error"] = causes[0] if causes else (lines[-1] if lines else repr(e))
     out["swarm_s"] = time.monotonic() - started
     return out
 

@@ -173,7 +173,7 @@ def launch(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
         )
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(
-                f"The swarm run of {cfg['family']!r} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+                f"The swarm run of {cfg['family']!r} failed ({proc.returncode}):\n{proc.stderr[-8000:]}"
             )
         return torch.load(out, weights_only=False)
 
