@@ -448,7 +448,9 @@ class SwarmPeer:
         for opt in optimizers:
             for group in opt.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in pipeline]
-        one_trainer = self.num_trainers == 1 or self.settings.stage_steps == "trainer"  # "trainer": one trainer
+        one_trainer = (
+            self.num_trainers == 1 or self.settings.stage_steps == "trainer"
+        )  # "trainer": one trainer
         if not self.is_trainer or one_trainer or len(optimizers) != 1:
             return optimizers
         if not any(g["params"] for g in optimizers[0].param_groups):
@@ -679,15 +681,22 @@ class SwarmPeer:
         return state
 
     def wait_for_stages(self, timeout: float = APPEAR_TIMEOUT) -> bool:
-        """Wait until every stage has at least one announced server, at most ``timeout`` seconds (a local swarm's
-        peers start together, and on a busy machine some take a minute to come up); returns whether they did. A
-        stage still missing then is reported by the first call to it, after ``no_peers_timeout``."""
+        """Wait until every stage has its announced servers, at most ``timeout`` seconds (a local swarm's peers
+        start together, and on a busy machine some take a minute to come up): in a local swarm every local peer
+        that serves it (so that the trainer's first step already commands all of them, see :mod:`.stepping`),
+        elsewhere at least one. Returns whether they did. A stage still missing then is reported by the first
+        call to it, after ``no_peers_timeout``."""
         assert self.client is not None
+        s = self.settings
+        expected = dict.fromkeys(range(s.num_stages), 1)
+        if self.local_swarm_size is not None and s.role != "trainer" and s.stage is None:
+            for j in range(self.local_swarm_size):  # local peer j serves stage j % num_stages
+                expected[j % s.num_stages] = sum(i % s.num_stages == j % s.num_stages for i in range(j + 1))
         deadline = time.monotonic() + timeout
-        missing = list(range(self.settings.num_stages))
+        missing = list(range(s.num_stages))
         while missing:
             try:
-                missing = [k for k in missing if not self.client.peers(k)]
+                missing = [k for k in missing if len(self.client.peers(k)) < expected[k]]
             except Exception as e:
                 logger.debug(f"DHT lookup of the stages failed: {e!r}")
             if not missing or time.monotonic() > deadline:

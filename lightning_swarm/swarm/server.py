@@ -737,7 +737,9 @@ class StageServer(StageService):
         self._set_hyper(command)
         for master, grad in zip(self._master, grads, strict=True):
             master.grad = grad
-        with opt.tracker.pause_updates():
+        # a peer downloading the stage's state meanwhile gets it from before or after this step, never torn and
+        # never with the new epoch on the old parameters (see _StateAverager.get_current_state)
+        with _state_lock(averager), opt.tracker.pause_updates():
             try:
                 averager.step(increment_epoch=True, optimizer_step=True)
             finally:
@@ -1710,7 +1712,22 @@ class _StartsInAnyThread:
 
 
 class _StateAverager(_StartsInAnyThread, _GuardedAveraging, TrainingStateAverager, _LoadProbe):
-    """hivemind's state averager of a stage, telling whether a joiner's download succeeded."""
+    """hivemind's state averager of a stage, telling whether a joiner's download succeeded, and serving downloads
+    of a consistent state: hivemind increments the epoch before the optimizer step and reads the parameters
+    without the optimizer's lock, so a download during a step could get the old parameters under the new epoch.
+    Trainer-driven steps hold :func:`_state_lock` over the whole step; downloads take it too."""
+
+    def get_current_state(self) -> Any:
+        with _state_lock(self):
+            return super().get_current_state()
+
+
+def _state_lock(averager: Any) -> Any:
+    """The lock that makes a stage's optimizer step and a download of its state exclusive (one per averager)."""
+    lock = averager.__dict__.get("_swarm_state_lock")
+    if lock is None:
+        lock = averager.__dict__.setdefault("_swarm_state_lock", threading.RLock())
+    return lock
 
 
 @contextlib.contextmanager
