@@ -244,8 +244,12 @@ class SwarmStrategy(ParallelStrategy):
     def _stop_requested(self) -> bool:
         """Whether this process got SIGTERM during the run (Lightning's flag): the peer's waits end at once, and
         Lightning stops the run after the current step. A Ctrl-C that Python swallowed (in a weakref callback) is
-        raised here, on the main thread (see ``lifetime.latch_interrupts``)."""
+        raised here, on the main thread (see ``lifetime.latch_interrupts``); so is the error of a local peer process
+        that failed before it could tell the swarm (see ``_SwarmLauncher.raise_failed_child``). The peer polls this
+        through ``SwarmPeer.should_stop``, which also raises another peer's published failure."""
         raise_pending_interrupt()
+        if isinstance(self._launcher, _SwarmLauncher):
+            self._launcher.raise_failed_child()
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
         return bool(trainer is not None and trainer.received_sigterm)
@@ -284,6 +288,7 @@ class SwarmStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self.peer.should_stop()  # raises another peer's failure between steps, too
         if args:
             self.peer.note_batch_size(extract_batch_size(args[0]))
         output = super().training_step(*args, **kwargs)
@@ -328,15 +333,22 @@ class SwarmStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        """The run raised ``exception``: an error of this peer (not another's, not Ctrl-C or SIGTERM) is published
+        to every peer of the swarm, which raise it too, as DDP's processes stop with a failed rank."""
         self._failed = True
         if isinstance(exception, KeyboardInterrupt):
             interrupt_handled()
+        if self._peer is not None:
+            self._peer.publish_failure(exception)
 
     @override
     def teardown(self) -> None:
         if self._peer is not None:
-            self._peer.leave(failed=self._failed)
-            self._peer = None
+            peer, self._peer = self._peer, None
+            try:
+                peer.leave(failed=self._failed)
+            finally:
+                self._failed = False
         self._failed = False
         module = self.lightning_module
         if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):

@@ -13,6 +13,9 @@ This is the glue between the pieces of the engine (DHT, :class:`StageServer`, :c
   :func:`~.rebalance.plan_move` names it, migrates: announces ``"leaving"``, finishes its calls in flight, frees
   its old stage, allocates the new one, loads its state from the peers there and goes online.
 - Leaving: a peer announces ``"leaving"`` before it stops serving.
+- Failing: a peer whose run raised an exception publishes it (:meth:`SwarmPeer.publish_failure`); every other peer
+  raises it at its next poll of :meth:`SwarmPeer.should_stop` (every stage call attempt, every wait), as DDP's ranks
+  stop together. Shutting down is bounded: a step that hangs on a hivemind helper process that died is left behind.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import inspect
 import logging
 import os
 import random
+import socket
 import tempfile
 import threading
 import time
@@ -40,7 +44,8 @@ from .footprint import trim_footprint
 from .lifetime import sigint_kept
 from .logs import quiet_routine_logs
 from .partition import Partition
-from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, Presence
+from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, PeerFailure, Presence
+from .protocol import RemoteStageError
 from .rebalance import Move, PeerLoad, choose_stage, next_check, plan_move
 from .records import LEAVING as LEAVING_STATE
 from .records import ONLINE, STATES, PeerIdentity, get_stage_peers, record_validators, register_identity
@@ -50,6 +55,7 @@ from .settings import SwarmSettings
 logger = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "LIGHTNING_SWARM_INITIAL_PEERS"
+FAILED_SHUTDOWN_S = 5.0  # after a failure, seconds a peer spends shutting down before it raises the error
 
 
 def find_pipeline(module: nn.Module) -> str:
@@ -79,7 +85,8 @@ class SwarmPeer:
         rendezvous_path: file where peer 0 of a local swarm writes its multiaddrs for the others.
         device: where this peer computes.
         should_stop: polled while this peer waits on the swarm (a stage call waiting for peers, a server-only
-            peer waiting for trainers); once it returns True (SIGTERM), the wait ends at once.
+            peer waiting for trainers); once it returns True (SIGTERM), the wait ends at once. See
+            :meth:`should_stop`, which also raises another peer's failure.
     """
 
     def __init__(
@@ -92,7 +99,7 @@ class SwarmPeer:
         should_stop: Callable[[], bool] | None = None,
     ) -> None:
         self.settings = settings
-        self.should_stop: Callable[[], bool] = should_stop or (lambda: False)
+        self._stop_requested: Callable[[], bool] = should_stop or (lambda: False)
         self.peer_index = peer_index
         self.local_swarm_size = local_swarm_size
         self.rendezvous_path = rendezvous_path
@@ -134,6 +141,37 @@ class SwarmPeer:
         if self.local_swarm_size is None:
             return None
         return min(self.settings.num_trainers or self.local_swarm_size, self.local_swarm_size)
+
+    def should_stop(self) -> bool:
+        """Polled by every wait of this peer (stage calls, the end-of-run handshake): raises the failure another
+        peer of the run published (a :class:`~.presence.PeerFailure`), else whether this peer was asked to stop."""
+        if self.presence is not None:
+            self.presence.check_failure()
+        return self._stop_requested()
+
+    def publish_failure(self, error: BaseException) -> None:
+        """This peer's run raised ``error``: publish it, so that every peer of the run stops with it. The failure
+        another peer published, Ctrl-C and ``SystemExit`` (SIGTERM) are not published: only an ``Exception``."""
+        if self.presence is None or not isinstance(error, Exception) or error is self.presence.failure:
+            return
+        type_name, message, origin = type(error).__name__, str(error), self.describe()
+        if isinstance(error, PeerFailure):  # a local peer's, seen by the launcher: pass it on as it came
+            type_name, message, origin = error.type_name, error.remote_message, error.origin
+        elif isinstance(error, RemoteStageError) and error.is_compute_error and error.error is not None:
+            type_name = error.error.type_name  # a stage's own code raised it on the peer that served the call
+        if not self.presence.publish_failure(type_name, message, origin):
+            logger.warning(
+                f"{self.describe()} could not publish its error in the DHT: the other peers do not know that it "
+                "failed, and stop when their calls to it run out of retries."
+            )
+
+    def describe(self) -> str:
+        """This peer in words, for the other peers' messages: its index in a local swarm, pid, host and peer id."""
+        peer_id = self.presence.peer_name if self.presence is not None else "?"
+        where = f"pid {os.getpid()} on {socket.gethostname()}, peer id {peer_id}"
+        if self.local_swarm_size is not None:
+            return f"Swarm peer {self.peer_index} ({where})"
+        return f"Swarm peer {peer_id} (pid {os.getpid()} on {socket.gethostname()})"
 
     # ------------------------------------------------------------------ DHT
     def start_dht(self) -> hivemind.DHT:
@@ -508,7 +546,7 @@ class SwarmPeer:
         assert self.client is not None
         deadline = time.monotonic() + timeout
         missing = list(range(self.settings.num_stages))
-        while missing:
+        while missing and not self.should_stop():
             try:
                 missing = [k for k in missing if not self.client.peers(k)]
             except Exception as e:
@@ -534,14 +572,15 @@ class SwarmPeer:
 
     def leave(self, failed: bool = False) -> None:
         """End of a run: keep serving until the others are done, put the trained pipeline back into the module,
-        then shut everything down. After a failure, restore the container and leave at once."""
+        then shut everything down. After a failure (this peer's, or another's that arrives meanwhile), restore the
+        container and leave at once: shutting down takes at most ``FAILED_SHUTDOWN_S`` seconds."""
         s = self.settings
         if failed:
             try:
                 if self.partition is not None and self.joined:
                     self.partition.restore()
             finally:
-                self.shutdown()
+                self.shutdown(budget=FAILED_SHUTDOWN_S)
             return
         try:
             self._stop_rebalancer()  # no migrations while the run ends and the stages are gathered
@@ -569,38 +608,112 @@ class SwarmPeer:
                 )
             if error is not None:
                 raise error
+        except BaseException:
+            failed = True  # e.g. another peer's failure, raised while this one lingered
+            if self.partition is not None and self.joined:
+                self.partition.restore()
+            raise
         finally:
-            self.shutdown()
+            self.shutdown(budget=FAILED_SHUTDOWN_S if failed else None)
 
-    def shutdown(self, drain: bool = False) -> None:
+    def shutdown(self, drain: bool = False, budget: float | None = None) -> None:
         """Stop everything. The stage server first announces that it is leaving; with ``drain`` it also keeps
-        serving a little while so that trainers route their next calls elsewhere (see ``StageServer.drain``)."""
+        serving a little while so that trainers route their next calls elsewhere (see ``StageServer.drain``).
+
+        Every step is bounded: one that has not finished after its share of ``budget`` seconds (after a failure),
+        or after a generous bound of its own, is left to finish in the background. A hivemind helper process (the
+        DHT's, an averager's) that died during the run is reported in one warning and not waited for.
+        """
+        deadline = None if budget is None else time.monotonic() + budget
+        s = self.settings
+        rounds = s.averaging_timeout + s.matchmaking_time  # a round in progress ends within that
+
+        def bound(default: float) -> float:
+            return default if deadline is None else max(0.1, min(default, deadline - time.monotonic()))
+
         self._stop_rebalancer()
+        dead = _forget_dead_helpers(self)
+        if dead:
+            logger.warning(
+                f"{self.describe()}: hivemind helper process(es) {', '.join(dead)} died during the run; shutting "
+                "down without them."
+            )
         with self._migration_lock:
             if self.server is not None:
-                try:
-                    self.server.drain() if drain else self.server.set_state(LEAVING_STATE)
-                except Exception as e:
-                    logger.debug(f"announcing the departure failed: {e!r}")
-        for name in ("_trainer_optimizer", "client", "server"):
+                server = self.server
+                _bounded(
+                    "announcing the departure",
+                    lambda: server.drain() if drain else server.set_state(LEAVING_STATE),
+                    bound(30.0),
+                )
+        for name, default in (("_trainer_optimizer", rounds + 30), ("client", 15.0), ("server", rounds + 30)):
             obj = getattr(self, name)
             if obj is not None:
-                try:
-                    obj.shutdown()
-                except Exception as e:
-                    logger.debug(f"{name}.shutdown failed: {e!r}")
+                _bounded(f"{name.strip('_')} shutdown", obj.shutdown, bound(default))
                 setattr(self, name, None)
         if self.presence is not None:
             self.presence.shutdown()
             self.presence = None
         if self.dht is not None:
-            self.dht.shutdown()
+            _bounded("DHT shutdown", self.dht.shutdown, bound(15.0))
             self.dht = None
         if self._identity is not None:
             unprotect(self._identity.peer_id)
         if self.peer_index == 0 and self.rendezvous_path and os.path.exists(self.rendezvous_path):
             os.remove(self.rendezvous_path)
         self.joined = False
+
+
+def _bounded(what: str, step: Callable[[], Any], timeout: float) -> None:
+    """Run one shutdown ``step``, waiting at most ``timeout`` seconds: a step that hangs (hivemind talking to a
+    helper process that died) is left to its daemon thread, which the interpreter does not wait for."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            step()
+        except Exception as e:
+            logger.debug(f"{what} failed: {e!r}")
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"swarm-{what.replace(' ', '-')}", daemon=True).start()
+    if not done.wait(timeout):
+        logger.warning(
+            f"Swarm peer: {what} did not finish within {timeout:.0f} s; not waiting for it any longer."
+        )
+
+
+def _forget_dead_helpers(peer: SwarmPeer) -> list[str]:
+    """The hivemind helper processes of ``peer`` (its DHT's, its optimizers' averagers') that died, as
+    ``"name (pid N)"``. Dead averagers are made to skip their own shutdown, which would log an error for a process
+    that is already gone."""
+    helpers: list[tuple[str, Any]] = [("DHT", peer.dht)]
+    optimizers = [("trainer", peer._trainer_optimizer)]
+    if peer.server is not None:
+        optimizers.append((f"stage {peer.server.stage}", peer.server.optimizer))
+    for owner, opt in optimizers:
+        for kind in ("state_averager", "grad_averager"):
+            helpers.append((f"{owner} {kind.replace('_', ' ')}", getattr(opt, kind, None)))
+    dead = []
+    for name, process in helpers:
+        if process is None or getattr(process, "pid", None) is None:
+            continue
+        try:
+            alive = process.is_alive()
+        except (AssertionError, ValueError):  # not this process's child
+            continue
+        if not alive and process.exitcode != 0:  # 0: it ended by itself, and hivemind knows
+            code = process.exitcode
+            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            dead.append(f"{name} (pid {process.pid}, {how})")
+            if name != "DHT":
+                process.shutdown = _nothing
+    return dead
+
+
+def _nothing() -> None:
+    pass
 
 
 def stage_optimizer(
