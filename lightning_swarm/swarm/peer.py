@@ -55,7 +55,7 @@ from .settings import SwarmSettings
 logger = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "LIGHTNING_SWARM_INITIAL_PEERS"
-FAILED_SHUTDOWN_S = 5.0  # after a failure, seconds a peer spends shutting down before it raises the error
+FAILED_SHUTDOWN_S = 3.0  # after a failure, seconds a peer spends shutting down before it raises the error
 
 
 def find_pipeline(module: nn.Module) -> str:
@@ -620,9 +620,10 @@ class SwarmPeer:
         """Stop everything. The stage server first announces that it is leaving; with ``drain`` it also keeps
         serving a little while so that trainers route their next calls elsewhere (see ``StageServer.drain``).
 
-        Every step is bounded: one that has not finished after its share of ``budget`` seconds (after a failure),
-        or after a generous bound of its own, is left to finish in the background. A hivemind helper process (the
-        DHT's, an averager's) that died during the run is reported in one warning and not waited for.
+        Every step is bounded: one that has not finished within ``budget`` seconds in all (after a failure), or
+        within a generous bound of its own, is left to its background thread, and the DHT is then left to the
+        process's exit (the steps left behind still use it). A hivemind helper process (the DHT's, an averager's)
+        that died during the run is reported in one warning and not waited for.
         """
         deadline = None if budget is None else time.monotonic() + budget
         s = self.settings
@@ -638,24 +639,35 @@ class SwarmPeer:
                 f"{self.describe()}: hivemind helper process(es) {', '.join(dead)} died during the run; shutting "
                 "down without them."
             )
+        finished = True
         with self._migration_lock:
             if self.server is not None:
                 server = self.server
-                _bounded(
-                    "announcing the departure",
+                finished = _bounded(
+                    "the announcement of the departure",
                     lambda: server.drain() if drain else server.set_state(LEAVING_STATE),
                     bound(30.0),
                 )
-        for name, default in (("_trainer_optimizer", rounds + 30), ("client", 15.0), ("server", rounds + 30)):
+        # independent of each other: shut down together, so that a failing peer is quick
+        steps = [
+            ("the trainer optimizer's shutdown", "_trainer_optimizer", rounds + 30),
+            ("the client's shutdown", "client", 15.0),
+        ]
+        steps.append(("the stage server's shutdown", "server", rounds + 30))
+        running = []
+        for what, name, default in steps:
             obj = getattr(self, name)
             if obj is not None:
-                _bounded(f"{name.strip('_')} shutdown", obj.shutdown, bound(default))
+                running.append((what, _start_bounded(what, obj.shutdown), default))
                 setattr(self, name, None)
+        for what, done, default in running:
+            finished = _wait_bounded(what, done, bound(default)) and finished
         if self.presence is not None:
             self.presence.shutdown()
             self.presence = None
         if self.dht is not None:
-            _bounded("DHT shutdown", self.dht.shutdown, bound(15.0))
+            if finished:
+                _bounded("the DHT's shutdown", self.dht.shutdown, bound(15.0))
             self.dht = None
         if self._identity is not None:
             unprotect(self._identity.peer_id)
@@ -664,9 +676,14 @@ class SwarmPeer:
         self.joined = False
 
 
-def _bounded(what: str, step: Callable[[], Any], timeout: float) -> None:
-    """Run one shutdown ``step``, waiting at most ``timeout`` seconds: a step that hangs (hivemind talking to a
-    helper process that died) is left to its daemon thread, which the interpreter does not wait for."""
+def _bounded(what: str, step: Callable[[], Any], timeout: float) -> bool:
+    """Run one shutdown ``step``, waiting at most ``timeout`` seconds; returns whether it finished. A step that hangs
+    (hivemind talking to a helper process that died) is left to its daemon thread, which the interpreter does not
+    wait for."""
+    return _wait_bounded(what, _start_bounded(what, step), timeout)
+
+
+def _start_bounded(what: str, step: Callable[[], Any]) -> threading.Event:
     done = threading.Event()
 
     def run() -> None:
@@ -677,11 +694,15 @@ def _bounded(what: str, step: Callable[[], Any], timeout: float) -> None:
         finally:
             done.set()
 
-    threading.Thread(target=run, name=f"swarm-{what.replace(' ', '-')}", daemon=True).start()
-    if not done.wait(timeout):
-        logger.warning(
-            f"Swarm peer: {what} did not finish within {timeout:.0f} s; not waiting for it any longer."
-        )
+    threading.Thread(target=run, name="swarm-shutdown", daemon=True).start()
+    return done
+
+
+def _wait_bounded(what: str, done: threading.Event, timeout: float) -> bool:
+    if done.wait(timeout):
+        return True
+    logger.warning(f"Swarm peer: {what} did not finish within {timeout:.0f} s; not waiting for it.")
+    return False
 
 
 def _forget_dead_helpers(peer: SwarmPeer) -> list[str]:

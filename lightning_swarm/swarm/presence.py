@@ -22,7 +22,7 @@ Bounded waits (:meth:`Presence.wait_for`):
 
 Failures. A run fails the way DDP's does: a peer whose run raised an exception publishes it
 (:meth:`Presence.publish_failure`: ``[type name, message, origin, time]`` under ``{run_id}.failure.0``, kept
-``FAILURE_TTL`` seconds), and the presence thread of every other peer reads that key every ``period``; from then on
+``FAILURE_TTL`` seconds), and the presence thread of every other peer reads that key every ``FAILURE_POLL_S``; then
 :meth:`Presence.check_failure` raises the earliest failure as a :class:`PeerFailure` (also an instance of the
 failed peer's exception type where that is a built-in), which the peer's waits and stage calls poll. A peer that is
 killed (SIGKILL, preemption) publishes nothing: the others retry its calls elsewhere and carry on.
@@ -49,6 +49,7 @@ UNREADABLE_TIMEOUT = 60.0
 APPEAR_TIMEOUT = 120.0
 _DHT_TIMEOUT = 10.0  # seconds one DHT read or write may take
 FAILURE_TTL = 120.0  # seconds a published failure stays in the DHT (and keeps a new run of the run_id out)
+FAILURE_POLL_S = 1.0  # seconds between two reads of the failure records
 _MESSAGE_CHARS = 4000  # a failure's message is cut to this length
 
 
@@ -324,9 +325,12 @@ class Presence:
             logger.debug(f"Presence announcement failed: {e!r}")
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            self._announce()
-            if not self._stop.is_set():
-                self.records()  # keeps ``seen`` current: a peer that appears and dies mid-run was still here
+        next_announce = time.monotonic() + self.period
+        while not self._stop.wait(min(FAILURE_POLL_S, self.period)):
+            if time.monotonic() >= next_announce:
+                next_announce = time.monotonic() + self.period
+                self._announce()
+                if not self._stop.is_set():
+                    self.records()  # keeps ``seen`` current: a peer that appears and dies mid-run was still here
             if not self._stop.is_set():
                 self.read_failure()
