@@ -44,7 +44,7 @@ RESTART_ENV = "LIGHTNING_SWARM_RESTART"  # set in a replacement peer: how many t
 # a child that failed usually published its error in the DHT before it exited: the launching peer raises it from
 # there (with its message) within a presence period; after this many seconds it raises the bare exit status
 FAILED_CHILD_GRACE_S = 6.0
-FAILED_EXIT_TIMEOUT_S = 15.0  # after an error here, seconds this process waits for its children to stop
+FAILED_EXIT_TIMEOUT_S = 15.0  # after the swarm failed, seconds this process waits for its children to stop
 
 
 class _SwarmLauncher(_SubprocessScriptLauncher):
@@ -56,7 +56,7 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         num_nodes: must be 1 (a local swarm; peers on other machines join through ``initial_peers``).
         restart_peers: how many times a peer process that died is started again (per peer); 0: never.
         exit_timeout: when this process exits normally, seconds it waits for its children to finish before it
-            stops them (SIGTERM, then SIGKILL 10 s later); after an error, ``FAILED_EXIT_TIMEOUT_S`` at most.
+            stops them (SIGTERM, then SIGKILL 10 s later); once the swarm failed, ``FAILED_EXIT_TIMEOUT_S`` at most.
         poll_interval: seconds between two checks of the children's health.
     """
 
@@ -79,7 +79,9 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         self._lock = threading.Lock()
         self._observer: threading.Thread | None = None
         self._closing = threading.Event()
-        self._failed = False  # this process's run raised
+        self.swarm_failed = (
+            False  # set by the strategy: this process's run raised an error the swarm fails with
+        )
         self._failed_child: tuple[int, int, int, float] | None = None  # local rank, pid, exit code, when seen
         self._failed_child_raised = False
 
@@ -92,11 +94,7 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
             self._observer.start()
             atexit.register(self.close)
         _set_num_threads_if_needed(num_processes=self.num_processes)
-        try:
-            return function(*args, **kwargs)
-        except BaseException:
-            self._failed = True  # the children stop with this peer's error: do not wait long for them
-            raise
+        return function(*args, **kwargs)
 
     @override
     def _call_children_scripts(self) -> None:
@@ -191,10 +189,10 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         )
 
     def close(self) -> None:
-        """Wait up to ``exit_timeout`` (``FAILED_EXIT_TIMEOUT_S`` after an error) for the children to end their run,
-        then stop the ones still running."""
+        """Wait up to ``exit_timeout`` (``FAILED_EXIT_TIMEOUT_S`` once the swarm failed) for the children to end
+        their run, then stop the ones still running."""
         self._closing.set()
-        timeout = min(self.exit_timeout, FAILED_EXIT_TIMEOUT_S) if self._failed else self.exit_timeout
+        timeout = min(self.exit_timeout, FAILED_EXIT_TIMEOUT_S) if self.swarm_failed else self.exit_timeout
         deadline = time.monotonic() + timeout
         for proc in list(self.procs):
             try:

@@ -338,8 +338,9 @@ class SwarmStrategy(ParallelStrategy):
         self._failed = True
         if isinstance(exception, KeyboardInterrupt):
             interrupt_handled()
-        if self._peer is not None:
-            self._peer.publish_failure(exception)
+        published = self._peer is not None and self._peer.publish_failure(exception)
+        if published and isinstance(self._launcher, _SwarmLauncher):
+            self._launcher.swarm_failed = True  # its children stop too: it need not wait long for them
 
     @override
     def teardown(self) -> None:

@@ -44,7 +44,7 @@ from .footprint import trim_footprint
 from .lifetime import sigint_kept
 from .logs import quiet_routine_logs
 from .partition import Partition
-from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, PeerFailure, Presence
+from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, PeerFailure, Presence, _dht_alive
 from .protocol import RemoteStageError
 from .rebalance import Move, PeerLoad, choose_stage, next_check, plan_move
 from .records import LEAVING as LEAVING_STATE
@@ -122,6 +122,7 @@ class SwarmPeer:
         self._stop_rebalancing = threading.Event()
         self._rebalancer: threading.Thread | None = None
         self._identity: PeerIdentity | None = None
+        self._leaving = False
 
     # ------------------------------------------------------------------ roles
     @property
@@ -147,23 +148,39 @@ class SwarmPeer:
         peer of the run published (a :class:`~.presence.PeerFailure`), else whether this peer was asked to stop."""
         if self.presence is not None:
             self.presence.check_failure()
+        if self.dht is not None and self.joined and not self._leaving and not _dht_alive(self.dht):
+            code = self.dht.exitcode
+            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            self._leaving = True  # raised once; leaving skips the waits on the dead DHT
+            raise RuntimeError(
+                f"{self.describe()}: its DHT helper process (pid {self.dht.pid}) died ({how}), so this peer can no "
+                "longer reach the swarm; it stops, and the other peers carry on without it, as after a crash. Check "
+                "the machine's memory (the OOM killer) and start the peer again to rejoin."
+            )
         return self._stop_requested()
 
-    def publish_failure(self, error: BaseException) -> None:
+    def publish_failure(self, error: BaseException) -> bool:
         """This peer's run raised ``error``: publish it, so that every peer of the run stops with it. The failure
-        another peer published, Ctrl-C and ``SystemExit`` (SIGTERM) are not published: only an ``Exception``."""
-        if self.presence is None or not isinstance(error, Exception) or error is self.presence.failure:
-            return
+        another peer published, Ctrl-C and ``SystemExit`` (SIGTERM) are not published: only an ``Exception``. Returns
+        whether the swarm fails with this peer (the error is published, or is the swarm's failure already)."""
+        if self.presence is None or not isinstance(error, Exception):
+            return False
+        if error is self.presence.failure:
+            return True
+        if self.dht is None or not _dht_alive(self.dht):
+            return False  # nobody to tell: the others carry on, as after a crash
         type_name, message, origin = type(error).__name__, str(error), self.describe()
         if isinstance(error, PeerFailure):  # a local peer's, seen by the launcher: pass it on as it came
             type_name, message, origin = error.type_name, error.remote_message, error.origin
         elif isinstance(error, RemoteStageError) and error.is_compute_error and error.error is not None:
             type_name = error.error.type_name  # a stage's own code raised it on the peer that served the call
-        if not self.presence.publish_failure(type_name, message, origin):
-            logger.warning(
-                f"{self.describe()} could not publish its error in the DHT: the other peers do not know that it "
-                "failed, and stop when their calls to it run out of retries."
-            )
+        if self.presence.publish_failure(type_name, message, origin):
+            return True
+        logger.warning(
+            f"{self.describe()} could not publish its error in the DHT: the other peers carry on without it, as "
+            "after a crash."
+        )
+        return False
 
     def describe(self) -> str:
         """This peer in words, for the other peers' messages: its index in a local swarm, pid, host and peer id."""
@@ -575,6 +592,7 @@ class SwarmPeer:
         then shut everything down. After a failure (this peer's, or another's that arrives meanwhile), restore the
         container and leave at once: shutting down takes at most ``FAILED_SHUTDOWN_S`` seconds."""
         s = self.settings
+        self._leaving = True
         if failed:
             try:
                 if self.partition is not None and self.joined:
