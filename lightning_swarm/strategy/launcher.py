@@ -79,9 +79,8 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         self._lock = threading.Lock()
         self._observer: threading.Thread | None = None
         self._closing = threading.Event()
-        self.swarm_failed = (
-            False  # set by the strategy: this process's run raised an error the swarm fails with
-        )
+        # set by the strategy: this process's run raised an error the whole swarm fails with
+        self.swarm_failed = False
         self._failed_child: tuple[int, int, int, float] | None = None  # local rank, pid, exit code, when seen
         self._failed_child_raised = False
 

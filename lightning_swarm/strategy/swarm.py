@@ -344,13 +344,12 @@ class SwarmStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._peer is not None:
-            peer, self._peer = self._peer, None
-            try:
-                peer.leave(failed=self._failed)
-            finally:
-                self._failed = False
-        self._failed = False
+        peer, self._peer = self._peer, None
+        failed, self._failed = self._failed, False
+        if peer is not None:
+            peer.leave(
+                failed=failed
+            )  # may raise another peer's failure, which arrived while this one lingered
         module = self.lightning_module
         if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             # a server-only peer never gathers the stages it did not host: they stay unallocated, and

@@ -122,7 +122,7 @@ class SwarmPeer:
         self._stop_rebalancing = threading.Event()
         self._rebalancer: threading.Thread | None = None
         self._identity: PeerIdentity | None = None
-        self._leaving = False
+        self._cut_off = False  # this peer's DHT process died: it stops (see should_stop)
 
     # ------------------------------------------------------------------ roles
     @property
@@ -145,19 +145,21 @@ class SwarmPeer:
 
     def should_stop(self) -> bool:
         """Polled by every wait of this peer (stage calls, the end-of-run handshake): raises the failure another
-        peer of the run published (a :class:`~.presence.PeerFailure`), else whether this peer was asked to stop."""
+        peer of the run published (a :class:`~.presence.PeerFailure`), else whether this peer must stop: it was
+        asked to (SIGTERM), or its DHT helper process died (killed, e.g. by the OOM killer), which cuts it off the
+        swarm: it then stops as after SIGTERM, with one warning, and the others carry on as after a crash."""
         if self.presence is not None:
             self.presence.check_failure()
-        if self.dht is not None and self.joined and not self._leaving and not _dht_alive(self.dht):
+        if not self._cut_off and self.dht is not None and self.joined and not _dht_alive(self.dht):
+            self._cut_off = True
             code = self.dht.exitcode
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            self._leaving = True  # raised once; leaving skips the waits on the dead DHT
-            raise RuntimeError(
+            logger.warning(
                 f"{self.describe()}: its DHT helper process (pid {self.dht.pid}) died ({how}), so this peer can no "
-                "longer reach the swarm; it stops, and the other peers carry on without it, as after a crash. Check "
-                "the machine's memory (the OOM killer) and start the peer again to rejoin."
+                "longer reach the swarm: it stops now, and the other peers carry on without it. Check the machine's "
+                "memory (the OOM killer) and start the peer again to rejoin."
             )
-        return self._stop_requested()
+        return self._cut_off or self._stop_requested()
 
     def publish_failure(self, error: BaseException) -> bool:
         """This peer's run raised ``error``: publish it, so that every peer of the run stops with it. The failure
@@ -592,7 +594,6 @@ class SwarmPeer:
         then shut everything down. After a failure (this peer's, or another's that arrives meanwhile), restore the
         container and leave at once: shutting down takes at most ``FAILED_SHUTDOWN_S`` seconds."""
         s = self.settings
-        self._leaving = True
         if failed:
             try:
                 if self.partition is not None and self.joined:
@@ -670,8 +671,8 @@ class SwarmPeer:
         steps = [
             ("the trainer optimizer's shutdown", "_trainer_optimizer", rounds + 30),
             ("the client's shutdown", "client", 15.0),
+            ("the stage server's shutdown", "server", rounds + 30),
         ]
-        steps.append(("the stage server's shutdown", "server", rounds + 30))
         running = []
         for what, name, default in steps:
             obj = getattr(self, name)
@@ -727,7 +728,7 @@ def _forget_dead_helpers(peer: SwarmPeer) -> list[str]:
     """The hivemind helper processes of ``peer`` (its DHT's, its optimizers' averagers') that died, as
     ``"name (pid N)"``. Dead averagers are made to skip their own shutdown, which would log an error for a process
     that is already gone."""
-    helpers: list[tuple[str, Any]] = [("DHT", peer.dht)]
+    helpers: list[tuple[str, Any]] = [] if peer._cut_off else [("DHT", peer.dht)]  # reported when it happened
     optimizers = [("trainer", peer._trainer_optimizer)]
     if peer.server is not None:
         optimizers.append((f"stage {peer.server.stage}", peer.server.optimizer))
