@@ -115,7 +115,7 @@ def main() -> None:
         end["error"] = {"types": [c.__name__ for c in type(e).__mro__], "message": str(e)}
         raise
     finally:
-        end["time"] = time.time()
+        end["time"], end["steps"] = time.time(), trainer.global_step
         with open(os.path.join(cfg["out"], f"end{RANK}"), "w") as f:
             f.write(json.dumps(end))
 

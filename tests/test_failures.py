@@ -158,8 +158,32 @@ def test_a_peer_whose_averager_was_killed_still_exits_when_training_ends(tmp_pat
     code, stderr, ends, left = _run(tmp_path, cfg, timeout=240)
     assert code == 0, stderr[-5000:]
     assert "`max_steps=30` reached" in stderr
-    assert sorted(ends) == [0, 1] and all(e["error"] is None for e in ends.values()), ends
+    assert sorted(ends) == [0, 1] and all(e["error"] is None and e["steps"] == 30 for e in ends.values()), (
+        ends
+    )
     assert stderr.count("died during the run") == 1, stderr[-5000:]
+    assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-5000:]
+    assert left == []
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_whose_dht_process_was_killed_stops_and_the_others_train_to_the_end(tmp_path) -> None:
+    """SIGKILL of peer 0's DHT process (its p2p daemon dies with it) cuts peer 0 off the swarm: it stops as after
+    SIGTERM, with one warning and no traceback, publishing nothing; the three other peers train every step, as
+    after a crash, and nothing is left running."""
+    steps = 40
+    cfg = {
+        "devices": 4,
+        "max_steps": steps,
+        "kill_helper": {"rank": 0, "step": 5},
+        "strategy": {**_STRATEGY, "run_id": "dht_killed"},
+    }
+    code, stderr, ends, left = _run(tmp_path, cfg, timeout=240)
+    assert code == 0, stderr[-5000:]
+    assert sorted(ends) == [0, 1, 2, 3], stderr[-5000:]
+    assert "PeerStopping" in ends[0]["error"]["types"] and ends[0]["steps"] < steps, ends[0]
+    assert all(ends[r]["error"] is None and ends[r]["steps"] == steps for r in (1, 2, 3)), ends
+    assert stderr.count("its DHT helper process") == 1, stderr[-5000:]
     assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-5000:]
     assert left == []
 

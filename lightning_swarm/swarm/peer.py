@@ -726,8 +726,10 @@ def _wait_bounded(what: str, done: threading.Event, timeout: float) -> bool:
 
 def _forget_dead_helpers(peer: SwarmPeer) -> list[str]:
     """The hivemind helper processes of ``peer`` (its DHT's, its optimizers' averagers') that died, as
-    ``"name (pid N)"``. Dead averagers are made to skip their own shutdown, which would log an error for a process
-    that is already gone."""
+    ``"name (pid N, signal S)"``. Dead averagers are made to skip their own shutdown, which would log an error for a
+    process that is already gone; when the DHT died, so did the p2p daemon every averager talks through: the live
+    ones are stopped at once (asked to shut down, they would fail on the dead daemon and print tracebacks)."""
+    dht_dead = peer.dht is not None and not _dht_alive(peer.dht)
     helpers: list[tuple[str, Any]] = [] if peer._cut_off else [("DHT", peer.dht)]  # reported when it happened
     optimizers = [("trainer", peer._trainer_optimizer)]
     if peer.server is not None:
@@ -743,7 +745,11 @@ def _forget_dead_helpers(peer: SwarmPeer) -> list[str]:
             alive = process.is_alive()
         except (AssertionError, ValueError):  # not this process's child
             continue
-        if not alive and process.exitcode != 0:  # 0: it ended by itself, and hivemind knows
+        if alive and dht_dead and name != "DHT":
+            process.terminate()
+            process.join(timeout=5)
+            process.shutdown = _nothing
+        elif not alive and process.exitcode != 0:  # 0: it ended by itself, and hivemind knows
             code = process.exitcode
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             dead.append(f"{name} (pid {process.pid}, {how})")
