@@ -48,7 +48,7 @@ TRAINING, FINISHED, LEAVING = 0, 1, 2
 UNREADABLE_TIMEOUT = 60.0
 APPEAR_TIMEOUT = 120.0
 _DHT_TIMEOUT = 10.0  # seconds one DHT read or write may take
-FAILURE_TTL = 120.0  # seconds a published failure stays in the DHT (and keeps a new run of the run_id out)
+FAILURE_TTL = 30.0  # seconds a published failure stays in the DHT (and fails a new run of the same run_id)
 FAILURE_POLL_S = 1.0  # seconds between two reads of the failure records
 _MESSAGE_CHARS = 4000  # a failure's message is cut to this length
 
