@@ -185,6 +185,25 @@ def test_a_peer_whose_dht_process_was_killed_stops_and_the_others_train_to_the_e
     assert left == []
 
 
+def test_a_peer_that_exits_with_an_error_is_not_restarted_and_fails_the_launching_peer(tmp_path) -> None:
+    """The launcher's own route, for a peer that fails before it could publish its error: an error exit status
+    is a failure (not restarted, unlike a kill), raised once in the launching peer after the grace period."""
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "_launcher_job.py"), str(tmp_path), "fail"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    assert seen["deaths"] == [[1, 3]] and seen["restarts"] == {}, seen
+    assert seen["early"] is None and seen["again"] is None, seen
+    assert seen["raised"].startswith("Swarm peer 1 (pid ") and "exit code 3" in seen["raised"], seen
+    assert "failed (exit code 3): the swarm stops with its error" in res.stderr
+
+
 def test_failure_records_are_signed_and_schema_checked() -> None:
     """The failure key is one of the swarm's protected keys: a record with the wrong shape is refused."""
     from hivemind.dht.routing import DHTID
