@@ -35,7 +35,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_swarm.swarm.lifetime import exec_children, set_parent_death_signal
+from lightning_swarm.swarm.lifetime import describe_exit, exec_children, set_parent_death_signal
 from lightning_swarm.swarm.presence import PeerFailure
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
                     continue
                 reported.add(proc.pid)
                 self.deaths.append((local_rank, code))
-                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                how = describe_exit(code)
                 if self._closing.is_set():
                     return
                 done = self.restarts.get(local_rank, 0)

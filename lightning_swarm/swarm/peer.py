@@ -41,7 +41,7 @@ from torch import nn
 from .auth import REFUSED_MARKER, SECRET_ENV, protect, unprotect
 from .client import SwarmClient
 from .footprint import trim_footprint
-from .lifetime import sigint_kept
+from .lifetime import bounded, describe_exit, settle_dead_helpers, sigint_kept, start_bounded, wait_bounded
 from .logs import quiet_routine_logs
 from .partition import Partition
 from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, PeerFailure, Presence, _dht_alive
@@ -152,8 +152,7 @@ class SwarmPeer:
             self.presence.check_failure()
         if not self._cut_off and self.dht is not None and self.joined and not _dht_alive(self.dht):
             self._cut_off = True
-            code = self.dht.exitcode
-            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            how = describe_exit(self.dht.exitcode)
             logger.warning(
                 f"{self.describe()}: its DHT helper process (pid {self.dht.pid}) died ({how}), so this peer can no "
                 "longer reach the swarm: it stops now, and the other peers carry on without it. Check the machine's "
@@ -635,6 +634,17 @@ class SwarmPeer:
         finally:
             self.shutdown(budget=FAILED_SHUTDOWN_S if failed else None)
 
+    def _helpers(self) -> list[tuple[str, Any]]:
+        """This peer's hivemind helper processes by name: its DHT's (unless already reported) and its averagers."""
+        helpers: list[tuple[str, Any]] = [] if self._cut_off else [("DHT", self.dht)]
+        optimizers = [("trainer", self._trainer_optimizer)]
+        if self.server is not None:
+            optimizers.append((f"stage {self.server.stage}", self.server.optimizer))
+        for owner, opt in optimizers:
+            for kind in ("state_averager", "grad_averager"):
+                helpers.append((f"{owner} {kind.replace('_', ' ')}", getattr(opt, kind, None)))
+        return helpers
+
     def shutdown(self, drain: bool = False, budget: float | None = None) -> None:
         """Stop everything. The stage server first announces that it is leaving; with ``drain`` it also keeps
         serving a little while so that trainers route their next calls elsewhere (see ``StageServer.drain``).
@@ -652,7 +662,9 @@ class SwarmPeer:
             return default if deadline is None else max(0.1, min(default, deadline - time.monotonic()))
 
         self._stop_rebalancer()
-        dead = _forget_dead_helpers(self)
+        dead = settle_dead_helpers(
+            self._helpers(), daemon_gone=self.dht is not None and not _dht_alive(self.dht)
+        )
         if dead:
             logger.warning(
                 f"{self.describe()}: hivemind helper process(es) {', '.join(dead)} died during the run; shutting "
@@ -662,7 +674,7 @@ class SwarmPeer:
         with self._migration_lock:
             if self.server is not None:
                 server = self.server
-                finished = _bounded(
+                finished = bounded(
                     "the announcement of the departure",
                     lambda: server.drain() if drain else server.set_state(LEAVING_STATE),
                     bound(30.0),
@@ -677,89 +689,22 @@ class SwarmPeer:
         for what, name, default in steps:
             obj = getattr(self, name)
             if obj is not None:
-                running.append((what, _start_bounded(what, obj.shutdown), default))
+                running.append((what, start_bounded(what, obj.shutdown), default))
                 setattr(self, name, None)
         for what, done, default in running:
-            finished = _wait_bounded(what, done, bound(default)) and finished
+            finished = wait_bounded(what, done, bound(default)) and finished
         if self.presence is not None:
             self.presence.shutdown()
             self.presence = None
         if self.dht is not None:
             if finished:
-                _bounded("the DHT's shutdown", self.dht.shutdown, bound(15.0))
+                bounded("the DHT's shutdown", self.dht.shutdown, bound(15.0))
             self.dht = None
         if self._identity is not None:
             unprotect(self._identity.peer_id)
         if self.peer_index == 0 and self.rendezvous_path and os.path.exists(self.rendezvous_path):
             os.remove(self.rendezvous_path)
         self.joined = False
-
-
-def _bounded(what: str, step: Callable[[], Any], timeout: float) -> bool:
-    """Run one shutdown ``step``, waiting at most ``timeout`` seconds; returns whether it finished. A step that hangs
-    (hivemind talking to a helper process that died) is left to its daemon thread, which the interpreter does not
-    wait for."""
-    return _wait_bounded(what, _start_bounded(what, step), timeout)
-
-
-def _start_bounded(what: str, step: Callable[[], Any]) -> threading.Event:
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            step()
-        except Exception as e:
-            logger.debug(f"{what} failed: {e!r}")
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="swarm-shutdown", daemon=True).start()
-    return done
-
-
-def _wait_bounded(what: str, done: threading.Event, timeout: float) -> bool:
-    if done.wait(timeout):
-        return True
-    logger.warning(f"Swarm peer: {what} did not finish within {timeout:.0f} s; not waiting for it.")
-    return False
-
-
-def _forget_dead_helpers(peer: SwarmPeer) -> list[str]:
-    """The hivemind helper processes of ``peer`` (its DHT's, its optimizers' averagers') that died, as
-    ``"name (pid N, signal S)"``. Dead averagers are made to skip their own shutdown, which would log an error for a
-    process that is already gone; when the DHT died, so did the p2p daemon every averager talks through: the live
-    ones are stopped at once (asked to shut down, they would fail on the dead daemon and print tracebacks)."""
-    dht_dead = peer.dht is not None and not _dht_alive(peer.dht)
-    helpers: list[tuple[str, Any]] = [] if peer._cut_off else [("DHT", peer.dht)]  # reported when it happened
-    optimizers = [("trainer", peer._trainer_optimizer)]
-    if peer.server is not None:
-        optimizers.append((f"stage {peer.server.stage}", peer.server.optimizer))
-    for owner, opt in optimizers:
-        for kind in ("state_averager", "grad_averager"):
-            helpers.append((f"{owner} {kind.replace('_', ' ')}", getattr(opt, kind, None)))
-    dead = []
-    for name, process in helpers:
-        if process is None or getattr(process, "pid", None) is None:
-            continue
-        try:
-            alive = process.is_alive()
-        except (AssertionError, ValueError):  # not this process's child
-            continue
-        if alive and dht_dead and name != "DHT":
-            process.terminate()
-            process.join(timeout=5)
-            process.shutdown = _nothing
-        elif not alive and process.exitcode != 0:  # 0: it ended by itself, and hivemind knows
-            code = process.exitcode
-            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            dead.append(f"{name} (pid {process.pid}, {how})")
-            if name != "DHT":
-                process.shutdown = _nothing
-    return dead
-
-
-def _nothing() -> None:
-    pass
 
 
 def stage_optimizer(
