@@ -229,3 +229,37 @@ def test_failure_records_are_signed_and_schema_checked() -> None:
     assert not schema.validate(record(["ValueError", "x" * 9000, "Swarm peer 1", 1.0], signed=False))
     unsigned = record(good, signed=False)
     assert not signer.validate(unsigned)
+
+
+def _sleep_long() -> None:
+    time.sleep(60)
+
+
+def test_shutdown_steps_are_bounded_and_dead_helpers_are_reported_once(caplog) -> None:
+    """A shutdown step that hangs is left behind after its timeout; a helper killed by a signal is reported (and
+    hivemind's own shutdown of it skipped), one that ended by itself is not."""
+    import multiprocessing as mp
+    import threading
+
+    from lightning_swarm.swarm.lifetime import bounded, settle_dead_helpers
+
+    release = threading.Event()
+    started = time.monotonic()
+    assert not bounded("a hanging step", lambda: release.wait(30), timeout=0.5)
+    assert time.monotonic() - started < 5
+    release.set()
+    assert bounded("a quick step", lambda: None, timeout=5)
+    assert "a hanging step did not finish" in caplog.text
+
+    ctx = mp.get_context("fork")
+    killed, ended = ctx.Process(target=_sleep_long, daemon=True), ctx.Process(target=time.sleep, args=(0,))
+    for process in (killed, ended):
+        process.start()
+    os.kill(killed.pid, signal.SIGKILL)
+    for process in (killed, ended):
+        process.join(10)
+    dead = settle_dead_helpers(
+        [("stage 0 state averager", killed), ("trainer state averager", ended), ("x", None)]
+    )
+    assert dead == [f"stage 0 state averager (pid {killed.pid}, signal 9)"]
+    killed.shutdown()  # replaced: hivemind would log an error for a process already gone
