@@ -2,6 +2,8 @@
 
 Usage: python tests/_launcher_job.py OUT_DIR MODE, MODE one of
 - ``restart``: 3 peers, peer 1 SIGKILLs itself once and is restarted; peer 0 prints what the launcher saw.
+- ``fail``: 3 peers, peer 1 exits with an error status (as a peer whose script raised); peer 0 prints what the
+  launcher saw and the error it raises for it (not restarted, although ``restart_peers=1``).
 - ``hold``: 3 peers; every peer forks a hivemind-like helper process, writes the pids and sleeps (the test
   SIGKILLs peer 0 and checks that nothing is left).
 """
@@ -15,12 +17,21 @@ import time
 
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-from lightning_swarm.strategy.launcher import RESTART_ENV, _SwarmLauncher
+from lightning_swarm.strategy.launcher import FAILED_CHILD_GRACE_S, RESTART_ENV, _SwarmLauncher
 from lightning_swarm.swarm.lifetime import die_with_parent
+from lightning_swarm.swarm.presence import PeerFailure
 
 
 def _sleep() -> None:
     time.sleep(120)
+
+
+def _raised(launcher: _SwarmLauncher) -> str | None:
+    try:
+        launcher.raise_failed_child()
+    except PeerFailure as e:
+        return str(e)
+    return None
 
 
 def main(out: str, mode: str) -> None:
@@ -42,6 +53,20 @@ def main(out: str, mode: str) -> None:
                     time.sleep(0.1)
                 time.sleep(0.5)  # the observer polls every 0.2 s
                 print(json.dumps({"deaths": launcher.deaths, "restarts": launcher.restarts}), flush=True)
+        elif mode == "fail":
+            if rank == 1:
+                time.sleep(0.5)
+                sys.exit(3)
+            if rank == 0:
+                deadline = time.monotonic() + 60
+                while not launcher.deaths and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                early = _raised(launcher)  # within the grace period: the DHT route has the error's message
+                time.sleep(FAILED_CHILD_GRACE_S)
+                seen = {"deaths": launcher.deaths, "restarts": launcher.restarts, "early": early}
+                print(
+                    json.dumps({**seen, "raised": _raised(launcher), "again": _raised(launcher)}), flush=True
+                )
         else:
             die_with_parent()
             helper = mp.get_context("fork").Process(target=_sleep, daemon=True)

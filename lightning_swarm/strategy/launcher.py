@@ -7,6 +7,10 @@ launcher starts the children the same way (same command, same environment variab
 
 - a child that dies is reported once and the others carry on; with ``restart_peers=K`` it is started again (at
   most K times per peer) and the new process joins the running swarm as a replacement;
+- a child that *fails* (exits with an error status: its run raised an exception) ends the swarm, as in DDP. The
+  failing peer tells every peer through the DHT (see ``swarm/presence.py``), and they raise its error; a child that
+  exits with an error before it could (e.g. in the user's script before ``fit``) is raised in this process by
+  :meth:`_SwarmLauncher.raise_failed_child`, which passes it on to the others. It is not restarted;
 - every child dies with the launching process, on every exit path: the kernel SIGKILLs it if the launcher dies
   (``PR_SET_PDEATHSIG``), and a launcher that exits normally first waits a bounded time for its children to
   finish their run, then stops the ones still running.
@@ -31,11 +35,16 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_swarm.swarm.lifetime import exec_children, set_parent_death_signal
+from lightning_swarm.swarm.lifetime import describe_exit, exec_children, set_parent_death_signal
+from lightning_swarm.swarm.presence import PeerFailure
 
 log = logging.getLogger(__name__)
 
 RESTART_ENV = "LIGHTNING_SWARM_RESTART"  # set in a replacement peer: how many times its slot was restarted
+# a child that failed usually published its error in the DHT before it exited: the launching peer raises it from
+# there (with its message) within a presence period; after this many seconds it raises the bare exit status
+FAILED_CHILD_GRACE_S = 6.0
+FAILED_EXIT_TIMEOUT_S = 15.0  # after the swarm failed, seconds this process waits for its children to stop
 
 
 class _SwarmLauncher(_SubprocessScriptLauncher):
@@ -47,7 +56,7 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         num_nodes: must be 1 (a local swarm; peers on other machines join through ``initial_peers``).
         restart_peers: how many times a peer process that died is started again (per peer); 0: never.
         exit_timeout: when this process exits normally, seconds it waits for its children to finish before it
-            stops them (SIGTERM, then SIGKILL 10 s later).
+            stops them (SIGTERM, then SIGKILL 10 s later); once the swarm failed, ``FAILED_EXIT_TIMEOUT_S`` at most.
         poll_interval: seconds between two checks of the children's health.
     """
 
@@ -70,6 +79,10 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         self._lock = threading.Lock()
         self._observer: threading.Thread | None = None
         self._closing = threading.Event()
+        # set by the strategy: this process's run raised an error the whole swarm fails with
+        self.swarm_failed = False
+        self._failed_child: tuple[int, int, int, float] | None = None  # local rank, pid, exit code, when seen
+        self._failed_child_raised = False
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -130,11 +143,18 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
                     continue
                 reported.add(proc.pid)
                 self.deaths.append((local_rank, code))
-                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                how = describe_exit(code)
                 if self._closing.is_set():
                     return
                 done = self.restarts.get(local_rank, 0)
-                if done < self.restart_peers:
+                if code > 0:  # an error, not a kill: the swarm stops with it
+                    if self._failed_child is None:
+                        self._failed_child = (local_rank, proc.pid, code, time.monotonic())
+                    log.warning(
+                        f"Swarm peer {local_rank} (pid {proc.pid}) failed ({how}): the swarm stops with its error, as "
+                        "a DDP run does (restart_peers restarts only peers that were killed)."
+                    )
+                elif done < self.restart_peers:
                     self.restarts[local_rank] = done + 1
                     new = self._start(local_rank)
                     log.warning(
@@ -152,17 +172,34 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         self._closing.set()
         super().kill(signum)
 
+    def raise_failed_child(self) -> None:
+        """Raise, once, a :class:`~lightning_swarm.swarm.presence.PeerFailure` for a child that exited with an error
+        ``FAILED_CHILD_GRACE_S`` seconds ago or more (by then, an error it published has reached this peer)."""
+        failed = self._failed_child
+        if failed is None or self._failed_child_raised or time.monotonic() - failed[3] < FAILED_CHILD_GRACE_S:
+            return
+        self._failed_child_raised = True
+        local_rank, pid, code, _ = failed
+        raise PeerFailure(
+            "an exception",
+            f"its process exited with exit code {code} before it could tell the swarm why (its traceback is in its "
+            "output)",
+            f"Swarm peer {local_rank} (pid {pid})",
+        )
+
     def close(self) -> None:
-        """Wait up to ``exit_timeout`` for the children to end their run, then stop the ones still running."""
+        """Wait up to ``exit_timeout`` (``FAILED_EXIT_TIMEOUT_S`` once the swarm failed) for the children to end
+        their run, then stop the ones still running."""
         self._closing.set()
-        deadline = time.monotonic() + self.exit_timeout
+        timeout = min(self.exit_timeout, FAILED_EXIT_TIMEOUT_S) if self.swarm_failed else self.exit_timeout
+        deadline = time.monotonic() + timeout
         for proc in list(self.procs):
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning(
-                    f"Swarm peer (pid {proc.pid}) still running {self.exit_timeout:.0f} s after the launcher "
-                    "finished; stopping it."
+                    f"Swarm peer (pid {proc.pid}) still running {timeout:.0f} s after the launcher finished; "
+                    "stopping it."
                 )
                 proc.send_signal(signal.SIGTERM)
         for proc in list(self.procs):

@@ -273,8 +273,12 @@ class SwarmStrategy(ParallelStrategy):
     def _stop_requested(self) -> bool:
         """Whether this process got SIGTERM during the run (Lightning's flag): the peer's waits end at once, and
         Lightning stops the run after the current step. A Ctrl-C that Python swallowed (in a weakref callback) is
-        raised here, on the main thread (see ``lifetime.latch_interrupts``)."""
+        raised here, on the main thread (see ``lifetime.latch_interrupts``); so is the error of a local peer process
+        that failed before it could tell the swarm (see ``_SwarmLauncher.raise_failed_child``). The peer polls this
+        through ``SwarmPeer.should_stop``, which also raises another peer's published failure."""
         raise_pending_interrupt()
+        if isinstance(self._launcher, _SwarmLauncher):
+            self._launcher.raise_failed_child()
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
         return bool(trainer is not None and trainer.received_sigterm)
@@ -323,6 +327,7 @@ class SwarmStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self.peer.should_stop()  # raises another peer's failure between steps, too
         if args:
             batch_size = extract_batch_size(args[0])
             self.peer.note_batch_size(batch_size)
@@ -431,20 +436,29 @@ class SwarmStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        """The run raised ``exception``: an error of this peer (not another's, not Ctrl-C or SIGTERM) is published
+        to every peer of the swarm, which raise it too, as DDP's processes stop with a failed rank."""
         self._failed = True
         if isinstance(exception, KeyboardInterrupt):
             interrupt_handled()
+        published = self._peer is not None and self._peer.publish_failure(exception)
+        if published and isinstance(self._launcher, _SwarmLauncher):
+            self._launcher.swarm_failed = True  # its children stop too: it need not wait long for them
 
     @override
     def teardown(self) -> None:
         self.precision_plugin.__dict__.pop(
             "clip_gradients", None
         )  # our clipping hook (see _install_clipping)
-        if self._peer is not None:
-            self.stage_steps = dict(self._peer.stage_steps)
-            self._peer.leave(failed=self._failed)
-            self._peer = None
-        self._failed = False
+        for optimizer in (*self.optimizers, *self._lightning_optimizers):
+            optimizer.__dict__.pop("zero_grad", None)  # see _mirror_zero_grad
+        peer, self._peer = self._peer, None
+        failed, self._failed = self._failed, False
+        if peer is not None:
+            self.stage_steps = dict(peer.stage_steps)
+            peer.leave(
+                failed=failed
+            )  # may raise another peer's failure, which arrived while this one lingered
         module = self.lightning_module
         if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             # a server-only peer never gathers the stages it did not host: they stay unallocated, and

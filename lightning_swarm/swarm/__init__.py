@@ -12,6 +12,7 @@ from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.codec import CodecError
 from lightning_swarm.swarm.partition import Partition
 from lightning_swarm.swarm.peer import SwarmPeer
+from lightning_swarm.swarm.presence import PeerFailure
 from lightning_swarm.swarm.protocol import RemoteStageError, RequestRefused
 from lightning_swarm.swarm.routing import NoPeersError
 from lightning_swarm.swarm.server import StageServer
@@ -21,6 +22,7 @@ __all__ = [
     "CodecError",
     "NoPeersError",
     "Partition",
+    "PeerFailure",
     "RemoteStageError",
     "RequestRefused",
     "StageServer",

@@ -27,7 +27,13 @@ that is a weakref callback or a ``__del__`` (the garbage collector runs them at 
 again there, and its "ignored" report is not printed. :func:`interrupt_handled` clears it once the interrupt has
 reached the trainer.
 
-Linux only, except the Ctrl-C latch; elsewhere the other functions do nothing.
+A peer must also end when one of its helpers died under it (killed by hand, or by the OOM killer): hivemind then
+waits on pipes and futures that nobody will ever answer. Every step of a peer's shutdown runs under
+:func:`bounded`, which gives up on a step that hangs and leaves it to a daemon thread, and
+:func:`settle_dead_helpers` reports the helpers that died and keeps hivemind from shutting them down (or, when the
+p2p daemon they talk through died, stops the live ones at once).
+
+Linux only, except the Ctrl-C latch and the bounded shutdown; elsewhere the other functions do nothing.
 """
 
 from __future__ import annotations
@@ -35,25 +41,33 @@ from __future__ import annotations
 import asyncio.subprocess
 import ctypes
 import functools
+import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from .footprint import p2pd_env
 
 __all__ = [
+    "bounded",
+    "describe_exit",
     "die_with_parent",
     "exec_children",
     "interrupt_handled",
     "latch_interrupts",
     "raise_pending_interrupt",
     "set_parent_death_signal",
+    "settle_dead_helpers",
     "sigint_kept",
+    "start_bounded",
+    "wait_bounded",
 ]
+
+logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _installed_in_pid: int | None = None
@@ -224,3 +238,67 @@ def _death_signal_in_child(parent_pid: int) -> None:
     if _libc is not None and _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
         if os.getppid() != parent_pid:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def describe_exit(code: int | None) -> str:
+    """A process's exit status in words: ``"signal 9"`` or ``"exit code 1"``."""
+    return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+
+
+def bounded(what: str, step: Callable[[], Any], timeout: float) -> bool:
+    """Run one shutdown ``step``, waiting at most ``timeout`` seconds; returns whether it finished. A step that hangs
+    (hivemind talking to a helper process that died) is left to its daemon thread, which the interpreter does not
+    wait for; its exception, if any, is logged at DEBUG."""
+    return wait_bounded(what, start_bounded(what, step), timeout)
+
+
+def start_bounded(what: str, step: Callable[[], Any]) -> threading.Event:
+    """Start ``step`` in a daemon thread; the event is set once it has returned or raised (see :func:`bounded`)."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            step()
+        except Exception as e:
+            logger.debug(f"{what} failed: {e!r}")
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="swarm-shutdown", daemon=True).start()
+    return done
+
+
+def wait_bounded(what: str, done: threading.Event, timeout: float) -> bool:
+    """Wait at most ``timeout`` seconds for a step started by :func:`start_bounded`; warn if it has not finished."""
+    if done.wait(timeout):
+        return True
+    logger.warning(f"Swarm peer: {what} did not finish within {timeout:.0f} s; not waiting for it.")
+    return False
+
+
+def settle_dead_helpers(helpers: list[tuple[str, Any]], daemon_gone: bool = False) -> list[str]:
+    """The hivemind helper processes among ``helpers`` (``(name, process)``) that died, as ``"name (pid N, signal
+    S)"``. A helper that exited with status 0 ended by itself (hivemind knows) and is not listed. Dead helpers are
+    made to skip hivemind's shutdown, which would log an error for a process already gone. ``daemon_gone``: the p2p
+    daemon the helpers talk through died (with the DHT's process); the live ones are then stopped at once, since
+    asked to shut down they would fail on the dead daemon and print tracebacks."""
+    dead = []
+    for name, process in helpers:
+        if process is None or getattr(process, "pid", None) is None:
+            continue
+        try:
+            alive = process.is_alive()
+        except (AssertionError, ValueError):  # not this process's child
+            continue
+        if alive and daemon_gone:
+            process.terminate()
+            process.join(timeout=5)
+            process.shutdown = _nothing
+        elif not alive and process.exitcode != 0:
+            dead.append(f"{name} (pid {process.pid}, {describe_exit(process.exitcode)})")
+            process.shutdown = _nothing
+    return dead
+
+
+def _nothing() -> None:
+    pass

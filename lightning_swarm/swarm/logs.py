@@ -88,6 +88,15 @@ _ROUTINE: list[tuple[str, re.Pattern[str], int, str | None]] = [
         None,
     ),
     ("hivemind.averaging", re.compile(r"Another look_for_group is already in progress"), logging.DEBUG, None),
+    # a stream whose other end went away mid-request: a peer, or the p2p daemon under a helper, was killed
+    (
+        "hivemind.p2p",
+        re.compile(
+            r"Exception while receiving requests.*(ConnectionResetError|BrokenPipeError|IncompleteRead)", re.S
+        ),
+        logging.DEBUG,
+        None,
+    ),
     # matchmaking cancelled when a round ends or gives up: its tasks are closed mid-await
     ("hivemind.utils.asyncio", re.compile(r"GeneratorExit|CancelledError"), logging.DEBUG, None),
     ("asyncio", re.compile(r"aclose\(\): asynchronous generator is already running"), logging.DEBUG, None),

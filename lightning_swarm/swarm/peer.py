@@ -13,6 +13,9 @@ This is the glue between the pieces of the engine (DHT, :class:`StageServer`, :c
   :func:`~.rebalance.plan_move` names it, migrates: announces ``"leaving"``, finishes its calls in flight, frees
   its old stage, allocates the new one, loads its state from the peers there and goes online.
 - Leaving: a peer announces ``"leaving"`` before it stops serving.
+- Failing: a peer whose run raised an exception publishes it (:meth:`SwarmPeer.publish_failure`); every other peer
+  raises it at its next poll of :meth:`SwarmPeer.should_stop` (every stage call attempt, every wait), as DDP's ranks
+  stop together. Shutting down is bounded: a step that hangs on a hivemind helper process that died is left behind.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import os
 import random
 import secrets
+import socket
 import tempfile
 import threading
 import time
@@ -40,11 +44,11 @@ from torch import nn
 from .auth import REFUSED_MARKER, SECRET_ENV, protect, unprotect
 from .client import SwarmClient
 from .footprint import trim_footprint
-from .lifetime import sigint_kept
+from .lifetime import bounded, describe_exit, settle_dead_helpers, sigint_kept, start_bounded, wait_bounded
 from .logs import quiet_routine_logs
 from .partition import Partition
-from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, Presence
-from .protocol import stage_uid
+from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, PeerFailure, Presence, _dht_alive
+from .protocol import RemoteStageError, stage_uid
 from .rebalance import Move, PeerLoad, choose_stage, next_check, plan_move
 from .records import LEAVING as LEAVING_STATE
 from .records import ONLINE, STATES, PeerIdentity, get_stage_peers, record_validators, register_identity
@@ -56,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "LIGHTNING_SWARM_INITIAL_PEERS"
 _INFO_POLL_S = 10.0  # with stage_steps="swarm": how often a trainer asks the stages for their step counts
+FAILED_SHUTDOWN_S = 3.0  # after a failure, seconds a peer spends shutting down before it raises the error
 
 
 def find_pipeline(module: nn.Module) -> str:
@@ -85,7 +90,8 @@ class SwarmPeer:
         rendezvous_path: file where peer 0 of a local swarm writes its multiaddrs for the others.
         device: where this peer computes.
         should_stop: polled while this peer waits on the swarm (a stage call waiting for peers, a server-only
-            peer waiting for trainers); once it returns True (SIGTERM), the wait ends at once.
+            peer waiting for trainers); once it returns True (SIGTERM), the wait ends at once. See
+            :meth:`should_stop`, which also raises another peer's failure.
     """
 
     def __init__(
@@ -97,7 +103,7 @@ class SwarmPeer:
         device: torch.device | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> None:
-        self.should_stop: Callable[[], bool] = should_stop or (lambda: False)
+        self._stop_requested: Callable[[], bool] = should_stop or (lambda: False)
         self.peer_index = peer_index
         self.local_swarm_size = local_swarm_size
         self.settings = settings
@@ -133,6 +139,7 @@ class SwarmPeer:
         self._stop_rebalancing = threading.Event()
         self._rebalancer: threading.Thread | None = None
         self._identity: PeerIdentity | None = None
+        self._cut_off = False  # this peer's DHT process died: it stops (see should_stop)
 
     # ------------------------------------------------------------------ roles
     @property
@@ -158,6 +165,54 @@ class SwarmPeer:
     def drives_stages(self) -> bool:
         """Whether this trainer's optimizer steps are the stages' steps (``stage_steps="trainer"``)."""
         return self.settings.stage_steps == "trainer" and self.is_trainer
+
+    def should_stop(self) -> bool:
+        """Polled by every wait of this peer (stage calls, the end-of-run handshake): raises the failure another
+        peer of the run published (a :class:`~.presence.PeerFailure`), else whether this peer must stop: it was
+        asked to (SIGTERM), or its DHT helper process died (killed, e.g. by the OOM killer), which cuts it off the
+        swarm: it then stops as after SIGTERM, with one warning, and the others carry on as after a crash."""
+        if self.presence is not None:
+            self.presence.check_failure()
+        if not self._cut_off and self.dht is not None and self.joined and not _dht_alive(self.dht):
+            self._cut_off = True
+            how = describe_exit(self.dht.exitcode)
+            logger.warning(
+                f"{self.describe()}: its DHT helper process (pid {self.dht.pid}) died ({how}), so this peer can no "
+                "longer reach the swarm: it stops now, and the other peers carry on without it. Check the machine's "
+                "memory (the OOM killer) and start the peer again to rejoin."
+            )
+        return self._cut_off or self._stop_requested()
+
+    def publish_failure(self, error: BaseException) -> bool:
+        """This peer's run raised ``error``: publish it, so that every peer of the run stops with it. The failure
+        another peer published, Ctrl-C and ``SystemExit`` (SIGTERM) are not published: only an ``Exception``. Returns
+        whether the swarm fails with this peer (the error is published, or is the swarm's failure already)."""
+        if self.presence is None or not isinstance(error, Exception):
+            return False
+        if error is self.presence.failure:
+            return True
+        if self.dht is None or not _dht_alive(self.dht):
+            return False  # nobody to tell: the others carry on, as after a crash
+        type_name, message, origin = type(error).__name__, str(error), self.describe()
+        if isinstance(error, PeerFailure):  # a local peer's, seen by the launcher: pass it on as it came
+            type_name, message, origin = error.type_name, error.remote_message, error.origin
+        elif isinstance(error, RemoteStageError) and error.is_compute_error and error.error is not None:
+            type_name = error.error.type_name  # a stage's own code raised it on the peer that served the call
+        if self.presence.publish_failure(type_name, message, origin):
+            return True
+        logger.warning(
+            f"{self.describe()} could not publish its error in the DHT: the other peers carry on without it, as "
+            "after a crash."
+        )
+        return False
+
+    def describe(self) -> str:
+        """This peer in words, for the other peers' messages: its index in a local swarm, pid, host and peer id."""
+        peer_id = self.presence.peer_name if self.presence is not None else "?"
+        where = f"pid {os.getpid()} on {socket.gethostname()}, peer id {peer_id}"
+        if self.local_swarm_size is not None:
+            return f"Swarm peer {self.peer_index} ({where})"
+        return f"Swarm peer {peer_id} (pid {os.getpid()} on {socket.gethostname()})"
 
     # ------------------------------------------------------------------ DHT
     def start_dht(self) -> hivemind.DHT:
@@ -694,7 +749,7 @@ class SwarmPeer:
                 expected[j % s.num_stages] = sum(i % s.num_stages == j % s.num_stages for i in range(j + 1))
         deadline = time.monotonic() + timeout
         missing = list(range(s.num_stages))
-        while missing:
+        while missing and not self.should_stop():
             try:
                 missing = [k for k in missing if len(self.client.peers(k)) < expected[k]]
             except Exception as e:
@@ -720,14 +775,15 @@ class SwarmPeer:
 
     def leave(self, failed: bool = False) -> None:
         """End of a run: keep serving until the others are done, put the trained pipeline back into the module,
-        then shut everything down. After a failure, restore the container and leave at once."""
+        then shut everything down. After a failure (this peer's, or another's that arrives meanwhile), restore the
+        container and leave at once: shutting down takes at most ``FAILED_SHUTDOWN_S`` seconds."""
         s = self.settings
         if failed:
             try:
                 if self.partition is not None and self.joined:
                     self.partition.restore()
             finally:
-                self.shutdown()
+                self.shutdown(budget=FAILED_SHUTDOWN_S)
             return
         try:
             self._stop_rebalancer()  # no migrations while the run ends and the stages are gathered
@@ -755,32 +811,79 @@ class SwarmPeer:
                 )
             if error is not None:
                 raise error
+        except BaseException:
+            failed = True  # e.g. another peer's failure, raised while this one lingered
+            if self.partition is not None and self.joined:
+                self.partition.restore()
+            raise
         finally:
-            self.shutdown()
+            self.shutdown(budget=FAILED_SHUTDOWN_S if failed else None)
 
-    def shutdown(self, drain: bool = False) -> None:
+    def _helpers(self) -> list[tuple[str, Any]]:
+        """This peer's hivemind helper processes by name: its DHT's (unless already reported) and its averagers."""
+        helpers: list[tuple[str, Any]] = [] if self._cut_off else [("DHT", self.dht)]
+        optimizers = [("trainer", self._trainer_optimizer)]
+        if self.server is not None:
+            optimizers.append((f"stage {self.server.stage}", self.server.optimizer))
+        for owner, opt in optimizers:
+            for kind in ("state_averager", "grad_averager"):
+                helpers.append((f"{owner} {kind.replace('_', ' ')}", getattr(opt, kind, None)))
+        return helpers
+
+    def shutdown(self, drain: bool = False, budget: float | None = None) -> None:
         """Stop everything. The stage server first announces that it is leaving; with ``drain`` it also keeps
-        serving a little while so that trainers route their next calls elsewhere (see ``StageServer.drain``)."""
+        serving a little while so that trainers route their next calls elsewhere (see ``StageServer.drain``).
+
+        Every step is bounded: one that has not finished within ``budget`` seconds in all (after a failure), or
+        within a generous bound of its own, is left to its background thread, and the DHT is then left to the
+        process's exit (the steps left behind still use it). A hivemind helper process (the DHT's, an averager's)
+        that died during the run is reported in one warning and not waited for.
+        """
+        deadline = None if budget is None else time.monotonic() + budget
+        s = self.settings
+        rounds = s.averaging_timeout + s.matchmaking_time  # a round in progress ends within that
+
+        def bound(default: float) -> float:
+            return default if deadline is None else max(0.1, min(default, deadline - time.monotonic()))
+
         self._stop_rebalancer()
+        dead = settle_dead_helpers(
+            self._helpers(), daemon_gone=self.dht is not None and not _dht_alive(self.dht)
+        )
+        if dead:
+            logger.warning(
+                f"{self.describe()}: hivemind helper process(es) {', '.join(dead)} died during the run; shutting "
+                "down without them."
+            )
+        finished = True
         with self._migration_lock:
             if self.server is not None:
-                try:
-                    self.server.drain() if drain else self.server.set_state(LEAVING_STATE)
-                except Exception as e:
-                    logger.debug(f"announcing the departure failed: {e!r}")
-        for name in ("_trainer_optimizer", "client", "server"):
+                server = self.server
+                finished = bounded(
+                    "the announcement of the departure",
+                    lambda: server.drain() if drain else server.set_state(LEAVING_STATE),
+                    bound(30.0),
+                )
+        # independent of each other: shut down together, so that a failing peer is quick
+        steps = [
+            ("the trainer optimizer's shutdown", "_trainer_optimizer", rounds + 30),
+            ("the client's shutdown", "client", 15.0),
+            ("the stage server's shutdown", "server", rounds + 30),
+        ]
+        running = []
+        for what, name, default in steps:
             obj = getattr(self, name)
             if obj is not None:
-                try:
-                    obj.shutdown()
-                except Exception as e:
-                    logger.debug(f"{name}.shutdown failed: {e!r}")
+                running.append((what, start_bounded(what, obj.shutdown), default))
                 setattr(self, name, None)
+        for what, done, default in running:
+            finished = wait_bounded(what, done, bound(default)) and finished
         if self.presence is not None:
             self.presence.shutdown()
             self.presence = None
         if self.dht is not None:
-            self.dht.shutdown()
+            if finished:
+                bounded("the DHT's shutdown", self.dht.shutdown, bound(15.0))
             self.dht = None
         if self._identity is not None:
             unprotect(self._identity.peer_id)

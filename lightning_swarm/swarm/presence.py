@@ -18,6 +18,14 @@ Bounded waits (:meth:`Presence.wait_for`):
   while the peer trains, so a peer that lived only mid-run counts as having appeared.
 - A server-only peer waits for trainers (``trainers_only``): for them to appear, without limit (a server started
   before any trainer keeps serving), then until every live trainer has finished or died.
+- A peer whose DHT helper process died reads nothing any more: its waits end at once.
+
+Failures. A run fails the way DDP's does: a peer whose run raised an exception publishes it
+(:meth:`Presence.publish_failure`: ``[type name, message, origin, time]`` under ``{run_id}.failure.0``, kept
+``FAILURE_TTL`` seconds), and the presence thread of every other peer reads that key every ``FAILURE_POLL_S``; then
+:meth:`Presence.check_failure` raises the earliest failure as a :class:`PeerFailure` (also an instance of the
+failed peer's exception type where that is a built-in), which the peer's waits and stage calls poll. A peer that is
+killed (SIGKILL, preemption) publishes nothing: the others retry its calls elsewhere and carry on.
 """
 
 from __future__ import annotations
@@ -26,11 +34,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import hivemind
 from hivemind.utils import get_dht_time
 
-from .records import identity_of, presence_key, strip_signature, subkey_peer_id
+from .protocol import _remote_class
+from .records import failure_key, identity_of, presence_key, strip_signature, subkey_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +48,47 @@ TRAINING, FINISHED, LEAVING = 0, 1, 2
 UNREADABLE_TIMEOUT = 60.0
 APPEAR_TIMEOUT = 120.0
 _DHT_TIMEOUT = 10.0  # seconds one DHT read or write may take
+FAILURE_TTL = 30.0  # seconds a published failure stays in the DHT (and fails a new run of the same run_id)
+FAILURE_POLL_S = 1.0  # seconds between two reads of the failure records
+_MESSAGE_CHARS = 4000  # a failure's message is cut to this length
 
 
 def _key(run_id: str) -> str:
     return presence_key(run_id)
+
+
+class PeerFailure(RuntimeError):
+    """Another peer of the swarm raised an exception: this peer stops with it, as the ranks of a DDP run do.
+
+    Where the failed peer's exception type is a Python built-in, the exception raised is also an instance of it
+    (``except ValueError`` catches a ``ValueError`` raised on another peer).
+
+    Attributes:
+        type_name: the name of the failed peer's exception type.
+        remote_message: its message.
+        origin: the failed peer, in words (index in a local swarm, pid, host, peer id).
+    """
+
+    def __init__(self, type_name: str, remote_message: str, origin: str) -> None:
+        super().__init__(
+            f"{origin} raised {type_name}: {remote_message}\nThe swarm stops with that error, as a DDP run does when "
+            "one of its processes fails: its traceback is in that peer's output; fix the error there and start the "
+            "run again."
+        )
+        self.type_name, self.remote_message, self.origin = type_name, remote_message, origin
+
+
+def peer_failure(type_name: str, message: str, origin: str) -> PeerFailure:
+    """The exception this peer raises for another peer's failure (a subclass of the built-in type, if any)."""
+    cls: Any = _remote_class(type_name, PeerFailure, prefix="Peer")
+    return cls(type_name, message, origin)
+
+
+def _dht_alive(dht: hivemind.DHT) -> bool:
+    try:
+        return bool(dht.is_alive())
+    except (AssertionError, AttributeError, ValueError):  # a DHT this process did not start: assume it lives
+        return True
 
 
 class Presence:
@@ -77,6 +124,8 @@ class Presence:
         self._subkey: bytes | str = identity.subkey if signed else peer_name
         self.seen: set[str] = set()  # every peer ever seen in this run
         self.seen_trainers: set[str] = set()
+        self.failure: PeerFailure | None = None  # the earliest failure another peer published
+        self._failed_here = False  # this peer published its own failure: it raises its own exception
         self._started_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="swarm-presence", daemon=True)
@@ -94,6 +143,8 @@ class Presence:
         """``(phase, trainer)`` of every live peer by subkey, this one included; ``None`` when the DHT could not be
         read (an empty answer counts as unreadable: this peer's own record should be there). Malformed records are
         ignored."""
+        if not _dht_alive(self.dht):
+            return None
         try:
             found = self.dht.get(_key(self.run_id), latest=True, return_future=True).result(
                 timeout=_DHT_TIMEOUT
@@ -154,6 +205,11 @@ class Presence:
         while True:
             if should_stop is not None and should_stop():
                 return False
+            if not _dht_alive(self.dht):
+                logger.warning(
+                    f"Gave up waiting for the swarm to reach phase {phase}: this peer's DHT process died"
+                )
+                return False
             records = self.records()
             now = time.monotonic()
             if records is not None:
@@ -187,12 +243,76 @@ class Presence:
                 return False
             time.sleep(min(0.5, self.period))
 
+    def publish_failure(self, type_name: str, message: str, origin: str) -> bool:
+        """Tell every peer of the run that this peer's run raised ``type_name: message`` (they stop with it, see the
+        module docstring); returns whether the DHT took the record. Bounded by the DHT timeout."""
+        self._failed_here = True
+        if len(message) > _MESSAGE_CHARS:
+            message = message[: _MESSAGE_CHARS - 15] + " [... cut here]"
+        if not _dht_alive(self.dht):
+            return False
+        try:
+            return bool(
+                self.dht.store(
+                    failure_key(self.run_id),
+                    [type_name[:200], message, origin[:500], float(get_dht_time())],
+                    get_dht_time() + FAILURE_TTL,
+                    subkey=self._subkey,
+                    return_future=True,
+                ).result(timeout=_DHT_TIMEOUT)
+            )
+        except Exception as e:
+            logger.warning(f"Could not tell the swarm about this peer's failure: {e!r}")
+            return False
+
+    def check_failure(self) -> None:
+        """Raise the earliest failure another peer of the run published (a :class:`PeerFailure`), if any and if this
+        peer has not failed itself (it raises its own exception then)."""
+        if self.failure is not None and not self._failed_here:
+            raise self.failure
+
+    def read_failure(self) -> PeerFailure | None:
+        """Read the run's failure records (one DHT lookup) and keep the earliest as :attr:`failure`."""
+        if self.failure is not None or not _dht_alive(self.dht):
+            return self.failure
+        try:
+            found = self.dht.get(failure_key(self.run_id), latest=True, return_future=True).result(
+                timeout=_DHT_TIMEOUT
+            )
+        except Exception as e:
+            logger.debug(f"Presence: DHT read of the failures failed: {e!r}")
+            return None
+        if found is None or not isinstance(found.value, dict):
+            return None
+        earliest: tuple[float, list] | None = None
+        for subkey, entry in found.value.items():
+            try:
+                name = subkey if isinstance(subkey, str) else subkey_peer_id(subkey).to_base58()
+            except Exception:
+                continue
+            if name == self.peer_name:
+                continue  # this peer's own failure
+            value = strip_signature(getattr(entry, "value", None))
+            if not (
+                isinstance(value, list) and len(value) == 4 and all(isinstance(v, str) for v in value[:3])
+            ):
+                continue
+            when = value[3] if isinstance(value[3], float) else float("inf")
+            if earliest is None or when < earliest[0]:
+                earliest = (when, value)
+        if earliest is not None:
+            type_name, message, origin, _ = earliest[1]
+            self.failure = peer_failure(type_name, message, origin)
+        return self.failure
+
     def shutdown(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=self.period + 1)
 
     def _announce(self) -> None:
+        if not _dht_alive(self.dht):
+            return
         try:
             self.dht.store(
                 _key(self.run_id),
@@ -205,7 +325,12 @@ class Presence:
             logger.debug(f"Presence announcement failed: {e!r}")
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            self._announce()
+        next_announce = time.monotonic() + self.period
+        while not self._stop.wait(min(FAILURE_POLL_S, self.period)):
+            if time.monotonic() >= next_announce:
+                next_announce = time.monotonic() + self.period
+                self._announce()
+                if not self._stop.is_set():
+                    self.records()  # keeps ``seen`` current: a peer that appears and dies mid-run was still here
             if not self._stop.is_set():
-                self.records()  # keeps ``seen`` current: a peer that appears and dies mid-run was still here
+                self.read_failure()

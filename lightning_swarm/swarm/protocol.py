@@ -232,14 +232,18 @@ class RequestRefused(RemoteStageError):
 
 
 @functools.cache
-def _remote_class(type_name: str) -> type[RemoteStageError]:
+def _remote_class(
+    type_name: str, origin: type[RuntimeError] = RemoteStageError, prefix: str = "Remote"
+) -> type[RuntimeError]:
+    """``origin`` (the kind of remote error), combined with the built-in exception type ``type_name`` if it is one
+    (named ``prefix + type_name``): ``except ValueError`` catches a ``ValueError`` raised elsewhere in the swarm."""
     base = getattr(builtins, type_name, None)
     if not isinstance(base, type) or not issubclass(base, Exception) or base in (RuntimeError, Exception):
-        return RemoteStageError
+        return origin
     try:
-        return type(f"Remote{type_name}", (RemoteStageError, base), {"__module__": __name__})
+        return type(f"{prefix}{type_name}", (origin, base), {"__module__": origin.__module__})
     except TypeError:  # a built-in whose instance layout differs (OSError, SyntaxError...)
-        return RemoteStageError
+        return origin
 
 
 def remote_exception(error: ErrorReply, stage: int, peer: Any) -> RemoteStageError:

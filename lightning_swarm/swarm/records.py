@@ -12,7 +12,7 @@ Signed records. A peer started by :class:`~.peer.SwarmPeer` has a :class:`PeerId
 its libp2p identity (its peer id is the hash of the public key) and the key that signs its DHT records. Its
 subkeys are ``b"<base58 peer id>[swarm-owner:<public key>]"`` and its values carry its RSA signature (over key,
 subkey, value and expiration) as their last element. Its DHT node runs :func:`record_validators`, which reject
-records under the swarm's keys (stage and presence records of the run)
+records under the swarm's keys (stage, presence and failure records of the run)
 
 - whose subkey carries no owner key (unsigned), whose signature does not verify (only the key's owner can write or
   overwrite them), or whose subkey names a peer id that is not the one of its key (a peer announcing another's
@@ -21,7 +21,7 @@ records under the swarm's keys (stage and presence records of the run)
   ``SwarmClient``) still reads the records (hivemind's format appends bytes that such a node cannot decode, and its
   lookup hangs);
 - whose value breaks the schema (hivemind's ``SchemaValidator``): ``[throughput > 0, state, num_stages >= 1]`` for
-  stage records, ``[phase, trainer]`` for presence records.
+  stage records, ``[phase, trainer]`` for presence records, ``[type, message, origin, time]`` for failure records.
 
 Validators act where records are stored and where they are read, so a forged record is neither kept by an honest
 node nor believed when a hostile node returns it. The readers (:func:`parse_stage_peers`, ``Presence``) map a
@@ -64,6 +64,7 @@ __all__ = [
     "PeerIdentity",
     "PeerInfo",
     "declare_stage_peer",
+    "failure_key",
     "get_stage_peers",
     "identity_of",
     "parse_stage_peers",
@@ -112,6 +113,11 @@ def stage_key(run_id: str, stage: int) -> str:
 def presence_key(run_id: str) -> str:
     """The DHT key of the peers' presence records (see :mod:`.presence`)."""
     return f"{run_id}.peers.0"
+
+
+def failure_key(run_id: str) -> str:
+    """The DHT key where a peer whose run raised an exception publishes it (see :mod:`.presence`)."""
+    return f"{run_id}.failure.0"
 
 
 # ---------------------------------------------------------------------------------------------- identity
@@ -340,10 +346,30 @@ class _PresenceValue(list):
         return value
 
 
+class _FailureValue(list):
+    """Schema type of a failure record's value: ``[type name, message, origin (the peer, in words), time]``."""
+
+    @classmethod
+    def __get_validators__(cls):
+        yield cls._check
+
+    @classmethod
+    def _check(cls, value: Any) -> list:
+        if not isinstance(value, list) or len(value) != 4:
+            raise ValueError("expected [type name, message, origin, time]")
+        if not all(type(v) is str for v in value[:3]) or type(value[3]) is not float:
+            raise ValueError("expected [type name (str), message (str), origin (str), time (float)]")
+        if len(value[0]) > 200 or len(value[1]) > 8000 or len(value[2]) > 500:
+            raise ValueError("failure record too long")
+        return value
+
+
 def swarm_keys(run_id: str, num_stages: int, extra_stages: int = 16) -> list[str]:
-    """The DHT keys whose records are signed: the presence key and the stage keys ``0 .. num_stages +
-    extra_stages - 1`` of ``run_id`` (the extra stages cover peers of the run that were told another stage count)."""
-    return [presence_key(run_id)] + [stage_key(run_id, k) for k in range(num_stages + extra_stages)]
+    """The DHT keys whose records are signed: the presence key, the stage keys ``0 .. num_stages +
+    extra_stages - 1`` of ``run_id`` (the extra stages cover peers of the run that were told another stage count) and
+    the failure key."""
+    stages = [stage_key(run_id, k) for k in range(num_stages + extra_stages)]
+    return [presence_key(run_id), *stages, failure_key(run_id)]
 
 
 def record_validators(
@@ -353,8 +379,9 @@ def record_validators(
     (:class:`RecordSigner`), schema-checked records under :func:`swarm_keys`. Other keys (the averagers', hivemind's
     own) are left to hivemind. ``identity=None``: check only (a node that writes no records, e.g. ``status``)."""
     keys = swarm_keys(run_id, num_stages, extra_stages)
-    fields: dict[str, Any] = {key: (dict[_OwnedSubkey, _StageValue] | None, None) for key in keys[1:]}
+    fields: dict[str, Any] = {key: (dict[_OwnedSubkey, _StageValue] | None, None) for key in keys[1:-1]}
     fields[keys[0]] = (dict[_OwnedSubkey, _PresenceValue] | None, None)
+    fields[keys[-1]] = (dict[_OwnedSubkey, _FailureValue] | None, None)
     schema = pydantic.create_model(f"SwarmRecords_{abs(hash(run_id))}", **fields)
     return [SchemaValidator(schema, allow_extra_keys=True), RecordSigner(identity, keys)]
 
