@@ -121,7 +121,6 @@ class SwarmPeer:
         self.joined = False
         self.migrations: list[Move] = []
         self._trainer_optimizer: hivemind.Optimizer | None = None
-        self._batch_size = 1
         self._samples_since_step = 0
         self._step_ids = itertools.count(secrets.randbits(62))
         self._stage_epochs: dict[int, int] = {}  # the epoch each stage replied with at the last step
@@ -533,8 +532,7 @@ class SwarmPeer:
 
     def note_batch_size(self, batch_size: int) -> None:
         """Count a training batch's samples towards the next optimizer step (accumulated batches add up)."""
-        self._batch_size = max(1, int(batch_size))
-        self._samples_since_step += self._batch_size
+        self._samples_since_step += max(1, int(batch_size))
 
     def optimizer_step_kwargs(self) -> dict[str, Any]:
         """What the trainers' hivemind optimizer's ``step`` needs: the samples since the last step (every
