@@ -5,6 +5,7 @@ applied once, malformed commands are refused without harm, and a server that ste
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 
 import hivemind
@@ -157,3 +158,69 @@ def test_with_several_trainers_the_stages_take_the_trainers_schedule_for_their_n
     stage_groups = server.optimizer.state_averager.optimizer.param_groups
     assert [g["lr"] for g in stage_groups] == [0.025, 0.5]
     assert server.steps == 0  # a hyper-parameter update is no step
+
+
+def test_two_peers_of_a_stage_redo_a_sum_they_disagree_on_and_step_as_one(dhts, cleanup):
+    """Two peers of one stage; the first is commanded alone once (as when its partner missed the round): it finds
+    nobody to sum with within a few matchmaking periods, not ``averaging_timeout``. The trainer's step then sees the
+    two peers' sums disagree (group 1 each), has them sum again from their own gradients, and both step with the
+    sum of every backward: the parameters of one SGD step over the whole batch, identical on both peers."""
+    trainer_dht, server_dht = dhts
+    third = hivemind.DHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=trainer_dht.get_visible_maddrs()
+    )
+    cleanup.append(third)
+    run_id = f"step-{next(_ids)}"
+    settings = SwarmSettings(
+        run_id=run_id,
+        num_stages=1,
+        compression="none",
+        stage_steps="trainer",
+        request_timeout=10.0,
+        no_peers_timeout=20.0,
+        matchmaking_time=1.0,
+        averaging_timeout=60.0,
+    )
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference.load_state_dict(module.state_dict())
+    servers = []
+    for dht in (server_dht, third):
+        copy = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        copy.load_state_dict(module.state_dict())
+        server = StageServer(
+            0,
+            copy,
+            dht=dht,
+            settings=settings,
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
+            throughput=1.0,
+        )
+        cleanup.append(server)
+        server.start()
+        servers.append(server)
+    client = SwarmClient(trainer_dht, settings)
+    cleanup.append(client)
+    deadline = time.monotonic() + 30
+    while len(client.peers(0)) < 2:
+        assert time.monotonic() < deadline, "the second peer never appeared"
+        time.sleep(0.5)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    batches = [torch.randn(8, 4) for _ in range(6)]
+    for x in batches:
+        reference(x).pow(2).sum().backward()
+        client.call_stage(0, x.clone().requires_grad_()).pow(2).sum().backward()
+    opt.step()
+    assert all(s._pending_backwards > 0 for s in servers), "the calls did not reach both peers"
+    uid = stage_uid(run_id, 0)
+    started = time.monotonic()
+    alone = servers[0].step_command(StepCommand(uid, 42, phase="norm", peers=2))
+    assert alone["group"] == 1 and time.monotonic() - started < 3 * settings.matchmaking_time + 6
+    replies = client.step_stage(0, StepCommand(uid, 42, groups={0: {"lr": 0.1}}))
+    assert len(replies) == 2 and {r["group"] for r in replies} == {2}
+    for server in servers:
+        served = server.state_dict_local()
+        for key, value in reference.state_dict().items():
+            assert torch.allclose(served[key], value, atol=1e-6), key
+        assert server.steps == 1 and server.averaged_rounds >= 1

@@ -25,6 +25,7 @@ channels for the others.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import random
@@ -67,6 +68,8 @@ from .transport import LocalTransport, P2PTransport, decode_payload_stream, enco
 __all__ = ["SwarmClient"]
 
 logger = logging.getLogger(__name__)
+
+MAX_SUM_ATTEMPTS = 6  # rounds a multi-peer stage step tries before its peers step with sums they disagree on
 
 T = TypeVar("T")
 # a backward's gradients are applied only if the server finishes it within the first 80% of its attempt's timeout
@@ -209,16 +212,28 @@ class SwarmClient:
     def step_stage(self, stage: int, command: StepCommand) -> list[dict[str, Any]]:
         """Send a trainer's step command (see :mod:`.stepping`) to every live peer of ``stage`` at once and wait
         for their replies; returns the replies of the peers that answered (a peer that fails is banned and
-        logged; it catches up from the others at the next step). Raises ``NoPeersError`` if none answered."""
+        logged; it catches up from the others at the next step). Raises ``NoPeersError`` if none answered.
+
+        With several live peers, the step's gradients are first summed among them (phase ``"norm"``) and the
+        sums are checked before anything is applied: every peer must report the whole group and the same sum
+        (the same squared norm, bit for bit: an all-reduce gives every member the same result). A round that
+        formed without one of them, or that some member saw fail half-way (hivemind then keeps the local values
+        of the parts it missed), is redone from the peers' own gradients, up to ``MAX_SUM_ATTEMPTS`` times."""
         self._check_stage(stage)
         deadline = time.monotonic() + self.settings.no_peers_timeout
+        peers = None
+        if command.phase in ("norm", "apply"):
+            peers, replies = self._agree_on_sum(stage, command, deadline)
+            if command.phase == "norm" and replies:
+                return replies
         while True:
-            replies = self._step_once(stage, command)
+            replies = self._step_once(stage, command, peers)
             if replies and any(r.get("retry") for r in replies):
                 command.attempt += 1  # the stage's peers missed each other's averaging round: again
                 continue
             if replies:
                 return replies
+            peers = None  # every peer it agreed with failed: whoever lives now
             # every peer failed (e.g. the stage's only peer died): wait for a live one, as calls do
             if self.should_stop():
                 raise PeerStopping(f"stage {stage} step abandoned: this peer is stopping")
@@ -230,13 +245,57 @@ class SwarmClient:
                 )
             self._maybe_refresh(stage, block=True, max_wait=min(self.settings.refresh_period, remaining))
 
-    def _step_once(self, stage: int, command: StepCommand) -> list[dict[str, Any]]:
+    def _agree_on_sum(
+        self, stage: int, command: StepCommand, deadline: float
+    ) -> tuple[list[PeerID] | None, list[dict[str, Any]]]:
+        """Phase ``"norm"`` until the stage's live peers agree on the step's summed gradients (see
+        :meth:`step_stage`); returns those peers (``None``: whoever lives) and their replies."""
+        prepare = dataclasses.replace(command, phase="norm")
+        replies: list[dict[str, Any]] = []
+        for attempt in range(MAX_SUM_ATTEMPTS):
+            prepare.attempt = attempt
+            peers = self._live_peers(stage)
+            if len(peers) <= 1 and command.phase == "apply":
+                return None, []  # nothing to agree on: the apply phase sums nothing
+            replies = self._step_once(stage, prepare, peers) if peers else []
+            answered = [p for p, r in zip(peers, replies, strict=True) if r is not None]
+            got = [r for r in replies if r is not None]
+            if not got:
+                if time.monotonic() > deadline:
+                    break
+                self._maybe_refresh(stage, block=True, max_wait=self.settings.refresh_period)
+                continue
+            norms = {float(r.get("sq_norm", 0.0)) for r in got if r.get("finite", True)}
+            groups = {int(r.get("group", 1)) for r in got}
+            if groups == {len(answered)} and len(norms) <= 1 and len(answered) == len(peers):
+                return answered, got
+            logger.info(
+                f"Stage {stage}: the peers' sums of step {command.step_id} disagree (groups {sorted(groups)}, "
+                f"{len(norms)} distinct norms, {len(answered)} of {len(peers)} answered); summing again"
+            )
+        logger.warning(
+            f"Stage {stage}: its peers could not agree on the sum of step {command.step_id}'s gradients in "
+            f"{MAX_SUM_ATTEMPTS} rounds; each steps with its own sum (a peer left behind catches up later)"
+        )
+        return None, [r for r in replies if r is not None]
+
+    def _live_peers(self, stage: int) -> list[PeerID]:
         self._maybe_refresh(stage)
         with self._router_lock:
             router = self.routers[stage]
-            peers = [p for p in router.peers if not router.is_banned(p)]
+            return [p for p in router.peers if not router.is_banned(p)]
+
+    def _step_once(
+        self, stage: int, command: StepCommand, peers: list[PeerID] | None = None
+    ) -> list[dict[str, Any]]:
+        """Send ``command`` to ``peers`` (default: the stage's live peers); the replies of those that answered.
+        Given ``peers``, the list is aligned with them instead, ``None`` for a peer that failed."""
+        aligned = peers is not None
+        if peers is None:
+            peers = self._live_peers(stage)
         if not peers:
             return []
+        router = self.routers[stage]
         command.peers = max(1, len(peers))
         data = command.encode()
         timeout = (
@@ -261,11 +320,13 @@ class SwarmClient:
             return await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
 
         results = run_coroutine(every(), timeout=timeout + 5)
-        replies = []
+        replies: list[Any] = []
         for peer_id, result in zip(peers, results, strict=True):
             if isinstance(result, dict) and "error" not in result:
                 replies.append(result)
                 continue
+            if aligned:
+                replies.append(None)
             error = result.get("error") if isinstance(result, dict) else repr(result)
             if isinstance(result, dict) and result.get(
                 "fatal"

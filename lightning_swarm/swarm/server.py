@@ -240,7 +240,7 @@ class StageServer(StageService):
             tuple[int, int]
         ] = []  # (trainer optimizer, group) per stage optimizer group
         # the step in progress: (step id, own gradients, their indices, (summed gradients, facts) or None)
-        self._prepared: tuple[int, list[torch.Tensor | None], list[int], Any] | None = None
+        self._prepared: tuple[int, list[torch.Tensor | None], list[int], Any, int] | None = None
         self._steps_applied: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.steps = 0  # optimizer steps this server took (trainer-driven or swarm-driven)
         self.averaged_rounds = 0  # steps whose gradients were summed with other peers of the stage
@@ -589,18 +589,24 @@ class StageServer(StageService):
             state = self._prepared
             if state is None or state[0] != command.step_id:
                 own, wanted = self._take_pending(command.optimizer)
-                state = self._prepared = (command.step_id, own, wanted, None)
-            _, own, wanted, summed = state
-            if summed is None:
+                state = self._prepared = (command.step_id, own, wanted, None, -1)
+            _, own, wanted, summed, attempt = state
+            if summed is None or (command.phase == "norm" and command.attempt != attempt):
+                # a new "norm" attempt redoes the sum from this peer's own gradients: the trainer found the
+                # peers' sums of the last attempt inconsistent (see SwarmClient.step_stage)
                 grads, group = own, 1
                 if command.peers > 1:
                     grads, group = self._sum_with_peers(own, wanted)
-                    if group == 1 and command.attempt < MAX_STEP_ATTEMPTS - 1:
+                    if group == 1 and command.phase == "apply" and command.attempt < MAX_STEP_ATTEMPTS - 1:
                         # nobody to sum with this time (the peers missed each other): the trainer sends the command
                         # again, and this peer keeps its own gradients for that round
                         return {"epoch": int(opt.local_epoch), "retry": True, "group": 1, "steps": self.steps}
+                if (
+                    grads is own
+                ):  # unscaled in place below: the own gradients stay as taken, for another attempt
+                    grads = [g.clone() if g is not None else None for g in own]
                 summed = (grads, self._unscale(grads, command.grad_scale, group))
-                self._prepared = (command.step_id, own, wanted, summed)
+                self._prepared = (command.step_id, own, wanted, summed, command.attempt)
             grads, facts = summed
             if command.phase == "norm":
                 return {"epoch": int(opt.local_epoch), **facts}
@@ -690,9 +696,8 @@ class StageServer(StageService):
         with torch.no_grad(), averager.get_tensors() as buffers:
             for buffer, grad in zip(buffers, grads, strict=True):
                 buffer.copy_(grad) if grad is not None else buffer.zero_()
-        s = self.settings
         try:
-            group = DecentralizedAverager.step(averager, weight=1.0, timeout=s.averaging_timeout)
+            group = self._one_round(averager)
         except Exception as e:
             group = None
             if not _no_partner(e):  # a broken round (shapes, a reducer's failure...), not a missing partner
@@ -713,6 +718,24 @@ class StageServer(StageService):
             for i in wanted:
                 summed[i] = buffers[i].detach().clone().mul_(len(group))
         return summed, len(group)
+
+    def _one_round(self, averager: DecentralizedAverager) -> Any:
+        """One all-reduce round of ``averager`` with the stage's peers that step now: the group (``None`` or an
+        exception if none formed). The trainer commands those peers at once, so a group forms within a few
+        matchmaking periods or not at all (a partner that already finished this step, see
+        ``SwarmClient.step_stage``): matchmaking is given that long, and the all-reduce ``averaging_timeout``."""
+        s = self.settings
+        control = DecentralizedAverager.step(averager, weight=1.0, timeout=s.averaging_timeout, wait=False)
+        looking = time.monotonic() + 3 * s.matchmaking_time + 2.0
+        while not control.done():
+            if not control.began_allreduce and time.monotonic() > looking:
+                control.cancel()
+                return None
+            try:
+                return control.result(timeout=0.05)
+            except TimeoutError:  # concurrent.futures.TimeoutError is TimeoutError
+                continue
+        return control.result()
 
     def _apply(self, command: StepCommand, grads: list[torch.Tensor | None], facts: dict[str, Any]) -> None:
         """Clip ``grads`` as commanded, take the trainer's hyper-parameters and step; then serve the new
