@@ -15,7 +15,9 @@ Both runs validate every quarter of the run (through the swarm in the swarm run)
 of the final model, computed in the trainer's process in eval mode (``held_out_loss``). The gap of a family is
 ``|held_out_swarm - held_out_single| / held_out_single``; ``parameter_gaps`` adds the distance between the two
 trained pipelines' parameters over the distance training moved the single-process one's (``buffer_gaps``: the
-same for BatchNorm's running statistics; see ``fidelity_job.parameter_gap``).
+same for BatchNorm's running statistics; see ``fidelity_job.parameter_gap``). ``seed_gaps`` is the noise floor:
+the same relative gap between two single-process runs that differ only in the seed (initialisation and dropout
+masks): the scale against which a gap is read.
 A family whose swarm run fails has ``null`` gaps and its error in ``failed``; ``max_relative_gap`` is then
 ``null`` too (``max_relative_gap_completed`` covers the others).
 
@@ -80,9 +82,12 @@ def compare(family: str, args: argparse.Namespace) -> dict[str, Any]:
     single = run(cfg)
     assert single is not None
     single_s = time.monotonic() - started
+    # the noise floor: one process again, another seed (initialisation and dropout), same data and schedule
+    other_seed = run({**cfg, "seed": args.seed + 1})
+    assert other_seed is not None
     started = time.monotonic()
     target = args.target_batch_size or args.batch
-    out: dict[str, Any] = {"single": single, "single_s": single_s}
+    out: dict[str, Any] = {"single": single, "single_s": single_s, "other_seed": other_seed}
     try:
         out["swarm"] = launch(
             {**cfg, "devices": 2, "swarm": swarm_settings(family, target, args.compression)},
@@ -187,6 +192,7 @@ def main() -> None:
     parameter_gaps: dict[str, float | None] = {}
     buffer_gaps: dict[str, float | None] = {}
     held_single: dict[str, float] = {}
+    seed_gaps: dict[str, float] = {}
     held_swarm: dict[str, float | None] = {}
     stage_steps: dict[str, list[int] | None] = {}
     trainer_steps: dict[str, int | None] = {}
@@ -196,6 +202,9 @@ def main() -> None:
     for family, r in results.items():
         single, swarm = r["single"], r.get("swarm")
         held_single[family] = round(single["held_out"], 4)
+        seed_gaps[family] = round(
+            abs(r["other_seed"]["held_out"] - single["held_out"]) / single["held_out"], 4
+        )
         seconds[family] = {"single": round(r["single_s"], 1), "swarm": round(r["swarm_s"], 1)}
         if swarm is None:
             failed[family] = r["error"]
@@ -220,6 +229,7 @@ def main() -> None:
         "max_relative_gap": None if failed else max(completed, default=None),
         "max_relative_gap_completed": max(completed, default=None),
         "gaps": gaps,
+        "seed_gaps": seed_gaps,
         "stage_steps_equal": steps_equal,
         "held_out_single": held_single,
         "held_out_swarm": held_swarm,

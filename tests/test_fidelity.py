@@ -23,9 +23,11 @@ Plus a probe of the stage server alone: a backward recomputed on the server uses
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import hivemind
@@ -132,21 +134,11 @@ class _DropoutStage(nn.Module):
         return self.dropout(x)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("keep_activations", [16, 0])
-def test_a_recomputed_backward_uses_its_forwards_dropout_mask(keep_activations: int) -> None:
-    """A stage server recomputes the forward for the backward when it did not keep it (``keep_activations=0``,
-    a merged call, another peer, new parameters since): the recomputation must drop the same units as the forward
-    whose output the trainer used, or the gradients belong to another forward."""
-    settings = SwarmSettings(
-        run_id=f"dropout_mask_{keep_activations}_{os.getpid()}",
-        num_stages=1,
-        compression="none",
-        keep_activations=keep_activations,
-        no_peers_timeout=10.0,
-        request_timeout=10.0,
-    )
-    running: list[Any] = []  # shut down in reverse order, whatever fails
+@contextlib.contextmanager
+def _dropout_stage_swarm(settings: SwarmSettings) -> Iterator[tuple[hivemind.DHT, list[Any]]]:
+    """A stage server of :class:`_DropoutStage` on its own DHT, and the trainer's DHT; yields that DHT and the list
+    of things to shut down (in reverse order, whatever fails), to which the test adds its clients."""
+    running: list[Any] = []
     try:
         trainer = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         running.append(trainer)
@@ -157,6 +149,31 @@ def test_a_recomputed_backward_uses_its_forwards_dropout_mask(keep_activations: 
         running.append(
             StageServer(0, _DropoutStage(), dht=host, settings=settings, optimizer_factory=None).start()
         )
+        yield trainer, running
+    finally:
+        for thing in reversed(running):
+            thing.shutdown()
+
+
+def _dropout_settings(name: str, keep_activations: int = 16) -> SwarmSettings:
+    return SwarmSettings(
+        run_id=f"{name}_{os.getpid()}",
+        num_stages=1,
+        compression="none",
+        keep_activations=keep_activations,
+        no_peers_timeout=10.0,
+        request_timeout=10.0,
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keep_activations", [16, 0])
+def test_a_recomputed_backward_uses_its_forwards_dropout_mask(keep_activations: int) -> None:
+    """A stage server recomputes the forward for the backward when it did not keep it (``keep_activations=0``,
+    a merged call, another peer, new parameters since): the recomputation must drop the same units as the forward
+    whose output the trainer used, or the gradients belong to another forward."""
+    settings = _dropout_settings(f"dropout_mask_{keep_activations}", keep_activations)
+    with _dropout_stage_swarm(settings) as (trainer, running):
         client = SwarmClient(trainer, settings)
         running.append(client)
         differing = []
@@ -168,10 +185,26 @@ def test_a_recomputed_backward_uses_its_forwards_dropout_mask(keep_activations: 
             y.backward(torch.ones_like(y))
             assert x.grad is not None
             differing.append(float(((y.detach() != 0) != (x.grad != 0)).float().mean()))
-    finally:
-        for thing in reversed(running):
-            thing.shutdown()
     # independent masks differ in half of the elements (2 p (1 - p) with p = 0.5); the same mask in none
     assert max(differing) == 0.0, (
         f"share of elements dropped in one pass and not the other, per call: {differing}"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_the_stages_dropout_masks_follow_the_trainers_seed() -> None:
+    """``seed_everything(s)`` makes a run repeatable: a trainer seeded alike draws the same masks on the stages,
+    call after call, and a trainer seeded otherwise draws others."""
+    settings = _dropout_settings("dropout_seed")
+    with _dropout_stage_swarm(settings) as (trainer, running):
+        masks: dict[int, list[torch.Tensor]] = {}
+        for run_index, seed in enumerate((11, 11, 12)):
+            torch.manual_seed(seed)
+            client = SwarmClient(trainer, settings)
+            running.append(client)
+            masks[run_index] = [client.call_stage(0, torch.ones(16, 64)) != 0 for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(masks[0], masks[1], strict=True)), "same seed, other masks"
+    assert not torch.equal(masks[0][0], masks[0][1]), "one mask for every call"
+    assert not any(torch.equal(a, b) for a, b in zip(masks[0], masks[2], strict=True)), (
+        "other seed, same masks"
     )

@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import random
 import secrets
 import threading
@@ -126,9 +127,11 @@ class SwarmClient:
         self._p2p: P2P | None = None
         # unique across trainers: a server remembers the ids of the backwards it applied
         self._request_ids = itertools.count(secrets.randbits(62))
-        # per-forward seeds of the stages' random number generators, from a generator of its own: drawing them
-        # must not move the trainer's torch generators
-        self._seeds = random.Random(secrets.randbits(64))
+        # per-forward seeds of the stages' random number generators, from a generator of its own (drawing them
+        # must not move the trainer's torch generators) seeded from torch's: a run under seed_everything(s)
+        # draws the same dropout masks each time; trainers of a local swarm differ by their rank
+        rank = f"{os.environ.get('NODE_RANK', '0')}/{os.environ.get('LOCAL_RANK', '0')}"
+        self._seeds = random.Random(f"{torch.initial_seed()}/{rank}")
         self._lock = threading.Lock()
         self._transport_lock = threading.Lock()
         self._router_lock = threading.Lock()
