@@ -34,7 +34,7 @@ from lightning_swarm.strategy.dslide import DSlideStrategy
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_dslide_worker.py"
-NET = {"F": 400, "H": 24, "Y": 300, "B": 16, "ymax": 3, "k": 40, "steps": 5}
+NET = {"F": 400, "H": 24, "Y": 300, "B": 16, "ymax": 3, "k": 40, "steps": 5, "tables": 6}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -69,7 +69,7 @@ def _train(active_set: str, shard: bool) -> dict[str, Any]:
     root.inp = SparseInputLinear(NET["F"], NET["H"])
     root.mid = torch.nn.Linear(NET["H"], NET["H"])
     root.out = SparseLSHLinear(
-        NET["H"], NET["Y"], num_active=NET["k"], num_bits=4, num_tables=6, bucket_cap=None, rebuild_every=2,
+        NET["H"], NET["Y"], num_active=NET["k"], num_bits=4, num_tables=NET["tables"], bucket_cap=None, rebuild_every=2,
         active_set=active_set,
     )  # fmt: skip
     group = ShardGroup()
@@ -95,7 +95,9 @@ def _train(active_set: str, shard: bool) -> dict[str, Any]:
     indices, offsets, values, _ = batches[-1]
     root.out.eval()
     with torch.no_grad():
-        scores, top = root.out.topk(F.relu(root.mid(F.relu(root.inp(indices, offsets, values)))), 5)
+        hidden = F.relu(root.mid(F.relu(root.inp(indices, offsets, values))))
+        scores, top = root.out.topk(hidden, 5)
+        _, lsh_top = root.out.topk(hidden, 5, mode="lsh")  # LSH queries: hashed by batch slices when sharded
     return {
         "input_weight": root.inp.weight.detach(),
         "input_bias": root.inp.bias.detach(),
@@ -106,6 +108,7 @@ def _train(active_set: str, shard: bool) -> dict[str, Any]:
         "bytes": step_bytes,
         "scores": scores,
         "top": top,
+        "lsh_top": lsh_top,
     }
 
 
@@ -182,6 +185,7 @@ def test_sharded_layers_match_single_process(world: int, active_set: str, tmp_pa
     for r in ranks:
         assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5)
         assert torch.equal(r["top"], reference["top"])
+        assert torch.equal(r["lsh_top"], reference["lsh_top"])
         torch.testing.assert_close(r["scores"], reference["scores"], rtol=1e-5, atol=1e-6)
 
     # Bytes per step: batch x hidden floats for the hidden all-gather and the hidden-gradient all-reduce,
@@ -194,6 +198,8 @@ def test_sharded_layers_match_single_process(world: int, active_set: str, tmp_pa
         "hidden_grad_all_reduce": b * h * 4,
         "softmax_all_gather": world * b * (2 + ymax) * 4,
         "active_set_all_gather": world * rows * k * 8,
+        # each rank hashes its slice of the batch (parts padded to the widest) and sends int32 codes, L per row
+        "hash_codes_all_gather": world * math.ceil(b / world) * NET["tables"] * 4,
         "replicated_grad_all_reduce": (h * h + h) * 4,  # the replicated Linear(H, H): data parallel
     }
     weight_bytes = min(NET["F"] * h, NET["Y"] * h) * 4
@@ -396,6 +402,7 @@ def test_trainer_two_ranks_match_plain_run(two_rank_run: tuple[Path, dict, dict]
             "hidden_grad_all_reduce": b * h * 4,
             "softmax_all_gather": 2 * b * (2 + ymax) * 4,
             "active_set_all_gather": 2 * k * 8,
+            "hash_codes_all_gather": b * 6 * 4,  # each rank hashes half the batch: int32 codes, 6 tables
         }
         assert sum(step_bytes.values()) < 300 * h * 4 / 5  # far below the smallest weight (300 x 16 floats)
 

@@ -340,6 +340,23 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         kth = everyone.topk(k, dim=1).values[:, -1:]
         return (prio >= kth) & (prio > -math.inf)
 
+    @torch.no_grad()
+    def query_codes(self, x: Tensor) -> Tensor:
+        """Bucket codes ``[B, L]`` of the batch: this rank hashes only its slice of the rows (``shard_range`` of
+        the batch) and one all-gather of the int32 codes gives every rank all of them.
+
+        Every shard uses the same hash functions (they depend on ``(seed, reseed count)`` only), so without this
+        every rank would hash the whole batch. A batch smaller than the group is hashed whole on every rank.
+        """
+        assert self._hash is not None
+        group, batch = self.shard_group, x.size(0)
+        if group.world_size == 1 or batch < group.world_size:
+            return super().query_codes(x)
+        lo, hi = shard_range(batch, group.rank, group.world_size)
+        mine = self._hash.codes(x[lo:hi].detach().float()).int()  # codes < 2**num_bits fit in int32
+        sizes = shard_sizes(batch, group.world_size)
+        return group.all_gather_cat(mine, "hash_codes_all_gather", dim=0, sizes=sizes).long()
+
     # ---------------------------------------------------------------- eval
     @torch.no_grad()
     def topk(self, x: Tensor, k: int, mode: str | None = None) -> tuple[Tensor, Tensor]:
