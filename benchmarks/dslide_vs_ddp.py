@@ -7,7 +7,8 @@ for every variant (a D-SLIDE rank works on the whole batch, a DDP rank on ``batc
 
 - ``single``: one process of the sparse model (``SparseLSHLinear``, LSH active set) with as many threads as the
   ranks it is compared with use together (2 threads vs 2 ranks of 1 thread);
-- ``dslide``: ``strategy="dslide"``, the same sparse model sharded by neurons, one thread per rank;
+- ``dslide``: ``strategy="dslide"``, the same sparse model sharded (input layer by features, output layer
+  by neurons), one thread per rank;
 - ``ddp_sparse``: Lightning's ``"ddp"`` (torch DDP, gloo) of the same sparse model, with the wide layers' weights
   held by ``nn.EmbeddingBag``/``nn.Embedding(sparse=True)`` so that torch DDP exchanges their gradients sparsely
   (all-gather of the touched rows, which is how torch DDP reduces sparse gradients); the output bias keeps a
@@ -29,7 +30,10 @@ single process and the 2-rank D-SLIDE runs are repeated ``--rounds`` times, inte
 time is kept (``step_ms_rounds`` lists them all); ``cpu_ms_per_step_per_rank`` is the process CPU time per step.
 
 Headline: ``comm_reduction`` (1 - D-SLIDE / DDP-dense bytes sent on the veths, 1 Gbit/s, at 4 ranks; 2 with
-``--quick``) and ``parallel_efficiency`` (``single`` step time / 2-rank D-SLIDE step time). ``--quick`` (~6 min on
+``--quick``) and ``parallel_efficiency``: ``single`` step time / 2-rank D-SLIDE step time on the shaped link, taken
+per interleaved round (``parallel_efficiency_rounds``, one ratio per round of back-to-back runs) and reported as
+their median; ``parallel_efficiency_best`` is each variant's fastest round over the other's (the ``_loopback`` keys
+the same on 127.0.0.1). ``load_average_before`` is the box's load before the run started its own processes. ``--quick`` (~6 min on
 an idle 2-core box) runs fewer steps and only: single, D-SLIDE at 2 ranks (loopback and 1 Gbit/s) and 4 ranks,
 DDP-sparse and DDP-dense at 2 ranks (1 Gbit/s). The last stdout line is one JSON object (with the load average).
 """
@@ -351,6 +355,8 @@ def main() -> None:
 
     rate = args.rate_mbit
     cores = os.cpu_count() or 1
+    load_before = os.getloadavg()  # the box is shared: how busy it was before this run's own processes
+    print(f"load average before the run (1, 5, 15 min): {load_before}", flush=True)
     # (name, strategy, ranks, link): every rank gets one thread; the single process gets the 2 ranks' 2 threads.
     plan = (
         [
@@ -415,6 +421,20 @@ def main() -> None:
     )  # the headline compares D-SLIDE and DDP at the most ranks run for both
     d, p = tx(f"dslide_{n}_link"), tx(f"ddp_{n}_link")
     single = runs["single"]
+
+    def efficiency(dslide: str) -> dict[str, Any]:
+        """Single-process step time over 2-rank D-SLIDE step time, per interleaved round (the two runs of a round
+        ran back to back), their median, and each variant's fastest round over the other's."""
+        singles = [r["step_ms"] for r in tries["single"]]
+        sharded = [r["step_ms"] for r in tries[dslide]]
+        rounds = [round(a / b, 3) for a, b in zip(singles, sharded, strict=True)]
+        return {
+            "median": sorted(rounds)[(len(rounds) - 1) // 2],
+            "rounds": rounds,
+            "best": round(min(singles) / min(sharded), 3),
+        }
+
+    eff_link, eff_loop = efficiency("dslide_2_link"), efficiency("dslide_2_loopback")
     summary = {
         "batch": args.batch,
         "link_mbit": rate,
@@ -432,10 +452,13 @@ def main() -> None:
         "speedup_vs_ddp_sparse": round(
             runs["ddp_sparse_2_link"]["step_ms"] / runs["dslide_2_link"]["step_ms"], 2
         ),
-        "parallel_efficiency": {
-            "loopback": round(single["step_ms"] / runs["dslide_2_loopback"]["step_ms"], 3),
-            f"{rate:g}mbit": round(single["step_ms"] / runs["dslide_2_link"]["step_ms"], 3),
-        },
+        # 2 ranks on the shaped link (--rate-mbit), against the single process with both cores' threads
+        "parallel_efficiency": eff_link["median"],
+        "parallel_efficiency_rounds": eff_link["rounds"],
+        "parallel_efficiency_best": eff_link["best"],
+        "parallel_efficiency_loopback": eff_loop["median"],
+        "parallel_efficiency_loopback_rounds": eff_loop["rounds"],
+        "parallel_efficiency_loopback_best": eff_loop["best"],
         "step_ms_single_sparse": round(single["step_ms"], 1),
         "step_ms_rounds": {
             name: runs[name]["step_ms_rounds"] for name in ("single", "dslide_2_loopback", "dslide_2_link")
@@ -470,6 +493,7 @@ def main() -> None:
         ),
         "threads": {"single": 2, "per_rank": 1},
         "cpu_cores": cores,
+        "load_average_before": [round(v, 2) for v in load_before],
         "load_average_1min": round(os.getloadavg()[0], 2),
         "quick": args.quick,
         "runs": runs,

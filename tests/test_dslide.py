@@ -34,7 +34,7 @@ from lightning_swarm.strategy.dslide import DSlideStrategy
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_dslide_worker.py"
-NET = {"F": 400, "H": 24, "Y": 300, "B": 16, "ymax": 3, "k": 40, "steps": 5}
+NET = {"F": 400, "H": 24, "Y": 300, "B": 16, "ymax": 3, "k": 40, "steps": 5, "tables": 6}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -69,7 +69,7 @@ def _train(active_set: str, shard: bool) -> dict[str, Any]:
     root.inp = SparseInputLinear(NET["F"], NET["H"])
     root.mid = torch.nn.Linear(NET["H"], NET["H"])
     root.out = SparseLSHLinear(
-        NET["H"], NET["Y"], num_active=NET["k"], num_bits=4, num_tables=6, bucket_cap=None, rebuild_every=2,
+        NET["H"], NET["Y"], num_active=NET["k"], num_bits=4, num_tables=NET["tables"], bucket_cap=None, rebuild_every=2,
         active_set=active_set,
     )  # fmt: skip
     group = ShardGroup()
@@ -95,7 +95,9 @@ def _train(active_set: str, shard: bool) -> dict[str, Any]:
     indices, offsets, values, _ = batches[-1]
     root.out.eval()
     with torch.no_grad():
-        scores, top = root.out.topk(F.relu(root.mid(F.relu(root.inp(indices, offsets, values)))), 5)
+        hidden = F.relu(root.mid(F.relu(root.inp(indices, offsets, values))))
+        scores, top = root.out.topk(hidden, 5)
+        _, lsh_top = root.out.topk(hidden, 5, mode="lsh")  # LSH queries: hashed by batch slices when sharded
     return {
         "input_weight": root.inp.weight.detach(),
         "input_bias": root.inp.bias.detach(),
@@ -106,6 +108,7 @@ def _train(active_set: str, shard: bool) -> dict[str, Any]:
         "bytes": step_bytes,
         "scores": scores,
         "top": top,
+        "lsh_top": lsh_top,
     }
 
 
@@ -166,22 +169,25 @@ def test_sharded_layers_match_single_process(world: int, active_set: str, tmp_pa
     ranks = _run_ranks(world, active_set, tmp_path)
 
     full = {
-        "input_weight": torch.cat([r["input_weight"] for r in ranks], dim=1),  # sharded by hidden unit
-        "input_bias": torch.cat([r["input_bias"] for r in ranks]),
+        "input_weight": torch.cat([r["input_weight"] for r in ranks]),  # sharded by input feature
         "output_weight": torch.cat([r["output_weight"] for r in ranks]),  # sharded by output neuron
         "output_bias": torch.cat([r["output_bias"] for r in ranks]),
     }
     for r in ranks:  # the replicated layer stays identical on every rank and equal to the reference
         torch.testing.assert_close(r["mid_weight"], reference["mid_weight"], rtol=1e-5, atol=1e-6)
+        # the input layer's bias is whole on every rank and gets the all-reduced gradient: equal everywhere
+        assert torch.equal(r["input_bias"], ranks[0]["input_bias"])
+        torch.testing.assert_close(r["input_bias"], reference["input_bias"], rtol=1e-4, atol=1e-5)
     for name, tensor in full.items():
         assert tensor.shape == reference[name].shape
         # Float rounding only: the shards sum the softmax's exponentials in another order (per shard, then
-        # rescaled to the global max), and Adam's first steps magnify a 1e-7 gradient difference on a row whose
+        # rescaled to the global max) and the hidden pre-activations in another order (per feature shard), and Adam's first steps magnify a 1e-7 gradient difference on a row whose
         # gradient is near zero. A wrong gradient moves weights by ~lr (1e-2 here).
         torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5, msg=name)
     for r in ranks:
         assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5)
         assert torch.equal(r["top"], reference["top"])
+        assert torch.equal(r["lsh_top"], reference["lsh_top"])
         torch.testing.assert_close(r["scores"], reference["scores"], rtol=1e-5, atol=1e-6)
 
     # Bytes per step: batch x hidden floats for the hidden all-gather and the hidden-gradient all-reduce,
@@ -190,10 +196,12 @@ def test_sharded_layers_match_single_process(world: int, active_set: str, tmp_pa
     b, h, k, ymax = NET["B"], NET["H"], NET["k"], NET["ymax"]
     rows = 1 if active_set == "shared" else b
     expected = {
-        "hidden_all_gather": world * math.ceil(h / world) * b * 4,  # parts padded to the widest shard
+        "hidden_all_reduce": b * h * 4,  # the ranks' partial sums over their input features
         "hidden_grad_all_reduce": b * h * 4,
         "softmax_all_gather": world * b * (2 + ymax) * 4,
         "active_set_all_gather": world * rows * k * 8,
+        # each rank hashes its slice of the batch (parts padded to the widest) and sends int32 codes, L per row
+        "hash_codes_all_gather": world * math.ceil(b / world) * NET["tables"] * 4,
         "replicated_grad_all_reduce": (h * h + h) * 4,  # the replicated Linear(H, H): data parallel
     }
     weight_bytes = min(NET["F"] * h, NET["Y"] * h) * 4
@@ -312,7 +320,7 @@ def test_no_rank_allocates_a_weight_sized_tensor(tmp_path: Path) -> None:
     full = torch.load(tmp_path / "model.ckpt", weights_only=True)
     torch.testing.assert_close(full["state_dict"]["out.weight"], torch.cat([r["out_shard"] for r in ranks]))
     torch.testing.assert_close(
-        full["state_dict"]["inp.weight"], torch.cat([r["inp_shard"] for r in ranks], dim=1)
+        full["state_dict"]["inp.weight"], torch.cat([r["inp_shard"] for r in ranks])
     )
     moments = full["optimizer_states"][0]["state"]
     assert any(torch.equal(v["exp_avg"], torch.cat([r["exp_avg"] for r in ranks])) for v in moments.values())
@@ -321,7 +329,7 @@ def test_no_rank_allocates_a_weight_sized_tensor(tmp_path: Path) -> None:
     whole_inp = SparseInputLinear(MEM["F"], MEM["H"])
     whole_out = SparseLSHLinear(MEM["H"], MEM["Y"], num_active=MEM["k"], num_bits=6, num_tables=4)
     assert torch.equal(torch.cat([r["initial"]["out"] for r in ranks]), whole_out.weight.detach())
-    assert torch.equal(torch.cat([r["initial"]["inp"] for r in ranks], dim=1), whole_inp.weight.detach())
+    assert torch.equal(torch.cat([r["initial"]["inp"] for r in ranks]), whole_inp.weight.detach())
 
 
 # --------------------------------------------------------------------------- strategy units
@@ -392,12 +400,13 @@ def test_trainer_two_ranks_match_plain_run(two_rank_run: tuple[Path, dict, dict]
     for step_bytes, ymax in zip(sharded["bytes"][1:], sharded["label_widths"], strict=False):
         assert step_bytes == {
             "lockstep_all_reduce": 3 * 8,
-            "hidden_all_gather": b * h * 4,
+            "hidden_all_reduce": b * h * 4,
             "hidden_grad_all_reduce": b * h * 4,
             "softmax_all_gather": 2 * b * (2 + ymax) * 4,
             "active_set_all_gather": 2 * k * 8,
+            "hash_codes_all_gather": b * 6 * 4,  # each rank hashes half the batch: int32 codes, 6 tables
         }
-        assert sum(step_bytes.values()) < 300 * h * 4 / 5  # far below the smallest weight (300 x 16 floats)
+        assert sum(step_bytes.values()) < 300 * h * 4 / 4  # far below the smallest weight (300 x 16 floats)
 
 
 @pytest.mark.timeout(700)

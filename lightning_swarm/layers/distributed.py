@@ -1,8 +1,8 @@
 """Batched, autograd-aware collectives for D-SLIDE model parallelism, with byte accounting.
 
-D-SLIDE shards wide layers by neurons across ranks. A training step then needs only a few collectives over
-small per-batch tensors (hidden activations ``[B, H]``, per-sample softmax max and sum ``[B, 2]``, the gradient
-with respect to the hidden activations ``[B, H]``), never one per sample and never a weight-sized one. This
+D-SLIDE shards wide layers across ranks (input features, output neurons). A training step then needs only a few collectives over
+small per-batch tensors (the sum of the ranks' partial hidden activations ``[B, H]``, per-sample softmax max and
+sum ``[B, 2]``, the gradient with respect to the hidden activations ``[B, H]``), never one per sample and never a weight-sized one. This
 module holds those collectives as autograd functions (their backward is the adjoint collective), and a
 :class:`CommStats` that counts every byte they move so that the strategy can log it and tests can compare it
 with the analytic count.
@@ -30,7 +30,7 @@ class CommStats:
     """Counts the collectives of one process: bytes and calls, per kind, since the last :meth:`reset`.
 
     Args:
-        bytes_by_kind: logical payload bytes per collective kind (e.g. ``"hidden_all_gather"``).
+        bytes_by_kind: logical payload bytes per collective kind (e.g. ``"hidden_all_reduce"``).
         calls_by_kind: number of calls per collective kind.
     """
 
@@ -153,43 +153,6 @@ def shard_sizes(total: int, world_size: int) -> list[int]:
     return [hi - lo for lo, hi in (shard_range(total, rank, world_size) for rank in range(world_size))]
 
 
-class _AllGatherColumns(torch.autograd.Function):
-    """``[B, h_r]`` on each rank -> ``[B, sum h_r]`` on every rank; backward: all-reduce, keep own columns."""
-
-    @staticmethod
-    def forward(ctx: Any, local: Tensor, sizes: list[int], shard_group: ShardGroup) -> Tensor:
-        ctx.sizes = sizes
-        ctx.shard_group = shard_group
-        return shard_group.all_gather_cat(local, "hidden_all_gather", dim=1, sizes=sizes)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
-        shard_group: ShardGroup = ctx.shard_group
-        # Every rank's loss depends on every hidden column: the total gradient of a column is the sum of
-        # the ranks' partial gradients.
-        grad = grad.contiguous().clone()
-        shard_group.all_reduce_(grad, "hidden_grad_all_reduce")
-        lo = sum(ctx.sizes[: shard_group.rank])
-        return grad[:, lo : lo + ctx.sizes[shard_group.rank]], None, None
-
-
-def all_gather_columns(local: Tensor, sizes: list[int], shard_group: ShardGroup) -> Tensor:
-    """Assemble the full hidden activations ``[B, H]`` from every rank's column slice ``[B, H_r]``.
-
-    Args:
-        local: this rank's slice, ``[B, sizes[rank]]``.
-        sizes: the width of every rank's slice, in rank order.
-        shard_group: the group and byte counter.
-
-    Returns:
-        ``[B, sum(sizes)]`` on every rank. Its backward all-reduces the gradient ``[B, H]`` and returns this
-        rank's columns, so the sharded parameters get the gradient of the sum of all ranks' losses.
-    """
-    if shard_group.world_size == 1:
-        return local
-    return _AllGatherColumns.apply(local, sizes, shard_group)
-
-
 class _AllReduceSum(torch.autograd.Function):
     """Sum over ranks; the adjoint (backward) is again a sum over ranks."""
 
@@ -209,3 +172,40 @@ def all_reduce_sum(tensor: Tensor, shard_group: ShardGroup, kind: str) -> Tensor
     if shard_group.world_size == 1:
         return tensor
     return _AllReduceSum.apply(tensor, shard_group, kind)
+
+
+class _SumOverRanksPlusBias(torch.autograd.Function):
+    """``sum_r partial_r + bias`` on every rank; backward: all-reduce the gradient, which every rank's partial
+    and the (replicated) bias then share."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: Tensor, bias: Tensor | None, shard_group: ShardGroup) -> Tensor:
+        ctx.shard_group = shard_group
+        ctx.has_bias = bias is not None
+        out = shard_group.all_reduce_(partial.contiguous().clone(), "hidden_all_reduce")
+        return out if bias is None else out.add_(bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, None]:
+        # Every rank's loss depends on every hidden value: the total gradient is the sum of the ranks' partial
+        # gradients. The bias gets it too, so its gradient is the network's on every rank (no further reduce).
+        total = ctx.shard_group.all_reduce_(grad.contiguous().clone(), "hidden_grad_all_reduce")
+        return total, (total.sum(dim=0) if ctx.has_bias else None), None
+
+
+def sum_over_ranks_plus_bias(partial: Tensor, bias: Tensor | None, shard_group: ShardGroup) -> Tensor:
+    """The layer output ``[B, H]`` from every rank's partial sum over its input features.
+
+    Args:
+        partial: this rank's ``[B, H]`` sum over the input features it owns.
+        bias: ``[H]``, the same on every rank (or ``None``).
+        shard_group: the group and byte counter.
+
+    Returns:
+        ``sum_r partial_r + bias`` on every rank. Its backward all-reduces the output gradient ``[B, H]``: each
+        rank's partial gets the network's gradient (for its own weight rows), and so does the bias, which
+        therefore stays equal on every rank without a reduce of its own.
+    """
+    if shard_group.world_size == 1:
+        return partial if bias is None else partial + bias
+    return _SumOverRanksPlusBias.apply(partial, bias, shard_group)

@@ -37,7 +37,7 @@ _skip_init = False
 @contextmanager
 def sharded_init(shard_group: ShardGroup) -> Iterator[None]:
     """Inside this context, wide layers created whole (``SparseLSHLinear``, ``SparseInputLinear``) allocate and
-    initialise only this rank's shard (contiguous output rows, resp. hidden units); ``make_sharded`` then wraps
+    initialise only this rank's shard (contiguous output rows, resp. input features); ``make_sharded`` then wraps
     them without moving any weights. Every rank must create the same layers in the same order."""
     global _born_sharded
     previous, _born_sharded = _born_sharded, shard_group
@@ -77,7 +77,15 @@ def draw_init_seed() -> int:
 
 
 @torch.no_grad()
-def uniform_rows_(rows: Tensor, first_row: int, seed: int, salt: int, bound: float) -> Tensor:
+def uniform_rows_(
+    rows: Tensor,
+    first_row: int,
+    seed: int,
+    salt: int,
+    bound: float,
+    first_col: int = 0,
+    full_width: int | None = None,
+) -> Tensor:
     """Fill ``rows`` (rows ``[first_row, first_row + len(rows))`` of a full matrix) with ``U(-bound, bound)``
     values that depend only on ``(seed, salt)`` and the global row index, never on which rows are filled together.
 
@@ -87,8 +95,15 @@ def uniform_rows_(rows: Tensor, first_row: int, seed: int, salt: int, bound: flo
         seed: the layer's ``init_seed``.
         salt: distinguishes the tensors of one layer (weight, bias).
         bound: half-width of the uniform distribution.
+        first_col: global index of ``rows[:, 0]`` when ``rows`` holds only columns
+            ``[first_col, first_col + rows.size(1))`` of rows of ``full_width`` (the full rows are drawn one block at
+            a time and cut: at most one block of full rows is held beyond ``rows``).
+        full_width: width of the full matrix's rows (default ``rows.size(1)``).
     """
-    n, width = rows.shape
+    n, cols = rows.shape
+    width = cols if full_width is None else full_width
+    if not 0 <= first_col <= width - cols:
+        raise ValueError(f"uniform_rows_: columns [{first_col}, {first_col + cols}) do not fit in {width}.")
     per_block = max(1, _BLOCK_ELEMENTS // max(width, 1))
     last_row = first_row + n
     for block in range(first_row // per_block, math.ceil(last_row / per_block) if n else 0):
@@ -98,5 +113,7 @@ def uniform_rows_(rows: Tensor, first_row: int, seed: int, salt: int, bound: flo
         take_lo, take_hi = max(lo, first_row), min(hi, last_row)
         # torch draws CPU uniforms in order, so the first rows of a block do not depend on how many follow.
         values = torch.rand(take_hi - lo, width, generator=gen).mul_(2 * bound).sub_(bound)
-        rows[take_lo - first_row : take_hi - first_row].copy_(values[take_lo - lo : take_hi - lo])
+        rows[take_lo - first_row : take_hi - first_row].copy_(
+            values[take_lo - lo : take_hi - lo, first_col : first_col + cols]
+        )
     return rows

@@ -99,10 +99,11 @@ class ShardPlan:
             )
 
     def param_owner(self, param: Tensor) -> tuple[ShardedLayer, str] | None:
-        """The sharded layer and parameter name of ``param``, or ``None`` for a replicated parameter."""
+        """The sharded layer and parameter name of ``param``, or ``None`` for a replicated parameter (including one
+        a sharded layer keeps whole on every rank, like the input layer's bias)."""
         for layer in self.sharded.values():
             for pname, p in layer.named_parameters(recurse=False):
-                if p is param:
+                if p is param and pname in layer.shard_dims:
                     return layer, pname
         return None
 

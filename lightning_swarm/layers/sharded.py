@@ -1,8 +1,8 @@
 """D-SLIDE shards of the wide layers: each rank owns a contiguous range of neurons and its own hash tables.
 
-- :class:`ShardedSparseInputLinear` owns hidden units ``[lo, hi)`` of a :class:`SparseInputLinear` (columns
-  of its ``[in, H]`` weight). It computes its slice ``[B, H_r]`` of the hidden pre-activations for the whole
-  batch and all-gathers the full ``[B, H]``; the backward all-reduces the ``[B, H]`` gradient.
+- :class:`ShardedSparseInputLinear` owns input features ``[lo, hi)`` of a :class:`SparseInputLinear` (rows of
+  its ``[in, H]`` weight). It sums the batch's pairs of its own features into a partial ``[B, H]`` and the ranks
+  all-reduce it; the backward all-reduces the ``[B, H]`` gradient (why by features: see the class).
 - :class:`ShardedSparseLSHLinear` owns output neurons ``[lo, hi)`` of a :class:`SparseLSHLinear` (rows of
   its weight), with tables over its own rows. The active set is the single-process one: each shard ranks its
   own candidates (:meth:`SparseLSHLinear.candidate_priorities`), one all-gather of the ``[R, k]`` local top
@@ -15,7 +15,9 @@ the shard's active neurons, one column per label owned by another shard (holding
 sent by its owner) and one "rest" column holding the rest of the other shards' softmax mass; these extra
 columns are constants (detached). :func:`~lightning_swarm.layers.active_set_loss` on these columns then
 computes, on every rank, the value of the single-process loss (same logsumexp, same label logits), while its
-gradient reaches only the shard's own logits, each getting exactly its single-process ``p - t``. Summed over
+gradient reaches only the shard's own logits, each getting exactly its single-process ``p - t``. The LSH queries are split too: each
+rank hashes its slice of the batch's rows and one all-gather of the int32 codes gives every rank all of them
+(:meth:`ShardedSparseLSHLinear.query_codes`); each rank then looks them up in its own tables. Summed over
 ranks (the all-reduce of the hidden gradient) this is the single-process gradient.
 
 Free of Lightning.
@@ -28,10 +30,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_swarm.layers.checkpoint import StreamedTensor
-from lightning_swarm.layers.distributed import ShardGroup, all_gather_columns, shard_range, shard_sizes
+from lightning_swarm.layers.distributed import ShardGroup, shard_range, shard_sizes, sum_over_ranks_plus_bias
 from lightning_swarm.layers.init import skip_init
 from lightning_swarm.layers.loss import _label_positions
 from lightning_swarm.layers.sparse_input import SparseInputLinear
@@ -144,32 +147,61 @@ def _global(group: ShardGroup, rank: int) -> int:
 
 
 class ShardedSparseInputLinear(SparseInputLinear, ShardedLayer):
-    """Hidden units ``[lo, hi)`` of a :class:`SparseInputLinear`; ``forward`` returns the full ``[B, H]``.
+    """Input features ``[lo, hi)`` of a :class:`SparseInputLinear` (rows of its ``[in, H]`` weight), with the whole
+    bias; ``forward`` returns the full ``[B, H]``.
+
+    Each rank sums only the ``(feature, value)`` pairs of the batch that fall in its features and the ranks
+    all-reduce their partial ``[B, H]`` sums (see :func:`sum_over_ranks_plus_bias`). Why by features rather than
+    by hidden units or data-parallel: by hidden units every rank walks all ``N`` pairs of the batch and its sparse
+    gradient and optimizer step index all ``N`` (the sort and coalesce of ``N`` row ids are repeated on every
+    rank); by features each rank handles about ``N / ranks`` pairs and rows, for the same bytes (``[B, H]`` each
+    way). Data parallel with sparse row-gradient exchange would replicate the whole weight and its optimizer
+    state on every rank and send the touched rows (``N x H`` floats) every step.
+
+    The bias is replicated: every rank adds it after the all-reduce and its gradient is the all-reduced one, so
+    it needs no reduce of its own; it is taken from rank 0 at setup.
 
     Args:
-        full: the unsharded layer (rank 0's weights are taken).
+        full: the unsharded layer (rank 0's weights are taken), or this rank's born-sharded rows.
         shard_group: the ranks sharing the layer.
     """
 
     def __init__(self, full: SparseInputLinear, shard_group: ShardGroup) -> None:
-        total = full.total_out
+        total = full.in_features
+        born = getattr(full, "born_sharded", False)
+        if not born and full.weight.size(0) != total:
+            raise ValueError("ShardedSparseInputLinear: shard a whole SparseInputLinear, not a shard of one.")
         lo, hi = shard_range(total, shard_group.rank, shard_group.world_size)
         with skip_init():
-            SparseInputLinear.__init__(self, full.in_features, hi - lo, bias=full.bias is not None)
-        self.col_offset, self.total_out = lo, total
-        self._init_shard(
-            shard_group, lo, hi, full, {"weight": (1, (full.in_features, total)), "bias": (0, (total,))}
-        )
-        self.full_out_features = total
-        self.hidden_sizes = shard_sizes(total, shard_group.world_size)
+            SparseInputLinear.__init__(self, hi - lo, full.out_features, bias=full.bias is not None)
+        self.in_features, self.row_offset = total, lo
+        self._init_shard(shard_group, lo, hi, full, {"weight": (0, (total, full.out_features))})
+        if full.bias is not None:
+            with torch.no_grad():
+                self.bias.copy_(full.bias)
+                if shard_group.world_size > 1:
+                    dist.broadcast(self.bias.data, src=_global(shard_group, 0), group=shard_group.group)
 
     def extra_repr(self) -> str:
         lo, hi = self.shard_slices["weight"]
-        return f"{super().extra_repr()}, hidden units [{lo}, {hi}) of {self.full_out_features}"
+        return f"{super().extra_repr()}, input features [{lo}, {hi})"
 
     def forward(self, indices: Tensor, offsets: Tensor, values: Tensor) -> Tensor:
-        local = super().forward(indices, offsets, values)
-        return all_gather_columns(local, self.hidden_sizes, self.shard_group)
+        self._check_input(indices, offsets, values)
+        lo, hi = self.shard_slices["weight"]
+        mine = (indices >= lo) & (indices < hi)
+        before = torch.zeros(indices.numel() + 1, dtype=torch.long)  # own pairs before each position
+        torch.cumsum(mine, 0, out=before[1:])
+        pos = mine.nonzero().squeeze(1)
+        partial = F.embedding_bag(
+            indices.index_select(0, pos) - lo,
+            self.weight,
+            before.index_select(0, offsets),
+            mode="sum",
+            per_sample_weights=values.index_select(0, pos).to(self.weight.dtype),
+            sparse=True,
+        )
+        return sum_over_ranks_plus_bias(partial, self.bias, self.shard_group)
 
 
 class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
@@ -339,6 +371,23 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         everyone = self.shard_group.all_gather_cat(prio, "active_set_all_gather", dim=1)
         kth = everyone.topk(k, dim=1).values[:, -1:]
         return (prio >= kth) & (prio > -math.inf)
+
+    @torch.no_grad()
+    def query_codes(self, x: Tensor) -> Tensor:
+        """Bucket codes ``[B, L]`` of the batch: this rank hashes only its slice of the rows (``shard_range`` of
+        the batch) and one all-gather of the int32 codes gives every rank all of them.
+
+        Every shard uses the same hash functions (they depend on ``(seed, reseed count)`` only), so without this
+        every rank would hash the whole batch. A batch smaller than the group is hashed whole on every rank.
+        """
+        assert self._hash is not None
+        group, batch = self.shard_group, x.size(0)
+        if group.world_size == 1 or batch < group.world_size:
+            return super().query_codes(x)
+        lo, hi = shard_range(batch, group.rank, group.world_size)
+        mine = self._hash.codes(x[lo:hi].detach().float()).int()  # codes < 2**num_bits fit in int32
+        sizes = shard_sizes(batch, group.world_size)
+        return group.all_gather_cat(mine, "hash_codes_all_gather", dim=0, sizes=sizes).long()
 
     # ---------------------------------------------------------------- eval
     @torch.no_grad()

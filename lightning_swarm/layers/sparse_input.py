@@ -33,27 +33,28 @@ class SparseInputLinear(nn.Module):
             raise ValueError(
                 f"SparseInputLinear: in_features and out_features must be positive, got {in_features}, {out_features}."
             )
-        self.total_out, self.col_offset = out_features, 0
+        self.row_offset, rows = 0, in_features
         group = born_shard_group()
-        # Created whole inside `sharded_init`: hold only this rank's hidden units (lightning_swarm.layers.init).
-        self.born_sharded = group is not None and out_features >= group.world_size
+        # Created whole inside `sharded_init`: hold only this rank's input features, the rows
+        # `[row_offset, row_offset + rows)` of the weight (lightning_swarm.layers.init); the bias is whole.
+        self.born_sharded = group is not None and in_features >= group.world_size
         if self.born_sharded:
-            self.col_offset, hi = shard_range(out_features, group.rank, group.world_size)
-            out_features = hi - self.col_offset
+            self.row_offset, hi = shard_range(in_features, group.rank, group.world_size)
+            rows = hi - self.row_offset
         self.in_features, self.out_features = in_features, out_features
         self.init_seed = draw_init_seed() if initialising() else 0
-        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.weight = nn.Parameter(torch.empty(rows, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if initialising():
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """``U(-1/sqrt(in), 1/sqrt(in))`` like ``nn.Linear``, drawn by blocks of hidden units from ``init_seed``, so
-        a shard's columns get exactly the values the whole layer's would (``lightning_swarm.layers.init``)."""
+        a shard of input features gets exactly the values the whole layer's would (``lightning_swarm.layers.init``)."""
         bound = 1.0 / math.sqrt(self.in_features)
-        uniform_rows_(self.weight.data.t(), self.col_offset, self.init_seed, 0, bound)
+        uniform_rows_(self.weight.data.t(), 0, self.init_seed, 0, bound, self.row_offset, self.in_features)
         if self.bias is not None:
-            uniform_rows_(self.bias.data.unsqueeze(1), self.col_offset, self.init_seed, 1, bound)
+            uniform_rows_(self.bias.data.unsqueeze(1), 0, self.init_seed, 1, bound)
 
     def extra_repr(self) -> str:
         return (
@@ -69,6 +70,18 @@ class SparseInputLinear(nn.Module):
         Returns:
             ``[B, out_features]``.
         """
+        self._check_input(indices, offsets, values)
+        out = F.embedding_bag(
+            indices,
+            self.weight,
+            offsets,
+            mode="sum",
+            per_sample_weights=values.to(self.weight.dtype),
+            sparse=True,
+        )
+        return out if self.bias is None else out + self.bias
+
+    def _check_input(self, indices: Tensor, offsets: Tensor, values: Tensor) -> None:
         if indices.dim() != 1 or offsets.dim() != 1 or values.shape != indices.shape:
             raise ValueError(
                 "SparseInputLinear expects 1-D indices [N], offsets [B] and values [N], got shapes "
@@ -88,12 +101,3 @@ class SparseInputLinear(nn.Module):
                 f"SparseInputLinear: offsets must start at 0 and not exceed len(indices)={indices.numel()}, got "
                 f"first {int(offsets[0])}, last {int(offsets[-1])}."
             )
-        out = F.embedding_bag(
-            indices,
-            self.weight,
-            offsets,
-            mode="sum",
-            per_sample_weights=values.to(self.weight.dtype),
-            sparse=True,
-        )
-        return out if self.bias is None else out + self.bias

@@ -325,7 +325,7 @@ class SparseLSHLinear(nn.Module):
         batch = x.size(0)
         num_rows = batch if per_sample else 1
         cap, cs, L = self.bucket_cap, self._tables.code_space, self.num_tables
-        codes = self._hash.codes(x.detach().float())  # [B, L]
+        codes = self.query_codes(x)  # [B, L]
         if per_sample:
             query, neuron = self._tables.lookup(torch.arange(L).repeat(batch), codes.reshape(-1), cap)
             rows, weight = query // L, None
@@ -353,6 +353,16 @@ class SparseLSHLinear(nn.Module):
             parts.append((l_rows, l_ids, _LABEL_PRIORITY + self._tie(l_rows, l_ids, step)))
         parts.append(self._fill(num_rows, k, step))
         return tuple(torch.cat(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def query_codes(self, x: Tensor) -> Tensor:
+        """Bucket codes ``[B, L]`` of the query rows ``x`` under the current hash functions.
+
+        A D-SLIDE shard overrides it to hash only its slice of the batch and all-gather the codes: the hash
+        functions depend only on ``(seed, reseed count)``, so every shard would compute the same codes.
+        """
+        assert self._hash is not None
+        return self._hash.codes(x.detach().float())
 
     def _tie(self, rows: Tensor, ids: Tensor, step: int) -> Tensor:
         return pseudo_uniform(rows * self.total_out + ids, self.seed, step, _SALT_TIE)

@@ -1,10 +1,11 @@
 """D-SLIDE model parallelism on CPU clusters as a Lightning strategy.
 
 Every rank runs the same batches. The wide sparse layers of the LightningModule (``SparseInputLinear`` by
-hidden units, ``SparseLSHLinear`` by output neurons) are replaced by sharded versions: each rank owns a
-contiguous range of neurons, with its own hash tables (``lightning_swarm.layers.sharded``). Per step the ranks
-exchange only small per-batch tensors: the hidden activations (all-gather ``[B, H]``), the active-set
-priorities (all-gather ``[1, k]`` float64 per rank, so that the active set is exactly the single-process one),
+input features, ``SparseLSHLinear`` by output neurons) are replaced by sharded versions: each rank owns a
+contiguous range of input features, resp. output neurons with its own hash tables
+(``lightning_swarm.layers.sharded``). Per step the ranks exchange only small per-batch tensors: the partial
+hidden activations (all-reduce ``[B, H]``: each rank sums the batch's pairs of its own features), the LSH query
+codes (all-gather ``[B, L]`` int32: each rank hashes its slice of the batch), the active-set priorities (all-gather ``[1, k]`` float64 per rank, so that the active set is exactly the single-process one),
 each shard's per-sample softmax max and sum of exponentials packed with the logits of the labels it owns
 (all-gather ``[B, 2 + Ymax]`` per rank), and the gradient with respect to the hidden activations (all-reduce
 ``[B, H]``).
@@ -15,8 +16,8 @@ and the sum over ranks is the single-process gradient. A loss term that does not
 ``SparseLSHLinear`` (a regulariser on a replicated parameter, say) is therefore counted once per rank: divide
 it by ``trainer.world_size``.
 
-Data: every rank loads the same batch, because the input layer is sharded by hidden units and each rank
-computes its hidden slice ``[B, H / n]`` for the whole batch. Like for DDP, Lightning injects a shuffling
+Data: every rank loads the same batch: each rank needs the labels of the whole batch for its part of the
+active set and the softmax, and picks the pairs of its own input features out of it. Like for DDP, Lightning injects a shuffling
 ``DistributedSampler`` for training, here with one replica (``distributed_sampler_kwargs``), so every rank draws
 the same permutation (seeded with ``PL_GLOBAL_SEED``). Each batch is checked across ranks (one all-reduce of
 three integers: "have a batch" and a fingerprint of its contents): when one rank runs out of data all ranks
@@ -85,7 +86,7 @@ log = logging.getLogger(__name__)
 
 
 class DSlideStrategy(DDPStrategy):
-    """D-SLIDE: shard the wide sparse layers by neurons across CPU processes, exchange only per-batch tensors.
+    """D-SLIDE: shard the wide sparse layers across CPU processes, exchange only per-batch tensors.
 
     Processes are started like DDP's (Lightning's launchers; ``devices``, ``num_nodes``, ``MASTER_ADDR`` /
     ``MASTER_PORT`` or ``torchrun``), and talk over ``torch.distributed`` with gloo. Bytes moved per training
@@ -299,7 +300,7 @@ class DSlideStrategy(DDPStrategy):
         strategy_registry.register(
             cls.strategy_name,
             cls,
-            description="D-SLIDE: sparse layers sharded by neurons across CPU processes (gloo)",
+            description="D-SLIDE: sparse layers sharded across CPU processes (gloo)",
         )
 
 
