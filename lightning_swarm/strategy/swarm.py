@@ -6,6 +6,8 @@ import logging
 import math
 import os
 import tempfile
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -13,13 +15,14 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.types import Optimizable
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
@@ -32,6 +35,7 @@ from lightning_swarm.swarm.lifetime import (
     latch_interrupts,
     raise_pending_interrupt,
 )
+from lightning_swarm.swarm.materialize import RngSnapshot
 from lightning_swarm.swarm.stepping import hyper_parameters
 
 log = logging.getLogger(__name__)
@@ -189,6 +193,7 @@ class SwarmStrategy(ParallelStrategy):
             None  # how the step in progress clipped: ("norm", coef)/("value", v)
         )
         self._batch_checked = False
+        self._meta_build: RngSnapshot | None = None  # generators' states when a meta build began (see below)
         self.stage_steps: dict[
             int, int
         ] = {}  # optimizer steps each stage took in the last run, as it replied
@@ -268,6 +273,15 @@ class SwarmStrategy(ParallelStrategy):
             should_stop=self._stop_requested,
         )
         self._runs += 1
+        module = self.lightning_module
+        if (
+            module is not None
+            and self._peer.stage_known_offline
+            and not is_overridden("configure_model", module)
+        ):
+            # the model is built already: keep only this peer's share before the DHT forks its helper process
+            # (a fork taken with the whole model allocated would keep the released pages alive in the helper)
+            self._prepare(module)
         self._peer.start_dht()
 
     def _stop_requested(self) -> bool:
@@ -291,6 +305,9 @@ class SwarmStrategy(ParallelStrategy):
         assert self.model is not None
         # "bf16-true"/"16-true": the stages are converted with the rest, before they are cut out and served
         self.model = self.precision_plugin.convert_module(self.model)
+        assert self.lightning_module is not None
+        if self.peer.partition is None:
+            self._prepare(self.lightning_module)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -308,6 +325,28 @@ class SwarmStrategy(ParallelStrategy):
             self._install_clipping()
             if not self.lightning_module.automatic_optimization:
                 self._mirror_zero_grad()
+
+    def _prepare(self, module: LightningModule) -> None:
+        """Keep only what this peer hosts; blocks built on meta get their initial values here (see
+        ``SwarmPeer.prepare``)."""
+        rng, self._meta_build = self._meta_build, None
+        self.peer.prepare(module, rng)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module()`` and ``configure_model``: the model is built on the ``meta`` device (no
+        storage), and at setup each peer gives storage and initial values (``reset_parameters()``, the values one
+        process seeded alike would draw) to what it hosts only: its stage's blocks and the modules outside the
+        pipeline. ``empty_init=False`` builds everything on the device, initialised, as Lightning does."""
+        if empty_init is False:
+            with super().tensor_init_context(empty_init=False):
+                yield
+            return
+        if self._meta_build is None:  # the first meta build since the last setup: where the generators start
+            self._meta_build = RngSnapshot.capture(self.root_device)
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def model_to_device(self) -> None:
