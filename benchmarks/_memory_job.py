@@ -41,7 +41,9 @@ def block(width: int, ffn: int) -> nn.Module:
 class MLPPipeline(LightningModule):
     """A trainer-local input layer, ``blocks`` MLP blocks (the pipeline, ``self.layers``) and a head."""
 
-    def __init__(self, width: int = 64, ffn: int = 256, blocks: int = 8, lr: float = 1e-3, build: bool = True):
+    def __init__(
+        self, width: int = 64, ffn: int = 256, blocks: int = 8, lr: float = 1e-3, build: bool = True
+    ):
         super().__init__()
         self.width, self.ffn, self.num_blocks, self.lr = width, ffn, blocks, lr
         self.first_output: torch.Tensor | None = None
