@@ -24,6 +24,26 @@ import json
 import os
 import sys
 
+
+def _enter_cgroup() -> None:
+    """``SWARM_MEMORY_CGROUP=<dir>:<bytes>`` (set by ``swarm_memory.py --scale --capped``): this process and the
+    helpers it starts run in the memory cgroup (v1) ``<dir>/peer<rank>``, limited to ``<bytes>``."""
+    spec = os.environ.get("SWARM_MEMORY_CGROUP")
+    if not spec:
+        return
+    root, limit = spec.rsplit(":", 1)
+    path = os.path.join(root, f"peer{os.environ.get('LOCAL_RANK', '0')}")
+    os.makedirs(path, exist_ok=True)
+    for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+        if os.path.exists(os.path.join(path, name)):
+            with open(os.path.join(path, name), "w") as f:
+                f.write(limit)
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+_enter_cgroup()  # before the imports: they are the floor every peer pays
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402

@@ -68,6 +68,14 @@ class RngSnapshot:
         state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         return cls(torch.get_rng_state(), device, state)
 
+    @classmethod
+    def seeded(cls, seed: int, device: torch.device | str = "cpu") -> RngSnapshot:
+        """The generators' states right after ``torch.manual_seed(seed)`` (the current ones are left alone)."""
+        device = torch.device(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            return cls.capture(device)
+
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.device_state is not None:
