@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 
-__all__ = ["MALLOC_ARENAS", "P2PD_GOGC", "p2pd_env", "trim_footprint"]
+__all__ = ["MALLOC_ARENAS", "P2PD_GOGC", "p2pd_env", "release_free_memory", "trim_footprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,18 @@ def trim_footprint() -> None:
             ctypes.CDLL(None).mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
         except (OSError, AttributeError) as e:  # not glibc
             logger.debug(f"mallopt(M_ARENA_MAX) unavailable: {e!r}")
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``): after a peer released the blocks it
+    does not host, or materialised its stage (each skipped block's values drawn in scratch memory then freed),
+    glibc would otherwise keep the freed pages resident for later allocations (its mmap threshold grows with the
+    largest block freed, so tensors of a block's size come from the heap and stay there once freed)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError) as e:  # not glibc
+            logger.debug(f"malloc_trim unavailable: {e!r}")
 
 
 def p2pd_env(program: str, env: dict[str, str] | None) -> dict[str, str] | None:

@@ -44,7 +44,7 @@ from torch import nn
 
 from .auth import REFUSED_MARKER, SECRET_ENV, protect, unprotect
 from .client import SwarmClient
-from .footprint import trim_footprint
+from .footprint import release_free_memory, trim_footprint
 from .lifetime import bounded, describe_exit, settle_dead_helpers, sigint_kept, start_bounded, wait_bounded
 from .logs import quiet_routine_logs
 from .materialize import RngSnapshot, materialize
@@ -322,6 +322,7 @@ class SwarmPeer:
             rng = RngSnapshot.seeded(_stage_seed(s.run_id, -1), self.device)
         materialize(module, lambda m: id(m) not in others, self.device, rng)
         self.partition.release(keep=[self.stage] if self.is_server else [])
+        release_free_memory()
 
     def _live_pipeline_before(self) -> dict[int, tuple[int, str]]:
         """``id(parameter) -> (id(owning module), name)`` of the pipeline's parameters from before
@@ -359,6 +360,7 @@ class SwarmPeer:
         self.partition.release(keep=[self.stage] if self.server is not None else [])
         if self.server is not None:
             self._start_server(self.server)
+        release_free_memory()  # the optimizers' set-up drew and freed zero gradients
         self.client = SwarmClient(self.dht, s, local_servers=local_servers, should_stop=self.should_stop)
         self.partition.install_proxy(self.client.call_stage)
         self.joined = True

@@ -91,6 +91,7 @@ from torch import nn
 from ._loop import replicate_p2p, run_coroutine
 from .batching import RequestBatcher, concat_payloads, merge_key, mixes_rows, split_payload
 from .codec import CodecError, TooLarge, all_finite, check_encodable
+from .footprint import release_free_memory
 from .payload import Payload
 from .protocol import (
     COMPUTE,
@@ -287,6 +288,7 @@ class StageServer(StageService):
         ]
         groups = [{k: v for k, v in g.items() if k not in ("swarm_optimizer", "swarm_group")} for g in groups]
         if groups and self.optimizer_factory is not None:
+            release_free_memory()  # hivemind forks its averagers below: pages freed but resident would be copied
             request_timeout = max(0.2, s.matchmaking_time / 3)
             self._trained = [p for g in groups for p in g["params"]]
             # trainer-driven steps on the CPU: the optimizer steps the served parameters themselves, with serving
@@ -296,6 +298,8 @@ class StageServer(StageService):
                 self._master = list(self._trained)
             else:
                 self._master = [nn.Parameter(p.detach().clone(), requires_grad=True) for p in self._trained]
+            for master in self._master:  # else hivemind's gradient averager allocates zero gradients to copy
+                master.grad = _zero_grad_view(master)
             master_of = {id(p): m for p, m in zip(self._trained, self._master, strict=True)}
             groups = [{**g, "params": [master_of[id(p)] for p in g["params"]]} for g in groups]
             self.optimizer = _StageOptimizer(
@@ -1573,7 +1577,7 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
             group["lr"] = 0.0
         for p in params:
-            p.grad = torch.zeros_like(p)
+            p.grad = _zero_grad_view(p)
         optimizer.step()
     finally:
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
@@ -2028,7 +2032,25 @@ def _no_partner(error: BaseException) -> bool:
 def _make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Optimizer:
     optimizer = factory(params)
     initialize_optimizer_state(optimizer)
+    share_optimizer_state(optimizer)
     return optimizer
+
+
+def share_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Move the optimizer's state tensors on the CPU to shared memory, in place, before hivemind forks its averager
+    processes: every step writes them, and pages of a private mapping written after a fork are copied, so each
+    forked helper would keep its own copy of the state as it was (two Adam moments per helper). Shared pages are
+    never copied."""
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0:
+                value.share_memory_()
+
+
+def _zero_grad_view(p: torch.Tensor) -> torch.Tensor:
+    """A zero gradient for ``p`` that takes no memory (one element, expanded): hivemind and the optimizer's
+    initial step only read it, or copy it (a copy is dense)."""
+    return torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
 
 
 def _dht_alive(dht: Any) -> bool:
