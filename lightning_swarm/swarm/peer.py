@@ -231,6 +231,7 @@ class SwarmPeer:
         s = self.settings
         quiet_routine_logs()  # before hivemind forks its helpers, which inherit the filter
         trim_footprint()  # before the first helper and the first shared tensor
+        release_free_memory()  # the DHT's process is forked below: it would keep freed pages alive
         host_maddrs = s.host_maddrs or ["/ip4/127.0.0.1/tcp/0"]
         initial_peers = list(s.initial_peers) or _env_peers()
         if self.local_swarm_size is not None and self.peer_index > 0 and not initial_peers:

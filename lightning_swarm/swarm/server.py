@@ -633,9 +633,9 @@ class StageServer(StageService):
                         # nobody to sum with this time (the peers missed each other): the trainer sends the command
                         # again, and this peer keeps its own gradients for that round
                         return {"epoch": int(opt.local_epoch), "retry": True, "group": 1, "steps": self.steps}
-                if (
-                    grads is own
-                ):  # unscaled in place below: the own gradients stay as taken, for another attempt
+                if grads is own and command.grad_scale != 1.0:
+                    # unscaled in place below: the own gradients stay as taken, for another attempt (without a
+                    # loss scale nothing changes them before the step, which is the last use: no copy)
                     grads = [g.clone() if g is not None else None for g in own]
                 summed = (grads, self._unscale(grads, command.grad_scale, group))
                 self._prepared = (command.step_id, own, wanted, summed, command.attempt)
@@ -1755,9 +1755,13 @@ class _StartsInAnyThread:
     averager inherits it; only the main thread may do that, and a Ctrl-C that comes while the averager starts
     (a second or more) would be lost by the peer. These start from any thread without touching this process's
     SIGINT (a peer that migrates starts its new stage's averagers in a background thread); the forked averager
-    ignores SIGINT itself, first thing (it is already in a process group of its own, see ``lifetime``)."""
+    ignores SIGINT itself, first thing (it is already in a process group of its own, see ``lifetime``). Free heap
+    pages are handed back first (see ``footprint.release_free_memory``)."""
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        # hivemind has just moved the averaged tensors to shared memory (their private copies freed, still resident
+        # in the heap): the forked averager would inherit those pages and keep them once this process reuses them
+        release_free_memory()
         self.start()  # type: ignore[attr-defined]
         if await_ready:
             self.wait_until_ready(timeout)  # type: ignore[attr-defined]
