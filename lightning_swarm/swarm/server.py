@@ -91,7 +91,7 @@ from torch import nn
 from ._loop import replicate_p2p, run_coroutine
 from .batching import RequestBatcher, concat_payloads, merge_key, mixes_rows, split_payload
 from .codec import CodecError, TooLarge, all_finite, check_encodable
-from .footprint import release_free_memory
+from .footprint import release_free_memory, share_optimizer_state, zero_grad_view
 from .payload import Payload
 from .protocol import (
     COMPUTE,
@@ -299,7 +299,7 @@ class StageServer(StageService):
             else:
                 self._master = [nn.Parameter(p.detach().clone(), requires_grad=True) for p in self._trained]
             for master in self._master:  # else hivemind's gradient averager allocates zero gradients to copy
-                master.grad = _zero_grad_view(master)
+                master.grad = zero_grad_view(master)
             master_of = {id(p): m for p, m in zip(self._trained, self._master, strict=True)}
             groups = [{**g, "params": [master_of[id(p)] for p in g["params"]]} for g in groups]
             self.optimizer = _StageOptimizer(
@@ -1577,7 +1577,7 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
             group["lr"] = 0.0
         for p in params:
-            p.grad = _zero_grad_view(p)
+            p.grad = zero_grad_view(p)
         optimizer.step()
     finally:
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
@@ -2038,23 +2038,6 @@ def _make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Opt
     initialize_optimizer_state(optimizer)
     share_optimizer_state(optimizer)
     return optimizer
-
-
-def share_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Move the optimizer's state tensors on the CPU to shared memory, in place, before hivemind forks its averager
-    processes: every step writes them, and pages of a private mapping written after a fork are copied, so each
-    forked helper would keep its own copy of the state as it was (two Adam moments per helper). Shared pages are
-    never copied."""
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0:
-                value.share_memory_()
-
-
-def _zero_grad_view(p: torch.Tensor) -> torch.Tensor:
-    """A zero gradient for ``p`` that takes no memory (one element, expanded): hivemind and the optimizer's
-    initial step only read it, or copy it (a copy is dense)."""
-    return torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
 
 
 def _dht_alive(dht: Any) -> bool:
