@@ -123,3 +123,17 @@ def test_each_peer_allocates_only_its_stage_and_the_first_forward_equals_one_pro
         assert peer["model_bytes"] < 0.3 * whole_bytes, (peer, whole_bytes)
     output = torch.tensor(peers[0]["first_output"])
     torch.testing.assert_close(output, _reference_first_output(11, sizes), rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_loaded_into_a_meta_build_is_taken_not_dropped():
+    torch.manual_seed(0)
+    saved = _memory_job.MLPPipeline(width=8, ffn=16, blocks=4).state_dict()
+    strategy = SwarmStrategy(num_stages=2)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False)
+    with trainer.init_module(empty_init=True):
+        model = _memory_job.MLPPipeline(width=8, ffn=16, blocks=4)
+    strategy.connect(model)
+    strategy.load_model_state_dict({"state_dict": saved})
+    for key, value in model.state_dict().items():
+        assert not value.is_meta and torch.equal(value, saved[key]), key
+    assert all(p.requires_grad for p in model.parameters())

@@ -453,6 +453,18 @@ class SwarmStrategy(ParallelStrategy):
         return self._peer.full_state_dict(self.lightning_module)
 
     @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """A checkpoint loaded into a model built on ``meta`` (``init_module``, ``configure_model``): its tensors
+        are taken as they are (copying into ``meta`` would drop them, and the blocks would then be initialised
+        afresh); each peer then keeps its own stage of them."""
+        module = self.lightning_module
+        assert module is not None
+        if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            module.load_state_dict(checkpoint["state_dict"], strict=strict, assign=True)
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
