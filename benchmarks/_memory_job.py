@@ -161,6 +161,7 @@ class Report(Callback):
             local = [t for name, t in pl_module.named_parameters() if not name.startswith("layers.")]
             record["stage"] = peer.stage
             record["expected_bytes"] = storage_bytes(hosted) + storage_bytes(local)
+            record["stage_bytes"] = storage_bytes(hosted)
             server = peer.server
             if server is not None:  # what the stage server holds besides the served parameters
                 record["server_extra_bytes"] = server_extra_bytes(server, hosted)

@@ -121,6 +121,10 @@ def test_each_peer_allocates_only_its_stage_and_the_first_forward_equals_one_pro
         # storage for its stage (a quarter of the blocks) and the trainer-local layers, counted in bytes: no more
         assert peer["model_bytes"] == peer["expected_bytes"], peer
         assert peer["model_bytes"] < 0.3 * whole_bytes, (peer, whole_bytes)
+        # no hidden copies on its stage server (one trainer: trainer-driven steps): Adam's two moments and
+        # hivemind's averaged gradients, nothing else (no master copy, no averaged parameters, no accumulators)
+        # (and Adam's step counters, one scalar per parameter)
+        assert 0 <= peer["server_extra_bytes"] - 3 * peer["stage_bytes"] < 1024, peer
     output = torch.tensor(peers[0]["first_output"])
     torch.testing.assert_close(output, _reference_first_output(11, sizes), rtol=0, atol=1e-6)
 
