@@ -303,8 +303,9 @@ class SwarmPeer:
         """Cut ``module``'s pipeline into stages, choose this peer's stage and keep only what this peer hosts: its
         stage's blocks and the modules outside the pipeline. Blocks built on meta (see :mod:`.materialize`) get
         storage and their initial values here, and only here (replaying the build from ``rng``, the generators'
-        states when the meta build began; ``None``: a seed of the run, the same on every peer); blocks built with storage are released to meta
-        (the whole model then existed once, before any training state and before any helper process was forked).
+        states when the meta build began; ``None``: a seed of the run, the same on every peer); blocks built with
+        storage are released to meta (the whole model then existed once, before any training state and before any
+        helper process was forked).
         Called by :meth:`join` unless called before (earlier is better: before the DHT forks its process, which
         would otherwise keep pages of the released blocks alive)."""
         s = self.settings
@@ -317,9 +318,8 @@ class SwarmPeer:
         self.stage = self._choose_stage()
         hosted = self.partition.stage_blocks(self.stage) if self.is_server else []
         others = {id(m) for block in self.partition.container if block not in hosted for m in block.modules()}
-        if (
-            rng is None
-        ):  # built on meta by the user's own code: every peer starts from the same seed of the run
+        if rng is None:
+            # built on meta by the user's own code (or nothing is on meta): every peer starts from a seed of the run
             rng = RngSnapshot.seeded(_stage_seed(s.run_id, -1), self.device)
         materialize(module, lambda m: id(m) not in others, self.device, rng)
         self.partition.release(keep=[self.stage] if self.is_server else [])
