@@ -10,6 +10,17 @@ process; hivemind's forked helpers and p2p daemons inherit it).
 The last stdout line is one JSON object: for each peer the peak (over samples) of its total PSS and its split into
 main process, forked helpers (DHT, averagers) and p2p daemons; the mean peak per peer; and the peak number of
 processes per peer. ``--quick``: 30 steps.
+
+``--scale``: models larger than one peer (``benchmarks/_memory_job.py``). An MLP pipeline (16 blocks of width 2048
+and FFN 8192: 537M parameters; ``--quick``: width 1024, FFN 4096, 134M) trained with Adam for a few steps by one
+plain Lightning process, then by a local swarm of 4 peers, 4 stages of one peer each (one trainer), once for each
+way of building the model: in ``__init__`` (``init``), under ``trainer.init_module(empty_init=True)``
+(``init_module``), in ``configure_model``. Each run is sampled every 0.2 s; the last stdout line holds ``params``,
+``peak_mb_single`` (the plain process's peak PSS), ``floor_mb`` (the PSS of a process that imported torch,
+Lightning and this project) and, per way, ``peak_mb_per_peer`` (the worst peer's peak PSS, its main process plus
+its helper processes), its split, ``ratio`` (worst peer / single) and each peer's ``VmHWM``. ``--capped`` adds a run
+of each peer (``init_module``) and of the plain process in a memory cgroup (v1, needs root) limited to 0.45 x
+``peak_mb_single``: ``capped_swarm_completed`` and ``capped_single_completed``.
 """
 
 from __future__ import annotations
@@ -94,11 +105,141 @@ def sample(root: int) -> dict[str, dict[str, float]]:
     return out
 
 
+SCALE_TARGETS = {"init": 0.5, "init_module": 0.35, "configure_model": 0.35}
+CGROUP_ROOT = "/sys/fs/cgroup/memory"
+
+
+def _floor_mb() -> float:
+    """PSS of a process that imported torch, Lightning and this project, and nothing more."""
+    code = (
+        "import torch, lightning.pytorch, lightning_swarm, time, sys; sys.stdout.write('ready\\n'); "
+        "sys.stdout.flush(); time.sleep(30)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        proc.stdout.readline()
+        time.sleep(0.5)
+        return round(_pss_kb(proc.pid) / 1024, 1)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _run_job(cfg: dict, timeout: float, cgroup_mb: float | None = None) -> dict:
+    """Run ``_memory_job.py`` with ``cfg``, sampling its processes' PSS; returns the peaks per peer, the peers'
+    reports and whether it completed."""
+    out_dir = tempfile.mkdtemp(prefix="swarm-memory-")
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    if cgroup_mb is not None:
+        env["SWARM_MEMORY_CGROUP"] = f"{CGROUP_ROOT}/swarm_memory_{os.getpid()}:{int(cgroup_mb * 2**20)}"
+    cmd = [sys.executable, "benchmarks/_memory_job.py", json.dumps({**cfg, "out_dir": out_dir})]
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
+    peaks: dict[str, dict[str, float]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            for rank, parts in sample(proc.pid).items():
+                total = parts["main"] + parts["helpers"] + parts["p2pd"]
+                if total > peaks.get(rank, {}).get("total_mb", 0.0):
+                    peaks[rank] = {k: round(v, 1) for k, v in parts.items()} | {"total_mb": round(total, 1)}
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        stderr = log.read()
+        log.close()
+    reports = {}
+    for name in sorted(os.listdir(out_dir)):
+        if name.endswith(".json"):
+            with open(os.path.join(out_dir, name)) as f:
+                reports[name[4:-5]] = json.load(f)
+    if cgroup_mb is not None:  # the processes are gone: their cgroups can go
+        root = env["SWARM_MEMORY_CGROUP"].rsplit(":", 1)[0]
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            if name.startswith("peer"):
+                _rmdir_when_empty(os.path.join(root, name))
+        _rmdir_when_empty(root)
+    completed = proc.returncode == 0 and all("vm_hwm_mb" in r for r in reports.values()) and bool(reports)
+    return {"peaks": peaks, "reports": reports, "completed": completed, "stderr": stderr}
+
+
+def _rmdir_when_empty(path: str, timeout: float = 20.0) -> None:
+    """Remove a cgroup directory once the processes left in it (helpers ending) are gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                print(f"could not remove the cgroup {path}", file=sys.stderr)
+                return
+            time.sleep(0.5)
+
+
+def scale(quick: bool, capped: bool) -> None:
+    sizes = (
+        {"width": 1024, "ffn": 4096, "blocks": 16} if quick else {"width": 2048, "ffn": 8192, "blocks": 16}
+    )
+    base = {**sizes, "steps": 3, "batch": 8, "seed": 0, "compression": "none"}
+    width, ffn, blocks = sizes["width"], sizes["ffn"], sizes["blocks"]
+    params = blocks * (2 * width * ffn + ffn + 3 * width) + width * width + width + width + 1
+    start = time.monotonic()
+    result: dict = {"params": params, "sizes": sizes, "floor_mb": _floor_mb()}
+    single = _run_job({**base, "way": "init", "devices": 1}, timeout=1800)
+    if not single["completed"]:
+        print(single["stderr"][-6000:], file=sys.stderr)
+        raise SystemExit("the single-process run failed")
+    result["peak_mb_single"] = single["peaks"]["0"]["total_mb"]
+    result["vm_hwm_mb_single"] = round(single["reports"]["0"]["vm_hwm_mb"], 1)
+    tracebacks = 0
+    for way in ("init", "init_module", "configure_model"):
+        run = _run_job({**base, "way": way, "devices": 4, "run_id": f"scale_{way}"}, timeout=1800)
+        tracebacks += run["stderr"].count("Traceback")
+        if not run["completed"]:
+            print(run["stderr"][-6000:], file=sys.stderr)
+            raise SystemExit(f"the swarm run built with {way!r} failed")
+        worst = max(run["peaks"].values(), key=lambda p: p["total_mb"])
+        result[way] = {
+            "peak_mb_per_peer": worst["total_mb"],
+            "worst_peer": {k: v for k, v in worst.items() if k != "total_mb"},
+            "ratio": round(worst["total_mb"] / result["peak_mb_single"], 3),
+            "target": SCALE_TARGETS[way],
+            "peers_peak_mb": {r: p["total_mb"] for r, p in sorted(run["peaks"].items())},
+            "peers_vm_hwm_mb": {r: round(rep["vm_hwm_mb"], 1) for r, rep in sorted(run["reports"].items())},
+            "stage_model_mb": round(max(rep["model_bytes"] for rep in run["reports"].values()) / 2**20, 1),
+            "server_extra_mb": round(
+                max(rep.get("server_extra_bytes", 0) for rep in run["reports"].values()) / 2**20, 1
+            ),
+        }
+    if capped:
+        limit = 0.45 * result["peak_mb_single"]
+        result["cap_mb"] = round(limit, 1)
+        swarm = _run_job({**base, "way": "init_module", "devices": 4, "run_id": "scale_capped"}, 1800, limit)
+        plain = _run_job({**base, "way": "init", "devices": 1}, 1800, limit)
+        result["capped_swarm_completed"] = swarm["completed"]
+        result["capped_single_completed"] = plain["completed"]
+    result["seconds"] = round(time.monotonic() - start, 1)
+    result["tracebacks_in_output"] = tracebacks
+    result["loadavg"] = os.getloadavg()
+    print(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument(
+        "--scale", action="store_true", help="models larger than one peer (see the docstring)"
+    )
+    parser.add_argument("--capped", action="store_true", help="with --scale: also the memory-capped runs")
     args = parser.parse_args()
+    if args.scale:
+        scale(args.quick, args.capped)
+        return
     steps = args.steps or (30 if args.quick else 100)
     cmd = [
         sys.executable,

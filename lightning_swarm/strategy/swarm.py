@@ -6,6 +6,8 @@ import logging
 import math
 import os
 import tempfile
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -13,17 +15,19 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.types import Optimizable
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_swarm.strategy._refusals import _refuse_for_swarm_steps, _refuse_weight_copies, _scaler
 from lightning_swarm.strategy.launcher import _SwarmLauncher
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
 from lightning_swarm.swarm.lifetime import (
@@ -32,6 +36,7 @@ from lightning_swarm.swarm.lifetime import (
     latch_interrupts,
     raise_pending_interrupt,
 )
+from lightning_swarm.swarm.materialize import RngSnapshot
 from lightning_swarm.swarm.stepping import hyper_parameters
 
 log = logging.getLogger(__name__)
@@ -189,6 +194,7 @@ class SwarmStrategy(ParallelStrategy):
             None  # how the step in progress clipped: ("norm", coef)/("value", v)
         )
         self._batch_checked = False
+        self._meta_build: RngSnapshot | None = None  # generators' states when a meta build began (see below)
         self.stage_steps: dict[
             int, int
         ] = {}  # optimizer steps each stage took in the last run, as it replied
@@ -268,6 +274,15 @@ class SwarmStrategy(ParallelStrategy):
             should_stop=self._stop_requested,
         )
         self._runs += 1
+        module = self.lightning_module
+        if (
+            module is not None
+            and self._peer.stage_known_offline
+            and not is_overridden("configure_model", module)
+        ):
+            # the model is built already: keep only this peer's share before the DHT forks its helper process
+            # (a fork taken with the whole model allocated would keep the released pages alive in the helper)
+            self._prepare(module)
         self._peer.start_dht()
 
     def _stop_requested(self) -> bool:
@@ -291,6 +306,9 @@ class SwarmStrategy(ParallelStrategy):
         assert self.model is not None
         # "bf16-true"/"16-true": the stages are converted with the rest, before they are cut out and served
         self.model = self.precision_plugin.convert_module(self.model)
+        assert self.lightning_module is not None
+        if self.peer.partition is None:
+            self._prepare(self.lightning_module)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -308,6 +326,28 @@ class SwarmStrategy(ParallelStrategy):
             self._install_clipping()
             if not self.lightning_module.automatic_optimization:
                 self._mirror_zero_grad()
+
+    def _prepare(self, module: LightningModule) -> None:
+        """Keep only what this peer hosts; blocks built on meta get their initial values here (see
+        ``SwarmPeer.prepare``)."""
+        rng, self._meta_build = self._meta_build, None
+        self.peer.prepare(module, rng)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module()`` and ``configure_model``: the model is built on the ``meta`` device (no
+        storage), and at setup each peer gives storage and initial values (``reset_parameters()``, the values one
+        process seeded alike would draw) to what it hosts only: its stage's blocks and the modules outside the
+        pipeline. ``empty_init=False`` builds everything on the device, initialised, as Lightning does."""
+        if empty_init is False:
+            with super().tensor_init_context(empty_init=False):
+                yield
+            return
+        if self._meta_build is None:  # the first meta build since the last setup: where the generators start
+            self._meta_build = RngSnapshot.capture(self.root_device)
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def model_to_device(self) -> None:
@@ -411,6 +451,18 @@ class SwarmStrategy(ParallelStrategy):
         if self._peer is None or not self._peer.joined:
             return self.lightning_module.state_dict()
         return self._peer.full_state_dict(self.lightning_module)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """A checkpoint loaded into a model built on ``meta`` (``init_module``, ``configure_model``): its tensors
+        are taken as they are (copying into ``meta`` would drop them, and the blocks would then be initialised
+        afresh); each peer then keeps its own stage of them."""
+        module = self.lightning_module
+        assert module is not None
+        if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            module.load_state_dict(checkpoint["state_dict"], strict=strict, assign=True)
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def save_checkpoint(
@@ -564,12 +616,6 @@ class SwarmStrategy(ParallelStrategy):
         strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
 
 
-def _scaler(plugin: Any) -> Any:
-    """The precision plugin's enabled loss scaler (``16-mixed``), or ``None``."""
-    scaler = getattr(plugin, "scaler", None)
-    return scaler if scaler is not None and scaler.is_enabled() else None
-
-
 def _autocast_dtype(plugin: Any) -> str | None:
     """The dtype Lightning's mixed precision autocasts to (``"bfloat16"``/``"float16"``), or ``None``."""
     precision = getattr(plugin, "precision", None)
@@ -578,38 +624,3 @@ def _autocast_dtype(plugin: Any) -> str | None:
     if precision == "16-mixed":
         return "float16"
     return None
-
-
-def _refuse_weight_copies(trainer: Trainer) -> None:
-    """Callbacks that keep their own copy of the model's weights (SWA, EMA) would average only the trainer-side
-    parameters: the pipeline's live on the stages. Refused at setup, with one line."""
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
-
-    try:
-        from lightning.pytorch.callbacks import WeightAveraging
-    except ImportError:  # Lightning before 2.5
-        WeightAveraging = StochasticWeightAveraging  # noqa: N806
-    for callback in trainer.callbacks:
-        if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
-            raise ValueError(
-                f"When using the SwarmStrategy, the {type(callback).__name__} callback is not supported: it keeps a "
-                "copy of the model's weights in this process, while the pipeline's weights live on the stages. "
-                "Average a saved checkpoint's weights after training instead."
-            )
-
-
-def _refuse_for_swarm_steps(trainer: Trainer, plugin: Any) -> None:
-    """With ``stage_steps="swarm"`` (several trainers) the stages step on their own: settings that need the
-    trainer's step on the stages are refused at setup, with one line."""
-    fix = "train with one trainer (num_trainers=1: the stages then step with it)"
-    if trainer.gradient_clip_val:
-        raise ValueError(
-            "When using the SwarmStrategy with stage_steps='swarm' (several trainers), gradient_clip_val is not "
-            f"supported: the stages step on their own and cannot clip by the whole model; {fix}, or clip nothing."
-        )
-    if _scaler(plugin) is not None:
-        raise ValueError(
-            "When using the SwarmStrategy with stage_steps='swarm' (several trainers), precision='16-mixed' is not "
-            f"supported: the stages cannot unscale gradients of several trainers' loss scales; {fix}, or use "
-            "'bf16-mixed'."
-        )

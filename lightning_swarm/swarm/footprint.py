@@ -13,6 +13,12 @@ Measured on the main job (``python benchmarks/swarm_memory.py``, PSS per peer; R
 - ``p2pd`` (Go) is started with ``GOGC`` = :data:`P2PD_GOGC` unless the environment sets ``GOGC``: its heap is
   collected at 1.25x the live data instead of 2x (see :func:`~.lifetime.die_with_parent`, which starts it).
 
+- A page of a private mapping that a process writes after a fork is copied, and the forked helper keeps the old
+  one: :func:`release_free_memory` hands free heap pages back before each fork (and after a peer released the
+  blocks it does not host), and :func:`share_optimizer_state` moves a stage optimizer's state (written every step)
+  to shared memory before hivemind forks its averagers; :func:`zero_grad_view` is a zero gradient that takes no
+  memory, for hivemind's and the optimizer's set-up.
+
 Linux/glibc only where it matters; elsewhere the calls do nothing.
 """
 
@@ -23,7 +29,17 @@ import logging
 import os
 import sys
 
-__all__ = ["MALLOC_ARENAS", "P2PD_GOGC", "p2pd_env", "trim_footprint"]
+import torch
+
+__all__ = [
+    "MALLOC_ARENAS",
+    "P2PD_GOGC",
+    "p2pd_env",
+    "release_free_memory",
+    "share_optimizer_state",
+    "trim_footprint",
+    "zero_grad_view",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +65,35 @@ def trim_footprint() -> None:
             ctypes.CDLL(None).mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
         except (OSError, AttributeError) as e:  # not glibc
             logger.debug(f"mallopt(M_ARENA_MAX) unavailable: {e!r}")
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``): after a peer released the blocks it
+    does not host, or materialised its stage (each skipped block's values drawn in scratch memory then freed),
+    glibc would otherwise keep the freed pages resident for later allocations (its mmap threshold grows with the
+    largest block freed, so tensors of a block's size come from the heap and stay there once freed)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError) as e:  # not glibc
+            logger.debug(f"malloc_trim unavailable: {e!r}")
+
+
+def share_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Move the optimizer's state tensors on the CPU to shared memory, in place, before hivemind forks its averager
+    processes: every step writes them, and pages of a private mapping written after a fork are copied, so each
+    forked helper would keep its own copy of the state as it was (two Adam moments per helper). Shared pages are
+    never copied."""
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0:
+                value.share_memory_()
+
+
+def zero_grad_view(p: torch.Tensor) -> torch.Tensor:
+    """A zero gradient for ``p`` that takes no memory (one element, expanded): hivemind and the optimizer's
+    initial step only read it, or copy it (a copy is dense)."""
+    return torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
 
 
 def p2pd_env(program: str, env: dict[str, str] | None) -> dict[str, str] | None:

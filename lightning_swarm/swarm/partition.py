@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .materialize import mark_released, unmark_released
+
 CallStage = Callable[..., Any]
 
 
@@ -284,6 +286,7 @@ class Partition:
         for i, block in enumerate(self.container):
             if i not in kept:
                 block.to("meta")
+                mark_released(block)
 
     def materialize(self, stage: int, device: torch.device | str, seed: int | None = None) -> bool:
         """Allocate the stage's blocks on ``device`` if any of their tensors is on ``meta``; returns whether it
@@ -301,6 +304,7 @@ class Partition:
         uncovered = []
         for block in blocks:
             block.to_empty(device=device)
+            unmark_released(block)
             for name, module in block.named_modules():
                 if not hasattr(module, "reset_parameters"):
                     uncovered += [

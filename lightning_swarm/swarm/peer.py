@@ -31,6 +31,7 @@ import socket
 import tempfile
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -43,9 +44,10 @@ from torch import nn
 
 from .auth import REFUSED_MARKER, SECRET_ENV, protect, unprotect
 from .client import SwarmClient
-from .footprint import trim_footprint
+from .footprint import release_free_memory, trim_footprint
 from .lifetime import bounded, describe_exit, settle_dead_helpers, sigint_kept, start_bounded, wait_bounded
 from .logs import quiet_routine_logs
+from .materialize import RngSnapshot, materialize
 from .partition import Partition
 from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, PeerFailure, Presence, _dht_alive
 from .protocol import RemoteStageError, stage_uid
@@ -131,7 +133,9 @@ class SwarmPeer:
         self._sent_hyper: dict[int, dict[int, dict[str, Any]]] = {}
         self._info_poller: threading.Thread | None = None
         self._stage_optimizer: _OptimizerTemplate | None = None
-        self._pipeline_ids: set[int] = set()
+        # the pipeline's parameters before prepare() reallocated them: (parameter, owning module id, name); an
+        # optimizer made before that still holds them (weak references: a released block's tensors are freed)
+        self._pipeline_before: list[tuple[weakref.ref, int, str]] = []
         self._measured_since: _Since | None = None
         self._fresh = False  # whether the last stage built here was allocated from the meta device
         self._migration_lock = threading.Lock()
@@ -227,6 +231,7 @@ class SwarmPeer:
         s = self.settings
         quiet_routine_logs()  # before hivemind forks its helpers, which inherit the filter
         trim_footprint()  # before the first helper and the first shared tensor
+        release_free_memory()  # the DHT's process is forked below: it would keep freed pages alive
         host_maddrs = s.host_maddrs or ["/ip4/127.0.0.1/tcp/0"]
         initial_peers = list(s.initial_peers) or _env_peers()
         if self.local_swarm_size is not None and self.peer_index > 0 and not initial_peers:
@@ -289,19 +294,62 @@ class SwarmPeer:
         )
 
     # ------------------------------------------------------------------ join
+    @property
+    def stage_known_offline(self) -> bool:
+        """Whether this peer's stage is known before its DHT starts (a local swarm's peer, or ``stage`` given)."""
+        return self.settings.stage is not None or self.local_swarm_size is not None
+
+    def prepare(self, module: nn.Module, rng: RngSnapshot | None = None) -> None:
+        """Cut ``module``'s pipeline into stages, choose this peer's stage and keep only what this peer hosts: its
+        stage's blocks and the modules outside the pipeline. Blocks built on meta (see :mod:`.materialize`) get
+        storage and their initial values here, and only here (replaying the build from ``rng``, the generators'
+        states when the meta build began; ``None``: a seed of the run, the same on every peer); blocks built with
+        storage are released to meta (the whole model then existed once, before any training state and before any
+        helper process was forked).
+        Called by :meth:`join` unless called before (earlier is better: before the DHT forks its process, which
+        would otherwise keep pages of the released blocks alive)."""
+        s = self.settings
+        self.partition = Partition(module, s.pipeline or find_pipeline(module), s.num_stages)
+        self._pipeline_before = [
+            (weakref.ref(p), id(m), name)
+            for m in self.partition.container.modules()
+            for name, p in m.named_parameters(recurse=False)
+        ]
+        self.stage = self._choose_stage()
+        hosted = self.partition.stage_blocks(self.stage) if self.is_server else []
+        others = {id(m) for block in self.partition.container if block not in hosted for m in block.modules()}
+        if rng is None:
+            # built on meta by the user's own code (or nothing is on meta): every peer starts from a seed of the run
+            rng = RngSnapshot.seeded(_stage_seed(s.run_id, -1), self.device)
+        materialize(module, lambda m: id(m) not in others, self.device, rng)
+        self.partition.release(keep=[self.stage] if self.is_server else [])
+        release_free_memory()
+
+    def _live_pipeline_before(self) -> dict[int, tuple[int, str]]:
+        """``id(parameter) -> (id(owning module), name)`` of the pipeline's parameters from before
+        :meth:`prepare` that are still alive (held by an optimizer made before it)."""
+        live = {}
+        for ref, owner, name in self._pipeline_before:
+            p = ref()
+            if p is not None:
+                live[id(p)] = (owner, name)
+        return live
+
     def join(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], training: bool
     ) -> list[torch.optim.Optimizer]:
-        """Cut ``module``'s pipeline into stages, serve this peer's stage, put the proxy in place and return the
-        trainer's optimizers (see :meth:`trainer_optimizers`)."""
+        """Serve this peer's stage (see :meth:`prepare`), put the proxy in place and return the trainer's
+        optimizers (see :meth:`trainer_optimizers`)."""
         s = self.settings
         assert self.dht is not None, "start_dht() first"
         self.check_stage_count()
-        self.partition = Partition(module, s.pipeline or find_pipeline(module), s.num_stages)
-        self._pipeline_ids = {id(p) for p in self.partition.container.parameters()}  # before any reallocation
-        self.stage = self._choose_stage()
+        if self.partition is None or self.partition.root is not module:
+            self.prepare(module)
+        assert self.partition is not None and self.stage is not None
         if training and optimizers:  # before the trainer's optimizers lose the pipeline's parameters
-            self._stage_optimizer = _OptimizerTemplate(optimizers, self.partition.container)
+            self._stage_optimizer = _OptimizerTemplate(
+                optimizers, self.partition.container, before=self._live_pipeline_before()
+            )
         local_servers = {}
         if self.is_server:
             self.server = self._make_server(self.stage)
@@ -313,6 +361,7 @@ class SwarmPeer:
         self.partition.release(keep=[self.stage] if self.server is not None else [])
         if self.server is not None:
             self._start_server(self.server)
+        release_free_memory()  # the optimizers' set-up drew and freed zero gradients
         self.client = SwarmClient(self.dht, s, local_servers=local_servers, should_stop=self.should_stop)
         self.partition.install_proxy(self.client.call_stage)
         self.joined = True
@@ -498,7 +547,7 @@ class SwarmPeer:
         """Drop the pipeline's parameters from the trainer's optimizers (the stages' servers own them) and, when
         several trainers feed the swarm, average the remaining (trainer-local) parameters' gradients among them."""
         assert self.partition is not None
-        pipeline = self._pipeline_ids | {id(p) for p in self.partition.container.parameters()}
+        pipeline = set(self._live_pipeline_before()) | {id(p) for p in self.partition.container.parameters()}
         for opt in optimizers:
             for group in opt.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in pipeline]
@@ -914,7 +963,10 @@ class _OptimizerTemplate:
     """
 
     def __init__(
-        self, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer], pipeline: nn.Module
+        self,
+        optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer],
+        pipeline: nn.Module,
+        before: dict[int, tuple[int, str]] | None = None,
     ) -> None:
         optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         for optimizer in optimizers:
@@ -922,7 +974,7 @@ class _OptimizerTemplate:
                 raise TypeError(
                     "configure_optimizers must return a torch optimizer; the SwarmStrategy wraps it itself."
                 )
-        pipeline_ids = {id(p) for p in pipeline.parameters()}
+        pipeline_ids = {id(p) for p in pipeline.parameters()} | set(before or {})
         owners = [
             i
             for i, opt in enumerate(optimizers)
@@ -951,6 +1003,9 @@ class _OptimizerTemplate:
                 for p in group["params"]:
                     self._group_of.setdefault(id(p), (i, g))
         self._by_slot: dict[tuple[int, str], tuple[int, int]] = {}  # (id(owner module), name) -> group
+        for pid, slot in (before or {}).items():  # parameters the pipeline held before it was reallocated
+            if pid in self._group_of:
+                self._by_slot[slot] = self._group_of[pid]
         self.remember(pipeline)
 
     def remember(self, modules: nn.Module) -> None:

@@ -91,6 +91,7 @@ from torch import nn
 from ._loop import replicate_p2p, run_coroutine
 from .batching import RequestBatcher, concat_payloads, merge_key, mixes_rows, split_payload
 from .codec import CodecError, TooLarge, all_finite, check_encodable
+from .footprint import release_free_memory, share_optimizer_state, zero_grad_view
 from .payload import Payload
 from .protocol import (
     COMPUTE,
@@ -206,6 +207,7 @@ class StageServer(StageService):
         # trained parameters (served) and the optimizer's copy of them; pending gradients of served backwards
         self._trained: list[nn.Parameter] = []
         self._master: list[nn.Parameter] = []
+        self._shared_master = False  # whether the optimizer steps the served parameters themselves
         self._grads_lock = threading.Lock()
         self._pending: list[torch.Tensor | None] | None = None
         self._pending_samples = 0
@@ -286,9 +288,18 @@ class StageServer(StageService):
         ]
         groups = [{k: v for k, v in g.items() if k not in ("swarm_optimizer", "swarm_group")} for g in groups]
         if groups and self.optimizer_factory is not None:
+            release_free_memory()  # hivemind forks its averagers below: pages freed but resident would be copied
             request_timeout = max(0.2, s.matchmaking_time / 3)
             self._trained = [p for g in groups for p in g["params"]]
-            self._master = [nn.Parameter(p.detach().clone(), requires_grad=True) for p in self._trained]
+            # trainer-driven steps on the CPU: the optimizer steps the served parameters themselves, with serving
+            # paused (see _writing_served); its state averager and gradient averager reuse them (no copies)
+            self._shared_master = self.driven and all(p.device.type == "cpu" for p in self._trained)
+            if self._shared_master:
+                self._master = list(self._trained)
+            else:
+                self._master = [nn.Parameter(p.detach().clone(), requires_grad=True) for p in self._trained]
+            for master in self._master:  # else hivemind's gradient averager allocates zero gradients to copy
+                master.grad = zero_grad_view(master)
             master_of = {id(p): m for p, m in zip(self._trained, self._master, strict=True)}
             groups = [{**g, "params": [master_of[id(p)] for p in g["params"]]} for g in groups]
             self.optimizer = _StageOptimizer(
@@ -299,6 +310,10 @@ class StageServer(StageService):
                 optimizer=functools.partial(_make_initialized, self.optimizer_factory),
                 params=groups,
                 offload_optimizer=False,  # the master copy is already apart from the served parameters
+                # driven: hivemind's local gradient accumulators are never used (the commands carry the step), and
+                # the state averager averages no parameters (it only serves downloads): no copies for either
+                reuse_grad_buffers=self.driven,
+                reuse_state_tensors=self._shared_master or None,
                 matchmaking_time=s.matchmaking_time,
                 averaging_timeout=s.averaging_timeout,
                 # hivemind warns (and may deadlock) unless requests time out before matchmaking ends; the optimizer
@@ -313,6 +328,8 @@ class StageServer(StageService):
                 ),  # joiners download the state averager's state; a gradient buffer is not worth a download
                 verbose=False,
             )
+            for master in self._master:  # hivemind made zero gradients; each step hands its own over
+                master.grad = None
         warm_up_codec(s.compression)  # before this peer is announced: its first reply must not wait for it
         batching = s.max_batch_rows > 0 and not mixes_rows(self.module)
         if s.max_batch_rows > 0 and not batching:
@@ -510,11 +527,26 @@ class StageServer(StageService):
             self._refresh_parameters(defer=True)
             return True
 
+    @contextlib.contextmanager
+    def _writing_served(self) -> Iterator[None]:
+        """Around a write of the optimizer's parameters: when they are the served ones (``_shared_master``),
+        serving waits (the parameters lock) and forwards kept before recompute their backward."""
+        if not self._shared_master:
+            yield
+            return
+        with self._lock:
+            try:
+                yield
+            finally:
+                self._param_version += 1
+
     def _refresh_parameters(self, defer: bool = False) -> None:
         """Copy the optimizer's parameters into the served ones if they changed (under the parameters lock:
         short); the caller holds ``_step_lock``. Unchanged ones are not written: a kept forward's graph stays
         valid. With ``defer``, changed parameters wait while forwards kept before are still waiting for their
         backward, up to ``_REFRESH_DEFER_S`` (the stepper retries, see :meth:`_step_loop`)."""
+        if self._shared_master:
+            return  # written in place (see _writing_served)
         with self._lock, torch.no_grad():
             changed = [
                 not torch.equal(served, master)
@@ -601,9 +633,9 @@ class StageServer(StageService):
                         # nobody to sum with this time (the peers missed each other): the trainer sends the command
                         # again, and this peer keeps its own gradients for that round
                         return {"epoch": int(opt.local_epoch), "retry": True, "group": 1, "steps": self.steps}
-                if (
-                    grads is own
-                ):  # unscaled in place below: the own gradients stay as taken, for another attempt
+                if grads is own and command.grad_scale != 1.0:
+                    # unscaled in place below: the own gradients stay as taken, for another attempt (without a
+                    # loss scale nothing changes them before the step, which is the last use: no copy)
                     grads = [g.clone() if g is not None else None for g in own]
                 summed = (grads, self._unscale(grads, command.grad_scale, group))
                 self._prepared = (command.step_id, own, wanted, summed, command.attempt)
@@ -645,7 +677,8 @@ class StageServer(StageService):
         assert isinstance(averager, _StateAverager)
         averager.loaded = False
         try:
-            opt.load_state_from_peers()
+            with self._writing_served():
+                opt.load_state_from_peers()
         except Exception as e:
             logger.warning(f"Stage {self.stage}: could not load the stage's state from its peers: {e!r}")
         self._refresh_parameters()
@@ -762,7 +795,7 @@ class StageServer(StageService):
             master.grad = grad
         # a peer downloading the stage's state meanwhile gets it from before or after this step, never torn and
         # never with the new epoch on the old parameters (see _StateAverager.get_current_state)
-        with _state_lock(averager), opt.tracker.pause_updates():
+        with _state_lock(averager), opt.tracker.pause_updates(), self._writing_served():
             try:
                 averager.step(increment_epoch=True, optimizer_step=True)
             finally:
@@ -1544,7 +1577,7 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
             group["lr"] = 0.0
         for p in params:
-            p.grad = torch.zeros_like(p)
+            p.grad = zero_grad_view(p)
         optimizer.step()
     finally:
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
@@ -1722,9 +1755,13 @@ class _StartsInAnyThread:
     averager inherits it; only the main thread may do that, and a Ctrl-C that comes while the averager starts
     (a second or more) would be lost by the peer. These start from any thread without touching this process's
     SIGINT (a peer that migrates starts its new stage's averagers in a background thread); the forked averager
-    ignores SIGINT itself, first thing (it is already in a process group of its own, see ``lifetime``)."""
+    ignores SIGINT itself, first thing (it is already in a process group of its own, see ``lifetime``). Free heap
+    pages are handed back first (see ``footprint.release_free_memory``)."""
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        # hivemind has just moved the averaged tensors to shared memory (their private copies freed, still resident
+        # in the heap): the forked averager would inherit those pages and keep them once this process reuses them
+        release_free_memory()
         self.start()  # type: ignore[attr-defined]
         if await_ready:
             self.wait_until_ready(timeout)  # type: ignore[attr-defined]
@@ -1966,7 +2003,13 @@ class _StageOptimizer(HivemindOptimizer):
                     logger.error(f"{self.run_id}: averaging gradients failed: {e!r}; using local gradients")
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
+    def __init__(self, *args: Any, reuse_state_tensors: bool | None = None, **kwargs: Any) -> None:
+        self._reuse_state_tensors = reuse_state_tensors  # None: hivemind's default
+        super().__init__(*args, **kwargs)
+
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
+        if self._reuse_state_tensors is not None:
+            kwargs.setdefault("reuse_tensors", self._reuse_state_tensors)
         return _StateAverager(
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
@@ -1993,6 +2036,7 @@ def _no_partner(error: BaseException) -> bool:
 def _make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Optimizer:
     optimizer = factory(params)
     initialize_optimizer_state(optimizer)
+    share_optimizer_state(optimizer)
     return optimizer
 
 

@@ -1,0 +1,233 @@
+"""One training job of an MLP pipeline, built in one of the three ways Lightning users build models, for
+``benchmarks/swarm_memory.py --scale`` and ``tests/test_memory.py``.
+
+``python benchmarks/_memory_job.py '<json>'``; the settings (all optional but ``out_dir``):
+
+- ``way``: ``"init"`` (the model built in ``__init__``), ``"init_module"`` (built under
+  ``trainer.init_module(empty_init=True)``) or ``"configure_model"`` (built in ``configure_model``);
+- ``devices``: 1 runs one plain Lightning process (no swarm); N > 1 a local swarm of N peers, one trainer, N
+  stages of one peer each;
+- ``width``, ``ffn``, ``blocks``: the pipeline (``blocks`` blocks LayerNorm -> Linear(width, ffn) -> GELU ->
+  Linear(ffn, width)), between a trainer-local input layer and head;
+- ``steps``, ``batch``, ``seed``, ``compression``, ``lr``.
+
+Every process writes ``out_dir/peer<rank>.json`` once set up (Lightning's ``on_fit_start``, after the strategy's
+``setup``): its stage, the bytes of storage its model's tensors hold (every distinct storage of the module's
+parameters and buffers, the pipeline's blocks included, ``meta`` tensors holding none), the bytes its stage and the
+trainer-local modules need, what its stage server holds besides (copies of the parameters, optimizer state), and,
+for the trainer, the output of the first forward. At the end it adds its peak resident memory (``VmHWM``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _enter_cgroup() -> None:
+    """``SWARM_MEMORY_CGROUP=<dir>:<bytes>`` (set by ``swarm_memory.py --scale --capped``): this process and the
+    helpers it starts run in the memory cgroup (v1) ``<dir>/peer<rank>``, limited to ``<bytes>``."""
+    spec = os.environ.get("SWARM_MEMORY_CGROUP")
+    if not spec:
+        return
+    root, limit = spec.rsplit(":", 1)
+    path = os.path.join(root, f"peer{os.environ.get('LOCAL_RANK', '0')}")
+    os.makedirs(path, exist_ok=True)
+    for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+        if os.path.exists(os.path.join(path, name)):
+            with open(os.path.join(path, name), "w") as f:
+                f.write(limit)
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+_enter_cgroup()  # before the imports: they are the floor every peer pays
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_swarm  # noqa: E402
+
+
+def block(width: int, ffn: int) -> nn.Module:
+    return nn.Sequential(nn.LayerNorm(width), nn.Linear(width, ffn), nn.GELU(), nn.Linear(ffn, width))
+
+
+class MLPPipeline(LightningModule):
+    """A trainer-local input layer, ``blocks`` MLP blocks (the pipeline, ``self.layers``) and a head."""
+
+    def __init__(
+        self, width: int = 64, ffn: int = 256, blocks: int = 8, lr: float = 1e-3, build: bool = True
+    ):
+        super().__init__()
+        self.width, self.ffn, self.num_blocks, self.lr = width, ffn, blocks, lr
+        self.first_output: torch.Tensor | None = None
+        if build:
+            self.build()
+
+    def build(self) -> None:
+        self.inp = nn.Linear(self.width, self.width)
+        self.layers = nn.Sequential(*(block(self.width, self.ffn) for _ in range(self.num_blocks)))
+        self.head = nn.Linear(self.width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.inp(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        if self.first_output is None:
+            self.first_output = out.detach().clone()
+        return nn.functional.mse_loss(out, y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class BuiltInConfigureModel(MLPPipeline):
+    """The same model, its layers built in ``configure_model`` (idempotent, as Lightning asks)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(build=False, **kwargs)
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "layers"):
+            self.build()
+
+
+def data(width: int, batch: int, steps: int, seed: int = 1234) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch * steps, width, generator=g)
+    y = x[:, :1] - x[:, 1:2]
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (``meta`` tensors have none)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def server_extra_bytes(server, served: list[torch.Tensor]) -> int:
+    """Bytes a stage server holds besides its served tensors: the optimizer's copy of the parameters and their
+    gradients, the optimizer's state, hivemind's averaged and accumulated tensors, the pending gradients."""
+    extra = list(server._master) + [p.grad for p in server._master] + list(server._pending or ())
+    opt = server.optimizer
+    if opt is not None:
+        state = opt.state_averager
+        extra += list(state._averaged_parameters) + _optimizer_tensors(state.optimizer)
+        grads = opt.grad_averager
+        extra += list(grads._local_accumulators or ())
+        with grads.get_tensors() as averaged:
+            extra += list(averaged)
+    own = {t.untyped_storage().data_ptr() for t in served if not t.is_meta}
+    return storage_bytes(t for t in extra if t is not None and t.untyped_storage().data_ptr() not in own)
+
+
+class Report(Callback):
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.record: dict = {}
+
+    def on_fit_start(self, trainer, pl_module):
+        tensors = [*pl_module.parameters(), *pl_module.buffers()]
+        strategy = trainer.strategy
+        peer = getattr(strategy, "_peer", None)
+        record = {"rank": trainer.global_rank, "pid": os.getpid()}
+        if peer is not None:
+            container = peer.partition.container
+            tensors += [*container.parameters(), *container.buffers()]
+            hosted = [] if peer.server is None else list(peer.server.module.parameters())
+            hosted += [] if peer.server is None else list(peer.server.module.buffers())
+            local = [t for name, t in pl_module.named_parameters() if not name.startswith("layers.")]
+            record["stage"] = peer.stage
+            record["expected_bytes"] = storage_bytes(hosted) + storage_bytes(local)
+            record["stage_bytes"] = storage_bytes(hosted)
+            server = peer.server
+            if server is not None:  # what the stage server holds besides the served parameters
+                record["server_extra_bytes"] = server_extra_bytes(server, hosted)
+        record["model_bytes"] = storage_bytes(tensors)
+        self.record = record
+        self._write(trainer)
+
+    def on_fit_end(self, trainer, pl_module):
+        if pl_module.first_output is not None:
+            self.record["first_output"] = pl_module.first_output.tolist()
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    self.record["vm_hwm_mb"] = int(line.split()[1]) / 1024
+        self._write(trainer)
+
+    def _write(self, trainer) -> None:
+        path = os.path.join(self.out_dir, f"peer{trainer.global_rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.record, f)
+        os.replace(path + ".tmp", path)
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    way = cfg.get("way", "init")
+    devices = int(cfg.get("devices", 1))
+    seed = int(cfg.get("seed", 0))
+    sizes = {"width": cfg.get("width", 64), "ffn": cfg.get("ffn", 256), "blocks": cfg.get("blocks", 8)}
+    strategy = "auto"
+    if devices > 1:
+        strategy = lightning_swarm.SwarmStrategy(
+            pipeline="layers",
+            num_stages=devices,
+            num_trainers=1,
+            compression=cfg.get("compression", "none"),
+            run_id=cfg.get("run_id", f"memory_{way}"),
+            rebalance_period=0,
+        )
+    report = Report(cfg["out_dir"])
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=int(cfg.get("steps", 1)),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[report],
+    )
+    seed_everything(seed, verbose=False)
+    if way == "init":
+        model = MLPPipeline(lr=cfg.get("lr", 1e-3), **sizes)
+    elif way == "init_module":
+        with trainer.init_module(empty_init=True):
+            model = MLPPipeline(lr=cfg.get("lr", 1e-3), **sizes)
+    elif way == "configure_model":
+        model = BuiltInConfigureModel(lr=cfg.get("lr", 1e-3), **sizes)
+    else:
+        raise SystemExit(f"unknown way {way!r}: init, init_module or configure_model")
+    batch = int(cfg.get("batch", 8))
+    trainer.fit(model, data(sizes["width"], batch, int(cfg.get("steps", 1))))
+
+
+if __name__ == "__main__":
+    main()

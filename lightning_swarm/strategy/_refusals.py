@@ -1,0 +1,48 @@
+"""What the ``SwarmStrategy`` refuses at setup, with one line each: Lightning settings the swarm cannot honour."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Trainer
+
+
+def _scaler(plugin: Any) -> Any:
+    """The precision plugin's enabled loss scaler (``16-mixed``), or ``None``."""
+    scaler = getattr(plugin, "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def _refuse_weight_copies(trainer: Trainer) -> None:
+    """Callbacks that keep their own copy of the model's weights (SWA, EMA) would average only the trainer-side
+    parameters: the pipeline's live on the stages. Refused at setup, with one line."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # Lightning before 2.5
+        WeightAveraging = StochasticWeightAveraging  # noqa: N806
+    for callback in trainer.callbacks:
+        if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
+            raise ValueError(
+                f"When using the SwarmStrategy, the {type(callback).__name__} callback is not supported: it keeps a "
+                "copy of the model's weights in this process, while the pipeline's weights live on the stages. "
+                "Average a saved checkpoint's weights after training instead."
+            )
+
+
+def _refuse_for_swarm_steps(trainer: Trainer, plugin: Any) -> None:
+    """With ``stage_steps="swarm"`` (several trainers) the stages step on their own: settings that need the
+    trainer's step on the stages are refused at setup, with one line."""
+    fix = "train with one trainer (num_trainers=1: the stages then step with it)"
+    if trainer.gradient_clip_val:
+        raise ValueError(
+            "When using the SwarmStrategy with stage_steps='swarm' (several trainers), gradient_clip_val is not "
+            f"supported: the stages step on their own and cannot clip by the whole model; {fix}, or clip nothing."
+        )
+    if _scaler(plugin) is not None:
+        raise ValueError(
+            "When using the SwarmStrategy with stage_steps='swarm' (several trainers), precision='16-mixed' is not "
+            f"supported: the stages cannot unscale gradients of several trainers' loss scales; {fix}, or use "
+            "'bf16-mixed'."
+        )
