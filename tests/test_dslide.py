@@ -319,9 +319,7 @@ def test_no_rank_allocates_a_weight_sized_tensor(tmp_path: Path) -> None:
     assert all(size > 0 for size in ranks[0]["sizes"].values()), "the profiler saw rank 0's allocations"
     full = torch.load(tmp_path / "model.ckpt", weights_only=True)
     torch.testing.assert_close(full["state_dict"]["out.weight"], torch.cat([r["out_shard"] for r in ranks]))
-    torch.testing.assert_close(
-        full["state_dict"]["inp.weight"], torch.cat([r["inp_shard"] for r in ranks])
-    )
+    torch.testing.assert_close(full["state_dict"]["inp.weight"], torch.cat([r["inp_shard"] for r in ranks]))
     moments = full["optimizer_states"][0]["state"]
     assert any(torch.equal(v["exp_avg"], torch.cat([r["exp_avg"] for r in ranks])) for v in moments.values())
     # The shards are the whole layer's rows: a single process with the same seed creates the same values.
