@@ -7,9 +7,9 @@ global batch and number of optimizer steps:
 
 - in one plain Lightning process;
 - in a local swarm of 2 peer processes on 127.0.0.1 (``Trainer(strategy=SwarmStrategy(...), devices=2)``): one
-  trainer, 2 stages, the default 8-bit boundaries. ``target_batch_size`` is the global batch (``--target-batch-size``
-  overrides it: the default, 256, makes the stages step once per 256 samples whatever the trainer's batch), and
-  the timeouts are short so that a run that fails ends in seconds (one peer per stage: no averaging partner).
+  trainer, 2 stages, the default 8-bit boundaries. ``target_batch_size`` is the global batch (with one trainer
+  the stages step with its optimizer, and a ``--target-batch-size`` other than the batch is refused at setup),
+  and the timeouts are short so that a run that fails ends in seconds (one peer per stage: no averaging partner).
 
 Both runs validate every quarter of the run (through the swarm in the swarm run) and end with the held-out loss
 of the final model, computed in the trainer's process in eval mode (``held_out_loss``). The gap of a family is
