@@ -2,7 +2,7 @@
 plain process or in a local swarm (one trainer, 2 stages, compression "none").
 
 ``python tests/_contract_job.py '<json>'``; peer 0 saves ``{"state", "losses", "stage_steps", "lrs"}`` to ``out``.
-Config keys: ``swarm`` (bool), ``steps``, ``scheduler`` (None, "warmup", "step_epoch", "onecycle", "plateau"),
+Config keys: ``swarm`` (bool), ``steps``, ``scheduler`` (None, "warmup", "decay", "step_epoch", "onecycle", "plateau"),
 ``clip`` (None or [value, "norm"|"value"]), ``precision``, ``accumulate``, ``manual`` (two optimizers, manual
 optimization), ``optimizer`` ("sgd"|"adamw"), ``dropout`` (float), ``out``.
 """
@@ -75,6 +75,9 @@ class Net(LightningModule):
         if kind == "warmup":
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 5))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if kind == "decay":  # changes at every step: shows which step count drives it
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
         if kind == "step_epoch":
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.3)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
@@ -107,7 +110,17 @@ class DumpStage(Callback):
     def on_train_end(self, trainer, pl_module):
         server = trainer.strategy.peer.server if self.enabled else None
         if server is not None:
-            state = {"stage": server.stage, "state": server.state_dict_local(), "info": server.info()}
+            lrs = (
+                [float(g["lr"]) for g in server.optimizer.param_groups]
+                if server.optimizer is not None
+                else []
+            )
+            state = {
+                "stage": server.stage,
+                "state": server.state_dict_local(),
+                "info": server.info(),
+                "lrs": lrs,
+            }
             torch.save(state, f"{self.out}.peer{trainer.global_rank}")
 
 
@@ -138,7 +151,13 @@ def main() -> None:
     peers_per_stage = cfg.get("peers_per_stage", 1)
     strategy = (
         lightning_swarm.SwarmStrategy(
-            pipeline="layers", num_stages=2, num_trainers=1, compression="none", **cfg.get("strategy", {})
+            **{
+                "pipeline": "layers",
+                "num_stages": 2,
+                "num_trainers": 1,
+                "compression": "none",
+                **cfg.get("strategy", {}),
+            }
         )
         if swarm
         else "auto"
@@ -165,6 +184,8 @@ def main() -> None:
     val = loader if cfg.get("scheduler") == "plateau" else None
     trainer.fit(model, loader, val, ckpt_path=cfg.get("resume"))
     stage_steps = dict(trainer.strategy.stage_steps) if swarm else {}
+    configs = trainer.lr_scheduler_configs
+    schedule_steps = int(configs[0].scheduler.last_epoch) if configs else None
     if trainer.global_rank == 0:
         torch.save(
             {
@@ -173,6 +194,7 @@ def main() -> None:
                 "lrs": record.lrs,
                 "stage_steps": stage_steps,
                 "global_step": trainer.global_step,
+                "schedule_steps": schedule_steps,
             },
             cfg["out"],
         )

@@ -166,3 +166,46 @@ def test_top_k_checkpointing_decides_on_each_peers_own_value():
     assert strategy.world_size == 4
     assert strategy.reduce_boolean_decision(True) is True
     assert strategy.reduce_boolean_decision(False) is False
+
+
+def test_with_several_trainers_the_swarms_epoch_drives_the_lr_schedule(tmp_path):
+    """Two trainers (stage_steps="swarm"), batch 8 each, target_batch_size 32: the stages step once per two batches
+    of each trainer. A per-step LambdaLR (1 / (1 + s)) must count the swarm's epochs, not a trainer's own steps:
+    at the end each trainer's schedule is at the stages' epoch (within the epochs that finish after a trainer's
+    last read), far below the 16 steps the trainer took itself, and the stages run with the schedule's lr."""
+    cfg = {
+        "steps": 16,
+        "scheduler": "decay",
+        "swarm": True,
+        "strategy": {
+            "num_trainers": 2,
+            "target_batch_size": 32,
+            "matchmaking_time": 1.0,
+            "rebalance_period": 0,
+        },
+    }
+    swarm = run(cfg, tmp_path, "swarm")
+    assert swarm["global_step"] == 16
+    peers = [torch.load(f"{tmp_path / 'swarm.pt'}.peer{rank}", weights_only=False) for rank in range(2)]
+    epoch = max(p["info"]["epoch"] for p in peers)
+    # 2 trainers x 16 batches x 8 samples = 256 samples = 8 epochs of 32 (the last may not complete)
+    assert 6 <= epoch <= 8, epoch
+    steps = swarm["schedule_steps"]
+    assert epoch - 2 <= steps <= epoch, (steps, epoch)
+    assert swarm["lrs"][-1] == pytest.approx(0.05 / (1 + steps))
+    # the stages use the lr the trainers sent at their last step: the schedule at some epoch near the end
+    for p in peers:
+        assert p["lrs"][0] in [pytest.approx(0.05 / (1 + s)) for s in range(epoch - 3, epoch + 1)], p["lrs"]
+    # the schedule moved with the swarm along the way: lr changes at most once per trainer step and not at every one
+    changes = sum(a != b for a, b in zip(swarm["lrs"], swarm["lrs"][1:], strict=False))
+    assert 3 <= changes <= 8, swarm["lrs"]
+
+
+def test_several_optimizers_with_several_trainers_are_refused(tmp_path):
+    stderr = run(
+        {"manual": True, "steps": 2, "swarm": True, "strategy": {"num_trainers": 2}},
+        tmp_path,
+        "refused",
+        expect_failure=True,
+    )
+    assert "configure_optimizers must return one optimizer (got 2)" in stderr

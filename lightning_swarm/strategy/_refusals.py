@@ -31,10 +31,16 @@ def _refuse_weight_copies(trainer: Trainer) -> None:
             )
 
 
-def _refuse_for_swarm_steps(trainer: Trainer, plugin: Any) -> None:
+def _refuse_for_swarm_steps(trainer: Trainer, plugin: Any, optimizers: list[Any] = ()) -> None:
     """With ``stage_steps="swarm"`` (several trainers) the stages step on their own: settings that need the
     trainer's step on the stages are refused at setup, with one line."""
     fix = "train with one trainer (num_trainers=1: the stages then step with it)"
+    if len(optimizers) > 1:
+        raise ValueError(
+            "When using the SwarmStrategy with stage_steps='swarm' (several trainers), configure_optimizers must "
+            f"return one optimizer (got {len(optimizers)}): the trainers average their own parameters through one "
+            f"hivemind optimizer and the stages step on their own; use one optimizer with parameter groups, or {fix}."
+        )
     if trainer.gradient_clip_val:
         raise ValueError(
             "When using the SwarmStrategy with stage_steps='swarm' (several trainers), gradient_clip_val is not "

@@ -28,6 +28,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_swarm.strategy._refusals import _refuse_for_swarm_steps, _refuse_weight_copies, _scaler
+from lightning_swarm.strategy._schedules import follow_swarm_epochs
 from lightning_swarm.strategy.launcher import _SwarmLauncher
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
 from lightning_swarm.swarm.lifetime import (
@@ -321,7 +322,8 @@ class SwarmStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         self._step_id, self._clip, self._batch_checked = None, None, False
         if fitting and self.peer.is_trainer and not self.peer.drives_stages:
-            _refuse_for_swarm_steps(trainer, self.precision_plugin)
+            _refuse_for_swarm_steps(trainer, self.precision_plugin, self.optimizers)
+            follow_swarm_epochs(self.lr_scheduler_configs, self.peer.swarm_epoch)
         if fitting and self.peer.drives_stages:
             self._install_clipping()
             if not self.lightning_module.automatic_optimization:

@@ -56,11 +56,12 @@ from .records import LEAVING as LEAVING_STATE
 from .records import ONLINE, STATES, PeerIdentity, get_stage_peers, record_validators, register_identity
 from .server import HivemindOptimizer, StageServer, initialize_optimizer_state
 from .settings import SwarmSettings
-from .stepping import StepCommand
+from .stepping import StepCommand, read_swarm_epoch
 
 logger = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "LIGHTNING_SWARM_INITIAL_PEERS"
+_EPOCH_READ_S = 0.2  # with stage_steps="swarm": how stale the swarm's epoch driving LR schedules may be
 _INFO_POLL_S = 10.0  # with stage_steps="swarm": how often a trainer asks the stages for their step counts
 FAILED_SHUTDOWN_S = 3.0  # after a failure, seconds a peer spends shutting down before it raises the error
 
@@ -130,6 +131,7 @@ class SwarmPeer:
         self.stage_steps: dict[int, int] = {}
         self.stage_rounds: dict[int, int] = {}
         self._last_info_poll = -float("inf")
+        self._swarm_epoch, self._epoch_read_at = 0, -float("inf")
         self._sent_hyper: dict[int, dict[int, dict[str, Any]]] = {}
         self._info_poller: threading.Thread | None = None
         self._stage_optimizer: _OptimizerTemplate | None = None
@@ -624,6 +626,20 @@ class SwarmPeer:
                 return float("inf")
             total += float(reply.get("sq_norm", 0.0))
         return total
+
+    def swarm_epoch(self) -> int:
+        """With ``stage_steps="swarm"``: the swarm's epoch (the stages' steps together so far, from their progress
+        in the DHT), read at most every ``_EPOCH_READ_S`` seconds; never goes back. With trainer-driven steps: the
+        stages' epoch as they replied to this trainer's last step."""
+        if self.drives_stages or self.dht is None:
+            return max(self._stage_epochs.values(), default=0)
+        now = time.monotonic()
+        if now - self._epoch_read_at >= _EPOCH_READ_S:
+            self._epoch_read_at = now
+            epoch = read_swarm_epoch(self.dht, self.settings.run_id, 0)
+            if epoch is not None:
+                self._swarm_epoch = max(self._swarm_epoch, epoch)
+        return self._swarm_epoch
 
     def send_stage_hyper(self, optimizer: int, groups: dict[int, dict[str, Any]]) -> None:
         """With ``stage_steps="swarm"``: give the stages this trainer's current hyper-parameters of ``optimizer``

@@ -220,3 +220,27 @@ def hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
         if _hyper_value(value):
             hyper[key] = value
     return hyper
+
+
+def read_swarm_epoch(dht: Any, run_id: str, stage: int = 0) -> int | None:
+    """The swarm's epoch with ``stage_steps="swarm"``: how many times stage ``stage``'s peers stepped together, as
+    their hivemind progress trackers report it in the DHT (the largest epoch a non-client peer reports, as
+    hivemind's ``ProgressTracker`` reads it). ``None`` if nothing valid is found (no peer reported yet, or the DHT
+    did not answer); malformed entries are skipped."""
+    key = f"{run_id}_stage{stage}_progress"  # the stage optimizer's run id, as the server names it
+    try:
+        found = dht.get(key, latest=True)
+    except Exception:
+        return None
+    entries = getattr(found, "value", None)
+    if not isinstance(entries, dict):
+        return None
+    epochs = []
+    for entry in entries.values():
+        value = getattr(entry, "value", None)
+        if not isinstance(value, dict) or value.get("client_mode") is not False:
+            continue
+        epoch = value.get("epoch")
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < 2**62:
+            epochs.append(epoch)
+    return max(epochs) if epochs else None
