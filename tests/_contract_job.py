@@ -4,7 +4,7 @@ plain process or in a local swarm (one trainer, 2 stages, compression "none").
 ``python tests/_contract_job.py '<json>'``; peer 0 saves ``{"state", "losses", "stage_steps", "lrs"}`` to ``out``.
 Config keys: ``swarm`` (bool), ``steps``, ``scheduler`` (None, "warmup", "decay", "step_epoch", "onecycle", "plateau"),
 ``clip`` (None or [value, "norm"|"value"]), ``precision``, ``accumulate``, ``manual`` (two optimizers, manual
-optimization), ``optimizer`` ("sgd"|"adamw"), ``dropout`` (float), ``out``.
+optimization), ``optimizer`` ("sgd"|"adamw"), ``fp16_scaler`` ("16-mixed" with a CPU loss scaler), ``dropout`` (float), ``out``.
 """
 
 import json
@@ -164,6 +164,17 @@ def main() -> None:
     )
     clip = cfg.get("clip")
     loader = data()
+    plugins = []
+    if cfg.get(
+        "fp16_scaler"
+    ):  # "16-mixed" with a loss scaler on the CPU (Lightning alone would pick bf16 there)
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        plugins.append(
+            MixedPrecision(
+                "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=float(cfg["fp16_scaler"]))
+            )
+        )
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -175,7 +186,8 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=2 if cfg.get("scheduler") == "plateau" else 0,
-        precision=cfg.get("precision", "32-true"),
+        precision=None if plugins else cfg.get("precision", "32-true"),
+        plugins=plugins or None,
         accumulate_grad_batches=cfg.get("accumulate", 1),
         gradient_clip_val=clip[0] if clip else None,
         gradient_clip_algorithm=clip[1] if clip else None,

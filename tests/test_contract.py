@@ -61,6 +61,9 @@ CASES = {
     "step_epoch": {"scheduler": "step_epoch", "steps": 12},
     # two optimizers, manual optimization: the second steps every other batch, zero_grad in between
     "manual_two_optimizers": {"manual": True, "steps": 12},
+    # "16-mixed" with a loss scaler (a CPU GradScaler: Lightning would pick bf16 on the CPU), clipping by norm:
+    # the stages unscale their gradients and clip by the whole model's norm
+    "fp16_mixed_scaler_clipnorm": {"fp16_scaler": 2.0**10, "clip": [0.3, "norm"], "steps": 8},
     # a model converted to bf16 by Lightning ("bf16-true"): the stages are converted too
     "bf16_true": {"precision": "bf16-true", "steps": 6},
 }
@@ -82,6 +85,20 @@ def test_a_swarm_step_is_the_single_process_step(case, tmp_path):
     }
     # the run trained something: the pipeline moved away from its initialisation
     assert swarm["losses"][-1] != swarm["losses"][0]
+
+
+def test_with_16_mixed_a_step_whose_gradients_overflowed_is_skipped_everywhere(tmp_path):
+    """A loss scale of 2^18 overflows float16 gradients for the first steps: GradScaler skips them and halves the
+    scale. In the swarm the stages skip the same steps (an overflowed gradient never reaches them, or theirs
+    overflowed) and the run equals the single process's, skipped steps included."""
+    cfg = {"fp16_scaler": 2.0**18, "steps": 12}
+    single = run({**cfg, "swarm": False}, tmp_path, "single")
+    swarm = run({**cfg, "swarm": True}, tmp_path, "swarm")
+    steps = swarm["stage_steps"]
+    assert steps[0] == steps[1] and 0 < steps[0] < cfg["steps"], steps  # some steps skipped, not all
+    assert swarm["losses"] == pytest.approx(single["losses"], rel=1e-6)
+    moved = max(float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"])
+    assert moved <= TOLERANCE
 
 
 def test_a_target_batch_size_that_the_trainer_does_not_step_with_is_refused(tmp_path):

@@ -326,6 +326,7 @@ class SwarmStrategy(ParallelStrategy):
             follow_swarm_epochs(self.lr_scheduler_configs, self.peer.swarm_epoch)
         if fitting and self.peer.drives_stages:
             self._install_clipping()
+            self._install_loss_scaling()
             if not self.lightning_module.automatic_optimization:
                 self._mirror_zero_grad()
 
@@ -506,6 +507,9 @@ class SwarmStrategy(ParallelStrategy):
         )  # our clipping hook (see _install_clipping)
         for optimizer in (*self.optimizers, *self._lightning_optimizers):
             optimizer.__dict__.pop("zero_grad", None)  # see _mirror_zero_grad
+        scaler = _scaler(self.precision_plugin)
+        if scaler is not None:
+            scaler.__dict__.pop("unscale_", None)  # see _install_loss_scaling
         peer, self._peer = self._peer, None
         failed, self._failed = self._failed, False
         if peer is not None:
@@ -557,6 +561,32 @@ class SwarmStrategy(ParallelStrategy):
             optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
             if index < len(wrappers):
                 wrappers[index].zero_grad = zero_grad  # type: ignore[method-assign]
+
+    def _install_loss_scaling(self) -> None:
+        """``16-mixed``: a step is skipped when any gradient of the whole model overflowed, as ``GradScaler`` does
+        in one process. After the scaler unscales the trainer's gradients, the stages report whether theirs are
+        finite (the ``"norm"`` phase), and a backward whose loss-scaled gradients overflowed before reaching a
+        stage counts too; either marks the step as skipped in the scaler (which then lowers the scale), and the
+        stages drop that step's gradients with it."""
+        scaler = _scaler(self.precision_plugin)
+        client = self.peer.client
+        if scaler is None or client is None:
+            return
+        client.loss_scaled = True
+        original = scaler.unscale_
+
+        def unscale_(optimizer: Any) -> None:
+            original(optimizer)
+            raw = getattr(optimizer, "_optimizer", optimizer)
+            overflowed, client.nonfinite_backwards = client.nonfinite_backwards > 0, 0
+            sq = self.peer.stage_grad_sq_norm(
+                self._current_step_id(), self._optimizer_index(raw), 1.0 / float(scaler.get_scale())
+            )
+            if overflowed or not math.isfinite(sq):
+                for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                    found.fill_(1.0)
+
+        scaler.unscale_ = unscale_  # type: ignore[method-assign]
 
     def _install_clipping(self) -> None:
         """Clip by the whole model: the precision plugin's ``clip_gradients`` (what Lightning's gradient clipping

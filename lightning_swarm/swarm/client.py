@@ -45,7 +45,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.mpfuture import MPFuture
 
 from ._loop import replicate_p2p, run_coroutine
-from .codec import CodecError, check_encodable, remember_wire_format
+from .codec import CodecError, all_finite, check_encodable, remember_wire_format
 from .payload import EncodedPayload, Payload
 from .protocol import (
     SEED_BITS,
@@ -141,6 +141,10 @@ class SwarmClient:
         # per stage, input shapes -> the output shapes its replies had (a reply unlike that is a peer failure)
         self._output_shapes: list[OrderedDict] = [OrderedDict() for _ in range(self.num_stages)]
         self.check_outputs = check_outputs
+        # "16-mixed": gradients are loss-scaled, so an overflow (inf/NaN) is expected now and then; the step is then
+        # skipped (see SwarmStrategy). Set by the strategy; counts the backwards that met non-finite values.
+        self.loss_scaled = False
+        self.nonfinite_backwards = 0
         warm_up_codec(settings.compression)  # the first call's timeout must not pay for loading the kernels
 
     # ---- public API ----
@@ -712,17 +716,26 @@ class _StageCall:
         self, grad_outputs: list[torch.Tensor | None], expected: list[tuple[torch.Size, torch.dtype]]
     ) -> list[torch.Tensor]:
         grads = Payload.flatten(tuple(grad_outputs))
-        uid = stage_uid(self.client.run_id, self.stage)
+        client = self.client
+        if client.loss_scaled and not all(all_finite(t) for t in grads.tensors if t.is_floating_point()):
+            # a loss-scaled gradient overflowed: this step is skipped (the trainer's scaler is told), so the stage
+            # need not see it; its inputs' gradients are infinite, as they would be in one process
+            client.nonfinite_backwards += 1
+            return [torch.full(shape, float("inf"), dtype=dtype) for shape, dtype in expected]
+        uid = stage_uid(client.run_id, self.stage)
         request = StageRequest("backward", uid, self.inputs, grads, training=self.training, seed=self.seed)
         request.forward_id = self.forward_id
-        reply, _ = self.client._call(
+        reply, _ = client._call(
             self.stage,
             request,
             reuse=self.encoded_inputs,
-            check=lambda p: _check_grads(self.stage, p.rebuild(), expected),
+            check=lambda p: _check_grads(self.stage, p.rebuild(), expected, finite=not client.loss_scaled),
             prefer=self.forward_peer,
         )
-        return list(reply.rebuild())
+        grads_in = list(reply.rebuild())
+        if client.loss_scaled and not all(all_finite(t) for t in grads_in):
+            client.nonfinite_backwards += 1  # the stage's own backward overflowed: skip the step
+        return grads_in
 
 
 class _StageFunction(torch.autograd.Function):
@@ -766,9 +779,12 @@ def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return moved
 
 
-def _check_grads(stage: int, grads: Any, expected: list[tuple[torch.Size, torch.dtype]]) -> None:
+def _check_grads(
+    stage: int, grads: Any, expected: list[tuple[torch.Size, torch.dtype]], finite: bool = True
+) -> None:
     """A backward reply must hold one finite gradient of the input's shape and dtype per differentiable input;
-    anything else is the peer's failure (``ProtocolError``: the call is retried elsewhere and the peer banned)."""
+    anything else is the peer's failure (``ProtocolError``: the call is retried elsewhere and the peer banned).
+    ``finite=False`` (loss-scaled gradients, which may overflow) accepts infinities and NaN."""
     if not isinstance(grads, (tuple, list)) or len(grads) != len(expected):
         count = len(grads) if isinstance(grads, (tuple, list)) else type(grads).__name__
         raise ProtocolError(f"Stage {stage} returned {count} input gradients, expected {len(expected)}")
@@ -780,7 +796,8 @@ def _check_grads(stage: int, grads: Any, expected: list[tuple[torch.Size, torch.
             raise ProtocolError(
                 f"Stage {stage} returned a malformed input gradient: {got}, expected {list(shape)} {dtype}"
             )
-    check_finite(list(grads), f"stage {stage} input gradient", ProtocolError)
+    if finite:
+        check_finite(list(grads), f"stage {stage} input gradient", ProtocolError)
 
 
 def _describe(shapes: tuple) -> str:
