@@ -147,7 +147,8 @@ def list_swarm(
 ) -> tuple[list, int]:
     """Every announced peer of run ``run_id`` (all states) and the number of stages: ``num_stages`` if given,
     else the largest one the peers announce, else the stages up to the first one without any peer."""
-    from lightning_swarm.swarm.records import STATES, get_stage_peers
+    from lightning_swarm.swarm.records import get_stage_peers
+    from lightning_swarm.swarm.states import STATES
 
     peers: list = []
     stage = 0
@@ -167,7 +168,7 @@ def list_swarm(
 
 def format_status(run_id: str, peers: list, num_stages: int) -> str:
     """The ``status`` table for ``peers`` (``PeerInfo`` records of every state)."""
-    from lightning_swarm.swarm.records import ONLINE
+    from lightning_swarm.swarm.states import ONLINE
 
     totals = [
         sum(p.throughput for p in peers if p.stage == k and p.state == ONLINE) for k in range(num_stages)

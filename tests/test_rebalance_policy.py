@@ -3,8 +3,6 @@
 import random
 
 from lightning_swarm.swarm.rebalance import (
-    JOINING,
-    LEAVING,
     PeerLoad,
     choose_stage,
     next_check,
@@ -12,6 +10,7 @@ from lightning_swarm.swarm.rebalance import (
     plan_move,
     stage_totals,
 )
+from lightning_swarm.swarm.states import JOINING, LEAVING
 
 
 def _swarm(*stages_and_speeds):

@@ -7,7 +7,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from lightning_swarm.cli import format_status
-from lightning_swarm.swarm.records import JOINING, LEAVING, ONLINE, STATES, parse_stage_peers
+from lightning_swarm.swarm.records import parse_stage_peers
+from lightning_swarm.swarm.states import JOINING, LEAVING, ONLINE, STATES
 
 NOW = 1_000.0
 IDS = [

@@ -14,8 +14,9 @@ from torch import nn
 
 from lightning_swarm.swarm.client import MIN_ATTEMPT_TIMEOUT_S
 from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.presence import FINISHED, Presence
+from lightning_swarm.swarm.presence import Presence
 from lightning_swarm.swarm.protocol import UNAVAILABLE, StageRequest, stage_uid
+from lightning_swarm.swarm.states import FINISHED
 from lightning_swarm.swarm.transport import encode_request
 from tests.test_stage_server import _client, _run_id, _serve, cleanup, dhts  # noqa: F401 (fixtures)
 

@@ -27,8 +27,6 @@ from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.peer import dht_start_error
 from lightning_swarm.swarm.protocol import stage_uid
 from lightning_swarm.swarm.records import (
-    ONLINE,
-    STATES,
     PeerIdentity,
     RecordSigner,
     get_stage_peers,
@@ -38,6 +36,7 @@ from lightning_swarm.swarm.records import (
     swarm_keys,
 )
 from lightning_swarm.swarm.server import StageServer, _StateAverager
+from lightning_swarm.swarm.states import ONLINE, STATES
 
 pytestmark = pytest.mark.timeout(120)
 _runs = itertools.count()

@@ -49,13 +49,13 @@ from .lifetime import bounded, describe_exit, settle_dead_helpers, sigint_kept, 
 from .logs import quiet_routine_logs
 from .materialize import RngSnapshot, materialize
 from .partition import Partition
-from .presence import APPEAR_TIMEOUT, FINISHED, LEAVING, PeerFailure, Presence, _dht_alive
+from .presence import APPEAR_TIMEOUT, PeerFailure, Presence, _dht_alive
 from .protocol import RemoteStageError, stage_uid
 from .rebalance import Move, PeerLoad, choose_stage, next_check, plan_move
-from .records import LEAVING as LEAVING_STATE
-from .records import ONLINE, STATES, PeerIdentity, get_stage_peers, record_validators, register_identity
+from .records import PeerIdentity, get_stage_peers, record_validators, register_identity
 from .server import HivemindOptimizer, StageServer, initialize_optimizer_state
 from .settings import SwarmSettings
+from .states import DEPARTING, FINISHED, LEAVING, ONLINE, STATES
 from .stepping import StepCommand, read_swarm_epoch
 
 logger = logging.getLogger(__name__)
@@ -865,7 +865,7 @@ class SwarmPeer:
                         error = e
                 self.partition.restore(states)
             if self.presence is not None:
-                self.presence.set_phase(LEAVING)
+                self.presence.set_phase(DEPARTING)
                 self.presence.wait_for(
                     LEAVING,
                     self.local_swarm_size,
@@ -924,7 +924,7 @@ class SwarmPeer:
                 server = self.server
                 finished = bounded(
                     "the announcement of the departure",
-                    lambda: server.drain() if drain else server.set_state(LEAVING_STATE),
+                    lambda: server.drain() if drain else server.set_state(LEAVING),
                     bound(30.0),
                 )
         # independent of each other: shut down together, so that a failing peer is quick

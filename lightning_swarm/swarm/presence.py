@@ -41,10 +41,10 @@ from hivemind.utils import get_dht_time
 
 from .protocol import _remote_class
 from .records import failure_key, identity_of, presence_key, strip_signature, subkey_peer_id
+from .states import TRAINING
 
 logger = logging.getLogger(__name__)
 
-TRAINING, FINISHED, LEAVING = 0, 1, 2
 UNREADABLE_TIMEOUT = 60.0
 APPEAR_TIMEOUT = 120.0
 _DHT_TIMEOUT = 10.0  # seconds one DHT read or write may take

@@ -22,6 +22,8 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .states import LEAVING, ONLINE
+
 __all__ = [
     "PeerLoad",
     "Move",
@@ -31,8 +33,6 @@ __all__ = [
     "plan_move",
     "next_check",
 ]
-
-ONLINE, JOINING, LEAVING = "online", "joining", "leaving"
 
 
 @dataclass(frozen=True)

@@ -54,13 +54,9 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from .rebalance import JOINING, LEAVING, ONLINE
+from .states import ONLINE, STATES
 
 __all__ = [
-    "JOINING",
-    "LEAVING",
-    "ONLINE",
-    "STATES",
     "PeerIdentity",
     "PeerInfo",
     "declare_stage_peer",
@@ -78,8 +74,6 @@ __all__ = [
     "subkey_of",
     "subkey_peer_id",
 ]
-
-STATES = (JOINING, ONLINE, LEAVING)
 
 logger = logging.getLogger(__name__)
 

@@ -117,8 +117,9 @@ from .protocol import (
     stage_uid,
     warm_up_codec,
 )
-from .records import JOINING, LEAVING, ONLINE, STATES, declare_stage_peer
+from .records import declare_stage_peer
 from .settings import SwarmSettings
+from .states import JOINING, LEAVING, ONLINE, STATES
 from .stepping import StepCommand, parse_command
 from .throughput import Throughput
 from .transport import MESSAGE_BYTES, SPLIT_ABOVE, MessageReceiver, messages
