@@ -8,8 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.layers import BoundaryStage, compression_aware
-from lightning_swarm.layers.boundary import BottleneckCompress, BoundaryExpand, MaxoutCompress
+from lightning_swarm.swarm.boundary import (
+    BottleneckCompress,
+    BoundaryExpand,
+    BoundaryStage,
+    MaxoutCompress,
+    compression_aware,
+)
 from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings

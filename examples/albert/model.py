@@ -7,7 +7,7 @@
   its own shared block, as in the SWARM paper's shared-parameter models.
 - The masked-LM head decodes with the (tied) word embeddings.
 - Optional compression-aware boundaries between groups (``boundary="maxout"`` or ``"bottleneck"``, see
-  :mod:`lightning_swarm.layers.boundary`) shrink what crosses the network between stages.
+  :mod:`lightning_swarm.swarm.boundary`) shrink what crosses the network between stages.
 
 Nothing here knows about the swarm: ``SwarmStrategy(pipeline="layers", num_stages=num_groups)`` does the rest.
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_swarm.layers import compression_aware
+from lightning_swarm.swarm.boundary import compression_aware
 
 from .data import IGNORE
 

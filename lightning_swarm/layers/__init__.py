@@ -1,14 +1,6 @@
 """Layers for sparse, wide networks (SLIDE / D-SLIDE): LSH-sparse output layer, sparse input
 layer, lazy Adam and the active-set loss. Free of Lightning."""
 
-from lightning_swarm.layers.boundary import (
-    BottleneckCompress,
-    BoundaryExpand,
-    BoundaryStage,
-    MaxoutCompress,
-    boundary_pair,
-    compression_aware,
-)
 from lightning_swarm.layers.hashing import DWTAHash, SimHash
 from lightning_swarm.layers.loss import active_set_loss
 from lightning_swarm.layers.metrics import PrecisionAtK
@@ -18,12 +10,6 @@ from lightning_swarm.layers.sparse_linear import SparseLSHLinear
 from lightning_swarm.layers.tables import LSHTables
 
 __all__ = [
-    "BottleneckCompress",
-    "BoundaryExpand",
-    "BoundaryStage",
-    "MaxoutCompress",
-    "boundary_pair",
-    "compression_aware",
     "DWTAHash",
     "LSHTables",
     "LazyAdam",
