@@ -66,9 +66,9 @@ def serve() -> None:
     """The child: one stage server until stdin closes; prints its peer id, multiaddrs and pid as JSON."""
     import hivemind
 
+    from lightning_swarm.swarm.guards import BadPeers
     from lightning_swarm.swarm.lifetime import die_with_parent
     from lightning_swarm.swarm.logs import quiet_routine_logs
-    from lightning_swarm.swarm.protocol import BadPeers
     from lightning_swarm.swarm.server import StageServer
     from lightning_swarm.swarm.settings import SwarmSettings
 

@@ -642,7 +642,7 @@ def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: 
             pin = [["taskset", "-c", "0"], ["taskset", "-c", "1"]]  # one core per "machine"
             if variant == "swarm":
                 sys.path.insert(0, str(REPO))
-                from lightning_swarm.swarm.records import PeerIdentity
+                from lightning_swarm.swarm.identity import PeerIdentity
 
                 key = str(out / "peer_a.key")
                 identity = PeerIdentity()

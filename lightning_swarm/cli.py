@@ -107,7 +107,7 @@ def status(args: argparse.Namespace) -> None:
     import tempfile
 
     from .swarm.auth import SECRET_ENV, protect, unprotect
-    from .swarm.records import PeerIdentity
+    from .swarm.identity import PeerIdentity
 
     run_id = args.run_id or "lightning_swarm"
     identity = PeerIdentity()

@@ -19,8 +19,9 @@ from torch import nn
 
 from lightning_swarm.swarm.batching import mixes_rows
 from lightning_swarm.swarm.client import SwarmClient
+from lightning_swarm.swarm.errors import COMPUTE, UNAVAILABLE
 from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.protocol import COMPUTE, UNAVAILABLE, StageReply, StageRequest, stage_uid
+from lightning_swarm.swarm.protocol import StageReply, StageRequest, stage_uid
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_swarm.swarm.records import PeerIdentity, failure_key, record_validators
+from lightning_swarm.swarm.identity import PeerIdentity
+from lightning_swarm.swarm.validation import failure_key, record_validators
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "_failure_job.py"

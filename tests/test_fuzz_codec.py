@@ -20,8 +20,9 @@ from hypothesis.extra import numpy as hnp
 
 from lightning_swarm.swarm import codec
 from lightning_swarm.swarm.codec import CodecError, PartsDecoder, TooLarge, decode_parts, encode_parts
+from lightning_swarm.swarm.errors import BadRequest
 from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.protocol import BadRequest, StageRequest, parse_request, stage_uid
+from lightning_swarm.swarm.protocol import StageRequest, parse_request, stage_uid
 from lightning_swarm.swarm.transport import MessageReceiver, encode_request
 
 UID = stage_uid("fuzz", 0)

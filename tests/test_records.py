@@ -75,7 +75,7 @@ def test_status_table_names_the_bottleneck_and_every_state() -> None:
 
 
 def test_signed_subkeys_read_as_their_owner_and_forged_ones_are_skipped() -> None:
-    from lightning_swarm.swarm.records import PeerIdentity, subkey_peer_id
+    from lightning_swarm.swarm.identity import PeerIdentity, subkey_peer_id
 
     owner, other = PeerIdentity(), PeerIdentity()
     assert subkey_peer_id(owner.subkey) == owner.peer_id

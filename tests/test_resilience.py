@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from lightning_swarm.swarm.client import MIN_ATTEMPT_TIMEOUT_S
+from lightning_swarm.swarm.errors import UNAVAILABLE
 from lightning_swarm.swarm.payload import Payload
 from lightning_swarm.swarm.presence import Presence
-from lightning_swarm.swarm.protocol import UNAVAILABLE, StageRequest, stage_uid
+from lightning_swarm.swarm.protocol import StageRequest, stage_uid
 from lightning_swarm.swarm.states import FINISHED
 from lightning_swarm.swarm.transport import encode_request
 from tests.test_stage_server import _client, _run_id, _serve, cleanup, dhts  # noqa: F401 (fixtures)

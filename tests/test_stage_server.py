@@ -23,8 +23,9 @@ from torch import nn
 from lightning_swarm.swarm import quantize
 from lightning_swarm.swarm._loop import run_coroutine
 from lightning_swarm.swarm.client import SwarmClient
+from lightning_swarm.swarm.errors import RemoteStageError
 from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.protocol import RemoteStageError, StageRequest, parse_reply, stage_uid
+from lightning_swarm.swarm.protocol import StageRequest, parse_reply, stage_uid
 from lightning_swarm.swarm.routing import NoPeersError
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
@@ -728,7 +729,8 @@ def test_stage_output_is_forwarded_without_requantizing(dhts, cleanup) -> None:
 def test_malformed_and_expired_records_are_skipped(dhts) -> None:
     from hivemind.utils.timed_storage import get_dht_time
 
-    from lightning_swarm.swarm.records import declare_stage_peer, get_stage_peers, stage_key
+    from lightning_swarm.swarm.records import declare_stage_peer, get_stage_peers
+    from lightning_swarm.swarm.validation import stage_key
 
     run_id = _run_id("records")
     dht = dhts["server1"]

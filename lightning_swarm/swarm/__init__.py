@@ -10,10 +10,10 @@ beside them.
 
 from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.codec import CodecError
+from lightning_swarm.swarm.errors import RemoteStageError, RequestRefused
 from lightning_swarm.swarm.partition import Partition
 from lightning_swarm.swarm.peer import SwarmPeer
 from lightning_swarm.swarm.presence import PeerFailure
-from lightning_swarm.swarm.protocol import RemoteStageError, RequestRefused
 from lightning_swarm.swarm.routing import NoPeersError
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings

@@ -46,25 +46,16 @@ from hivemind.utils.mpfuture import MPFuture
 
 from ._loop import replicate_p2p, run_coroutine
 from .codec import CodecError, all_finite, check_encodable, remember_wire_format
+from .errors import ProtocolError, RemoteStageError, remote_exception
+from .guards import check_finite, check_outputs
 from .payload import EncodedPayload, Payload
-from .protocol import (
-    SEED_BITS,
-    ProtocolError,
-    RemoteStageError,
-    StageRequest,
-    StageService,
-    check_finite,
-    check_outputs,
-    encode_request_header,
-    remote_exception,
-    stage_uid,
-    warm_up_codec,
-)
-from .records import PeerInfo, parse_stage_peers, stage_key
+from .protocol import SEED_BITS, StageRequest, StageService, encode_request_header, stage_uid, warm_up_codec
+from .records import PeerInfo, parse_stage_peers
 from .routing import NoPeersError, PeerStopping, StageRouter
 from .settings import SwarmSettings
 from .stepping import StepCommand, parse_step_reply
 from .transport import LocalTransport, P2PTransport, decode_payload_stream, encode_request
+from .validation import stage_key
 
 __all__ = ["SwarmClient"]
 

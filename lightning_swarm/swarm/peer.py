@@ -44,19 +44,22 @@ from torch import nn
 
 from .auth import REFUSED_MARKER, SECRET_ENV, protect, unprotect
 from .client import SwarmClient
+from .errors import RemoteStageError
 from .footprint import release_free_memory, trim_footprint
+from .identity import PeerIdentity, register_identity
 from .lifetime import bounded, describe_exit, settle_dead_helpers, sigint_kept, start_bounded, wait_bounded
 from .logs import quiet_routine_logs
 from .materialize import RngSnapshot, materialize
 from .partition import Partition
 from .presence import APPEAR_TIMEOUT, PeerFailure, Presence, _dht_alive
-from .protocol import RemoteStageError, stage_uid
+from .protocol import stage_uid
 from .rebalance import Move, PeerLoad, choose_stage, next_check, plan_move
-from .records import PeerIdentity, get_stage_peers, record_validators, register_identity
+from .records import get_stage_peers
 from .server import HivemindOptimizer, StageServer, initialize_optimizer_state
 from .settings import SwarmSettings
 from .states import DEPARTING, FINISHED, LEAVING, ONLINE, STATES
 from .stepping import StepCommand, read_swarm_epoch
+from .validation import record_validators
 
 logger = logging.getLogger(__name__)
 

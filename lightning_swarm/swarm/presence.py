@@ -39,9 +39,10 @@ from typing import Any
 import hivemind
 from hivemind.utils import get_dht_time
 
-from .protocol import _remote_class
-from .records import failure_key, identity_of, presence_key, strip_signature, subkey_peer_id
+from .errors import _remote_class
+from .identity import identity_of, strip_signature, subkey_peer_id
 from .states import TRAINING
+from .validation import failure_key, presence_key
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """What a trainer and a stage server agree on: names, framing, validation and error replies.
 
-The client (:mod:`.client`) and the server (:mod:`.server`) depend on this module, not on each other.
+The client (:mod:`.client`) and the server (:mod:`.server`) depend on this module, not on each other. The guards
+on values, schemas and bans are in :mod:`.guards`, the error types and error replies in :mod:`.errors`.
 
 - Names: stage ``k`` of run ``run_id`` is :func:`stage_uid` (RPC namespace, request uid, optimizer prefix).
 - Calls: a :class:`StageRequest` (``forward``: the call's inputs; ``backward``: the inputs again plus the output
@@ -46,41 +47,37 @@ The client (:mod:`.client`) and the server (:mod:`.server`) depend on this modul
 
 from __future__ import annotations
 
-import builtins
-import functools
-import threading
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, AsyncIterator  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
+from typing import AsyncIterator  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
 
 import msgpack
 import torch
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from .codec import CodecError, all_finite
+from .codec import CodecError
+from .errors import (
+    _MAX_MESSAGE,
+    COMPUTE,
+    REQUEST,
+    UNAVAILABLE,
+    BadRequest,
+    ErrorReply,
+    Misrouted,
+    ProtocolError,
+)
+from .guards import (
+    check_finite,
+    check_values,
+)
 from .payload import EncodedPayload, Payload
-from .quantize import one_thread
 
 __all__ = [
     "KINDS",
     "PROTOCOL_VERSION",
-    "BadPeers",
-    "BadRequest",
-    "Misrouted",
-    "ErrorReply",
-    "InputSchema",
-    "ProtocolError",
-    "RemoteStageError",
-    "RequestRefused",
-    "StageSchemas",
     "StageReply",
     "StageRequest",
     "StageService",
-    "check_finite",
-    "check_outputs",
-    "check_values",
     "check_run_id",
     "encode_reply_header",
     "encode_request_header",
@@ -93,9 +90,7 @@ __all__ = [
 PROTOCOL_VERSION = 3
 SEED_BITS = 63  # a request's seed is in [0, 2**SEED_BITS)
 KINDS = ("forward", "backward")
-COMPUTE, REQUEST, UNAVAILABLE = "compute", "request", "unavailable"
 _CATEGORIES = (COMPUTE, REQUEST, UNAVAILABLE)
-_MAX_MESSAGE = 4096
 # limits on what a stage server accepts in one call (StageServer takes others as arguments)
 MAX_REQUEST_BYTES = 512 * 1024 * 1024  # decoded tensors of one request (inputs plus output gradients)
 MAX_REQUEST_TENSORS = 4096
@@ -128,19 +123,6 @@ def check_run_id(run_id: str, owner: str = "SwarmSettings") -> str:
             f"(it prefixes DHT keys like '<run_id>.stage0.0'); use e.g. '-' or '_' instead"
         )
     return run_id
-
-
-class BadRequest(ValueError):
-    """A received request is malformed: its own content is refused (every peer of the stage would refuse it)."""
-
-
-class Misrouted(BadRequest):
-    """A request this peer cannot take but another peer of the stage may: it names a stage this peer does not
-    serve (it migrated), or speaks another protocol version. Replied as ``"unavailable"``."""
-
-
-class ProtocolError(CodecError):
-    """A received reply is malformed (the peer, not the caller, is at fault)."""
 
 
 @dataclass
@@ -178,86 +160,12 @@ class StageRequest:
 
 
 @dataclass
-class ErrorReply:
-    """Why a call failed: ``category`` (compute/request/unavailable), the exception's type name and message."""
-
-    category: str
-    type_name: str
-    message: str
-
-    @classmethod
-    def from_exception(cls, error: BaseException, category: str) -> ErrorReply:
-        return cls(category, type(error).__name__, str(error)[:_MAX_MESSAGE])
-
-
-@dataclass
 class StageReply:
     """The reply to a :class:`StageRequest`: its ``outputs`` payload, or an ``error``."""
 
     request_id: int
     outputs: Payload | None = None
     error: ErrorReply | None = None
-
-
-class RemoteStageError(RuntimeError):
-    """A peer replied to a stage call with an error (see :class:`ErrorReply`).
-
-    Errors raised by the stage's own code (category ``"compute"``) reach the trainer as an exception that is
-    both a ``RemoteStageError`` and, where the remote type is a Python built-in (``RuntimeError``,
-    ``ValueError``, ``TypeError``...), an instance of that type.
-    """
-
-    def __init__(
-        self, message: str, error: ErrorReply | None = None, stage: int | None = None, peer: Any = None
-    ):
-        super().__init__(message)
-        self.error, self.stage, self.peer = error, stage, peer
-
-    @property
-    def is_compute_error(self) -> bool:
-        """Whether the stage's own code raised (retrying on another peer would fail the same way)."""
-        return self.error is not None and self.error.category == COMPUTE
-
-    @property
-    def is_caller_error(self) -> bool:
-        """Whether another peer would fail the same way (the stage's code raised, or the request was refused):
-        such an error is raised to the trainer at once, never retried elsewhere."""
-        return self.error is not None and self.error.category in (COMPUTE, REQUEST)
-
-
-class RequestRefused(RemoteStageError):
-    """A peer refused a stage call for the request's own content (error category ``"request"``: malformed, a
-    schema mismatch, NaN in an input, an infinity in an activation or gradient, beyond the size limits): every
-    peer of the stage would, so it is raised at once with the server's message."""
-
-
-@functools.cache
-def _remote_class(
-    type_name: str, origin: type[RuntimeError] = RemoteStageError, prefix: str = "Remote"
-) -> type[RuntimeError]:
-    """``origin`` (the kind of remote error), combined with the built-in exception type ``type_name`` if it is one
-    (named ``prefix + type_name``): ``except ValueError`` catches a ``ValueError`` raised elsewhere in the swarm."""
-    base = getattr(builtins, type_name, None)
-    if not isinstance(base, type) or not issubclass(base, Exception) or base in (RuntimeError, Exception):
-        return origin
-    try:
-        return type(f"{prefix}{type_name}", (origin, base), {"__module__": origin.__module__})
-    except TypeError:  # a built-in whose instance layout differs (OSError, SyntaxError...)
-        return origin
-
-
-def remote_exception(error: ErrorReply, stage: int, peer: Any) -> RemoteStageError:
-    """The exception a trainer raises for an error reply from ``peer`` serving ``stage``."""
-    if error.category == COMPUTE:
-        message = f"Stage {stage} raised {error.type_name}: {error.message} (on peer {peer})"
-        cls = _remote_class(error.type_name)
-    elif error.category == REQUEST:
-        message = f"Peer {peer} refused the call of stage {stage}: {error.type_name}: {error.message}"
-        cls = RequestRefused
-    else:
-        message = f"Peer {peer} could not serve stage {stage} ({error.category}): {error.type_name}: {error.message}"
-        cls = RemoteStageError
-    return cls(message, error, stage, peer)
 
 
 # ---- the wire form of headers ----
@@ -348,176 +256,6 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
         check_finite(grads.tensors, "output gradient", BadRequest)
     commit_by = None if commit_by is None else float(commit_by)
     return StageRequest(kind, uid, inputs, grads, request_id, commit_by, forward_id, training, seed)
-
-
-def check_finite(tensors: list[torch.Tensor], what: str, error: type[Exception]) -> None:
-    """Raise ``error`` if a floating tensor among ``tensors`` holds a NaN or an infinity (for gradients).
-
-    Runs on one OpenMP thread, as the codec does (see :mod:`.quantize`): a parallel region's spinning workers
-    would starve the p2p daemons sharing the cores, on every call."""
-    with one_thread():
-        for i, t in enumerate(tensors):
-            if not all_finite(t):
-                raise error(
-                    f"{what.capitalize()} tensor {i} holds NaN or infinite values; only finite values are accepted"
-                )
-
-
-def check_values(tensors: list[torch.Tensor], what: str, error: type[Exception]) -> None:
-    """Raise ``error`` if a floating tensor among ``tensors`` holds a NaN, or an infinity while it requires grad.
-
-    A tensor that does not require grad is data, not an activation: a float attention mask holds ``-inf`` by
-    design (``nn.Transformer.generate_square_subsequent_mask``). Finite tensors cost one pass, as in
-    :func:`check_finite`; only a non-finite one is scanned again for NaN."""
-    with one_thread():
-        for i, t in enumerate(tensors):
-            if all_finite(t):
-                continue
-            if t.requires_grad:
-                raise error(
-                    f"{what.capitalize()} tensor {i} holds NaN or infinite values; an input that requires grad "
-                    "(an activation) must be finite"
-                )
-            if bool(torch.isnan(t).any()):
-                raise error(f"{what.capitalize()} tensor {i} holds NaN values; only numbers are accepted")
-
-
-def check_outputs(
-    outputs: list[torch.Tensor], inputs: list[torch.Tensor], what: str, error: type[Exception]
-) -> None:
-    """Raise ``error`` if a floating tensor among a call's ``outputs`` holds a NaN, or an infinity unless it is
-    one of the call's data ``inputs`` (one that does not require grad, e.g. a mask a block passes through)
-    returned as it is: equal in dtype, shape and values. Checked by the server before it replies and by the
-    trainer on receipt; finite outputs cost one pass each."""
-    with one_thread():
-        for i, t in enumerate(outputs):
-            if all_finite(t):
-                continue
-            if not bool(torch.isnan(t).any()) and any(_same_data(t, x) for x in inputs):
-                continue
-            raise error(
-                f"{what.capitalize()} tensor {i} holds NaN or infinite values; only finite values are accepted"
-            )
-
-
-def _same_data(output: torch.Tensor, data: torch.Tensor) -> bool:
-    if output is data:
-        return not data.requires_grad
-    if data.requires_grad or data.dtype != output.dtype or data.shape != output.shape:
-        return False
-    return bool(torch.equal(output.detach().to(data.device), data))
-
-
-@dataclass(frozen=True)
-class InputSchema:
-    """What a stage's calls look like: per tensor (in payload order) its dtype and number of dimensions. Sizes are
-    not part of it: batch sizes, sequence lengths and even feature sizes may legitimately vary from call to call (a
-    request whose sizes the module cannot take gets the module's own error, a ``compute`` error reply; the size
-    limits bound what such a request can cost)."""
-
-    specs: tuple[tuple[torch.dtype, int], ...]
-
-    @classmethod
-    def of(cls, tensors: list[torch.Tensor]) -> InputSchema:
-        return cls(tuple((t.dtype, t.dim()) for t in tensors))
-
-    def mismatch(self, tensors: list[torch.Tensor]) -> str | None:
-        """Why ``tensors`` do not fit this schema, or ``None`` if they do."""
-        if len(tensors) != len(self.specs):
-            return f"{len(tensors)} tensors sent, this stage takes {len(self.specs)}"
-        for i, (t, (dtype, ndim)) in enumerate(zip(tensors, self.specs, strict=True)):
-            if t.dtype != dtype:
-                return f"input tensor {i} is {t.dtype}, this stage takes {dtype}"
-            if t.dim() != ndim:
-                return (
-                    f"input tensor {i} has shape {list(t.shape)}, this stage takes {ndim}-dimensional tensors"
-                )
-        return None
-
-
-class StageSchemas:
-    """The input schemas a stage server has served successfully (at most ``max_schemas``; thread-safe).
-
-    Until the first call succeeds anything well-formed is tried on the module; afterwards a request whose tensors
-    match none of the learned schemas is refused before it reaches the module (:meth:`check`).
-    """
-
-    def __init__(self, max_schemas: int = 4) -> None:
-        self.max_schemas = max_schemas
-        self._schemas: list[InputSchema] = []
-        self._lock = threading.Lock()
-
-    def check(self, tensors: list[torch.Tensor]) -> None:
-        schemas = self._schemas
-        if not schemas:
-            return
-        reasons = [schema.mismatch(tensors) for schema in schemas]
-        if all(reasons):
-            raise BadRequest(f"The request does not fit this stage: {reasons[0]}")
-
-    def learn(self, tensors: list[torch.Tensor]) -> None:
-        """Remember the schema of a call the stage served successfully."""
-        schema = InputSchema.of(tensors)
-        with self._lock:
-            if schema not in self._schemas and len(self._schemas) < self.max_schemas:
-                self._schemas = [*self._schemas, schema]
-
-
-class BadPeers:
-    """Peers that sent too many bad requests, ignored for a while (thread-safe, bounded).
-
-    A peer that sends ``limit`` bad requests within ``window`` seconds is ignored for ``ban_s`` seconds.
-    """
-
-    def __init__(self, limit: int = 20, window: float = 60.0, ban_s: float = 60.0, max_peers: int = 10_000):
-        self.limit, self.window, self.ban_s, self.max_peers = limit, window, ban_s, max_peers
-        self._strikes: OrderedDict[Any, list[float]] = OrderedDict()
-        self._banned: OrderedDict[Any, float] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def strike(self, peer: Any, now: float | None = None) -> bool:
-        """Count one bad request of ``peer``; returns whether it is ignored from now on."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            times = [t for t in self._strikes.pop(peer, []) if t > now - self.window]
-            times.append(now)
-            if len(times) < self.limit:
-                self._strikes[peer] = times
-                while len(self._strikes) > self.max_peers:
-                    self._strikes.popitem(last=False)
-                return False
-            self._banned.pop(peer, None)
-            self._banned[peer] = now + self.ban_s
-            while len(self._banned) > self.max_peers:
-                self._banned.popitem(last=False)
-            return True
-
-    def ignored_for(self, peer: Any, now: float | None = None) -> float:
-        """Seconds ``peer`` is still ignored (0: not ignored)."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            until = self._banned.get(peer)
-            if until is None:
-                return 0.0
-            if until <= now:
-                del self._banned[peer]
-                return 0.0
-            return until - now
-
-
-def check_grad_outputs(grads: tuple, outputs: list[torch.Tensor]) -> None:
-    """Check a backward request's output gradients against the recomputed outputs; raises ``BadRequest``."""
-    if len(grads) != len(outputs):
-        raise BadRequest(
-            f"The stage produced {len(outputs)} output tensors but {len(grads)} gradients were sent"
-        )
-    for i, (out, grad) in enumerate(zip(outputs, grads, strict=True)):
-        if grad is not None and grad.shape != out.shape:
-            raise BadRequest(
-                f"Output gradient {i} has shape {list(grad.shape)}; the output has {list(out.shape)}"
-            )
-        if grad is not None and not grad.is_floating_point():
-            raise BadRequest(f"Output gradient {i} is {grad.dtype}; gradients must be floating point")
 
 
 def encode_reply_header(reply: StageReply, outputs: EncodedPayload | None) -> bytes:

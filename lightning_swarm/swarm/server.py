@@ -91,27 +91,18 @@ from torch import nn
 from ._loop import replicate_p2p, run_coroutine
 from .batching import RequestBatcher, concat_payloads, merge_key, mixes_rows, split_payload
 from .codec import CodecError, TooLarge, all_finite, check_encodable
+from .errors import COMPUTE, REQUEST, UNAVAILABLE, BadRequest, ErrorReply, Misrouted
 from .footprint import release_free_memory, share_optimizer_state, zero_grad_view
+from .guards import BadPeers, StageSchemas, check_finite, check_grad_outputs, check_outputs
 from .payload import Payload
 from .protocol import (
-    COMPUTE,
     MAX_MESSAGE_BYTES,
     MAX_REQUEST_BYTES,
     MAX_REQUEST_MESSAGES,
     MAX_REQUEST_TENSORS,
-    REQUEST,
-    UNAVAILABLE,
-    BadPeers,
-    BadRequest,
-    ErrorReply,
-    Misrouted,
     StageReply,
     StageRequest,
-    StageSchemas,
     StageService,
-    check_finite,
-    check_grad_outputs,
-    check_outputs,
     encode_reply_header,
     parse_request,
     stage_uid,

@@ -30,12 +30,11 @@ from hivemind.proto import runtime_pb2
 
 from ._loop import get_loop, run_coroutine
 from .codec import CodecError, PartsDecoder, TooLarge
+from .errors import REQUEST, ProtocolError
 from .payload import EncodedPayload, Payload
 from .protocol import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_TENSORS,
-    REQUEST,
-    ProtocolError,
     StageReply,
     StageRequest,
     encode_request_header,
