@@ -1,7 +1,7 @@
 """Check the fast 8-bit kernel against bitsandbytes' on every float32 value a block can normalise to.
 
 bitsandbytes' quantizer divides each value by its block's absmax and maps the result v (a float32 in [-1, 1],
-or NaN) to a code. The fast kernel (``lightning_swarm/swarm/_q8.c``) looks that mapping up in a table built from
+or NaN) to a code. The fast kernel (``lightning_swarm/swarm/quantize/_q8.c``) looks that mapping up in a table built from
 bitsandbytes' own kernel, assuming that the code changes at most once among the floats sharing their top 16
 bits. This script checks the assumption where it matters: all 2,130,706,434 floats in [-1, 1] (both zeros
 included), quantized in blocks whose absmax is 1, by both kernels. Unit tests check random data, edge values and
@@ -24,6 +24,8 @@ import time
 import torch
 
 from lightning_swarm.swarm import quantize
+from lightning_swarm.swarm.quantize import bnb as quantize_bnb
+from lightning_swarm.swarm.quantize import fast as quantize_fast
 
 CHUNK = 1 << 24  # values per round (64 MB of float32)
 ONE = 0x3F800000  # bit pattern of 1.0: the non-negative floats <= 1 are the patterns 0..ONE
@@ -64,7 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--speed-only", action="store_true", help="only time the kernels (a few seconds)")
     args = parser.parse_args()
-    fast = quantize._fast_kernel()
+    fast = quantize_fast._fast_kernel()
     if fast is None:
         raise SystemExit(
             "the fast kernel is not available here (no C compiler, or LIGHTNING_SWARM_NATIVE_CODEC=0)"
@@ -73,15 +75,15 @@ def main() -> None:
     if args.speed_only:
         print(json.dumps(timings))
         return
-    kernel, _ = quantize._native_kernels()
+    kernel, _ = quantize_bnb._native_kernels()
     start = time.time()
     checked = mismatches = 0
     worst = None
     for sign in (0, 0x80000000):
         for first in range(0, ONE + 1, CHUNK):
             bits = torch.arange(first, min(first + CHUNK, ONE + 1), dtype=torch.int64) | sign
-            values = quantize._floats(bits)
-            bad = quantize._fast_codes(fast, values) != quantize._reference_codes(kernel, values)
+            values = quantize_fast._floats(bits)
+            bad = quantize_fast._fast_codes(fast, values) != quantize_fast._reference_codes(kernel, values)
             checked += values.numel()
             if bool(bad.any()):
                 mismatches += int(bad.sum())

@@ -18,6 +18,9 @@ from lightning_swarm.swarm.codec import (
     nbytes,
 )
 from lightning_swarm.swarm.payload import Payload
+from lightning_swarm.swarm.quantize import bnb as quantize_bnb
+from lightning_swarm.swarm.quantize import fast as quantize_fast
+from lightning_swarm.swarm.quantize import threads as quantize_threads
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 OTHER_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
@@ -244,7 +247,7 @@ def test_8bit_buffers_are_bitsandbytes_own_output(helpers: int, monkeypatch: pyt
     monkeypatch.setenv(quantize.HELPERS_ENV, str(helpers))
     threads_before = torch.get_num_threads()
     g = torch.Generator().manual_seed(5)
-    for numel in (1500, quantize._SHARE_ELEMENTS * 3 + 17, 262144):
+    for numel in (1500, quantize_threads._SHARE_ELEMENTS * 3 + 17, 262144):
         x = torch.randn(numel, generator=g) * 3
         with quantize.one_thread():
             codes, absmax = torch.ops.bitsandbytes.quantize_blockwise.default(
@@ -431,21 +434,25 @@ def test_fast_8bit_kernel_gives_bitsandbytes_bytes_on_edge_values(
 def test_fast_8bit_kernel_matches_bitsandbytes_around_every_threshold() -> None:
     """Each table threshold and each bucket edge, and the floats two steps either side of them, get bitsandbytes'
     own code (``benchmarks/quantizer_exhaustive.py`` checks every float in [-1, 1])."""
-    fast = quantize._fast_kernel()
+    fast = quantize_fast._fast_kernel()
     if fast is None:
         pytest.skip("no C compiler: the codec runs bitsandbytes' kernels themselves")
-    kernel, _ = quantize._native_kernels()
+    kernel, _ = quantize_bnb._native_kernels()
     threshold = fast.thresholds[torch.isfinite(fast.thresholds)]
     assert (
         threshold.numel() >= 200
     )  # most of the 255 code changes fall inside a bucket; the others on an edge
-    edges = quantize._floats(torch.arange(1 << 16, dtype=torch.int64) << 16)  # first float of every bucket
+    edges = quantize_fast._floats(
+        torch.arange(1 << 16, dtype=torch.int64) << 16
+    )  # first float of every bucket
     edges = edges[edges.abs() <= 1]
     points = torch.cat([threshold, edges])
-    around = quantize._ordinal(points)[:, None] + torch.arange(-2, 3)[None, :]
-    values = quantize._from_ordinal(around.reshape(-1)).clamp(-1, 1)
+    around = quantize_fast._ordinal(points)[:, None] + torch.arange(-2, 3)[None, :]
+    values = quantize_fast._from_ordinal(around.reshape(-1)).clamp(-1, 1)
     values = torch.cat([values, torch.tensor([1.0, -1.0, 0.0, -0.0])])
-    assert torch.equal(quantize._fast_codes(fast, values), quantize._reference_codes(kernel, values))
+    assert torch.equal(
+        quantize_fast._fast_codes(fast, values), quantize_fast._reference_codes(kernel, values)
+    )
 
 
 def test_native_codec_setting(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -502,7 +509,7 @@ def test_fast_kernel_is_never_built_or_loaded_where_others_can_write(
     private_tmp.mkdir()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
-    lib = quantize._compile()
+    lib = quantize_fast._compile()
     assert lib is not None  # built in the private fallback directory instead
     assert list(shared.iterdir()) == []
     assert list((private_tmp / f"lightning-swarm-{os.getuid()}").glob("q8-*.so"))

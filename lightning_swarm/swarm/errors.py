@@ -7,7 +7,7 @@ from __future__ import annotations
 import builtins
 import functools
 from dataclasses import dataclass
-from typing import Any  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
+from typing import Any
 
 from .codec import CodecError
 

@@ -8,24 +8,13 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
+from typing import Any
 
 import torch
 
 from .codec import all_finite
-from .errors import (  # noqa: F401 (re-exported)
-    _MAX_MESSAGE,
-    COMPUTE,
-    REQUEST,
-    UNAVAILABLE,
+from .errors import (
     BadRequest,
-    ErrorReply,
-    Misrouted,
-    ProtocolError,
-    RemoteStageError,
-    RequestRefused,
-    _remote_class,
-    remote_exception,
 )
 from .quantize import one_thread
 

@@ -1,35 +1,11 @@
-"""The 8-bit kernel: bitsandbytes' dynamic blockwise quantization, run straight into a wire buffer.
-
-The codec (:mod:`.codec`) calls :func:`quantize_to_buffer` / :func:`dequantize_buffer`; everything about
-kernels and threads lives here.
-
-Two kernels give the same bytes:
-
-- the *fast* one (``_q8.c``, ~6x faster than bitsandbytes' on one core): bitsandbytes' quantizer maps each
-  value, divided by its block's absmax, to a code with a bucketed search; that mapping depends only on the
-  normalised float32 value, so it is tabulated once per process, from bitsandbytes' own kernel, by the value's
-  top 16 bits (one threshold per bucket at most; every float in [-1, 1] is checked by
-  ``benchmarks/quantizer_exhaustive.py``). The C file is compiled with the system compiler on first use and
-  cached under ``~/.cache/lightning-swarm`` (``$XDG_CACHE_HOME``); a self-check against bitsandbytes runs when
-  it is loaded. ``LIGHTNING_SWARM_NATIVE_CODEC=0`` turns it off.
-- bitsandbytes' CPU kernels, called directly (where no compiler is found, or the fast kernel is turned off).
-
-bitsandbytes' CPU kernel is an OpenMP loop, but OpenMP workers spin for milliseconds after
-each parallel region and so starve the p2p daemons and peers sharing the cores (while choosing this design, a
-1 MiB hop measured 19 ms with two OpenMP threads against 11 ms with one). So every kernel call runs on one
-OpenMP thread of its caller, and a large tensor is cut at block boundaries into *shares* that the caller and
-idle helper threads (which sleep when idle) claim one by one, each writing into the final buffer: the result
-is bit-identical to one call on the whole tensor.
-
-Nothing happens at import: the OpenMP runtime, the native kernels and ``LIGHTNING_SWARM_CODEC_HELPERS`` are
-looked up on first use.
-"""
+"""The fast 8-bit kernel (``_q8.c``, ~6x faster than bitsandbytes' on one core): bitsandbytes' mapping of a
+normalised value to a code, tabulated once per process from bitsandbytes' own kernel by the value's top 16 bits;
+compiled with the system compiler on first use, cached, and self-checked against bitsandbytes when loaded."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -39,231 +15,26 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = [
-    "BLOCKSIZE",
-    "HELPERS_ENV",
-    "NATIVE_ENV",
-    "dequantize_buffer",
-    "helper_count",
-    "one_thread",
-    "part_bounds",
-    "quantize_to_buffer",
-    "using_fast_kernel",
-]
+from .blocks import BLOCKSIZE
+from .bnb import _native_kernels, _run_native, dynamic_code
 
 logger = logging.getLogger(__name__)
 
-BLOCKSIZE = 1024  # absmax overhead 0.4%; accuracy barely depends on it (64..4096 measured within 20%)
-VALID_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
-HELPERS_ENV = "LIGHTNING_SWARM_CODEC_HELPERS"
+
 NATIVE_ENV = "LIGHTNING_SWARM_NATIVE_CODEC"
-_SHARE_ELEMENTS = 32 * BLOCKSIZE  # the unit of work the threads claim
 
-
-def _import_bitsandbytes() -> None:
-    """Import bitsandbytes (on first use) without its import-time notice about an optional package that does not
-    concern us (see :mod:`.logs`); every other bitsandbytes message is left as it is."""
-    from .logs import quiet_bitsandbytes_import
-
-    quiet_bitsandbytes_import()
-    import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
-
-
-@functools.cache
-def dynamic_code() -> torch.Tensor:
-    """bitsandbytes' dynamic 8-bit code, with ``code[0]`` fixed to -1.0.
-
-    bitsandbytes' CPU quantizer overwrites code[0] (-0.993) with -1.0 in the tensor it is given; fixing it up
-    front makes a peer that never quantized decode index 0 like the peer that encoded it.
-    """
-    _import_bitsandbytes()
-    import bitsandbytes.functional as bnb_functional
-
-    code = bnb_functional.create_dynamic_map().to(torch.float32)
-    code[0] = -1.0
-    return code
-
-
-@functools.cache
-def _omp() -> Any:
-    """The OpenMP runtime torch uses (bitsandbytes shares it), for per-thread settings; None if not found."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
-        for path in sorted(paths):
-            # PyDLL keeps the GIL: releasing it around a 10 ns call may cost a thread switch
-            lib = ctypes.PyDLL(path)
-            lib.omp_set_num_threads  # noqa: B018 (raises AttributeError if this is not an OpenMP runtime)
-            return lib
-    except (OSError, AttributeError):
-        pass
-    return None
-
-
-@contextlib.contextmanager
-def one_thread(count: int = 1) -> Iterator[None]:
-    """Run torch/bitsandbytes kernels on ``count`` OpenMP threads in this thread only.
-
-    ``torch.set_num_threads`` also changes a process-wide default that new threads start from, so the OpenMP
-    setting of the calling thread is changed directly where the runtime is found.
-    """
-    previous = torch.get_num_threads()  # also lets torch initialise this thread's setting before we change it
-    if previous == count:
-        yield
-        return
-    omp = _omp()
-    setter = torch.set_num_threads if omp is None else omp.omp_set_num_threads
-    setter(count)
-    try:
-        yield
-    finally:
-        setter(previous)
-
-
-class _QuantizeCounter:
-    """Counts quantizations (tests use it to check that a message was re-sent, not re-quantized)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.lock = threading.Lock()
-
-    def add(self) -> None:
-        with self.lock:
-            self.calls += 1
-
-
-quantizations = _QuantizeCounter()
-
-
-def helper_count() -> int:
-    """Idle threads that help quantize large tensors: ``LIGHTNING_SWARM_CODEC_HELPERS``, else cores - 1 (max 3).
-
-    Read on every call (cheap), so the setting may change while the process runs.
-    """
-    value = os.environ.get(HELPERS_ENV)
-    if value is None:
-        return min(_cpu_count() - 1, 3)
-    if not value.strip().isdigit():
-        raise ValueError(
-            f"{HELPERS_ENV} must be a non-negative integer (threads that help quantize; 0 for none), got {value!r}"
-        )
-    return int(value)
-
-
-@functools.cache
-def _cpu_count() -> int:
-    return os.cpu_count() or 1  # ~50 us a call: it reads /sys
-
-
-_pool: ThreadPoolExecutor | None = None
-_pool_pid: int | None = None
-_pool_lock = threading.Lock()
-
-
-def _helpers(count: int) -> ThreadPoolExecutor:
-    global _pool, _pool_pid
-    with _pool_lock:
-        # a forked child has none of its parent's threads; a larger setting needs a larger pool
-        if _pool is None or _pool_pid != os.getpid() or _pool._max_workers < count:
-            _pool = ThreadPoolExecutor(max_workers=max(1, count), thread_name_prefix="swarm-codec")
-            _pool_pid = os.getpid()
-        return _pool
-
-
-@functools.cache
-def _native_kernels() -> tuple[Any, Any]:
-    """bitsandbytes' CPU kernels for float32 blockwise (de)quantization; ``(None, None)`` where unavailable."""
-    try:
-        _import_bitsandbytes()
-        from bitsandbytes.cextension import ErrorHandlerMockBNBNativeLibrary, lib
-    except ImportError:
-        return None, None
-    if isinstance(lib, ErrorHandlerMockBNBNativeLibrary):
-        return None, None
-    return getattr(lib, "cquantize_blockwise_cpu_fp32", None), getattr(
-        lib, "cdequantize_blockwise_cpu_fp32", None
-    )
-
-
-def _run_native(kernel: Any, code: int, source: int, middle: int, out: int, blocksize: int, n: int) -> None:
-    """One call of a bitsandbytes CPU kernel on one OpenMP thread of the caller: ``quantize(code, A, absmax, out,
-    blocksize, n)`` or ``dequantize(code, codes, absmax, out, blocksize, n)`` (pointers as integers)."""
-    with one_thread():
-        kernel(
-            ctypes.c_void_p(code),
-            ctypes.c_void_p(source),
-            ctypes.c_void_p(middle),
-            ctypes.c_void_p(out),
-            ctypes.c_longlong(blocksize),
-            ctypes.c_longlong(n),
-        )
-
-
-def part_bounds(numel: int, chunks: int) -> list[int]:
-    """Element offsets of ``chunks`` pieces of a flat tensor: block-aligned, as even as possible."""
-    units = -(numel // -BLOCKSIZE)
-    return [min(numel, (units * i // chunks) * BLOCKSIZE) for i in range(chunks + 1)]
-
-
-class _Shares:
-    """Block-aligned shares of one quantization, done by whichever thread claims them first.
-
-    ``kernel(lo, hi)`` quantizes elements ``[lo, hi)`` (block-aligned) into their final place. The caller waits
-    for the shares to be done, not for the helpers: a helper that wakes up after the caller took every share
-    (a busy machine) costs the caller nothing.
-    """
-
-    def __init__(self, kernel: Any, numel: int, helpers: int):
-        shares = min(64, numel // _SHARE_ELEMENTS) if helpers > 0 else 1
-        self.kernel, self.helpers = kernel, helpers
-        self.bounds = part_bounds(numel, max(1, shares))
-        self.total = len(self.bounds) - 1
-        self.next = self.done = 0
-        self.error: BaseException | None = None
-        self.lock = threading.Lock()
-        self.finished = threading.Condition(self.lock)
-
-    def run(self) -> None:
-        """Do the work with as many idle helper threads as there are spare shares."""
-        count = min(self.helpers, self.total - 1)
-        for _ in range(count):
-            _helpers(self.helpers).submit(self.work)
-        self.work()
-        with self.lock:
-            while self.done < self.total:
-                self.finished.wait()
-        if self.error is not None:
-            raise self.error
-
-    def work(self) -> None:
-        while True:
-            with self.lock:
-                index = self.next
-                if index >= self.total:
-                    return
-                self.next += 1
-            try:
-                self.kernel(self.bounds[index], self.bounds[index + 1])
-            except BaseException as e:  # re-raised by run(), in the caller's thread
-                self.error = e
-            finally:
-                with self.lock:
-                    self.done += 1
-                    if self.done == self.total:
-                        self.finished.notify_all()
-
-
-# ---- the fast kernel ----
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_q8.c")
+
+
 _CFLAGS = ("-O3", "-std=c99", "-fPIC", "-shared")
+
+
 _MAX_BLOCK = 4096  # LS_MAX_BLOCK in _q8.c
 
 
@@ -499,6 +270,8 @@ def _self_check(fast: _FastKernel, kernel: Any, dekernel: Any) -> bool:
 
 
 _fast_lock = threading.Lock()
+
+
 _fast_state: dict[str, Any] = {}
 
 
@@ -537,68 +310,3 @@ def _load_fast_kernel() -> _FastKernel | None:
 def using_fast_kernel() -> bool:
     """Whether 8-bit (de)quantization of float32 tensors runs the fast kernel in this process."""
     return _fast_kernel() is not None
-
-
-def quantize_to_buffer(source: torch.Tensor) -> bytes:
-    """The 8-bit buffer of a float tensor: ``uint32 blocksize | float32 absmax[blocks] | uint8 codes[numel]``."""
-    quantizations.add()
-    flat = source.reshape(-1)
-    numel = flat.numel()
-    num_blocks = -(numel // -BLOCKSIZE)
-    header = BLOCKSIZE.to_bytes(4, "little")
-    kernel, _ = _native_kernels()
-    if kernel is None or flat.dtype != torch.float32:
-        with one_thread():
-            codes, absmax = torch.ops.bitsandbytes.quantize_blockwise.default(flat, dynamic_code(), BLOCKSIZE)
-        return b"".join((header, absmax.numpy().tobytes(), codes.numpy().tobytes()))
-    flat = flat.contiguous()
-    buffer = torch.empty(4 + 4 * num_blocks + numel, dtype=torch.uint8)
-    buffer[:4] = torch.tensor(list(header), dtype=torch.uint8)
-    base, data = buffer.data_ptr(), flat.data_ptr()
-    absmax, codes = base + 4, base + 4 + 4 * num_blocks
-    fast, code = _fast_kernel(), dynamic_code().data_ptr()
-
-    def share(lo: int, hi: int) -> None:
-        if fast is not None:
-            fast.quantize(data, absmax, codes, lo, hi, BLOCKSIZE)
-        else:
-            _run_native(
-                kernel, code, data + 4 * lo, absmax + 4 * (lo // BLOCKSIZE), codes + lo, BLOCKSIZE, hi - lo
-            )
-
-    _Shares(share, numel, helper_count()).run()
-    return buffer.numpy().tobytes()
-
-
-def dequantize_buffer(buffer: bytes, blocksize: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`quantize_to_buffer` (the caller has validated the buffer's length and block size)."""
-    num_blocks = -(numel // -blocksize)
-    _, kernel = _native_kernels()
-    if kernel is None or dtype != torch.float32:
-        view = memoryview(buffer)
-        absmax = torch.frombuffer(bytearray(view[4 : 4 + 4 * num_blocks]), dtype=torch.float32)
-        codes = torch.frombuffer(bytearray(view[4 + 4 * num_blocks :]), dtype=torch.uint8)
-        out_dtype = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-        with one_thread():
-            return torch.ops.bitsandbytes.dequantize_blockwise.default(
-                codes, absmax, dynamic_code(), blocksize, out_dtype
-            )
-    # bytes objects are immutable: read them through a pointer (no copy, no writable view of them)
-    base = ctypes.cast(ctypes.c_char_p(buffer), ctypes.c_void_p).value
-    assert base is not None
-    out = torch.empty(numel, dtype=torch.float32)
-    fast = _fast_kernel()
-    if fast is not None:
-        fast.dequantize(base + 4 + 4 * num_blocks, base + 4, out.data_ptr(), numel, blocksize)
-        return out
-    # memory-bound: one thread, no helpers
-    _run_native(
-        kernel,
-        dynamic_code().data_ptr(),
-        base + 4 + 4 * num_blocks,
-        base + 4,
-        out.data_ptr(),
-        blocksize,
-        numel,
-    )
-    return out
