@@ -870,7 +870,7 @@ class SwarmPeer:
             if self.presence is not None:
                 self.presence.set_phase(DEPARTING)
                 self.presence.wait_for(
-                    LEAVING,
+                    DEPARTING,
                     self.local_swarm_size,
                     timeout=min(60.0, s.linger_timeout),
                     should_stop=self.should_stop,
