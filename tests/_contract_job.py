@@ -4,7 +4,7 @@ plain process or in a local swarm (one trainer, 2 stages, compression "none").
 ``python tests/_contract_job.py '<json>'``; peer 0 saves ``{"state", "losses", "stage_steps", "lrs"}`` to ``out``.
 Config keys: ``swarm`` (bool), ``steps``, ``scheduler`` (None, "warmup", "decay", "step_epoch", "onecycle", "plateau"),
 ``clip`` (None or [value, "norm"|"value"]), ``precision``, ``accumulate``, ``manual`` (two optimizers, manual
-optimization), ``optimizer`` ("sgd"|"adamw"), ``fp16_scaler`` ("16-mixed" with a CPU loss scaler), ``dropout`` (float), ``out``.
+optimization), ``optimizer`` ("sgd"|"adamw"), ``fp16_scaler`` ("16-mixed" with a CPU loss scaler), ``batchnorm`` (BatchNorm1d in every block), ``dropout`` (float), ``out``.
 """
 
 import json
@@ -27,8 +27,9 @@ class Net(LightningModule):
         self.cfg = cfg
         p = cfg.get("dropout", 0.0)
         self.inp = nn.Linear(6, 16)
+        norm = [nn.BatchNorm1d(16)] if cfg.get("batchnorm") else []
         self.layers = nn.Sequential(
-            *(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Dropout(p)) for _ in range(4))
+            *(nn.Sequential(nn.Linear(16, 16), *norm, nn.Tanh(), nn.Dropout(p)) for _ in range(4))
         )
         self.out = nn.Linear(16, 1)
         self.automatic_optimization = not cfg.get("manual", False)

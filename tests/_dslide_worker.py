@@ -16,7 +16,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import lightning_swarm  # noqa: E402,F401
 from examples.amazon670k.data import XCData, XCDataModule, XCDataset, collate_sparse  # noqa: E402
 from examples.amazon670k.model import XCModel  # noqa: E402
 from lightning_swarm.strategy.dslide import DSlideStrategy  # noqa: E402
+from tests._helpers import free_port  # noqa: E402
 
 if "dslide" not in StrategyRegistry:
     DSlideStrategy.register_strategies(StrategyRegistry)
@@ -139,12 +139,6 @@ def _record_group_state_at_exit(path: Path) -> None:
     path.write_text(json.dumps({"process_group_alive": torch.distributed.is_initialized()}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def repeat(times: int, out: Path, fail_rank: int, timeout: float = 120.0) -> None:
     """Run the two-node training ``times`` times, then once more with a failure on ``fail_rank`` (if >= 0).
 
@@ -156,7 +150,7 @@ def repeat(times: int, out: Path, fail_rank: int, timeout: float = 120.0) -> Non
         failing = fail_rank if run == times else -1
         run_dir = out / f"run{run}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
+        port = free_port()
         pids = []
         for rank in range(2):
             pid = os.fork()

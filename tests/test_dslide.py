@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -31,6 +30,7 @@ from lightning_swarm.layers.distributed import ShardGroup
 from lightning_swarm.layers.shard_plan import LockStepLoader, shard_lightning_module
 from lightning_swarm.layers.sharded import ShardedSparseInputLinear, ShardedSparseLSHLinear
 from lightning_swarm.strategy.dslide import DSlideStrategy
+from tests._helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_dslide_worker.py"
@@ -38,10 +38,6 @@ NET = {"F": 400, "H": 24, "Y": 300, "B": 16, "ymax": 3, "k": 40, "steps": 5, "ta
 
 
 # --------------------------------------------------------------------------- helpers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batches(net: dict[str, int]) -> list[tuple[torch.Tensor, ...]]:
@@ -143,7 +139,7 @@ def _rank_main(rank: int, world: int, port: int, active_set: str, out_dir: str) 
 
 def _run_ranks(world: int, active_set: str, out_dir: Path) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(r, world, port, active_set, str(out_dir))) for r in range(world)
     ]
@@ -295,7 +291,7 @@ def test_no_rank_allocates_a_weight_sized_tensor(tmp_path: Path) -> None:
         2  # (each rank holds half of a layer: a whole-layer allocation is twice the largest legitimate one)
     )
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_memory_rank, args=(r, world, port, str(tmp_path))) for r in range(world)]
     for proc in procs:
         proc.start()
@@ -363,7 +359,7 @@ def _launch(
         str(steps),
     ]
     cmd += ["--out", str(out)] + (["--resume", str(resume)] if resume else [])
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "result.json").read_text())

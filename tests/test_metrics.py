@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_swarm.layers.metrics import PrecisionAtK
+from tests._helpers import free_port
 
 
 def test_exact_values_on_hand_made_batch() -> None:
@@ -74,12 +74,6 @@ def test_bad_input_is_rejected_with_a_clear_error() -> None:
         PrecisionAtK(ks=(0, 1))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     topk = torch.stack([torch.randperm(20, generator=gen)[:5] for _ in range(25)])
@@ -104,7 +98,7 @@ def _worker(rank: int, world_size: int, port: int, result_dir: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_distributed_reduction_over_real_gloo_matches_single_process(tmp_path) -> None:
-    port = _free_port()
+    port = free_port()
     mp.start_processes(_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     topk, labels = _data()
     single = PrecisionAtK()

@@ -19,7 +19,7 @@ from lightning_swarm.swarm.presence import Presence
 from lightning_swarm.swarm.protocol import StageRequest, stage_uid
 from lightning_swarm.swarm.states import FINISHED
 from lightning_swarm.swarm.transport import encode_request
-from tests.test_stage_server import _client, _run_id, _serve, cleanup, dhts  # noqa: F401 (fixtures)
+from tests.test_stage_server import _client, _run_id, _serve
 
 
 class SlowBackward(nn.Module):

@@ -27,7 +27,7 @@ from lightning_swarm.swarm.errors import RemoteStageError, RequestRefused
 from lightning_swarm.swarm.partition import Partition
 from lightning_swarm.swarm.payload import Payload
 from lightning_swarm.swarm.protocol import StageRequest, stage_uid
-from tests.test_stage_server import _client, _run_id, _serve, cleanup, dhts  # noqa: F401 (fixtures)
+from tests.test_stage_server import _client, _run_id, _serve
 
 VOCAB, WIDTH, SEQ = 50, 32, 40  # SEQ x SEQ = 1600 mask elements: above the codec's lossless threshold
 

@@ -11,7 +11,6 @@ import itertools
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import hivemind
 import pytest
@@ -35,29 +34,6 @@ _run_ids = itertools.count()
 
 def _run_id(name: str) -> str:
     return f"{name}-{next(_run_ids)}"
-
-
-@pytest.fixture(scope="module")
-def dhts() -> Iterator[dict[str, hivemind.DHT]]:
-    nodes: dict[str, hivemind.DHT] = {}
-    try:
-        nodes["trainer"] = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        peers = nodes["trainer"].get_visible_maddrs()
-        for name in ("server1", "server2"):
-            nodes[name] = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers)
-        yield nodes
-    finally:
-        for dht in nodes.values():
-            dht.shutdown()
-
-
-@pytest.fixture
-def cleanup() -> Iterator[list]:
-    """Things with a ``shutdown()`` to stop after the test, even when it fails."""
-    things: list = []
-    yield things
-    for thing in reversed(things):
-        thing.shutdown()
 
 
 def _sgd(lr: float = 0.1):

@@ -21,27 +21,17 @@ from lightning_swarm.swarm.protocol import stage_uid
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.stepping import StepCommand, hyper_parameters, parse_command
+from tests._helpers import local_dhts
 
 _ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
 def dhts() -> Iterator[tuple[hivemind.DHT, hivemind.DHT]]:
-    trainer = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    server = hivemind.DHT(
-        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=trainer.get_visible_maddrs()
-    )
+    trainer, server = local_dhts(2)
     yield trainer, server
     server.shutdown()
     trainer.shutdown()
-
-
-@pytest.fixture
-def cleanup() -> Iterator[list]:
-    things: list = []
-    yield things
-    for thing in reversed(things):
-        thing.shutdown()
 
 
 def _setup(dhts, cleanup, stage_steps: str = "trainer") -> tuple[StageServer, SwarmClient, nn.Module, str]:

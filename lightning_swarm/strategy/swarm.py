@@ -112,6 +112,11 @@ class SwarmStrategy(ParallelStrategy):
             skips recomputing the forward. A backward that reaches another peer, or comes after the stage's
             parameters were updated, recomputes the forward as before. Each kept forward holds its activations in
             the server's memory until its backward or until newer ones push it out; 0 turns this off.
+        microbatches: a trainer cuts each stage call's batch into this many chunks (along dim 0) and sends them to
+            the stage's peers at once, forward and backward, so that the peers of a stage compute together
+            (``"auto"``, the default: as many chunks as the stage has online peers; 1: one call per batch). The
+            result is the one of the same chunks sent one after another. A pipeline with batch normalisation
+            (whose output for a row depends on the other rows) is not chunked: refused when set above 1.
     """
 
     strategy_name = "swarm"
@@ -142,6 +147,7 @@ class SwarmStrategy(ParallelStrategy):
         max_batch_rows: int = _DEFAULTS.max_batch_rows,
         batch_wait_ms: float = _DEFAULTS.batch_wait_ms,
         keep_activations: int = _DEFAULTS.keep_activations,
+        microbatches: int | str = _DEFAULTS.microbatches,
         stage_steps: StageSteps = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -180,6 +186,7 @@ class SwarmStrategy(ParallelStrategy):
             max_batch_rows=max_batch_rows,
             batch_wait_ms=batch_wait_ms,
             keep_activations=keep_activations,
+            microbatches=microbatches,
             stage_steps=stage_steps,
         )
         self._target_batch_size = target_batch_size  # as given: checked against the trainer's step

@@ -135,6 +135,8 @@ class SwarmClient:
         # "16-mixed": gradients are loss-scaled, so an overflow (inf/NaN) is expected now and then; the step is then
         # skipped (see SwarmStrategy). Set by the strategy; counts the backwards that met non-finite values.
         self.loss_scaled = False
+        # whether stage calls may be cut into chunks (see .chunking); off for a pipeline that mixes rows
+        self.chunking = True
         self.nonfinite_backwards = 0
         warm_up_codec(settings.compression)  # the first call's timeout must not pay for loading the kernels
 
@@ -160,17 +162,39 @@ class SwarmClient:
             check_encodable(t)
         inputs.metadata()
         device = inputs.tensors[0].device if inputs.tensors else torch.device("cpu")
+        chunks, plan = self._chunking(stage, inputs)
+        if chunks > 1 and plan is not None:
+            from .chunking import chunked_call
+
+            seeds = [self._seeds.getrandbits(SEED_BITS) for _ in range(chunks)]
+            return chunked_call(self, stage, inputs, plan, chunks, device, swarm_training, seeds)
         seed = self._seeds.getrandbits(SEED_BITS)
         if not torch.is_grad_enabled():
-            request = StageRequest(
-                "forward", stage_uid(self.run_id, stage), inputs, training=swarm_training, seed=seed
-            )
-            outputs, _ = self._call(stage, request, check=self._output_check(stage, inputs))
+            outputs = self._forward_no_grad(stage, inputs, swarm_training, seed)
             return outputs.rebuild([_moved(t, device) for t in outputs.tensors])
         call = _StageCall(self, stage, inputs, device, swarm_training, seed)
         diff_inputs = [t for t, mark in zip(inputs.tensors, call.marks, strict=True) if mark]
         flat_outputs = _StageFunction.apply(call, _DUMMY, *diff_inputs)
         return call.output_skeleton.rebuild(list(flat_outputs))
+
+    def _forward_no_grad(self, stage: int, inputs: Payload, training: bool, seed: int) -> Payload:
+        request = StageRequest("forward", stage_uid(self.run_id, stage), inputs, training=training, seed=seed)
+        outputs, _ = self._call(stage, request, check=self._output_check(stage, inputs))
+        return outputs
+
+    def _chunking(self, stage: int, inputs: Payload) -> tuple[int, list[bool] | None]:
+        """How many chunks a call of ``stage`` on ``inputs`` is cut into (see :mod:`.chunking`), and which tensors
+        are split."""
+        setting = self.settings.microbatches if self.chunking else 1
+        if setting == 1:
+            return 1, None
+        from .chunking import split_plan
+
+        plan = split_plan(inputs.tensors)
+        if plan is None:
+            return 1, None
+        chunks = max(1, len(self._live_peers(stage))) if setting == "auto" else int(setting)
+        return min(chunks, inputs.tensors[0].shape[0]), plan
 
     def peers(self, stage: int) -> list[PeerInfo]:
         """The live peers of ``stage`` (one fresh DHT lookup)."""
@@ -420,6 +444,9 @@ class SwarmClient:
     def shutdown(self) -> None:
         """Close this client's channels and P2P connection (idempotent)."""
         p2p, self._p2p = self._p2p, None
+        pool = self.__dict__.pop("_chunk_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
         with self._transport_lock:
             transports, self._transports = list(self._transports.values()), {}
         for transport in transports:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from .auth import REFUSED_MARKER, SECRET_ENV, protect, unprotect
+from .chunking import rows_mixing_module
 from .client import SwarmClient
 from .errors import RemoteStageError
 from .footprint import release_free_memory, trim_footprint
@@ -351,6 +352,13 @@ class SwarmPeer:
         if self.partition is None or self.partition.root is not module:
             self.prepare(module)
         assert self.partition is not None and self.stage is not None
+        mixer = rows_mixing_module(self.partition.container)
+        if mixer is not None and s.microbatches not in ("auto", 1):
+            raise ValueError(
+                f"SwarmStrategy(microbatches={s.microbatches}) cannot cut this pipeline's batches into chunks: its "
+                f"module {mixer} computes each row's output from the whole batch's statistics. Use microbatches=1 "
+                "(or 'auto', which sends such a pipeline whole batches)."
+            )
         if training and optimizers:  # before the trainer's optimizers lose the pipeline's parameters
             self._stage_optimizer = _OptimizerTemplate(
                 optimizers, self.partition.container, before=self._live_pipeline_before()
@@ -368,6 +376,7 @@ class SwarmPeer:
             self._start_server(self.server)
         release_free_memory()  # the optimizers' set-up drew and freed zero gradients
         self.client = SwarmClient(self.dht, s, local_servers=local_servers, should_stop=self.should_stop)
+        self.client.chunking = mixer is None  # see .chunking: batch statistics need whole batches
         self.partition.install_proxy(self.client.call_stage)
         self.joined = True
         if self.server is not None and self.server.optimizer is not None and s.rebalance_period > 0:

@@ -71,6 +71,7 @@ class SwarmSettings:
     max_batch_rows: int = 256
     batch_wait_ms: float = 0.0
     keep_activations: int = 16
+    microbatches: int | str = "auto"
     stage_steps: str = "auto"
     autocast: str | None = None
 
@@ -152,6 +153,11 @@ class SwarmSettings:
             raise ValueError(
                 f"{name}(keep_activations={self.keep_activations!r}) must be a non-negative integer: how many "
                 "forwards a stage server keeps the activations of, for their backward (0: recompute every forward)."
+            )
+        if self.microbatches != "auto" and (type(self.microbatches) is not int or self.microbatches < 1):
+            raise ValueError(
+                f"{name}(microbatches={self.microbatches!r}) must be a positive integer or 'auto': how many chunks a "
+                "trainer cuts a stage call's batch into, sent to the stage's peers at once (1: one call per batch)."
             )
         for peer in self.allowed_peers:
             try:

@@ -1,0 +1,64 @@
+"""Shared fixtures and the two tiers of the suite.
+
+- ``unit``: tests of one component in this process, without a DHT, a p2p daemon or child processes (the modules
+  in ``UNIT_MODULES``); ``pytest -m unit`` is the fast loop (about a minute and a half on 2 cores). Each has a
+  60 s timeout unless it says otherwise.
+- ``integration``: everything else (real DHTs and P2P on 127.0.0.1, local swarms, gloo groups, launchers); a new
+  test module is integration unless it is added to ``UNIT_MODULES``. Each has the suite's default timeout (600 s)
+  unless it says otherwise.
+
+``pytest`` (what CI runs) runs both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import hivemind
+import pytest
+
+from tests._helpers import local_dhts
+
+UNIT_MODULES = {
+    "test_boundary",
+    "test_codec",
+    "test_fuzz_codec",
+    "test_hashing",
+    "test_lazy_adam",
+    "test_partition",
+    "test_rebalance_policy",
+    "test_records",
+    "test_routing",
+    "test_schedules",
+    "test_sparse_linear",
+}
+UNIT_TIMEOUT_S = 60
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
+        if module in UNIT_MODULES:
+            item.add_marker(pytest.mark.unit)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
+        else:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list]:
+    """Things with a ``shutdown()`` to stop after the test, even when it fails (last added, first stopped)."""
+    things: list = []
+    yield things
+    for thing in reversed(things):
+        thing.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dhts() -> Iterator[dict[str, hivemind.DHT]]:
+    """Three DHT nodes on 127.0.0.1 for a module's tests: ``"trainer"``, ``"server1"`` and ``"server2"``."""
+    nodes = dict(zip(("trainer", "server1", "server2"), local_dhts(3), strict=True))
+    yield nodes
+    for dht in nodes.values():
+        dht.shutdown()

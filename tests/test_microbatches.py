@@ -1,0 +1,125 @@
+"""Several microbatches in flight (``microbatches``, see ``lightning_swarm/swarm/chunking.py``): a stage call cut
+into row chunks sent at once gives the result of the same chunks sent one after another, spreads over the peers of
+a stage, and is refused for a pipeline with batch normalisation. Real stage servers and clients over hivemind's
+DHT/P2P on 127.0.0.1 (the helpers of ``test_stage_server``), and a local swarm of Lightning peers."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_swarm.swarm.chunking import chunk_bounds, rows_mixing_module, split_plan
+from lightning_swarm.swarm.partition import Partition
+from tests.test_contract import TOLERANCE, run
+from tests.test_stage_calls import SEQ, VOCAB, Decoder
+from tests.test_stage_server import _client, _run_id, _serve
+
+
+def test_which_tensors_are_split_and_where():
+    x, causal, padding = torch.zeros(6, 40, 8), torch.zeros(40, 40), torch.zeros(6, 40, dtype=torch.bool)
+    assert split_plan([x, causal, padding]) == [
+        True,
+        False,
+        True,
+    ]  # the causal mask goes whole to every chunk
+    assert split_plan([torch.zeros(6, 8), torch.zeros(6, 6)]) is None  # [B, B]: ambiguous, sent whole
+    assert split_plan([torch.zeros(1, 8)]) is None and split_plan([]) is None
+    assert chunk_bounds(10, 4) == [0, 3, 6, 8, 10] and chunk_bounds(3, 8) == [0, 1, 2, 3]
+    assert (
+        rows_mixing_module(nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.BatchNorm1d(2))))
+        == "1.0 (BatchNorm1d)"
+    )
+    assert rows_mixing_module(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))) is None
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:Support for mismatched")
+def test_a_modulelist_pipeline_with_masks_in_chunks_trains_as_in_one_process(dhts, cleanup) -> None:
+    """4 chunks of a batch of 8 through a 2-stage ModuleList decoder (float causal mask shared by the chunks,
+    boolean padding mask split with them), compression "none": the loss and every gradient (the trainer's, and
+    the stages' pending on their servers) are those of one process, within float summation order (1e-4
+    relative); each stage served 4 forwards and 4 backwards."""
+    torch.manual_seed(0)
+    run_id = _run_id("chunks")
+    model = Decoder()
+    reference = copy.deepcopy(model)
+    part = Partition(model, "layers", 2)
+    servers = [_serve(cleanup, dhts["server1"], run_id, part.stage_module(k), stage=k) for k in range(2)]
+    client = _client(cleanup, dhts["trainer"], run_id, 2, microbatches=4)
+    part.install_proxy(client.call_stage)
+
+    tokens = torch.randint(0, VOCAB, (8, SEQ))
+    padding = torch.zeros(8, SEQ, dtype=torch.bool)
+    padding[0, -7:] = padding[5, -15:] = True
+    target = torch.randint(0, VOCAB, (8, SEQ))
+    with contextlib.ExitStack() as held:
+        for server in servers:  # the stepper does not take the pending gradients meanwhile
+            held.enter_context(server._step_lock)
+        loss = nn.functional.cross_entropy(model(tokens, padding).flatten(0, 1), target.flatten())
+        loss.backward()
+        pending = [server._pending for server in servers]
+    expected = nn.functional.cross_entropy(reference(tokens, padding).flatten(0, 1), target.flatten())
+    expected.backward()
+
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=0)
+    for name in ("embed.weight", "head.weight"):
+        got, want = model.get_parameter(name).grad, reference.get_parameter(name).grad
+        assert float((got - want).norm() / want.norm()) < 1e-4, name
+    for stage, grads in enumerate(pending):
+        blocks = [reference.layers[i] for i in part.stages[stage]]
+        want = torch.cat([p.grad.flatten() for block in blocks for p in block.parameters()])
+        got = torch.cat([g.flatten() for g in grads])
+        assert float((got - want).norm() / want.norm()) < 1e-4, stage
+    stats = client.stats()
+    for stage in range(2):
+        assert (
+            stats[f"swarm/stage{stage}/forward_calls"] == 4
+            and stats[f"swarm/stage{stage}/backward_calls"] == 4
+        )
+    # evaluation (no grad) is chunked the same way and equals one process too
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, padding), reference(tokens, padding), atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(180)
+def test_the_chunks_of_one_call_spread_over_the_peers_of_a_stage(dhts, cleanup) -> None:
+    """Two peers serve the one stage; with microbatches="auto" a call becomes 2 chunks, one per peer, sent at once:
+    each peer computes half of the rows of every call."""
+    torch.manual_seed(0)
+    run_id = _run_id("spread")
+    block = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    servers = [
+        _serve(cleanup, dhts[name], run_id, copy.deepcopy(block), stage=0) for name in ("server1", "server2")
+    ]
+    client = _client(cleanup, dhts["trainer"], run_id, 1)  # microbatches: "auto"
+    x = torch.randn(32, 16, requires_grad=True)
+    for _ in range(3):
+        client.call_stage(0, x).sum().backward()
+    assert [s.samples_processed for s in servers] == [48, 48], [s.samples_processed for s in servers]
+    torch.testing.assert_close(x.grad, 3 * torch.autograd.grad(block(x).sum(), x)[0], atol=1e-5, rtol=0)
+
+
+def test_a_sequential_pipeline_in_4_chunks_steps_as_one_process(tmp_path):
+    """The training contract (one trainer, 2 stages, compression "none", AdamW, clipping by norm) with each batch
+    of 8 cut into 4 chunks: the parameters after 6 steps are the single process's."""
+    cfg = {"steps": 6, "optimizer": "adamw", "clip": [0.3, "norm"]}
+    single = run({**cfg, "swarm": False}, tmp_path, "single")
+    swarm = run({**cfg, "swarm": True, "strategy": {"microbatches": 4}}, tmp_path, "swarm")
+    assert swarm["stage_steps"] == {0: 6, 1: 6}
+    moved = max(float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"])
+    assert moved <= 10 * TOLERANCE  # the chunks' gradients are summed in another order than one batch's
+
+
+def test_chunking_a_pipeline_with_batch_normalisation_is_refused(tmp_path):
+    stderr = run(
+        {"swarm": True, "steps": 2, "batchnorm": True, "strategy": {"microbatches": 2}},
+        tmp_path,
+        "refused",
+        expect_failure=True,
+    )
+    assert "SwarmStrategy(microbatches=2) cannot cut this pipeline's batches into chunks" in stderr
+    assert "BatchNorm1d" in stderr
