@@ -329,7 +329,8 @@ def run_baseline(args: argparse.Namespace, extra: list[str], steps: int) -> dict
     env = dict(os.environ)
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")
     env["ALBERT_QUIET"] = "1"
-    env["OMP_NUM_THREADS"] = "1"  # like each peer: on shared cores one thread beats two contending
+    # the swarm has finished: the single process gets every core (the fair baseline for samples/s)
+    env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
     started = time.monotonic()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     result = read_json(history)
@@ -363,6 +364,10 @@ def summarize(args: argparse.Namespace, swarm: dict, baseline: dict | None) -> d
         "events": swarm["events"],
         "swarm_wall_s": round(swarm["wall_s"], 1),
     }
+    if baseline and baseline.get("time") and baseline["time"][-1] > 0:
+        single_sps = baseline["samples"][-1] / baseline["time"][-1]
+        summary["single_samples_per_second"] = round(single_sps, 1)
+        summary["efficiency"] = round(summary["samples_per_second"] / single_sps, 3) if train_s else None
     if baseline:
         summary["relative_gap"] = (
             abs(summary["eval_loss_swarm"] - summary["eval_loss_single"]) / summary["eval_loss_single"]
@@ -378,6 +383,11 @@ def summarize(args: argparse.Namespace, swarm: dict, baseline: dict | None) -> d
     stage_steps = "" if not summary["stage_steps"] else f"; the stages stepped {summary['stage_steps']} times"
     print(f"optimizer steps       {steps} (global batch = target_batch_size samples each{stage_steps})")
     print(f"samples               {samples} in {train_s:.0f} s: {summary['samples_per_second']} samples/s")
+    if summary.get("efficiency") is not None:
+        print(
+            f"one process, same box  {summary['single_samples_per_second']} samples/s (all cores): the swarm runs at "
+            f"{summary['efficiency']:.2f} of its speed"
+        )
     print(f"bytes on the wire     {(sent + recv) / mb:.1f} MB (8-bit boundaries)")
     if fp32:
         print(
