@@ -195,7 +195,7 @@ import logging, sys, time
 import hivemind
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.mpfuture import MPFuture
-from lightning_swarm.swarm.server import _ProgressTracker
+from lightning_swarm.swarm.averaging import _ProgressTracker
 
 class StalledLookups:
     # a real DHT whose asynchronous lookups never answer (a busy DHT, or one going away): a tracker shutting down

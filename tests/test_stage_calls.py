@@ -145,7 +145,7 @@ def test_a_peer_that_serves_another_stage_is_retried_elsewhere(dhts, cleanup) ->
     module = nn.Linear(8, 8)
     moved = _serve(cleanup, dhts["server1"], run_id, copy.deepcopy(module), throughput=1e6)
     staying = _serve(cleanup, dhts["server2"], run_id, module, throughput=1.0)
-    client = _client(cleanup, dhts["trainer"], run_id)
+    client = _client(cleanup, dhts["trainer"], run_id, microbatches=1)  # one call, counted per peer
     assert len(client.peers(0)) == 2
     client.routers[0].choose(1e6, prefer=staying.peer_id)  # busy: the moved peer is tried first
     moved.uid = stage_uid(run_id, 1)  # as if it had moved to stage 1 since it announced itself
@@ -236,7 +236,7 @@ def test_a_backward_recomputed_on_another_peer_replays_the_forwards_dropout(dhts
         name: _serve(cleanup, dhts[name], run_id, nn.Sequential(copy.deepcopy(linear), nn.Dropout(0.5)))
         for name in ("server1", "server2")
     }
-    client = _client(cleanup, dhts["trainer"], run_id)
+    client = _client(cleanup, dhts["trainer"], run_id, microbatches=1)  # one call, counted per peer
     assert len(client.peers(0)) == 2
     x = torch.randn(5, 8, requires_grad=True)
     y = client.call_stage(0, x)

@@ -559,8 +559,12 @@ def test_a_backward_reuses_its_kept_forward_unless_the_parameters_changed(dhts, 
     server = _serve(cleanup, dhts["server1"], run_id, module, throughput=1e6)
     other = _serve(cleanup, dhts["server2"], run_id, copy.deepcopy(module), throughput=1e6)
     local = {0: server} if where == "local" else None
-    client = _client(
-        cleanup, dhts["trainer" if where == "remote" else "server1"], run_id, local_servers=local
+    client = _client(  # one call per batch: this counts the module's runs per call (see test_microbatches.py)
+        cleanup,
+        dhts["trainer" if where == "remote" else "server1"],
+        run_id,
+        local_servers=local,
+        microbatches=1,
     )
     assert len(client.peers(0)) == 2
 

@@ -12,7 +12,7 @@ What is split: every tensor argument whose first dimension is the batch's (that 
 activations, padding masks, token ids); the others go whole to every chunk (a ``[T, T]`` causal mask). A call
 where that is ambiguous (another tensor argument of shape ``[B, B, ...]``), or whose first tensor has no rows, is
 sent whole. Outputs must have the batch's rows (a stage returning something else fails with a clear error: use
-``microbatches=1``).
+``microbatches=1``; with ``"auto"`` the call is sent again whole, and so are that stage's later calls).
 
 What is not chunked: a pipeline whose output for one row depends on the other rows of the batch (batch
 normalisation in training mode): chunks would see other batch statistics. ``"auto"`` then sends whole batches;
@@ -32,7 +32,11 @@ from torch import nn
 
 from .payload import Payload
 
-__all__ = ["chunk_bounds", "rows_mixing_module", "split_plan"]
+__all__ = ["Unmergeable", "chunk_bounds", "rows_mixing_module", "split_plan"]
+
+
+class Unmergeable(ValueError):
+    """A stage returned an output without the chunk's rows in its first dimension: its chunks cannot be joined."""
 
 
 def rows_mixing_module(container: nn.Module) -> str | None:
@@ -85,7 +89,7 @@ def _merge_outputs(stage: int, outputs: list[list[torch.Tensor]], bounds: list[i
     for j, parts in enumerate(zip(*outputs, strict=True)):
         for i, part in enumerate(parts):
             if part.dim() == 0 or part.shape[0] != bounds[i + 1] - bounds[i]:
-                raise ValueError(
+                raise Unmergeable(
                     f"Stage {stage} returned output {j} of shape {list(part.shape)} for a chunk of "
                     f"{bounds[i + 1] - bounds[i]} rows: with microbatches > 1 every output must have the batch's rows "
                     "in its first dimension. Use SwarmStrategy(microbatches=1) for this pipeline."
@@ -113,7 +117,7 @@ def chunked_call(
 ) -> Any:
     """The stage call on ``inputs`` as ``chunks`` calls on row ranges, sent at once; differentiable when grad is
     enabled (one autograd node for all chunks)."""
-    from .client import _DUMMY, _moved, _StageCall
+    from .stage_autograd import _DUMMY, _moved, _StageCall
 
     rows = inputs.tensors[0].shape[0]
     bounds = chunk_bounds(rows, chunks)

@@ -45,14 +45,15 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.mpfuture import MPFuture
 
 from ._loop import replicate_p2p, run_coroutine
-from .codec import CodecError, all_finite, check_encodable, remember_wire_format
+from .codec import CodecError, check_encodable
 from .errors import ProtocolError, RemoteStageError, remote_exception
-from .guards import check_finite, check_outputs
+from .guards import check_outputs
 from .payload import EncodedPayload, Payload
 from .protocol import SEED_BITS, StageRequest, StageService, encode_request_header, stage_uid, warm_up_codec
 from .records import PeerInfo, parse_stage_peers
 from .routing import NoPeersError, PeerStopping, StageRouter
 from .settings import SwarmSettings
+from .stage_autograd import _DUMMY, _moved, _StageCall, _StageFunction
 from .stepping import StepCommand, parse_step_reply
 from .transport import LocalTransport, P2PTransport, decode_payload_stream, encode_request
 from .validation import stage_key
@@ -76,8 +77,6 @@ SLOW_FACTOR = 10.0
 MIN_ATTEMPT_TIMEOUT_S = 3.0
 RECENT_CALLS = 32
 _OUTPUT_SHAPES = 256  # input shapes per stage whose output shapes a client remembers
-# makes every stage call part of the autograd graph, so that stages whose inputs need no grad still train
-_DUMMY = torch.empty(0, requires_grad=True)
 
 
 class SwarmClient:
@@ -138,6 +137,7 @@ class SwarmClient:
         self.loss_scaled = False
         # whether stage calls may be cut into chunks (see .chunking); off for a pipeline that mixes rows
         self.chunking = True
+        self._whole_stages: set[int] = set()  # stages whose outputs cannot be joined from chunks ("auto")
         self.nonfinite_backwards = 0
         warm_up_codec(settings.compression)  # the first call's timeout must not pay for loading the kernels
 
@@ -165,10 +165,16 @@ class SwarmClient:
         device = inputs.tensors[0].device if inputs.tensors else torch.device("cpu")
         chunks, plan = self._chunking(stage, inputs)
         if chunks > 1 and plan is not None:
-            from .chunking import chunked_call
+            from .chunking import Unmergeable, chunked_call
 
             seeds = [self._seeds.getrandbits(SEED_BITS) for _ in range(chunks)]
-            return chunked_call(self, stage, inputs, plan, chunks, device, swarm_training, seeds)
+            try:
+                return chunked_call(self, stage, inputs, plan, chunks, device, swarm_training, seeds)
+            except Unmergeable as e:
+                if self.settings.microbatches != "auto":
+                    raise
+                self._whole_stages.add(stage)
+                logger.info(f"{e} Stage {stage}'s calls are sent whole from now on (microbatches='auto').")
         seed = self._seeds.getrandbits(SEED_BITS)
         if not torch.is_grad_enabled():
             outputs = self._forward_no_grad(stage, inputs, swarm_training, seed)
@@ -186,7 +192,7 @@ class SwarmClient:
     def _chunking(self, stage: int, inputs: Payload) -> tuple[int, list[bool] | None]:
         """How many chunks a call of ``stage`` on ``inputs`` is cut into (see :mod:`.chunking`), and which tensors
         are split."""
-        setting = self.settings.microbatches if self.chunking else 1
+        setting = self.settings.microbatches if self.chunking and stage not in self._whole_stages else 1
         if setting == 1:
             return 1, None
         from .chunking import split_plan
@@ -700,126 +706,8 @@ class SwarmClient:
             raise ValueError(f"SwarmClient: stage must be in [0, {self.num_stages}), got {stage}")
 
 
-class _StageCall:
-    """What one differentiable stage call keeps between its forward and backward."""
-
-    def __init__(
-        self,
-        client: SwarmClient,
-        stage: int,
-        inputs: Payload,
-        device: torch.device,
-        training: bool,
-        seed: int,
-    ):
-        self.client, self.stage, self.inputs, self.device = client, stage, inputs, device
-        self.training, self.seed = training, seed  # the backward repeats both (a recompute replays dropout)
-        self.marks = [t.requires_grad and t.is_floating_point() for t in inputs.tensors]
-        self.encoded_inputs: EncodedPayload | None = (
-            None  # the forward's encoding of the inputs, re-sent by the backward
-        )
-        self.output_skeleton: Payload = Payload(None, [])
-        self.forward_id: int | None = None  # the forward's request id and peer: its backward goes there first
-        self.forward_peer: PeerID | None = None
-
-    def forward(self) -> list[torch.Tensor]:
-        uid = stage_uid(self.client.run_id, self.stage)
-        request = StageRequest("forward", uid, self.inputs, training=self.training, seed=self.seed)
-        check = self.client._output_check(self.stage, self.inputs)
-        served: list[PeerID] = []
-        outputs, self.encoded_inputs = self.client._call(
-            self.stage, request, check=check, keep=self.client.settings.keep_activations > 0, served=served
-        )
-        self.forward_id, self.forward_peer = request.forward_id, (served[-1] if served else None)
-        self.output_skeleton = Payload(outputs.skeleton, [])
-        return [_moved(t, self.device) for t in outputs.tensors]
-
-    def backward(
-        self, grad_outputs: list[torch.Tensor | None], expected: list[tuple[torch.Size, torch.dtype]]
-    ) -> list[torch.Tensor]:
-        grads = Payload.flatten(tuple(grad_outputs))
-        client = self.client
-        if client.loss_scaled and not all(all_finite(t) for t in grads.tensors if t.is_floating_point()):
-            # a loss-scaled gradient overflowed: this step is skipped (the trainer's scaler is told), so the stage
-            # need not see it; its inputs' gradients are infinite, as they would be in one process
-            client.nonfinite_backwards += 1
-            return [torch.full(shape, float("inf"), dtype=dtype) for shape, dtype in expected]
-        uid = stage_uid(client.run_id, self.stage)
-        request = StageRequest("backward", uid, self.inputs, grads, training=self.training, seed=self.seed)
-        request.forward_id = self.forward_id
-        reply, _ = client._call(
-            self.stage,
-            request,
-            reuse=self.encoded_inputs,
-            check=lambda p: _check_grads(self.stage, p.rebuild(), expected, finite=not client.loss_scaled),
-            prefer=self.forward_peer,
-        )
-        grads_in = list(reply.rebuild())
-        if client.loss_scaled and not all(all_finite(t) for t in grads_in):
-            client.nonfinite_backwards += 1  # the stage's own backward overflowed: skip the step
-        return grads_in
-
-
-class _StageFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, call: _StageCall, dummy: torch.Tensor, *diff_inputs: torch.Tensor) -> tuple:
-        out_tensors = call.forward()
-        ctx.call = call
-        ctx.set_materialize_grads(False)
-        ctx.input_meta = [(t.device, t.dtype, t.shape) for t in diff_inputs]
-        non_diff = [t for t in out_tensors if not t.is_floating_point()]
-        if non_diff:
-            ctx.mark_non_differentiable(*non_diff)
-        return tuple(out_tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple:
-        call: _StageCall = ctx.call
-        grads_in: list[torch.Tensor | None]
-        if all(g is None for g in grad_outputs):
-            grads_in = [None] * len(ctx.input_meta)
-        else:
-            grads = call.backward(
-                [None if g is None else g.detach() for g in grad_outputs],
-                [(m[2], m[1]) for m in ctx.input_meta],
-            )
-            grads_in = [
-                grad.to(device=device, dtype=dtype)
-                for grad, (device, dtype, _) in zip(grads, ctx.input_meta, strict=True)
-            ]
-        return (None, None, *grads_in)
-
-
 def _never() -> bool:
     return False
-
-
-def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``, still known as the parts it was received in (so that it is re-sent as they are)."""
-    moved = t.to(device)
-    remember_wire_format(t, moved)
-    return moved
-
-
-def _check_grads(
-    stage: int, grads: Any, expected: list[tuple[torch.Size, torch.dtype]], finite: bool = True
-) -> None:
-    """A backward reply must hold one finite gradient of the input's shape and dtype per differentiable input;
-    anything else is the peer's failure (``ProtocolError``: the call is retried elsewhere and the peer banned).
-    ``finite=False`` (loss-scaled gradients, which may overflow) accepts infinities and NaN."""
-    if not isinstance(grads, (tuple, list)) or len(grads) != len(expected):
-        count = len(grads) if isinstance(grads, (tuple, list)) else type(grads).__name__
-        raise ProtocolError(f"Stage {stage} returned {count} input gradients, expected {len(expected)}")
-    for grad, (shape, dtype) in zip(grads, expected, strict=True):
-        if not isinstance(grad, torch.Tensor) or grad.shape != shape or grad.dtype != dtype:
-            got = (
-                f"{list(grad.shape)} {grad.dtype}" if isinstance(grad, torch.Tensor) else type(grad).__name__
-            )
-            raise ProtocolError(
-                f"Stage {stage} returned a malformed input gradient: {got}, expected {list(shape)} {dtype}"
-            )
-    if finite:
-        check_finite(list(grads), f"stage {stage} input gradient", ProtocolError)
 
 
 def _describe(shapes: tuple) -> str:

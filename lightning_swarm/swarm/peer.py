@@ -51,12 +51,13 @@ from .identity import PeerIdentity, register_identity
 from .lifetime import bounded, describe_exit, settle_dead_helpers, sigint_kept, start_bounded, wait_bounded
 from .logs import quiet_routine_logs
 from .materialize import RngSnapshot, materialize
+from .optim import HivemindOptimizer, initialize_optimizer_state
 from .partition import Partition
 from .presence import APPEAR_TIMEOUT, PeerFailure, Presence, _dht_alive
 from .protocol import stage_uid
 from .rebalance import Move, PeerLoad, choose_stage, next_check, plan_move
 from .records import get_stage_peers
-from .server import HivemindOptimizer, StageServer, initialize_optimizer_state
+from .server import StageServer
 from .settings import SwarmSettings
 from .states import DEPARTING, FINISHED, LEAVING, ONLINE, STATES
 from .stepping import StepCommand, read_swarm_epoch

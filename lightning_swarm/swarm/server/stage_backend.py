@@ -1,0 +1,603 @@
+"""Serving a stage: one call or a merged group (:mod:`..batching`), kept activations, at-most-once backwards.
+
+See :mod:`.server` for the picture."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..batching import concat_payloads, merge_key, split_payload
+from ..codec import CodecError, check_encodable
+from ..errors import COMPUTE, REQUEST, UNAVAILABLE, BadRequest, Misrouted
+from ..guards import check_finite, check_grad_outputs, check_outputs
+from ..payload import Payload
+from ..protocol import (
+    StageReply,
+    StageRequest,
+)
+from .connection_handler import _error
+
+logger = logging.getLogger(__name__)
+
+_KEPT_MAX_AGE_S = 120.0  # a kept forward whose backward has not come by then is dropped
+
+_APPLIED_TTL_S = 600.0  # how long a peer remembers the id of a backward it applied
+
+_APPLIED_MAX = 100_000  # ... and how many ids at most (16 bytes each, plus the dict's overhead)
+
+
+class StageBackend:
+    """Serving of a :class:`~.server.StageServer` (a mixin: its attributes are the server's): one call or a
+    merged group, kept activations, at-most-once backwards and the pending gradients."""
+
+    # ---- serving a request (the same for in-process and remote callers) ----
+
+    def handle(self, request: StageRequest) -> StageReply:
+        """Serve one request; never raises: failures become error replies (see :mod:`.protocol`). With batching,
+        the request waits for the compute thread, which may merge it with other waiting requests."""
+        # a trainer that has not seen this peer migrate: another peer of the stage can serve it
+        if request.uid != self.uid:
+            error = Misrouted(f"This peer serves {self.uid!r}, but the request was for {request.uid[:200]!r}")
+            return _error(request.request_id, UNAVAILABLE, error)
+        try:
+            if not self._started or not self._accepting:
+                return _error(
+                    request.request_id, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running")
+                )
+            self.schemas.check(request.inputs.tensors)
+        except BadRequest as e:
+            logger.debug(f"Stage {self.stage}: rejected a request: {e}")
+            return _error(request.request_id, REQUEST, e)
+        with self._grads_lock:  # handle runs in several threads
+            self.requests_served += 1
+        batcher = self._batcher
+        if batcher is None:
+            return self._serve_one(request)
+        try:
+            return batcher.submit(request)
+        except Exception as e:  # the server stopped meanwhile (or a bug in the batcher)
+            return _error(request.request_id, UNAVAILABLE, e)
+
+    def _serve_one(self, request: StageRequest) -> StageReply:
+        """Serve one request on its own; never raises."""
+        try:
+            if request.kind == "forward":
+                keep = request.forward_id if request.forward_id == request.request_id else None
+                outputs = self._forward(request.inputs, keep, request.training, request.seed)
+            else:
+                assert request.grad_outputs is not None
+                outputs = self._backward(
+                    request.inputs,
+                    request.grad_outputs,
+                    request.request_id,
+                    request.commit_by,
+                    self._take_kept(request.forward_id),
+                    request.training,
+                    request.seed,
+                )
+            self.schemas.learn(request.inputs.tensors)
+            return StageReply(request.request_id, outputs=outputs)
+        except BadRequest as e:
+            logger.debug(f"Stage {self.stage}: rejected a request: {e}")
+            return _error(request.request_id, REQUEST, e)
+        except TooLate as e:
+            logger.debug(f"Stage {self.stage}: {e}")
+            return _error(request.request_id, UNAVAILABLE, e)
+        except _NonFinite as e:
+            logger.warning(f"Stage {self.stage}: {e}")
+            return _error(request.request_id, COMPUTE, e)
+        except _ComputeError as e:
+            logger.warning(f"Stage {self.stage}: the stage raised {type(e.error).__name__}: {e.error}")
+            return _error(request.request_id, COMPUTE, e.error)
+        except (
+            Exception
+        ) as e:  # out of memory, or a bug here: not the caller's fault, another peer may do better
+            logger.warning(f"Stage {self.stage}: could not serve a {request.kind} call: {e!r}")
+            return _error(request.request_id, UNAVAILABLE, e)
+
+    def _serve_group(self, requests: list[StageRequest]) -> list[StageReply]:
+        """Serve mergeable requests (one group at a time, see :class:`.batching.RequestBatcher`): merged into one computation, or one by one
+        if the merged one fails in any way (each request then gets its own answer or error); never raises."""
+        if len(requests) > 1 and any(self._is_kept(r) for r in requests):
+            # a backward whose forward is kept here runs alone (no recomputation to share); the rest may merge
+            kept = {id(r) for r in requests if self._is_kept(r)}
+            rest = [r for r in requests if id(r) not in kept]
+            by_request = {id(r): self._serve_one(r) for r in requests if id(r) in kept}
+            if rest:
+                by_request.update(zip((id(r) for r in rest), self._serve_group(rest), strict=True))
+            return [by_request[id(r)] for r in requests]
+        if len(requests) > 1:
+            try:
+                replies = self._serve_merged(requests)
+                if replies is not None:
+                    return replies
+            except Exception as e:
+                logger.debug(
+                    f"Stage {self.stage}: {len(requests)} merged {requests[0].kind} calls failed ({e!r}); "
+                    "serving them one by one"
+                )
+        return [self._serve_one(request) for request in requests]
+
+    def _merge_key(self, request: StageRequest) -> tuple[Any, int]:
+        return merge_key(request, distinct_seeds=self.draws_rng)
+
+    def _serve_merged(self, requests: list[StageRequest]) -> list[StageReply] | None:
+        """Serve ``requests`` (same kind, mode and structure, see :func:`.batching.merge_key`) with one
+        computation, under the first request's seed; ``None`` if the results cannot be split or committed per
+        request, or if a train-mode run drew random numbers (each call's dropout masks must come from its own
+        seed): the caller serves them one by one. Raises whatever the merged computation raised."""
+        rows = [request.inputs.batch_size() for request in requests]
+        inputs = concat_payloads([request.inputs for request in requests])
+        training, seed = requests[0].training, requests[0].seed
+        if requests[0].kind == "forward":
+            merged = self._forward(inputs, None, training, seed)
+            if training and self.draws_rng:
+                return None
+            outputs = split_payload(merged, rows)
+            if outputs is None:
+                return None
+            replies = [
+                StageReply(r.request_id, outputs=out) for r, out in zip(requests, outputs, strict=True)
+            ]
+        else:
+            grad_outputs = concat_payloads([request.grad_outputs for request in requests])  # type: ignore[misc]
+            grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs, None, training, seed)
+            if training and self.draws_rng:
+                return None
+            pieces = split_payload(Payload.flatten(grad_inputs), rows)
+            if pieces is None or not self._commit_merged(requests, param_grads, rows):
+                return None
+            replies = []
+            for request, piece in zip(requests, pieces, strict=True):
+                try:
+                    check_finite(piece.tensors, f"stage {self.stage} input gradient", _NonFinite)
+                    replies.append(StageReply(request.request_id, outputs=piece))
+                except _NonFinite as e:
+                    logger.warning(f"Stage {self.stage}: {e}")
+                    replies.append(_error(request.request_id, COMPUTE, e))
+        for request, reply in zip(requests, replies, strict=True):
+            if reply.error is None:
+                self.schemas.learn(request.inputs.tensors)
+        return replies
+
+    def _forward(
+        self, inputs: Payload, keep_id: int | None = None, training: bool = True, seed: int | None = None
+    ) -> Payload:
+        """The stage's outputs for ``inputs`` in mode ``training`` under ``seed``; with ``keep_id`` (and
+        ``keep_activations`` > 0) the forward runs with autograd and its graph is kept under that id for the
+        backward."""
+        leaves = _leaves(inputs, self.device)
+        keep = (
+            keep_id is not None and self.settings.keep_activations > 0 and self._refresh_pending_since is None
+        )
+        keep = keep and (bool(self._trained) or any(leaf.requires_grad for leaf in leaves))
+        args, kwargs = inputs.rebuild_call(leaves)
+        with self._lock, torch.enable_grad() if keep else torch.no_grad():
+            start = time.perf_counter()
+            outputs = self._run_module(args, kwargs, training, seed)
+            version, spent = self._param_version, time.perf_counter() - start
+        payload = _outputs_payload(outputs)
+        check_outputs(payload.tensors, leaves, f"stage {self.stage} output", _NonFinite)
+        if not keep:
+            return payload
+        assert keep_id is not None
+        self._keep(keep_id, _Kept(leaves, payload.tensors, version, spent, time.monotonic()))
+        return Payload(payload.skeleton, [t.detach() for t in payload.tensors])
+
+    def _keep(self, forward_id: int, kept: _Kept) -> None:
+        with self._kept_lock:
+            self._kept.pop(forward_id, None)
+            self._kept[forward_id] = kept
+            while len(self._kept) > self.settings.keep_activations or (
+                self._kept and kept.created - next(iter(self._kept.values())).created > _KEPT_MAX_AGE_S
+            ):
+                self._kept.popitem(last=False)
+
+    def _is_kept(self, request: StageRequest) -> bool:
+        if request.kind != "backward" or request.forward_id is None:
+            return False
+        with self._kept_lock:
+            return request.forward_id in self._kept
+
+    def _take_kept(self, forward_id: int | None) -> _Kept | None:
+        if forward_id is None:
+            return None
+        with self._kept_lock:
+            kept = self._kept.pop(forward_id, None)
+            if kept is not None:
+                self._kept_in_use += 1  # until its backward has run (see _backward)
+        return kept
+
+    def _backward(
+        self,
+        inputs: Payload,
+        grad_outputs: Payload,
+        request_id: int | None = None,
+        commit_by: float | None = None,
+        kept: _Kept | None = None,
+        training: bool = True,
+        seed: int | None = None,
+    ) -> Payload:
+        try:
+            grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs, kept, training, seed)
+        finally:
+            if kept is not None:
+                with self._kept_lock:
+                    self._kept_in_use -= 1
+                if self._refresh_pending_since is not None:
+                    self._wake.set()  # new parameters may have been waiting for this backward
+        self._commit(param_grads, inputs.batch_size(), request_id, commit_by)
+        check_finite(list(grad_inputs), f"stage {self.stage} input gradient", _NonFinite)
+        return Payload.flatten(grad_inputs)
+
+    def _backward_compute(
+        self,
+        inputs: Payload,
+        grad_outputs: Payload,
+        kept: _Kept | None = None,
+        training: bool = True,
+        seed: int | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor | None]]:
+        """The gradients of the inputs that require grad and of the trained parameters (nothing committed), from
+        the ``kept`` forward of these inputs if it is still valid, else by recomputing the forward in mode
+        ``training`` under ``seed`` (the forward's dropout masks; buffers such as batch normalisation's running
+        statistics are left as they were: the forward updated them already)."""
+        grads = grad_outputs.rebuild()
+        batch_size = inputs.batch_size()
+        trained = self._trained
+        with self._lock:
+            start = time.perf_counter()
+            results: list[torch.Tensor | None] | None = None
+            if kept is not None and kept.matches(inputs, self._param_version):
+                try:
+                    results = self._grads_of(kept.leaves, kept.outputs, grads, trained)
+                    leaves, spent = kept.leaves, kept.forward_s
+                    self.kept_hits += 1
+                except _ComputeError as e:  # e.g. an input changed in place since: recompute below
+                    logger.debug(f"Stage {self.stage}: kept forward unusable ({e.error!r}); recomputing it")
+                    results = None
+            if results is None:
+                leaves, spent = _leaves(inputs, self.device), 0.0
+                args, kwargs = inputs.rebuild_call(leaves)
+                with _buffers_kept(self.module, training), torch.enable_grad():
+                    outputs = _outputs_payload(self._run_module(args, kwargs, training, seed)).tensors
+                    results = self._grads_of(leaves, outputs, grads, trained)
+            self.throughput.record(batch_size, spent + time.perf_counter() - start)
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        grad_inputs = tuple(
+            g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=False)
+        )
+        return grad_inputs, _exclusive(results[len(wanted) :], grad_inputs)
+
+    @staticmethod
+    def _grads_of(
+        leaves: list[torch.Tensor], outputs: list[torch.Tensor], grads: Any, trained: list[nn.Parameter]
+    ) -> list[torch.Tensor | None]:
+        """Gradients of the leaves that require grad, then of ``trained``, given the outputs' gradients."""
+        check_grad_outputs(grads, outputs)
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        pairs = [
+            (out, grad.to(device=out.device, dtype=out.dtype))
+            for out, grad in zip(outputs, grads, strict=True)
+            if grad is not None and out.requires_grad
+        ]
+        if not pairs or not (wanted or trained):
+            return [None] * (len(wanted) + len(trained))
+        try:  # gradients are returned, not accumulated in .grad: the stepper owns the optimizer's
+            return list(
+                torch.autograd.grad(
+                    [o for o, _ in pairs], wanted + trained, [g for _, g in pairs], allow_unused=True
+                )
+            )
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:
+            raise _ComputeError(e) from e
+
+    def _commit(
+        self,
+        grads: list[torch.Tensor | None],
+        batch_size: int,
+        request_id: int | None,
+        commit_by: float | None,
+    ) -> None:
+        """Add a backward's parameter gradients to the pending ones, at most once per request id, and only
+        before the caller's ``commit_by`` deadline (raises :class:`TooLate` after it)."""
+        if commit_by is not None and time.time() > commit_by:
+            raise TooLate(
+                f"backward request {request_id} finished {time.time() - commit_by:.1f} s after its commit deadline; "
+                "its gradients were not applied (the caller retries it elsewhere)"
+            )
+        finite = _all_finite(grads)
+        with self._grads_lock:
+            if request_id is not None and not self._applied.add(request_id):
+                logger.debug(f"Stage {self.stage}: backward request {request_id} was already applied here")
+                return
+            self.samples_processed += batch_size
+            if self.optimizer is None or not self._trained:
+                return  # not training this stage: parameter gradients are dropped
+            if not finite:  # never let them reach the optimizer (nor, through averaging, the other peers)
+                self.dropped_contributions += 1
+                logger.warning(
+                    f"Stage {self.stage}: backward request {request_id} produced NaN or infinite parameter "
+                    f"gradients; its contribution was dropped ({self.dropped_contributions} so far)"
+                )
+                return
+            self._add_pending(grads)
+            self._pending_samples += batch_size
+            self._pending_backwards += 1
+        self._wake.set()
+
+    def _commit_merged(
+        self, requests: list[StageRequest], grads: list[torch.Tensor | None], rows: list[int]
+    ) -> bool:
+        """Commit the summed parameter gradients of merged backwards, counting every request's samples, if each
+        request may be applied now: before its ``commit_by``, its id not applied yet (nor twice in the group)
+        and the gradients finite. Otherwise commits nothing and returns False: the requests are then served one
+        by one, which applies each exactly as :meth:`_commit` does."""
+        now = time.time()
+        if any(r.commit_by is not None and now > r.commit_by for r in requests):
+            return False
+        if not _all_finite(grads):
+            return False
+        ids = [r.request_id for r in requests if r.request_id is not None]
+        with self._grads_lock:
+            if len(set(ids)) != len(ids) or any(self._applied.known(i) for i in ids):
+                return False
+            for request_id in ids:
+                self._applied.add(request_id)
+            self.samples_processed += sum(rows)
+            if self.optimizer is None or not self._trained:
+                return True
+            self._add_pending(grads)
+            self._pending_samples += sum(rows)
+            self._pending_backwards += len(requests)
+        self._wake.set()
+        return True
+
+    def _add_pending(self, grads: list[torch.Tensor | None]) -> None:
+        """Add parameter gradients (this server's own tensors, see :func:`_exclusive`) to the pending sum; the
+        first backward after a step becomes the sum itself (no zero-filled buffer, no extra pass). Under
+        ``_grads_lock``."""
+        if self._pending is None:
+            self._pending = [
+                None if g is None else g.to(device=m.device, dtype=m.dtype)
+                for m, g in zip(self._master, grads, strict=True)
+            ]
+            return
+        for i, (acc, grad) in enumerate(zip(self._pending, grads, strict=True)):
+            if grad is None:
+                continue
+            if acc is None:
+                self._pending[i] = grad.to(device=self._master[i].device, dtype=self._master[i].dtype)
+            else:
+                acc.add_(grad.to(acc.device))
+
+    def _run_module(self, args: tuple, kwargs: dict, training: bool = True, seed: int | None = None) -> Any:
+        """Run the stage module in mode ``training`` with its random generators seeded with ``seed`` (under the
+        parameters lock)."""
+        self.computations += 1
+        self._set_mode(training)
+        try:
+            autocast = self.settings.autocast
+            # the trainer's mixed precision (Lightning's "bf16-mixed"/"16-mixed"): the same autocast here
+            precision = (
+                torch.autocast(self.device.type, dtype=getattr(torch, autocast), cache_enabled=False)
+                if autocast is not None
+                else contextlib.nullcontext()
+            )
+            with _seeded_rng(seed, self.device) as drew, precision:
+                outputs = self.module(*args, **kwargs)
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:
+            raise _ComputeError(e) from e
+        if training and drew[0]:
+            self.draws_rng = True  # from now on its train-mode calls are not merged (see batching)
+        return outputs
+
+    def _set_mode(self, training: bool) -> None:
+        """Eval: every submodule in eval mode; train: the modes the module was built with (a block the user
+        froze in eval stays so), as Lightning restores them after validation. Under the parameters lock."""
+        if training == self._training:
+            return
+        if training:
+            for module, mode in self._built_modes:
+                module.training = mode
+        else:
+            self.module.eval()
+        self._training = training
+
+    def state_dict_local(self) -> dict[str, torch.Tensor]:
+        """A detached CPU copy of the stage module's ``state_dict``, including every backward received so far
+        (see :meth:`flush`)."""
+        self.flush()
+        with self._lock:
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def info(self) -> dict[str, Any]:
+        """Stage, throughput (samples/s of forward + backward), samples processed and optimizer epoch."""
+        epoch = self.optimizer.local_epoch if self.optimizer is not None else 0
+        return {
+            "stage": self.stage,
+            "throughput": self.throughput.value,
+            "samples_processed": self.samples_processed,
+            "epoch": int(epoch),
+            "steps": self.steps,
+            "averaged_rounds": self.averaged_rounds + getattr(self.optimizer, "rounds", 0),
+        }
+
+
+class _ComputeError(Exception):
+    """The stage's own code raised ``error`` (wrapped so that it is told apart from the server's errors)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _NonFinite(FloatingPointError):
+    """The stage's own computation produced NaN or infinite outputs or input gradients from finite inputs."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(
+            f"{message}; the stage diverged (lower the learning rate, or check the model in fp32)"
+        )
+
+
+class TooLate(RuntimeError):
+    """A backward finished after its caller's commit deadline, so its gradients were not applied."""
+
+
+class AppliedRequests:
+    """The ids of the backward requests a peer applied: bounded (oldest forgotten first) and expiring.
+
+    :param ttl: seconds an id is remembered; a caller retries a request within its ``request_timeout`` times the
+        number of peers it tries, far less than the default 10 minutes.
+    :param max_size: ids remembered at most.
+    """
+
+    def __init__(self, ttl: float = _APPLIED_TTL_S, max_size: int = _APPLIED_MAX) -> None:
+        self.ttl, self.max_size = ttl, max_size
+        self._seen: OrderedDict[int, float] = OrderedDict()
+
+    def add(self, request_id: int, now: float | None = None) -> bool:
+        """Remember ``request_id``; returns False if it was already known (not thread-safe: callers lock)."""
+        now = time.monotonic() if now is None else now
+        while self._seen and (len(self._seen) >= self.max_size or next(iter(self._seen.values())) < now):
+            self._seen.popitem(last=False)
+        if request_id in self._seen:
+            return False
+        self._seen[request_id] = now + self.ttl
+        return True
+
+    def known(self, request_id: int, now: float | None = None) -> bool:
+        """Whether ``request_id`` was added and has not expired (not thread-safe: callers lock)."""
+        expires = self._seen.get(request_id)
+        return expires is not None and expires >= (time.monotonic() if now is None else now)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+@contextlib.contextmanager
+def _seeded_rng(seed: int | None, device: torch.device) -> Iterator[list[bool]]:
+    """Run the body with torch's CPU generator (and ``device``'s, if CUDA) seeded with ``seed``, restored
+    afterwards (the server's own stream, and an in-process trainer's, do not move); ``None``: unseeded, as they
+    are. Yields ``[drew]``, set on exit to whether the body drew random numbers from them."""
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+    generators = [torch.default_generator] + ([torch.cuda.default_generators[index]] if cuda else [])
+    drew = [False]
+    with contextlib.ExitStack() as stack:
+        if seed is not None:
+            stack.enter_context(torch.random.fork_rng(devices=[] if index is None else [index]))
+            for generator in generators:
+                generator.manual_seed(seed)
+        before = [generator.get_state() for generator in generators]
+        yield drew
+        drew[0] = any(
+            not torch.equal(state, generator.get_state())
+            for state, generator in zip(before, generators, strict=True)
+        )
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module, training: bool) -> Iterator[None]:
+    """Restore the module's buffers on exit (a recomputed train-mode forward must not update batch
+    normalisation's running statistics a second time). All of them: batch norm's kernel updates its running
+    statistics without bumping their version counter, so a change cannot be told cheaply. Eval mode: no copy."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()] if training else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+def _leaves(inputs: Payload, device: torch.device) -> list[torch.Tensor]:
+    """The inputs as autograd leaves on ``device``: floating tensors sent as requiring grad require it."""
+    leaves = []
+    for t in inputs.tensors:
+        leaf = t.detach().to(device)
+        if t.requires_grad and t.is_floating_point():
+            leaf.requires_grad_(True)
+        leaves.append(leaf)
+    return leaves
+
+
+class _Kept:
+    """A forward kept for its backward: its input leaves, its outputs (with their autograd graph), the version
+    of the served parameters it ran with, and how long it took."""
+
+    __slots__ = ("leaves", "outputs", "version", "forward_s", "created")
+
+    def __init__(
+        self,
+        leaves: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        version: int,
+        forward_s: float,
+        created: float,
+    ) -> None:
+        self.leaves, self.outputs, self.version = leaves, outputs, version
+        self.forward_s, self.created = forward_s, created
+
+    def matches(self, inputs: Payload, version: int) -> bool:
+        """Whether a backward of ``inputs`` may use this forward: same parameters, same input shapes and dtypes,
+        the same inputs requiring grad."""
+        if version != self.version or len(inputs.tensors) != len(self.leaves):
+            return False
+        return all(
+            t.shape == leaf.shape
+            and t.dtype == leaf.dtype
+            and (t.requires_grad and t.is_floating_point()) == leaf.requires_grad
+            for t, leaf in zip(inputs.tensors, self.leaves, strict=True)
+        )
+
+
+def _all_finite(grads: list[torch.Tensor | None]) -> bool:
+    """Whether every gradient is finite: one reduction per tensor (a sum is NaN or infinite when any element is,
+    or when finite values are so large that they overflow, which is refused as well), one sync for all."""
+    sums = [g.sum(dtype=torch.float32) for g in grads if g is not None and g.numel()]
+    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
+
+
+def _exclusive(
+    grads: list[torch.Tensor | None], others: tuple[torch.Tensor, ...]
+) -> list[torch.Tensor | None]:
+    """Parameter gradients that share no memory with each other nor with ``others`` (the input gradients sent
+    back): autograd may hand one tensor to several inputs (``y = x + p`` gives ``x`` and ``p`` the same gradient),
+    and the pending sum adds into the first backward's tensors in place. Shared or non-contiguous ones are copied."""
+    seen = {t.untyped_storage().data_ptr() for t in others if t.numel()}
+    out: list[torch.Tensor | None] = []
+    for g in grads:
+        if g is not None and g.numel():
+            g = g.contiguous()  # an expanded gradient (``p.sum()`` gives one) cannot be added into in place
+            ptr = g.untyped_storage().data_ptr()
+            if ptr in seen:
+                g = g.clone()
+                ptr = g.untyped_storage().data_ptr()
+            seen.add(ptr)
+        out.append(g)
+    return out
+
+
+def _outputs_payload(outputs: Any) -> Payload:
+    """The stage's outputs as a payload; outputs that cannot travel are the stage's own error."""
+    try:
+        payload = Payload.flatten(outputs)
+        for t in payload.tensors:
+            check_encodable(t)
+    except CodecError as e:
+        raise _ComputeError(e) from e
+    return payload

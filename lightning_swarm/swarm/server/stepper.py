@@ -1,0 +1,425 @@
+"""The stepper of a stage server: the optimizer off the serving path, trainer-driven steps, optimizer state.
+
+See :mod:`.server` for how serving and stepping share the stage's parameters."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+
+from ..averaging import _GradientAverager, _no_partner, _state_lock, _StateAverager
+from ..stepping import StepCommand
+
+logger = logging.getLogger(__name__)
+
+MAX_STEP_ATTEMPTS = 3  # averaging rounds a trainer-driven step tries before a peer steps on its own gradients
+
+_EPOCH_POLL_S = 0.25  # how often an idle server checks whether its stage is ready to step
+
+_REFRESH_DEFER_S = 5.0  # how long kept forwards may hold back new parameters (their backwards come first)
+
+
+class Stepper:
+    """The optimizer side of a :class:`~.server.StageServer` (a mixin: its attributes are the server's): the
+    stepper thread, trainer-driven step commands (:mod:`..stepping`) and the optimizer's state."""
+
+    # ---- the stepper: the optimizer, off the serving path ----
+
+    def _step_loop(self) -> None:
+        """Feed pending gradients to the optimizer and take part in the stage's averaging rounds."""
+        while not self._stop.is_set():
+            self._wake.wait(_EPOCH_POLL_S)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.step_pending()
+                if self._refresh_pending_since is not None:
+                    with self._step_lock:
+                        self._refresh_parameters(defer=True)
+            except Exception as e:  # a failed round must not end the stepper; the next one may succeed
+                logger.error(f"Stage {self.stage}: optimizer step failed: {e!r}; its gradients were dropped")
+
+    def step_pending(self) -> bool:
+        """Hand the gradients of the backwards served so far to the optimizer (one ``step``); returns whether it
+        stepped. Also joins the stage's averaging round when the swarm has collected the target batch even if
+        no backward arrived here (otherwise the stage's other peers would wait for this one in matchmaking)."""
+        opt = self.optimizer
+        if opt is None:
+            return False
+        with self._step_lock:
+            with self._grads_lock:
+                grads, samples, backwards = self._pending, self._pending_samples, self._pending_backwards
+                self._pending, self._pending_samples, self._pending_backwards = None, 0, 0
+            if grads is None:
+                if not (
+                    opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0
+                ):
+                    return False  # nothing to contribute: the others step without us, we catch up from them
+                grads = [torch.zeros_like(m) for m in self._master]
+            for master, grad in zip(self._master, grads, strict=True):
+                master.grad = torch.zeros_like(master) if grad is None else grad
+            averager = opt.grad_averager
+            if isinstance(averager, _GradientAverager):
+                averager.backwards = backwards
+            epoch = opt.local_epoch
+            try:
+                opt.step(batch_size=samples)
+            finally:
+                for master in self._master:
+                    master.grad = None
+            self.steps += max(0, opt.local_epoch - epoch)
+            # refresh even without a new epoch: hivemind applies a finished background state averaging here
+            self._refresh_parameters(defer=True)
+            return True
+
+    @contextlib.contextmanager
+    def _writing_served(self) -> Iterator[None]:
+        """Around a write of the optimizer's parameters: when they are the served ones (``_shared_master``),
+        serving waits (the parameters lock) and forwards kept before recompute their backward."""
+        if not self._shared_master:
+            yield
+            return
+        with self._lock:
+            try:
+                yield
+            finally:
+                self._param_version += 1
+
+    def _refresh_parameters(self, defer: bool = False) -> None:
+        """Copy the optimizer's parameters into the served ones if they changed (under the parameters lock:
+        short); the caller holds ``_step_lock``. Unchanged ones are not written: a kept forward's graph stays
+        valid. With ``defer``, changed parameters wait while forwards kept before are still waiting for their
+        backward, up to ``_REFRESH_DEFER_S`` (the stepper retries, see :meth:`_step_loop`)."""
+        if self._shared_master:
+            return  # written in place (see _writing_served)
+        with self._lock, torch.no_grad():
+            changed = [
+                not torch.equal(served, master)
+                for served, master in zip(self._trained, self._master, strict=True)
+            ]
+            if not any(changed):
+                self._refresh_pending_since = None
+                return
+            now = time.monotonic()
+            if defer:
+                with self._kept_lock:
+                    waiting = bool(self._kept) or self._kept_in_use > 0
+                since = self._refresh_pending_since
+                if since is None:
+                    since = self._refresh_pending_since = now
+                if waiting and now - since < _REFRESH_DEFER_S:
+                    return  # forwards arriving meanwhile are not kept (see _forward)
+            for served, master, differs in zip(self._trained, self._master, changed, strict=True):
+                if differs:
+                    served.copy_(master)
+            self._param_version += 1  # kept forwards saw the old values: their backwards recompute
+            self._refresh_pending_since = None
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the gradients received so far have been handed to the optimizer (and a step they
+        triggered has been taken), at most ``timeout`` seconds (default: one averaging round)."""
+        if self.optimizer is None:
+            return
+        s = self.settings
+        timeout = s.averaging_timeout + s.matchmaking_time if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        stepper = self._stepper
+        if stepper is None or not stepper.is_alive():
+            return
+        while self._pending is not None and time.monotonic() < deadline:
+            self._wake.set()
+            time.sleep(0.01)
+        if self._step_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            try:  # the parameters of the steps taken so far are served from now on
+                if self._refresh_pending_since is not None:
+                    self._refresh_parameters()
+            finally:
+                self._step_lock.release()
+
+    # ---- trainer-driven steps (see .stepping) ----
+
+    def step_command(self, command: StepCommand) -> dict[str, Any]:
+        """Run one phase of a trainer's step command (see :mod:`.stepping`); returns the reply
+        (``epoch``, and ``sq_norm``/``finite`` of the step's gradients). Never applies a ``step_id`` twice."""
+        opt = self.optimizer
+        if opt is None or not self._trained:
+            return {"epoch": 0, "sq_norm": 0.0, "finite": True, "steps": self.steps}
+        if command.phase == "hyper":  # no lock: the stepper reads the groups at its next step
+            self._set_hyper(command)
+            return {"epoch": int(opt.local_epoch), "steps": self.steps}
+        if not self.driven:
+            return {
+                "epoch": -1,
+                "fatal": True,
+                "error": f"the server of stage {self.stage} steps every target_batch_size samples "
+                "(stage_steps='swarm') but a trainer commands its steps (stage_steps='trainer'): start every peer "
+                "of the run with the same stage_steps",
+            }
+        with self._step_lock:
+            done = self._steps_applied.get(command.step_id)
+            if done is not None:
+                return done
+            if command.phase == "zero":
+                self._take_pending(command.optimizer)
+                self._prepared = None
+                return {"epoch": int(opt.local_epoch), "steps": self.steps}
+            state = self._prepared
+            if state is None or state[0] != command.step_id:
+                own, wanted = self._take_pending(command.optimizer)
+                state = self._prepared = (command.step_id, own, wanted, None, -1)
+            _, own, wanted, summed, attempt = state
+            if summed is None or (command.phase == "norm" and command.attempt != attempt):
+                # a new "norm" attempt redoes the sum from this peer's own gradients: the trainer found the
+                # peers' sums of the last attempt inconsistent (see SwarmClient.step_stage)
+                grads, group = own, 1
+                if command.peers > 1:
+                    grads, group = self._sum_with_peers(own, wanted)
+                    if group == 1 and command.phase == "apply" and command.attempt < MAX_STEP_ATTEMPTS - 1:
+                        # nobody to sum with this time (the peers missed each other): the trainer sends the command
+                        # again, and this peer keeps its own gradients for that round
+                        return {"epoch": int(opt.local_epoch), "retry": True, "group": 1, "steps": self.steps}
+                if grads is own and command.grad_scale != 1.0:
+                    # unscaled in place below: the own gradients stay as taken, for another attempt (without a
+                    # loss scale nothing changes them before the step, which is the last use: no copy)
+                    grads = [g.clone() if g is not None else None for g in own]
+                summed = (grads, self._unscale(grads, command.grad_scale, group))
+                self._prepared = (command.step_id, own, wanted, summed, command.attempt)
+            grads, facts = summed
+            if command.phase == "norm":
+                return {"epoch": int(opt.local_epoch), **facts}
+            self._prepared = None
+            behind = command.epoch > opt.local_epoch
+            if behind:
+                # this peer missed steps: it takes the stage's state from its peers; the step's summed gradients
+                # apply to it only if that state is from before this step (as the others' was)
+                self._catch_up(command.epoch)
+            if not behind or opt.local_epoch <= command.epoch:
+                self._apply(command, grads, facts)
+            reply = {"epoch": int(opt.local_epoch), **facts, "steps": self.steps}
+            self._steps_applied[command.step_id] = reply
+            while len(self._steps_applied) > 64:
+                self._steps_applied.popitem(last=False)
+            return reply
+
+    def _set_hyper(self, command: StepCommand) -> None:
+        """Give each of the stage optimizer's groups the trainer's hyper-parameters of the group it mirrors."""
+        opt = self.optimizer
+        assert opt is not None
+        groups = opt.state_averager.optimizer.param_groups
+        for group, (optimizer, index) in zip(groups, self._group_sources, strict=True):
+            if optimizer == command.optimizer and index in command.groups:
+                group.update(command.groups[index])
+
+    def _catch_up(self, epoch: int) -> None:
+        """This peer missed steps (the trainer saw the stage at ``epoch``): load the stage's state from its
+        peers before stepping with them. Under ``_step_lock``."""
+        opt = self.optimizer
+        assert opt is not None
+        logger.info(
+            f"Stage {self.stage}: this peer is at step {opt.local_epoch}, the stage at {epoch}; loading its state"
+        )
+        averager = opt.state_averager
+        assert isinstance(averager, _StateAverager)
+        averager.loaded = False
+        try:
+            with self._writing_served():
+                opt.load_state_from_peers()
+        except Exception as e:
+            logger.warning(f"Stage {self.stage}: could not load the stage's state from its peers: {e!r}")
+        self._refresh_parameters()
+
+    @staticmethod
+    def _unscale(grads: list[torch.Tensor | None], grad_scale: float, group: int) -> dict[str, Any]:
+        """Unscale the step's gradients in place; returns their facts (squared norm, finiteness, group size)."""
+        sq_norm, finite = 0.0, True
+        with torch.no_grad():
+            for g in grads:
+                if g is None:
+                    continue
+                if grad_scale != 1.0:
+                    g.mul_(grad_scale)
+                value = float(g.detach().float().pow(2).sum())
+                finite = finite and math.isfinite(value)
+                sq_norm += value
+        return {"sq_norm": sq_norm if finite else 0.0, "finite": finite, "group": group}
+
+    def _take_pending(self, optimizer: int) -> tuple[list[torch.Tensor | None], list[int]]:
+        """Remove from the pending gradients those of the parameters in the trainer's optimizer ``optimizer``;
+        returns them (aligned with the master parameters, ``None`` elsewhere) and those parameters' indices."""
+        owned = {i for i, (source, _) in enumerate(self._group_sources) if source == optimizer}
+        opt = self.optimizer
+        assert opt is not None
+        groups = opt.state_averager.optimizer.param_groups
+        index_of = {id(m): i for i, m in enumerate(self._master)}
+        wanted = [index_of[id(p)] for g, group in enumerate(groups) if g in owned for p in group["params"]]
+        grads: list[torch.Tensor | None] = [None] * len(self._master)
+        with self._grads_lock:
+            pending = self._pending
+            if pending is not None:
+                for i in wanted:
+                    grads[i], pending[i] = pending[i], None
+                if all(g is None for g in pending):
+                    self._pending, self._pending_samples, self._pending_backwards = None, 0, 0
+        return grads, wanted
+
+    def _sum_with_peers(
+        self, grads: list[torch.Tensor | None], wanted: list[int]
+    ) -> tuple[list[torch.Tensor | None], int]:
+        """The sum of ``grads`` over the stage's peers stepping now (one all-reduce round of the stage's gradient
+        averager, every peer with weight 1, times the group's size); this peer's own gradients if no round
+        could be made (logged)."""
+        opt = self.optimizer
+        assert opt is not None
+        averager = opt.grad_averager
+        with torch.no_grad(), averager.get_tensors() as buffers:
+            for buffer, grad in zip(buffers, grads, strict=True):
+                buffer.copy_(grad) if grad is not None else buffer.zero_()
+        try:
+            group = self._one_round(averager)
+        except Exception as e:
+            group = None
+            if not _no_partner(e):  # a broken round (shapes, a reducer's failure...), not a missing partner
+                logger.error(
+                    f"Stage {self.stage}: summing the step's gradients with the stage's peers failed: {e!r}; "
+                    "stepping with this peer's own gradients"
+                )
+                return grads, 1
+        if not group:
+            logger.warning(
+                f"Stage {self.stage}: found no peer of the stage to sum this step's gradients with; stepping with "
+                "this peer's own gradients"
+            )
+            return grads, 1
+        self.averaged_rounds += 1
+        with torch.no_grad(), averager.get_tensors() as buffers:
+            summed: list[torch.Tensor | None] = [None] * len(grads)
+            for i in wanted:
+                summed[i] = buffers[i].detach().clone().mul_(len(group))
+        return summed, len(group)
+
+    def _one_round(self, averager: DecentralizedAverager) -> Any:
+        """One all-reduce round of ``averager`` with the stage's peers that step now: the group (``None`` or an
+        exception if none formed). The trainer commands those peers at once, so a group forms within a few
+        matchmaking periods or not at all (a partner that already finished this step, see
+        ``SwarmClient.step_stage``): matchmaking is given that long, and the all-reduce ``averaging_timeout``."""
+        s = self.settings
+        control = DecentralizedAverager.step(averager, weight=1.0, timeout=s.averaging_timeout, wait=False)
+        looking = time.monotonic() + 3 * s.matchmaking_time + 2.0
+        while not control.done():
+            if not control.began_allreduce and time.monotonic() > looking:
+                control.cancel()
+                return None
+            try:
+                return control.result(timeout=0.05)
+            except TimeoutError:  # concurrent.futures.TimeoutError is TimeoutError
+                continue
+        return control.result()
+
+    def _apply(self, command: StepCommand, grads: list[torch.Tensor | None], facts: dict[str, Any]) -> None:
+        """Clip ``grads`` as commanded, take the trainer's hyper-parameters and step; then serve the new
+        parameters. Under ``_step_lock``."""
+        opt = self.optimizer
+        assert opt is not None
+        if command.skip or not facts["finite"]:
+            if not facts["finite"] and not command.skip:
+                logger.warning(
+                    f"Stage {self.stage}: the step's gradients are not finite; this stage skips the step"
+                )
+            return
+        averager = opt.state_averager
+        with torch.no_grad():
+            for g in grads:
+                if g is None:
+                    continue
+                if command.clip_coef is not None and command.clip_coef < 1.0:
+                    g.mul_(command.clip_coef)
+                if command.clip_value is not None:
+                    g.clamp_(-command.clip_value, command.clip_value)
+        self._set_hyper(command)
+        for master, grad in zip(self._master, grads, strict=True):
+            master.grad = grad
+        # a peer downloading the stage's state meanwhile gets it from before or after this step, never torn and
+        # never with the new epoch on the old parameters (see _StateAverager.get_current_state)
+        with _state_lock(averager), opt.tracker.pause_updates(), self._writing_served():
+            try:
+                averager.step(increment_epoch=True, optimizer_step=True)
+            finally:
+                for master in self._master:
+                    master.grad = None
+            self.steps += 1
+            opt.tracker.update_epoch(new_epoch=averager.local_epoch)
+        if not opt.client_mode:
+            averager.state_sharing_priority = averager.local_epoch
+        self._refresh_parameters()
+
+    def optimizer_state(self) -> bytes:
+        """The stage optimizer's state (``torch.save`` of ``{"optimizer": state_dict, "epoch": int}``), for a
+        trainer's checkpoint; empty if this server does not train its stage."""
+        opt = self.optimizer
+        if opt is None:
+            return b""
+        with self._step_lock:
+            averager = opt.state_averager
+            buffer = io.BytesIO()
+            torch.save(
+                {"optimizer": averager.optimizer.state_dict(), "epoch": int(averager.local_epoch)}, buffer
+            )
+            return buffer.getvalue()
+
+    def load_optimizer_state(self, data: bytes) -> None:
+        """Restore the stage optimizer's state and epoch from :meth:`optimizer_state`'s bytes (a resumed run),
+        in place: the state tensors that hivemind averages and shares stay the same objects.
+
+        Raises:
+            ValueError: the state does not fit this stage's optimizer (another model or stage layout).
+        """
+        opt = self.optimizer
+        if opt is None:
+            return
+        try:
+            loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            state, epoch = loaded["optimizer"], int(loaded["epoch"])
+            params = state["state"]
+        except Exception as e:
+            raise ValueError(
+                f"Stage {self.stage}: unreadable optimizer state ({type(e).__name__}: {e})"
+            ) from None
+        with self._step_lock:
+            averager = opt.state_averager
+            torch_opt = averager.optimizer
+            masters = [p for group in torch_opt.param_groups for p in group["params"]]
+            if len(state["param_groups"]) != len(torch_opt.param_groups) or sum(
+                len(g["params"]) for g in state["param_groups"]
+            ) != len(masters):
+                raise ValueError(
+                    f"Stage {self.stage}: the checkpoint's optimizer state has {len(state['param_groups'])} groups "
+                    f"for another set of parameters than this stage's {len(torch_opt.param_groups)}: resume with "
+                    "the same model, pipeline and num_stages as the run that saved it."
+                )
+            with torch.no_grad():
+                for index, param in enumerate(masters):
+                    mine, theirs = torch_opt.state.get(param), params.get(index, {})
+                    for key, value in theirs.items():
+                        if mine is not None and isinstance(mine.get(key), torch.Tensor):
+                            if mine[key].shape != value.shape:
+                                raise ValueError(
+                                    f"Stage {self.stage}: optimizer state {key!r} of parameter {index} has shape "
+                                    f"{list(value.shape)}, here {list(mine[key].shape)}: another model"
+                                )
+                            mine[key].copy_(value)
+                        else:
+                            torch_opt.state[param][key] = value
+                for group, saved in zip(torch_opt.param_groups, state["param_groups"], strict=True):
+                    group.update({k: v for k, v in saved.items() if k != "params"})
+            with opt.tracker.pause_updates():
+                averager.local_epoch = epoch
+                opt.tracker.update_epoch(new_epoch=epoch)
