@@ -12,6 +12,9 @@
 - ``steps``, ``batch``, ``seed``, ``compression``, ``lr``;
 - ``save_path``: the trainer saves a checkpoint there when training ends (``trainer.save_checkpoint`` in
   ``on_train_end``, while the swarm still runs: streamed stage by stage);
+- ``compare_gather`` (with ``save_path``): save weights only, streamed, then the old way (every stage gathered,
+  then saved), recording the rise of the trainer's RSS for each (``save_rss_rise_streamed_mb``,
+  ``save_rss_rise_gathered_mb``);
 - ``ckpt_path``: resume from that checkpoint (``trainer.fit(..., ckpt_path=...)``; ``steps`` counts from 0, so
   give more than the checkpoint's).
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 
 def _enter_cgroup() -> None:
@@ -161,12 +165,62 @@ def mapped_rss_bytes(path: str) -> int:
     return total
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_rise(fn) -> int:
+    """How far this process's resident memory rose above its level at the start while ``fn()`` ran (sampled
+    every 5 ms)."""
+    import gc
+    import threading
+
+    from lightning_swarm.swarm.footprint import release_free_memory
+
+    gc.collect()
+    release_free_memory()  # freed heap pages back to the system first: each measurement starts from the same footing
+    start, peak, done = _rss_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes() - start)
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak[0], _rss_bytes() - start)
+
+
 class SaveAtEnd(Callback):
-    def __init__(self, path: str) -> None:
-        self.path = path
+    """``save_path``: save there when training ends. With ``compare_gather`` (weights only), also measure the rise
+    of this process's RSS while saving streamed and while saving the old way (every stage gathered, then saved)."""
+
+    def __init__(self, path: str, report: Report, compare_gather: bool = False) -> None:
+        self.path, self.report, self.compare = path, report, compare_gather
 
     def on_train_end(self, trainer, pl_module):
-        trainer.save_checkpoint(self.path)
+        if not self.compare:
+            trainer.save_checkpoint(self.path)
+            return
+        from lightning_swarm.strategy._checkpointing import fetcher
+        from lightning_swarm.swarm.streamed_checkpoint import resolve_deferred
+
+        strategy = trainer.strategy
+        streamed = peak_rss_rise(lambda: trainer.save_checkpoint(self.path, weights_only=True))
+
+        def gathered() -> None:
+            state = resolve_deferred(strategy.lightning_module_state_dict(), fetcher(strategy.peer))
+            torch.save({"state_dict": state}, self.path + ".gathered")
+
+        self.report.record["save_rss_rise_streamed_mb"] = streamed / 2**20
+        self.report.record["save_rss_rise_gathered_mb"] = peak_rss_rise(gathered) / 2**20
+        self.report._write(trainer)
 
 
 class Report(Callback):
@@ -232,7 +286,7 @@ def main() -> None:
     report = Report(cfg["out_dir"], cfg.get("ckpt_path"))
     callbacks: list[Callback] = [report]
     if cfg.get("save_path"):
-        callbacks.append(SaveAtEnd(cfg["save_path"]))
+        callbacks.append(SaveAtEnd(cfg["save_path"], report, bool(cfg.get("compare_gather"))))
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
