@@ -9,13 +9,21 @@
   stages of one peer each;
 - ``width``, ``ffn``, ``blocks``: the pipeline (``blocks`` blocks LayerNorm -> Linear(width, ffn) -> GELU ->
   Linear(ffn, width)), between a trainer-local input layer and head;
-- ``steps``, ``batch``, ``seed``, ``compression``, ``lr``.
+- ``steps``, ``batch``, ``seed``, ``compression``, ``lr``;
+- ``save_path``: the trainer saves a checkpoint there when training ends (``trainer.save_checkpoint`` in
+  ``on_train_end``, while the swarm still runs: streamed stage by stage);
+- ``compare_gather`` (with ``save_path``): save weights only, streamed, then the old way (every stage gathered,
+  then saved), recording the rise of the trainer's RSS for each (``save_rss_rise_streamed_mb``,
+  ``save_rss_rise_gathered_mb``);
+- ``ckpt_path``: resume from that checkpoint (``trainer.fit(..., ckpt_path=...)``; ``steps`` counts from 0, so
+  give more than the checkpoint's).
 
 Every process writes ``out_dir/peer<rank>.json`` once set up (Lightning's ``on_fit_start``, after the strategy's
 ``setup``): its stage, the bytes of storage its model's tensors hold (every distinct storage of the module's
 parameters and buffers, the pipeline's blocks included, ``meta`` tensors holding none), the bytes its stage and the
-trainer-local modules need, what its stage server holds besides (copies of the parameters, optimizer state), and,
-for the trainer, the output of the first forward. At the end it adds its peak resident memory (``VmHWM``).
+trainer-local modules need, what its stage server holds besides (copies of the parameters, optimizer state), when
+resuming the bytes of the checkpoint file it has read (``ckpt_rss_bytes``: the resident pages of its memory-mapped
+checkpoint, from ``/proc/self/smaps``), and, for the trainer, the output of the first forward. At the end it adds its peak resident memory (``VmHWM``).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 
 def _enter_cgroup() -> None:
@@ -143,9 +152,80 @@ def server_extra_bytes(server, served: list[torch.Tensor]) -> int:
     return storage_bytes(t for t in extra if t is not None and t.untyped_storage().data_ptr() not in own)
 
 
+def mapped_rss_bytes(path: str) -> int:
+    """Resident bytes of this process's mappings of the file ``path`` (pages of it read into this process)."""
+    target, total, inside = os.path.realpath(path), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+                inside = len(fields) >= 6 and os.path.realpath(" ".join(fields[5:])) == target
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_rise(fn) -> int:
+    """How far this process's resident memory rose above its level at the start while ``fn()`` ran (sampled
+    every 5 ms)."""
+    import gc
+    import threading
+
+    from lightning_swarm.swarm.footprint import release_free_memory
+
+    gc.collect()
+    release_free_memory()  # freed heap pages back to the system first: each measurement starts from the same footing
+    start, peak, done = _rss_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes() - start)
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak[0], _rss_bytes() - start)
+
+
+class SaveAtEnd(Callback):
+    """``save_path``: save there when training ends. With ``compare_gather`` (weights only), also measure the rise
+    of this process's RSS while saving streamed and while saving the old way (every stage gathered, then saved)."""
+
+    def __init__(self, path: str, report: Report, compare_gather: bool = False) -> None:
+        self.path, self.report, self.compare = path, report, compare_gather
+
+    def on_train_end(self, trainer, pl_module):
+        if not self.compare:
+            trainer.save_checkpoint(self.path)
+            return
+        from lightning_swarm.strategy._checkpointing import fetcher
+        from lightning_swarm.swarm.streamed_checkpoint import resolve_deferred
+
+        strategy = trainer.strategy
+        streamed = peak_rss_rise(lambda: trainer.save_checkpoint(self.path, weights_only=True))
+
+        def gathered() -> None:
+            state = resolve_deferred(strategy.lightning_module_state_dict(), fetcher(strategy.peer))
+            torch.save({"state_dict": state}, self.path + ".gathered")
+
+        self.report.record["save_rss_rise_streamed_mb"] = streamed / 2**20
+        self.report.record["save_rss_rise_gathered_mb"] = peak_rss_rise(gathered) / 2**20
+        self.report._write(trainer)
+
+
 class Report(Callback):
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
+    def __init__(self, out_dir: str, ckpt_path: str | None = None) -> None:
+        self.out_dir, self.ckpt_path = out_dir, ckpt_path
         self.record: dict = {}
 
     def on_fit_start(self, trainer, pl_module):
@@ -166,6 +246,8 @@ class Report(Callback):
             if server is not None:  # what the stage server holds besides the served parameters
                 record["server_extra_bytes"] = server_extra_bytes(server, hosted)
         record["model_bytes"] = storage_bytes(tensors)
+        if self.ckpt_path is not None:  # Lightning still holds the loaded checkpoint here
+            record["ckpt_rss_bytes"] = mapped_rss_bytes(self.ckpt_path)
         self.record = record
         self._write(trainer)
 
@@ -201,7 +283,10 @@ def main() -> None:
             run_id=cfg.get("run_id", f"memory_{way}"),
             rebalance_period=0,
         )
-    report = Report(cfg["out_dir"])
+    report = Report(cfg["out_dir"], cfg.get("ckpt_path"))
+    callbacks: list[Callback] = [report]
+    if cfg.get("save_path"):
+        callbacks.append(SaveAtEnd(cfg["save_path"], report, bool(cfg.get("compare_gather"))))
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -213,7 +298,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[report],
+        callbacks=callbacks,
     )
     seed_everything(seed, verbose=False)
     if way == "init":
@@ -226,7 +311,7 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown way {way!r}: init, init_module or configure_model")
     batch = int(cfg.get("batch", 8))
-    trainer.fit(model, data(sizes["width"], batch, int(cfg.get("steps", 1))))
+    trainer.fit(model, data(sizes["width"], batch, int(cfg.get("steps", 1))), ckpt_path=cfg.get("ckpt_path"))
 
 
 if __name__ == "__main__":

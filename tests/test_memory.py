@@ -141,3 +141,65 @@ def test_a_checkpoint_loaded_into_a_meta_build_is_taken_not_dropped():
     for key, value in model.state_dict().items():
         assert not value.is_meta and torch.equal(value, saved[key]), key
     assert all(p.requires_grad for p in model.parameters())
+
+
+def _run_job(cfg: dict) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run(
+        [sys.executable, JOB, json.dumps(cfg)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "Traceback" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr[-6000:]
+
+
+@pytest.mark.timeout(600)
+def test_a_swarm_checkpoint_streams_to_a_plain_checkpoint_and_resuming_reads_only_each_peers_stage(tmp_path):
+    # a stage's Adam state stays under hivemind's 2 MB unary message limit (see docs/design/memory.md)
+    sizes = {"width": 64, "ffn": 512, "blocks": 8}
+    ckpt = tmp_path / "end.ckpt"
+    base = {"way": "init_module", "devices": 4, **sizes}
+    (tmp_path / "a").mkdir()
+    # the trainer wrote it while the swarm ran (stage by stage); a plain process loads it, every stage trained
+    _run_job(
+        {
+            **base,
+            "steps": 3,
+            "seed": 5,
+            "out_dir": str(tmp_path / "a"),
+            "run_id": "mem_save2",
+            "save_path": str(ckpt),
+        }
+    )
+    plain = _memory_job.MLPPipeline.load_from_checkpoint(ckpt, **sizes)
+    seed_everything(5, verbose=False)
+    initial = _memory_job.MLPPipeline(**sizes)
+    for key, value in initial.state_dict().items():
+        assert not torch.equal(plain.state_dict()[key], value), f"{key} did not come home trained"
+
+    # resuming a 4-peer swarm from it: each peer reads its own stage's tensors of the file, not the others'
+    (tmp_path / "b").mkdir()
+    _run_job(
+        {
+            **base,
+            "steps": 5,
+            "seed": 7,
+            "out_dir": str(tmp_path / "b"),
+            "run_id": "mem_resume",
+            "ckpt_path": str(ckpt),
+        }
+    )
+    peers = [json.loads((tmp_path / "b" / f"peer{rank}.json").read_text()) for rank in range(4)]
+    assert sorted(p["stage"] for p in peers) == [0, 1, 2, 3]
+    pipeline_bytes = _memory_job.storage_bytes(plain.layers.parameters())
+    for peer in peers:
+        assert peer["model_bytes"] == peer["expected_bytes"], peer
+        # the file's pages this peer read: its stage and the trainer-local layers, rounded up to pages (and the
+        # kernel's fault-around of 64 KiB), not the other three stages
+        assert peer["expected_bytes"] <= peer["ckpt_rss_bytes"] <= peer["expected_bytes"] + (128 << 10), peer
+        assert peer["ckpt_rss_bytes"] < 0.4 * pipeline_bytes, (peer, pipeline_bytes)
+    # every stage serves the checkpoint's weights: the resumed trainer's first forward is the plain module's
+    x, _ = next(iter(_memory_job.data(sizes["width"], 8, 5)))
+    with torch.no_grad():
+        expected = plain(x)
+    torch.testing.assert_close(torch.tensor(peers[0]["first_output"]), expected, rtol=0, atol=1e-6)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.types import Optimizable
@@ -27,6 +27,12 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_swarm.strategy._checkpointing import (
+    deferred_optimizer_states,
+    deferred_state_dict,
+    fetcher,
+    optimizer_state_bytes,
+)
 from lightning_swarm.strategy._refusals import _refuse_for_swarm_steps, _refuse_weight_copies, _scaler
 from lightning_swarm.strategy._schedules import follow_swarm_epochs
 from lightning_swarm.strategy.launcher import _SwarmLauncher
@@ -39,6 +45,7 @@ from lightning_swarm.swarm.lifetime import (
 )
 from lightning_swarm.swarm.materialize import RngSnapshot
 from lightning_swarm.swarm.stepping import hyper_parameters
+from lightning_swarm.swarm.streamed_checkpoint import resolve_deferred, save_deferred
 
 log = logging.getLogger(__name__)
 
@@ -456,11 +463,12 @@ class SwarmStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model, with every stage's current parameters gathered from the swarm."""
+        """The whole model: during a run, each stage's parameters stand for its current ones on the swarm
+        (``Deferred`` leaves), fetched one stage at a time when :meth:`save_checkpoint` writes the file."""
         assert self.lightning_module is not None
         if self._peer is None or not self._peer.joined:
             return self.lightning_module.state_dict()
-        return self._peer.full_state_dict(self.lightning_module)
+        return deferred_state_dict(self._peer, self.lightning_module)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -484,9 +492,24 @@ class SwarmStrategy(ParallelStrategy):
         if "optimizer_states" in checkpoint and peer is not None and peer.joined and peer.is_trainer:
             checkpoint[_STAGES_KEY] = {
                 "num_stages": self.settings.num_stages,
-                "optimizer_states": peer.stage_optimizer_states(),
+                "optimizer_states": deferred_optimizer_states(self.settings.num_stages),
             }
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if not self.is_global_zero:
+            return  # as Lightning's strategies: only global rank 0 writes
+        if peer is None or not peer.joined:  # nothing is deferred outside a run
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        elif type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None:
+            # stage by stage to disk: the whole model is never in this peer's memory
+            save_deferred(checkpoint, filepath, fetcher(peer))
+        else:  # a CheckpointIO of the user's (or storage options for it) gets the whole checkpoint
+            super().save_checkpoint(resolve_deferred(checkpoint, fetcher(peer)), filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Memory-mapped: a peer reads only the tensors it keeps (its stage and the trainer-local modules)."""
+        if type(self.checkpoint_io) is not TorchCheckpointIO:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -494,7 +517,8 @@ class SwarmStrategy(ParallelStrategy):
         super().load_optimizer_state_dict(checkpoint)
         stages = checkpoint.get(_STAGES_KEY)
         if stages is not None and self.peer.is_trainer:
-            self.peer.load_stage_optimizer_states(stages["optimizer_states"])
+            states = stages["optimizer_states"]
+            self.peer.load_stage_optimizer_states({k: optimizer_state_bytes(v) for k, v in states.items()})
 
     @override
     def on_exception(self, exception: BaseException) -> None:

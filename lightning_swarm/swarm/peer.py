@@ -745,8 +745,10 @@ class SwarmPeer:
         self._info_poller.start()
 
     # ------------------------------------------------------------------ state
-    def gather_stage_states(self, attempts: int = 2) -> dict[int, dict[str, torch.Tensor]]:
-        """Every stage's current ``state_dict``, each from some live peer of that stage.
+    def gather_stage_states(
+        self, attempts: int = 2, stages: list[int] | None = None
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Every stage's (or the given ``stages``') current ``state_dict``, each from some live peer of it.
 
         A stage that fails (no live peer within ``no_peers_timeout``, or an incomplete state) is tried again, up
         to ``attempts`` rounds in all.
@@ -758,7 +760,7 @@ class SwarmPeer:
         states: dict[int, dict[str, torch.Tensor]] = {}
         errors: dict[int, BaseException] = {}
         for _ in range(attempts):
-            for stage in range(self.settings.num_stages):
+            for stage in range(self.settings.num_stages) if stages is None else stages:
                 if stage in states:
                     continue
                 try:
@@ -777,11 +779,6 @@ class SwarmPeer:
             "for them, so this is an error: keep at least one server of every stage running until the trainers "
             "have finished (they linger for `linger_timeout` seconds), and save checkpoints during training."
         )
-
-    def stage_optimizer_states(self) -> dict[int, bytes]:
-        """Every stage's optimizer state (and epoch), each from some live peer of it, for a checkpoint."""
-        assert self.client is not None
-        return {k: self.client.fetch_optimizer_state(k) for k in range(self.settings.num_stages)}
 
     def load_stage_optimizer_states(self, states: dict[int, bytes]) -> None:
         """Restore each stage's optimizer state on all its live peers (resuming from a checkpoint).
@@ -803,13 +800,6 @@ class SwarmPeer:
                     f"SwarmStrategy: no peer of stage {stage} is online to restore its optimizer state from the "
                     "checkpoint; start the stage's servers before resuming."
                 )
-
-    def full_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """``module.state_dict()`` as if the pipeline were local, with the stages' parameters from the swarm."""
-        assert self.partition is not None
-        state = dict(module.state_dict())
-        state.update(self.partition.full_state_keys(self.gather_stage_states()))
-        return state
 
     def wait_for_stages(self, timeout: float = APPEAR_TIMEOUT) -> bool:
         """Wait until every stage has its announced servers, at most ``timeout`` seconds (a local swarm's peers
