@@ -7,6 +7,7 @@ its own run id, so their records and handlers do not interfere.
 from __future__ import annotations
 
 import copy
+import io
 import itertools
 import signal
 import threading
@@ -823,3 +824,37 @@ def test_throughput_is_announced_in_samples_per_second_of_forward_and_backward(d
     assert 4 / 1.0 < measured < 4 / 0.1  # 4 samples, forward + backward >= 0.1 s
     server._announce()
     assert get_stage_peers(dhts["trainer"], run_id, 0)[0].throughput == pytest.approx(measured)
+
+
+@pytest.mark.timeout(180)
+def test_an_optimizer_state_larger_than_one_message_travels_in_parts(dhts, cleanup) -> None:
+    """Adam's state of a 1024 x 1024 stage is ~8 MB, beyond hivemind's 2 MiB message cap: a trainer fetches it
+    from one peer and restores it on another in parts, and the other peer then holds the same moments."""
+    torch.manual_seed(0)
+    run_id = _run_id("optstate")
+    adam = lambda params: torch.optim.Adam(params, lr=1e-3)  # noqa: E731
+    first = _serve(cleanup, dhts["server1"], run_id, nn.Linear(1024, 1024), optimizer_factory=adam)
+    client = _client(cleanup, dhts["trainer"], run_id, microbatches=1)
+    client.call_stage(0, torch.randn(4, 1024, requires_grad=True)).pow(2).sum().backward()
+    first.flush()
+    data = client.fetch_optimizer_state(0)
+    assert len(data) > 4 * (1 << 20)
+    first.shutdown()
+    second = _serve(cleanup, dhts["server2"], run_id, nn.Linear(1024, 1024), optimizer_factory=adam)
+    deadline = time.monotonic() + 30
+    while [p.peer_id for p in client.peers(0)] != [second.peer_id]:
+        assert time.monotonic() < deadline, "the second peer never replaced the first"
+        time.sleep(0.5)
+    checkpoint = torch.load(io.BytesIO(data), weights_only=False)
+    for moments in checkpoint["optimizer"]["state"].values():  # moments a trained stage would hold
+        moments["exp_avg"].normal_()
+        moments["exp_avg_sq"].uniform_()
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    assert client.load_optimizer_state(0, buffer.getvalue()) == 1
+    sent = checkpoint["optimizer"]["state"]
+    held = torch.load(io.BytesIO(client.fetch_optimizer_state(0)), weights_only=False)["optimizer"]["state"]
+    assert sent.keys() == held.keys()
+    for key in sent:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sent[key][name], held[key][name]), (key, name)

@@ -49,7 +49,15 @@ from .codec import CodecError, check_encodable
 from .errors import ProtocolError, RemoteStageError, remote_exception
 from .guards import check_outputs
 from .payload import EncodedPayload, Payload
-from .protocol import SEED_BITS, StageRequest, StageService, encode_request_header, stage_uid, warm_up_codec
+from .protocol import (
+    OPTIMIZER_PART_BYTES,
+    SEED_BITS,
+    StageRequest,
+    StageService,
+    encode_request_header,
+    stage_uid,
+    warm_up_codec,
+)
 from .records import PeerInfo, parse_stage_peers
 from .routing import NoPeersError, PeerStopping, StageRouter
 from .settings import SwarmSettings
@@ -380,7 +388,19 @@ class SwarmClient:
         def attempt(peer_id: PeerID) -> bytes:
             if peer_id == self.peer_id and stage in self.local_servers:
                 return self.local_servers[stage].optimizer_state()
-            return self._optimizer_rpc(peer_id, stage, {"op": "get"})["state"]
+            parts, token, total = [], None, None
+            while total is None or sum(map(len, parts)) < total:
+                offset = sum(map(len, parts))
+                reply = self._optimizer_rpc(peer_id, stage, {"op": "get", "offset": offset, "token": token})
+                token, total = reply.get("token"), reply.get("total")
+                if type(total) is not int or total < 0 or type(token) is not int:
+                    raise ProtocolError(
+                        f"Peer {peer_id} sent a malformed optimizer state part of stage {stage}"
+                    )
+                if not reply["state"] and offset < total:
+                    raise ProtocolError(f"Peer {peer_id} sent an empty optimizer state part of stage {stage}")
+                parts.append(reply["state"])
+            return b"".join(parts)
 
         return self._with_retries(stage, 1.0, attempt, timed=False)
 
@@ -399,7 +419,17 @@ class SwarmClient:
             if peer_id == self.peer_id and stage in self.local_servers:
                 self.local_servers[stage].load_optimizer_state(data)
             else:
-                self._optimizer_rpc(peer_id, stage, {"op": "set", "state": data})
+                token = secrets.randbits(62)
+                for offset in range(0, max(1, len(data)), OPTIMIZER_PART_BYTES):
+                    part = data[offset : offset + OPTIMIZER_PART_BYTES]
+                    fields = {
+                        "op": "set",
+                        "state": part,
+                        "offset": offset,
+                        "total": len(data),
+                        "token": token,
+                    }
+                    self._optimizer_rpc(peer_id, stage, fields)
         return len(peers)
 
     def _optimizer_rpc(self, peer_id: PeerID, stage: int, fields: dict[str, Any]) -> dict[str, Any]:

@@ -98,6 +98,9 @@ MAX_MESSAGE_BYTES = (
     64 * 1024 * 1024
 )  # one message on the wire (ours carry at most ~64 KiB of parts, or one call)
 MAX_REQUEST_MESSAGES = 100_000
+OPTIMIZER_PART_BYTES = (
+    1 << 20
+)  # a stage's optimizer state travels in parts (hivemind caps a unary message at 2 MiB)
 MAX_REPLY_BYTES = 4 * 1024 * 1024 * 1024  # decoded tensors of one reply, on the trainer's side
 
 

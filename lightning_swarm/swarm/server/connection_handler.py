@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import logging
 import math
+import secrets
 from collections.abc import Iterator
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
 
@@ -21,6 +22,7 @@ from ..protocol import (
     MAX_MESSAGE_BYTES,
     MAX_REQUEST_MESSAGES,
     MAX_REQUEST_TENSORS,
+    OPTIMIZER_PART_BYTES,
     StageReply,
     encode_reply_header,
     parse_request,
@@ -30,6 +32,11 @@ from ..transport import MESSAGE_BYTES, SPLIT_ABOVE, MessageReceiver, messages
 
 logger = logging.getLogger(__name__)
 
+# the optimizer state travels in parts (OPTIMIZER_PART_BYTES); uploads and downloads in progress are kept by
+# token, a few at a time
+_MAX_OPTIMIZER_BYTES = 64 << 30
+_OPTIMIZER_TRANSFERS = 4
+_tokens = itertools.count(secrets.randbits(62))
 _MAX_CALLS_PER_PEER = 32  # calls of one remote peer being received or served at once (a trainer's threads)
 
 
@@ -219,9 +226,13 @@ class ConnectionHandler:
     async def rpc_optimizer(
         self, request: runtime_pb2.ExpertInfo, context: P2PContext
     ) -> runtime_pb2.ExpertInfo:
-        """The stage optimizer's state for a checkpoint (``{"uid", "op": "get"}`` -> ``{"state": bytes}``) or
-        its restoration (``{"uid", "op": "set", "state": bytes}`` -> ``{"ok": True}``); msgpack both ways, an
-        ``{"error": str}`` reply if refused."""
+        """The stage optimizer's state for a checkpoint, or its restoration, in parts of at most
+        ``OPTIMIZER_PART_BYTES`` (msgpack both ways; an ``{"error": str}`` reply if refused):
+
+        - ``{"uid", "op": "get", "offset", "token"}`` -> ``{"state": bytes from offset, "total", "token"}``: offset 0
+          without a token serialises the state and names it by a new token; the next parts ask with that token;
+        - ``{"uid", "op": "set", "state": part, "offset", "total", "token"}`` -> ``{"ok": True, "done"}``: parts in
+          order under a token of the caller's choosing; the last one restores the whole state."""
         try:
             remaining = self.bad_peers.ignored_for(context.remote_id)
             if remaining:
@@ -233,8 +244,21 @@ class ConnectionHandler:
                 if not isinstance(fields, dict) or fields.get("uid") != self.uid:
                     raise BadRequest(f"This peer serves {self.uid!r}")
                 op, data = fields.get("op"), fields.get("state")
+                offset, total, token = fields.get("offset", 0), fields.get("total"), fields.get("token")
                 if op not in ("get", "set") or (op == "set" and not isinstance(data, bytes)):
                     raise BadRequest("expected op 'get', or op 'set' with the state's bytes")
+                if type(offset) is not int or offset < 0 or (token is not None and type(token) is not int):
+                    raise BadRequest("expected an integer offset >= 0 and an integer token")
+                if op == "set" and (
+                    type(total) is not int
+                    or not 0 < total <= _MAX_OPTIMIZER_BYTES
+                    or token is None
+                    or len(data) > OPTIMIZER_PART_BYTES
+                    or offset + len(data) > total
+                ):
+                    raise BadRequest(
+                        "expected a part of at most OPTIMIZER_PART_BYTES within total, under a token"
+                    )
             except BadRequest as e:
                 self._strike(context.remote_id, e)
                 raise
@@ -242,11 +266,43 @@ class ConnectionHandler:
                 self._strike(context.remote_id, e)
                 raise BadRequest(f"malformed optimizer request ({type(e).__name__})") from None
             loop = asyncio.get_running_loop()
+            downloads = self.__dict__.setdefault("_optimizer_downloads", {})
+            uploads = self.__dict__.setdefault("_optimizer_uploads", {})
             if op == "get":
-                reply: dict[str, Any] = {"state": await loop.run_in_executor(None, self.optimizer_state)}
+                blob = downloads.get(token) if token is not None else None
+                if blob is None:
+                    if offset:
+                        raise BadRequest("unknown optimizer state token: ask again from offset 0")
+                    blob = await loop.run_in_executor(None, self.optimizer_state)
+                    token = next(_tokens)
+                    downloads[token] = blob
+                    while len(downloads) > _OPTIMIZER_TRANSFERS:
+                        downloads.pop(next(iter(downloads)))
+                reply: dict[str, Any] = {
+                    "state": blob[offset : offset + OPTIMIZER_PART_BYTES],
+                    "total": len(blob),
+                    "token": token,
+                }
+                if offset + OPTIMIZER_PART_BYTES >= len(blob):
+                    downloads.pop(token, None)
             else:
-                await loop.run_in_executor(None, self.load_optimizer_state, data)
-                reply = {"ok": True}
+                key = (context.remote_id, token)
+                buffer = uploads.get(key)
+                if buffer is None:
+                    if offset:
+                        raise BadRequest("unknown optimizer upload: send again from offset 0")
+                    buffer = uploads[key] = bytearray()
+                    while len(uploads) > _OPTIMIZER_TRANSFERS:
+                        uploads.pop(next(iter(uploads)))
+                if offset != len(buffer):
+                    uploads.pop(key, None)
+                    raise BadRequest(f"optimizer upload part at {offset}, expected {len(buffer)}: send again")
+                buffer += data
+                done = len(buffer) >= total
+                if done:
+                    uploads.pop(key, None)
+                    await loop.run_in_executor(None, self.load_optimizer_state, bytes(buffer))
+                reply = {"ok": True, "done": done}
         except (BadRequest, ValueError) as e:
             reply = {"error": str(e)[:4096]}
         return runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(reply, use_bin_type=True))
