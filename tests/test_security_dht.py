@@ -24,9 +24,9 @@ from torch import nn
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
 from lightning_swarm.swarm._loop import run_coroutine
 from lightning_swarm.swarm.averaging import _StateAverager
+from lightning_swarm.swarm.bootstrap import dht_start_error
 from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.identity import PeerIdentity, RecordSigner, subkey_peer_id
-from lightning_swarm.swarm.peer import dht_start_error
 from lightning_swarm.swarm.protocol import stage_uid
 from lightning_swarm.swarm.records import get_stage_peers
 from lightning_swarm.swarm.server import StageServer

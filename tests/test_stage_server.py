@@ -745,7 +745,7 @@ def test_malformed_and_expired_records_are_skipped(dhts) -> None:
 def test_stage_server_steps_with_the_users_parameter_groups(dhts, cleanup) -> None:
     """Each of the user's parameter groups keeps its own hyper-parameters on the stage server (before, every
     parameter was stepped with ``optimizer.defaults``)."""
-    from lightning_swarm.swarm.peer import stage_optimizer
+    from lightning_swarm.swarm.optimizer_template import stage_optimizer
 
     torch.manual_seed(0)
     whole = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))

@@ -20,12 +20,9 @@ This is the glue between the pieces of the engine (DHT, :class:`StageServer`, :c
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import itertools
 import logging
 import os
-import random
 import secrets
 import socket
 import tempfile
@@ -34,40 +31,37 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import hivemind
 import torch
 from torch import nn
 
-from .auth import REFUSED_MARKER, SECRET_ENV, protect, unprotect
+from .auth import SECRET_ENV, protect, unprotect
+from .bootstrap import _env_peers, dht_start_error
 from .chunking import rows_mixing_module
 from .client import SwarmClient
 from .errors import RemoteStageError
 from .footprint import release_free_memory, trim_footprint
 from .identity import PeerIdentity, register_identity
-from .lifetime import bounded, describe_exit, settle_dead_helpers, sigint_kept, start_bounded, wait_bounded
+from .lifetime import bounded, describe_exit, settle_dead_helpers, start_bounded, wait_bounded
 from .logs import quiet_routine_logs
 from .materialize import RngSnapshot, materialize
-from .optim import HivemindOptimizer, initialize_optimizer_state
+from .optimizer_template import _OptimizerTemplate
 from .partition import Partition
-from .presence import APPEAR_TIMEOUT, PeerFailure, Presence, _dht_alive
-from .protocol import stage_uid
-from .rebalance import Move, PeerLoad, choose_stage, next_check, plan_move
+from .peer_rebalance import _Rebalancing, _Since
+from .peer_state import _StageStates
+from .peer_steps import _TrainerSteps
+from .presence import PeerFailure, Presence, _dht_alive
+from .rebalance import Move, PeerLoad, choose_stage
 from .records import get_stage_peers
 from .server import StageServer
 from .settings import SwarmSettings
 from .states import DEPARTING, FINISHED, LEAVING, ONLINE, STATES
-from .stepping import StepCommand, read_swarm_epoch
 from .validation import record_validators
 
 logger = logging.getLogger(__name__)
 
-INITIAL_PEERS_ENV = "LIGHTNING_SWARM_INITIAL_PEERS"
-_EPOCH_READ_S = 0.2  # with stage_steps="swarm": how stale the swarm's epoch driving LR schedules may be
-_INFO_POLL_S = 10.0  # with stage_steps="swarm": how often a trainer asks the stages for their step counts
 FAILED_SHUTDOWN_S = 3.0  # after a failure, seconds a peer spends shutting down before it raises the error
 
 
@@ -87,7 +81,7 @@ def find_pipeline(module: nn.Module) -> str:
     return best
 
 
-class SwarmPeer:
+class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):
     """A peer of the swarm: DHT node, optionally a stage server, and (for trainers) the client of the stages.
 
     Args:
@@ -475,356 +469,6 @@ class SwarmPeer:
                 )
             server.set_state(ONLINE)
 
-    # ------------------------------------------------------------------ rebalance
-    def _rebalance_loop(self) -> None:
-        rng = random.Random()
-        while not self._stop_rebalancing.wait(next_check(self.settings.rebalance_period, rng)):
-            try:
-                self.rebalance_once()
-            except Exception as e:  # a failed check or move is retried at the next check
-                logger.warning(f"Swarm peer {self.peer_index}: rebalancing failed: {e!r}")
-
-    def rebalance_once(self) -> Move | None:
-        """Read every stage's records and, if :func:`~.rebalance.plan_move` names this peer, migrate; returns the
-        move made. Nothing is planned until this peer has measured its own throughput for a while (the longer of
-        three announce periods and half a rebalance period, so that the figures of the others settle too), when a
-        stage lists no peer at all (an unreadable DHT is not an empty stage) or when this peer's own record is not
-        there yet."""
-        assert self.dht is not None
-        if self.server is None or not self.server.throughput.measured:
-            self._measured_since = None
-            return None  # an estimate is no ground for a move; without trainers there is nothing to speed up
-        now = time.monotonic()
-        if self._measured_since is None or self._measured_since.server is not self.server:
-            self._measured_since = _Since(self.server, now)
-        # every peer's announced figure should rest on more than its first calls before anyone moves
-        settle = max(3 * self.settings.announce_period, self.settings.rebalance_period / 2)
-        if now - self._measured_since.time < settle:
-            return None
-        loads = self.peer_loads()
-        me = self.dht.peer_id.to_base58()
-        listed = {p.stage for p in loads}
-        if len(listed) < self.settings.num_stages or not any(p.peer_id == me for p in loads):
-            return None
-        move = plan_move(loads, self.settings.num_stages, min_gain=self.settings.rebalance_min_gain)
-        if move is None or move.peer_id != me or move.src != self.stage:
-            return None
-        logger.info(
-            f"Swarm peer {me} moves from stage {move.src} to stage {move.dst}: the pipeline's announced throughput "
-            f"goes from {move.before:.1f} to {move.after:.1f} samples/s"
-        )
-        self.migrate(move.dst)
-        self.migrations.append(move)
-        return move
-
-    def migrate(self, stage: int) -> None:
-        """Serve ``stage`` instead of the current one: announce ``"leaving"``, finish the calls in flight, free the
-        old stage's blocks, allocate the new ones, load their state from the stage's peers, go online."""
-        with self._migration_lock:
-            assert self.partition is not None and self.server is not None and self.client is not None
-            old = self.server
-            if stage == old.stage:
-                return
-            # this peer's speed on the new stage, until measured there: what it announced (and the policy assumed)
-            # scaled by the stages' sizes, as compute per sample grows with the parameters
-            size_old = sum(p.numel() for p in old.module.parameters()) or 1
-            size_new = (
-                sum(b.numel() for blk in self.partition.stage_blocks(stage) for b in blk.parameters()) or 1
-            )
-            throughput = old.throughput.value * size_old / size_new
-            old.drain()
-            self.client.set_local_server(old.stage, None)
-            old.shutdown()
-            self.server = None
-            try:
-                self.partition.release(keep=[stage])
-                new = self._make_server(stage, throughput)
-                self._start_server(new)
-            except Exception:
-                # serve the old stage again (its state comes back from its peers) rather than nothing
-                self.partition.release(keep=[old.stage])
-                new = self._make_server(old.stage)
-                self._start_server(new)
-                self.server = new
-                self.client.set_local_server(old.stage, new)
-                raise
-            self.server, self.stage = new, stage
-            self.client.set_local_server(stage, new)
-
-    def _stop_rebalancer(self) -> None:
-        self._stop_rebalancing.set()
-        thread, self._rebalancer = self._rebalancer, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=120)
-
-    # ------------------------------------------------------------------ trainer-side optimisation
-    def trainer_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-        """Drop the pipeline's parameters from the trainer's optimizers (the stages' servers own them) and, when
-        several trainers feed the swarm, average the remaining (trainer-local) parameters' gradients among them."""
-        assert self.partition is not None
-        pipeline = set(self._live_pipeline_before()) | {id(p) for p in self.partition.container.parameters()}
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["params"] = [p for p in group["params"] if id(p) not in pipeline]
-        one_trainer = (
-            self.num_trainers == 1 or self.settings.stage_steps == "trainer"
-        )  # "trainer": one trainer
-        if not self.is_trainer or one_trainer or len(optimizers) != 1:
-            return optimizers
-        if not any(g["params"] for g in optimizers[0].param_groups):
-            return optimizers
-        initialize_optimizer_state(optimizers[0])  # before hivemind does it with a real (decaying) step
-        with sigint_kept():  # hivemind's averager would leave this process ignoring Ctrl-C
-            self._trainer_optimizer = HivemindOptimizer(
-                dht=self.dht,
-                run_id=f"{self.settings.run_id}_trainers",
-                target_batch_size=self.settings.target_batch_size,
-                optimizer=optimizers[0],
-                # requests time out before matchmaking ends (hivemind warns, and may deadlock, otherwise)
-                averager_opts={
-                    "initialize_optimizer": False,
-                    "request_timeout": max(0.2, self.settings.matchmaking_time / 3),
-                },
-                # step locally every batch and average parameters in the background every `target_batch_size`
-                # samples: a trainer never blocks on the others' averaging rounds
-                use_local_updates=True,
-                matchmaking_time=self.settings.matchmaking_time,
-                averaging_timeout=self.settings.averaging_timeout,
-                verbose=False,
-            )
-        return [self._trainer_optimizer]
-
-    def note_batch_size(self, batch_size: int) -> None:
-        """Count a training batch's samples towards the next optimizer step (accumulated batches add up)."""
-        self._samples_since_step += max(1, int(batch_size))
-
-    def optimizer_step_kwargs(self) -> dict[str, Any]:
-        """What the trainers' hivemind optimizer's ``step`` needs: the samples since the last step (every
-        accumulated batch, not the last one only)."""
-        samples, self._samples_since_step = max(1, self._samples_since_step), 0
-        return {"batch_size": samples} if self._trainer_optimizer is not None else {}
-
-    def new_step_id(self) -> int:
-        """The id of this trainer's next optimizer step (see :mod:`.stepping`)."""
-        return next(self._step_ids)
-
-    def _command_stages(self, make: Callable[[int], StepCommand]) -> dict[int, list[dict[str, Any]]]:
-        """Send ``make(stage)`` to every stage at once (each to all its live peers); returns the replies."""
-        assert self.client is not None
-        client = self.client
-        stages = range(self.settings.num_stages)
-        if len(stages) == 1:
-            return {0: client.step_stage(0, make(0))}
-        with ThreadPoolExecutor(max_workers=len(stages), thread_name_prefix="swarm-step") as pool:
-            futures = {k: pool.submit(client.step_stage, k, make(k)) for k in stages}
-            return {k: f.result() for k, f in futures.items()}
-
-    def stage_grad_sq_norm(self, step_id: int, optimizer: int, grad_scale: float = 1.0) -> float:
-        """The squared norm of the stages' gradients of step ``step_id`` (summed over each stage's peers,
-        unscaled by ``grad_scale``), for clipping by the whole model's norm; ``inf`` if any is not finite."""
-        replies = self._command_stages(
-            lambda k: StepCommand(
-                stage_uid(self.settings.run_id, k),
-                step_id,
-                phase="norm",
-                optimizer=optimizer,
-                grad_scale=grad_scale,
-                epoch=self._stage_epochs.get(k, 0),
-            )
-        )
-        total = 0.0
-        for stage_replies in replies.values():
-            reply = stage_replies[0]  # the peers of a stage summed the same gradients
-            if not reply.get("finite", True):
-                return float("inf")
-            total += float(reply.get("sq_norm", 0.0))
-        return total
-
-    def swarm_epoch(self) -> int:
-        """With ``stage_steps="swarm"``: the swarm's epoch (the stages' steps together so far, from their progress
-        in the DHT), read at most every ``_EPOCH_READ_S`` seconds; never goes back. With trainer-driven steps: the
-        stages' epoch as they replied to this trainer's last step."""
-        if self.drives_stages or self.dht is None:
-            return max(self._stage_epochs.values(), default=0)
-        now = time.monotonic()
-        if now - self._epoch_read_at >= _EPOCH_READ_S:
-            self._epoch_read_at = now
-            epoch = read_swarm_epoch(self.dht, self.settings.run_id, 0)
-            if epoch is not None:
-                self._swarm_epoch = max(self._swarm_epoch, epoch)
-        return self._swarm_epoch
-
-    def send_stage_hyper(self, optimizer: int, groups: dict[int, dict[str, Any]]) -> None:
-        """With ``stage_steps="swarm"``: give the stages this trainer's current hyper-parameters of ``optimizer``
-        (its LR schedule) if they changed since last sent; the stages use them from their next step."""
-        if self._sent_hyper.get(optimizer) == groups:
-            return
-        step_id = self.new_step_id()
-        self._command_stages(
-            lambda k: StepCommand(
-                stage_uid(self.settings.run_id, k), step_id, phase="hyper", optimizer=optimizer, groups=groups
-            )
-        )
-        self._sent_hyper[optimizer] = groups
-
-    def zero_stage_grads(self, optimizer: int) -> None:
-        """Drop the gradients the stages hold for the parameters of this trainer's optimizer ``optimizer``
-        (``optimizer.zero_grad()`` under manual optimization, see :mod:`.stepping`)."""
-        step_id = self.new_step_id()
-        self._command_stages(
-            lambda k: StepCommand(
-                stage_uid(self.settings.run_id, k), step_id, phase="zero", optimizer=optimizer
-            )
-        )
-
-    def step_stages(
-        self,
-        step_id: int,
-        optimizer: int,
-        groups: dict[int, dict[str, Any]],
-        grad_scale: float = 1.0,
-        clip_coef: float | None = None,
-        clip_value: float | None = None,
-        skip: bool = False,
-    ) -> None:
-        """Step every stage as this trainer's optimizer ``optimizer`` just stepped (see :mod:`.stepping`), and
-        wait until each stage serves its new parameters."""
-        replies = self._command_stages(
-            lambda k: StepCommand(
-                stage_uid(self.settings.run_id, k),
-                step_id,
-                phase="apply",
-                optimizer=optimizer,
-                groups=groups,
-                grad_scale=grad_scale,
-                clip_coef=clip_coef,
-                clip_value=clip_value,
-                skip=skip,
-                epoch=self._stage_epochs.get(k, 0),
-            )
-        )
-        for k, stage_replies in replies.items():
-            self._stage_epochs[k] = max(int(r["epoch"]) for r in stage_replies)
-            self.stage_steps[k] = max(int(r.get("steps", 0)) for r in stage_replies)
-            if max(int(r.get("group", 1)) for r in stage_replies) > 1:
-                self.stage_rounds[k] = self.stage_rounds.get(k, 0) + 1
-
-    def stats(self) -> dict[str, float]:
-        """The client's traffic counters, and per stage the optimizer steps and the averaging rounds with other
-        peers of the stage (``swarm/stage{k}/steps``, ``swarm/stage{k}/rounds``): as the stages replied to this
-        trainer's step commands, or (``stage_steps="swarm"``) as their peers last reported (``rpc_info``, polled
-        in the background every ``_INFO_POLL_S`` seconds)."""
-        stats = self.client.stats() if self.client is not None else {}
-        if not self.drives_stages and self.client is not None:
-            self._poll_stage_info()
-        for k, steps in self.stage_steps.items():
-            stats[f"swarm/stage{k}/steps"] = float(steps)
-        for k, rounds in self.stage_rounds.items():
-            stats[f"swarm/stage{k}/rounds"] = float(rounds)
-        return stats
-
-    def _poll_stage_info(self) -> None:
-        now = time.monotonic()
-        if now - self._last_info_poll < _INFO_POLL_S or (self._info_poller and self._info_poller.is_alive()):
-            return
-        self._last_info_poll = now
-        client = self.client
-
-        def poll() -> None:
-            for k in range(self.settings.num_stages):
-                try:
-                    infos = client.stage_info(k) if client is not None else []
-                except Exception as e:
-                    logger.debug(f"rpc_info of stage {k} failed: {e!r}")
-                    continue
-                if infos:
-                    self.stage_steps[k] = max(int(i.get("steps", 0)) for i in infos)
-                    self.stage_rounds[k] = max(int(i.get("averaged_rounds", 0)) for i in infos)
-
-        self._info_poller = threading.Thread(target=poll, name="swarm-info", daemon=True)
-        self._info_poller.start()
-
-    # ------------------------------------------------------------------ state
-    def gather_stage_states(
-        self, attempts: int = 2, stages: list[int] | None = None
-    ) -> dict[int, dict[str, torch.Tensor]]:
-        """Every stage's (or the given ``stages``') current ``state_dict``, each from some live peer of it.
-
-        A stage that fails (no live peer within ``no_peers_timeout``, or an incomplete state) is tried again, up
-        to ``attempts`` rounds in all.
-
-        Raises:
-            RuntimeError: some stages could not be gathered; the message names them and the last errors.
-        """
-        assert self.client is not None and self.partition is not None
-        states: dict[int, dict[str, torch.Tensor]] = {}
-        errors: dict[int, BaseException] = {}
-        for _ in range(attempts):
-            for stage in range(self.settings.num_stages) if stages is None else stages:
-                if stage in states:
-                    continue
-                try:
-                    state = self.client.fetch_stage_state(stage)
-                    self.partition.to_container_state(stage, state)  # complete and nothing unknown
-                    states[stage] = state
-                    errors.pop(stage, None)
-                except Exception as e:
-                    errors[stage] = e
-            if not errors:
-                return states
-        details = "; ".join(f"stage {k}: {e!r}" for k, e in sorted(errors.items()))
-        raise RuntimeError(
-            f"SwarmStrategy: could not gather the parameters of stage(s) {sorted(errors)} of run "
-            f"'{self.settings.run_id}' from the swarm ({details}). The module's pipeline would hold stale weights "
-            "for them, so this is an error: keep at least one server of every stage running until the trainers "
-            "have finished (they linger for `linger_timeout` seconds), and save checkpoints during training."
-        )
-
-    def load_stage_optimizer_states(self, states: dict[int, bytes]) -> None:
-        """Restore each stage's optimizer state on all its live peers (resuming from a checkpoint).
-
-        Raises:
-            ValueError: the checkpoint's stages do not match this run's (another ``num_stages``), or a stage
-                refused its state.
-        """
-        assert self.client is not None
-        if sorted(states) != list(range(self.settings.num_stages)):
-            raise ValueError(
-                f"SwarmStrategy: the checkpoint holds the optimizer states of stages {sorted(states)}, but this run "
-                f"has num_stages={self.settings.num_stages}: resume with the num_stages of the run that saved it."
-            )
-        self.wait_for_stages()  # a local swarm's other peers may still be starting
-        for stage, data in states.items():
-            if not self.client.load_optimizer_state(stage, data):
-                raise RuntimeError(
-                    f"SwarmStrategy: no peer of stage {stage} is online to restore its optimizer state from the "
-                    "checkpoint; start the stage's servers before resuming."
-                )
-
-    def wait_for_stages(self, timeout: float = APPEAR_TIMEOUT) -> bool:
-        """Wait until every stage has its announced servers, at most ``timeout`` seconds (a local swarm's peers
-        start together, and on a busy machine some take a minute to come up): in a local swarm every local peer
-        that serves it (so that the trainer's first step already commands all of them, see :mod:`.stepping`),
-        elsewhere at least one. Returns whether they did. A stage still missing then is reported by the first
-        call to it, after ``no_peers_timeout``."""
-        assert self.client is not None
-        s = self.settings
-        expected = dict.fromkeys(range(s.num_stages), 1)
-        if self.local_swarm_size is not None and s.role != "trainer" and s.stage is None:
-            for j in range(self.local_swarm_size):  # local peer j serves stage j % num_stages
-                expected[j % s.num_stages] = sum(i % s.num_stages == j % s.num_stages for i in range(j + 1))
-        deadline = time.monotonic() + timeout
-        missing = list(range(s.num_stages))
-        while missing and not self.should_stop():
-            try:
-                missing = [k for k in missing if len(self.client.peers(k)) < expected[k]]
-            except Exception as e:
-                logger.debug(f"DHT lookup of the stages failed: {e!r}")
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        return not missing
-
     # ------------------------------------------------------------------ leave
     def serve_until_trainers_finish(self) -> None:
         """For server-only peers: serve until trainers have appeared (however late) and every live one has
@@ -958,208 +602,6 @@ class SwarmPeer:
         self.joined = False
 
 
-def stage_optimizer(
-    optimizer: torch.optim.Optimizer, stage_module: nn.Module
-) -> tuple[Callable[[Any], torch.optim.Optimizer], list[dict[str, Any]]]:
-    """The optimizer a stage server steps with: the class of the module's own ``configure_optimizers`` choice,
-    and its parameter groups restricted to the stage's parameters, each with its own hyper-parameters (a
-    group without weight decay stays without it). Returns ``(factory, param_groups)``; parameters of the stage
-    in none of the optimizer's groups are not trained, as in the user's optimizer."""
-    return _OptimizerTemplate(optimizer, stage_module).for_stage(stage_module)
-
-
-class _OptimizerTemplate:
-    """The user's optimizers as a recipe for stage servers: the class and defaults of the ones that own pipeline
-    parameters, and which group of which optimizer (with its own hyper-parameters) each block parameter belongs
-    to, by the parameter's place in its module. Taken once when the peer joins, so that a peer that migrates
-    later builds its new stage's optimizer the same way even though its blocks were freed and allocated again
-    (new tensors). Each stage group carries ``swarm_optimizer``/``swarm_group``: the trainer's optimizer and
-    group it mirrors, whose hyper-parameters the trainer's step commands bring (see :mod:`.stepping`).
-
-    Raises:
-        TypeError: a hivemind optimizer was given, or pipeline parameters belong to optimizers of different
-            classes (a stage steps with one optimizer).
-    """
-
-    def __init__(
-        self,
-        optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer],
-        pipeline: nn.Module,
-        before: dict[int, tuple[int, str]] | None = None,
-    ) -> None:
-        optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-        for optimizer in optimizers:
-            if isinstance(optimizer, hivemind.Optimizer):
-                raise TypeError(
-                    "configure_optimizers must return a torch optimizer; the SwarmStrategy wraps it itself."
-                )
-        pipeline_ids = {id(p) for p in pipeline.parameters()} | set(before or {})
-        owners = [
-            i
-            for i, opt in enumerate(optimizers)
-            if any(id(p) in pipeline_ids for g in opt.param_groups for p in g["params"])
-        ]
-        classes = {type(optimizers[i]) for i in owners}
-        if len(classes) > 1:
-            names = ", ".join(f"optimizer {i}: {type(optimizers[i]).__name__}" for i in owners)
-            raise TypeError(
-                f"When using the SwarmStrategy, the pipeline's parameters must belong to optimizers of one class "
-                f"({names}); a stage steps with one optimizer. Use one class for the pipeline's parameters, or "
-                "move the parameters of the other optimizer out of the pipeline."
-            )
-        first = optimizers[owners[0]] if owners else (optimizers[0] if optimizers else None)
-        self.cls = type(first) if first is not None else torch.optim.SGD
-        # `defaults` may hold entries the constructor does not take (AdamW's `decoupled_weight_decay`)
-        accepted = inspect.signature(self.cls.__init__).parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-        defaults = first.defaults if first is not None else {"lr": 0.0}
-        self.defaults = {k: v for k, v in defaults.items() if takes_any or k in accepted}
-        self.hyper: dict[tuple[int, int], dict[str, Any]] = {}
-        self._group_of: dict[int, tuple[int, int]] = {}
-        for i in owners:
-            for g, group in enumerate(optimizers[i].param_groups):
-                self.hyper[i, g] = {k: v for k, v in group.items() if k != "params"}
-                for p in group["params"]:
-                    self._group_of.setdefault(id(p), (i, g))
-        self._by_slot: dict[tuple[int, str], tuple[int, int]] = {}  # (id(owner module), name) -> group
-        for pid, slot in (before or {}).items():  # parameters the pipeline held before it was reallocated
-            if pid in self._group_of:
-                self._by_slot[slot] = self._group_of[pid]
-        self.remember(pipeline)
-
-    def remember(self, modules: nn.Module) -> None:
-        """Note the group of every parameter under ``modules`` by (owning module, name), which survives
-        reallocation (``Partition.release``/``materialize`` give the module new parameter objects)."""
-        for module in modules.modules():
-            for name, p in module.named_parameters(recurse=False):
-                if id(p) in self._group_of:
-                    self._by_slot[(id(module), name)] = self._group_of[id(p)]
-
-    def for_stage(
-        self, stage_module: nn.Module
-    ) -> tuple[Callable[[Any], torch.optim.Optimizer], list[dict[str, Any]]]:
-        grouped: dict[tuple[int, int], list[torch.Tensor]] = {}
-        for module in stage_module.modules():
-            for name, p in module.named_parameters(recurse=False):
-                key = self._group_of.get(id(p), self._by_slot.get((id(module), name)))
-                if key is not None:
-                    grouped.setdefault(key, []).append(p)
-        groups = [
-            {**self.hyper[key], "params": grouped[key], "swarm_optimizer": key[0], "swarm_group": key[1]}
-            for key in sorted(grouped)
-        ]
-        cls, defaults = self.cls, self.defaults
-
-        def make(params: Any) -> torch.optim.Optimizer:
-            return cls(params, **defaults)
-
-        return make, groups
-
-
-@dataclass
-class _Since:
-    """When this peer's current server was first seen with a measured throughput."""
-
-    server: StageServer
-    time: float
-
-
 def _stage_seed(run_id: str, stage: int) -> int:
     """The seed with which every peer initialises a stage it allocates itself (the same on every peer)."""
     return zlib.crc32(f"{run_id}.stage{stage}".encode())
-
-
-def dht_start_error(
-    error: BaseException,
-    host_maddrs: list[str] | tuple[str, ...],
-    initial_peers: list[str],
-    secret: str | None = None,
-    allowed_peers: tuple[str, ...] = (),
-) -> str:
-    """The one-line explanation (what failed, what to do) of a DHT that did not start with ``error``."""
-    text = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
-    head = "SwarmStrategy: the swarm's DHT did not start: "
-    if "address already in use" in text:
-        return (
-            f"{head}a listen address of host_maddrs {list(host_maddrs)} is already in use on this machine: pick a "
-            "free port (tcp/0 takes any free port) or stop the process that holds it."
-        )
-    if "failed to parse multiaddr" in text or "invalid value" in text:
-        return (
-            f"{head}host_maddrs {list(host_maddrs)} or initial_peers {initial_peers} hold an invalid multiaddr "
-            f"({text}): use addresses such as /ip4/0.0.0.0/tcp/31337 and /ip4/1.2.3.4/tcp/31337/p2p/<peer id>."
-        )
-    if initial_peers and ("bootstrap" in text or "initial_peers" in text):
-        refusal = _probe_refusal(initial_peers, secret, allowed_peers)
-        if refusal is not None:
-            return f"{head}{refusal}"
-        return (
-            f"{head}no peer of initial_peers {initial_peers} could be reached ({text}): check that they are running "
-            "and that the addresses (with their /p2p/<peer id>) are current and reachable from here (peers behind "
-            "NAT need an open port or a relay); in a private swarm, this peer needs the swarm's secret."
-        )
-    if "Daemon failed to start" in text or "p2pd" in text.lower():
-        return (
-            f"{head}the p2p daemon failed to start ({text}): check host_maddrs {list(host_maddrs)}, that the "
-            "hivemind package's p2pd binary runs on this machine, and that there are free file descriptors."
-        )
-    return f"{head}{text}. Check host_maddrs {list(host_maddrs)} and initial_peers {initial_peers}."
-
-
-def _probe_refusal(
-    initial_peers: list[str], secret: str | None, allowed_peers: tuple[str, ...]
-) -> str | None:
-    """Whether the initial peers refuse this peer as a private swarm would: asks one of them from a throw-away
-    peer with this peer's credentials; returns the refusal it got, or ``None``."""
-    from hivemind.p2p import P2P, P2PHandlerError, PeerID
-    from hivemind.proto import dht_pb2
-    from hivemind.utils.multiaddr import Multiaddr
-
-    from ._loop import run_coroutine
-
-    async def probe() -> str | None:
-        identity = PeerIdentity()
-        if secret is not None or allowed_peers:
-            protect(identity.peer_id, secret, allowed_peers or None)
-        with tempfile.TemporaryDirectory(prefix="swarm-id-") as tmp:
-            path = os.path.join(tmp, "identity.key")
-            identity.save(path)
-            p2p = await P2P.create(
-                initial_peers=initial_peers, identity_path=path, check_if_identity_free=False
-            )
-        try:
-            for maddr in initial_peers:
-                try:
-                    peer = PeerID.from_base58(Multiaddr(maddr)["p2p"])
-                    await asyncio.wait_for(
-                        p2p._call_unary_protobuf_handler(
-                            peer, "DHTProtocol.rpc_ping", dht_pb2.PingRequest(), dht_pb2.PingResponse
-                        ),
-                        timeout=15,
-                    )
-                except P2PHandlerError as e:
-                    message = str(e)
-                    if REFUSED_MARKER in message:  # "...: PrivateSwarmError('peer ... refused the call ...')"
-                        message = message[message.find("peer ", message.find("PrivateSwarmError")) :]
-                        message = message.rstrip("')\"").replace(identity.peer_id.to_base58(), "this peer")
-                        message = message.replace("Start the caller", "Start this peer").replace(
-                            "and the caller", "and this peer"
-                        )
-                        return message
-                except Exception:
-                    continue
-            return None
-        finally:
-            unprotect(identity.peer_id)
-            await p2p.shutdown()
-
-    try:
-        return run_coroutine(probe(), timeout=60)
-    except Exception as e:
-        logger.debug(f"Probing the initial peers failed: {e!r}")
-        return None
-
-
-def _env_peers() -> list[str]:
-    raw = os.environ.get(INITIAL_PEERS_ENV, "")
-    return [p for p in raw.replace(",", " ").split() if p]

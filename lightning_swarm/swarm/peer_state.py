@@ -1,0 +1,98 @@
+"""The stages' state seen from a peer (a mixin of :class:`~.peer.SwarmPeer`): gathering every stage's parameters
+and optimizer state for checkpoints, loading them back, waiting for the stages to appear."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .presence import APPEAR_TIMEOUT
+
+logger = logging.getLogger(__name__)
+
+
+class _StageStates:
+    """Stage states for checkpoints and resuming (a mixin: its attributes are the peer's)."""
+
+    # ------------------------------------------------------------------ state
+    def gather_stage_states(
+        self, attempts: int = 2, stages: list[int] | None = None
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Every stage's (or the given ``stages``') current ``state_dict``, each from some live peer of it.
+
+        A stage that fails (no live peer within ``no_peers_timeout``, or an incomplete state) is tried again, up
+        to ``attempts`` rounds in all.
+
+        Raises:
+            RuntimeError: some stages could not be gathered; the message names them and the last errors.
+        """
+        assert self.client is not None and self.partition is not None
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        errors: dict[int, BaseException] = {}
+        for _ in range(attempts):
+            for stage in range(self.settings.num_stages) if stages is None else stages:
+                if stage in states:
+                    continue
+                try:
+                    state = self.client.fetch_stage_state(stage)
+                    self.partition.to_container_state(stage, state)  # complete and nothing unknown
+                    states[stage] = state
+                    errors.pop(stage, None)
+                except Exception as e:
+                    errors[stage] = e
+            if not errors:
+                return states
+        details = "; ".join(f"stage {k}: {e!r}" for k, e in sorted(errors.items()))
+        raise RuntimeError(
+            f"SwarmStrategy: could not gather the parameters of stage(s) {sorted(errors)} of run "
+            f"'{self.settings.run_id}' from the swarm ({details}). The module's pipeline would hold stale weights "
+            "for them, so this is an error: keep at least one server of every stage running until the trainers "
+            "have finished (they linger for `linger_timeout` seconds), and save checkpoints during training."
+        )
+
+    def load_stage_optimizer_states(self, states: dict[int, bytes]) -> None:
+        """Restore each stage's optimizer state on all its live peers (resuming from a checkpoint).
+
+        Raises:
+            ValueError: the checkpoint's stages do not match this run's (another ``num_stages``), or a stage
+                refused its state.
+        """
+        assert self.client is not None
+        if sorted(states) != list(range(self.settings.num_stages)):
+            raise ValueError(
+                f"SwarmStrategy: the checkpoint holds the optimizer states of stages {sorted(states)}, but this run "
+                f"has num_stages={self.settings.num_stages}: resume with the num_stages of the run that saved it."
+            )
+        self.wait_for_stages()  # a local swarm's other peers may still be starting
+        for stage, data in states.items():
+            if not self.client.load_optimizer_state(stage, data):
+                raise RuntimeError(
+                    f"SwarmStrategy: no peer of stage {stage} is online to restore its optimizer state from the "
+                    "checkpoint; start the stage's servers before resuming."
+                )
+
+    def wait_for_stages(self, timeout: float = APPEAR_TIMEOUT) -> bool:
+        """Wait until every stage has its announced servers, at most ``timeout`` seconds (a local swarm's peers
+        start together, and on a busy machine some take a minute to come up): in a local swarm every local peer
+        that serves it (so that the trainer's first step already commands all of them, see :mod:`.stepping`),
+        elsewhere at least one. Returns whether they did. A stage still missing then is reported by the first
+        call to it, after ``no_peers_timeout``."""
+        assert self.client is not None
+        s = self.settings
+        expected = dict.fromkeys(range(s.num_stages), 1)
+        if self.local_swarm_size is not None and s.role != "trainer" and s.stage is None:
+            for j in range(self.local_swarm_size):  # local peer j serves stage j % num_stages
+                expected[j % s.num_stages] = sum(i % s.num_stages == j % s.num_stages for i in range(j + 1))
+        deadline = time.monotonic() + timeout
+        missing = list(range(s.num_stages))
+        while missing and not self.should_stop():
+            try:
+                missing = [k for k in missing if len(self.client.peers(k)) < expected[k]]
+            except Exception as e:
+                logger.debug(f"DHT lookup of the stages failed: {e!r}")
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        return not missing
