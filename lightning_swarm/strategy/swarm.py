@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import tempfile
 from collections.abc import Generator
@@ -20,7 +19,6 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -35,6 +33,7 @@ from lightning_swarm.strategy._checkpointing import (
 )
 from lightning_swarm.strategy._refusals import _refuse_for_swarm_steps, _refuse_weight_copies, _scaler
 from lightning_swarm.strategy._schedules import follow_swarm_epochs
+from lightning_swarm.strategy._trainer_steps import _TrainerDrivenSteps
 from lightning_swarm.strategy.launcher import _SwarmLauncher
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
 from lightning_swarm.swarm.lifetime import (
@@ -56,7 +55,7 @@ _STAGES_KEY = "swarm_stages"  # a checkpoint's entry with the stages' optimizer 
 _DEFAULTS = SwarmSettings()  # the one source of the defaults below
 
 
-class SwarmStrategy(ParallelStrategy):
+class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
     """SWARM parallelism: the model's pipeline of blocks is cut into stages, each served by a swarm of hivemind
     peers; every microbatch takes a throughput-weighted random path through one peer per stage.
 
@@ -560,118 +559,6 @@ class SwarmStrategy(ParallelStrategy):
                 self._lightning_module = module
             return
         super().teardown()
-
-    # ------------------------------------------------------------------ trainer-driven steps
-    def _current_step_id(self) -> int:
-        if self._step_id is None:
-            self._step_id = self.peer.new_step_id()
-        return self._step_id
-
-    def _optimizer_index(self, optimizer: Any) -> int:
-        for i, opt in enumerate(self.optimizers):
-            if opt is optimizer or getattr(opt, "_optimizer", None) is optimizer:
-                return i
-        raise ValueError(
-            "When using the SwarmStrategy, only the optimizers returned by `configure_optimizers` can step the "
-            f"pipeline; got {type(optimizer).__name__}."
-        )
-
-    def _mirror_zero_grad(self) -> None:
-        """Manual optimization: ``optimizer.zero_grad()`` also drops the gradients the stages hold for that
-        optimizer's pipeline parameters (under automatic optimization every backward is followed by a step,
-        which consumes them). Both the optimizer and its ``LightningOptimizer`` wrapper (what
-        ``self.optimizers()`` returns) get the mirrored ``zero_grad``."""
-        wrappers = self._lightning_optimizers
-        for index, optimizer in enumerate(self.optimizers):
-            original = type(optimizer).zero_grad.__get__(optimizer)
-
-            def zero_grad(set_to_none: bool = True, _index: int = index, _original: Any = original) -> None:
-                _original(set_to_none=set_to_none)
-                self.peer.zero_stage_grads(_index)
-
-            optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
-            if index < len(wrappers):
-                wrappers[index].zero_grad = zero_grad  # type: ignore[method-assign]
-
-    def _install_loss_scaling(self) -> None:
-        """``16-mixed``: a step is skipped when any gradient of the whole model overflowed, as ``GradScaler`` does
-        in one process. After the scaler unscales the trainer's gradients, the stages report whether theirs are
-        finite (the ``"norm"`` phase), and a backward whose loss-scaled gradients overflowed before reaching a
-        stage counts too; either marks the step as skipped in the scaler (which then lowers the scale), and the
-        stages drop that step's gradients with it."""
-        scaler = _scaler(self.precision_plugin)
-        client = self.peer.client
-        if scaler is None or client is None:
-            return
-        client.loss_scaled = True
-        original = scaler.unscale_
-
-        def unscale_(optimizer: Any) -> None:
-            original(optimizer)
-            raw = getattr(optimizer, "_optimizer", optimizer)
-            overflowed, client.nonfinite_backwards = client.nonfinite_backwards > 0, 0
-            sq = self.peer.stage_grad_sq_norm(
-                self._current_step_id(), self._optimizer_index(raw), 1.0 / float(scaler.get_scale())
-            )
-            if overflowed or not math.isfinite(sq):
-                for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-                    found.fill_(1.0)
-
-        scaler.unscale_ = unscale_  # type: ignore[method-assign]
-
-    def _install_clipping(self) -> None:
-        """Clip by the whole model: the precision plugin's ``clip_gradients`` (what Lightning's gradient clipping
-        and ``LightningModule.clip_gradients`` call) also takes the stages' gradients into account."""
-        plugin = self.precision_plugin
-        original = plugin.clip_gradients
-
-        def clip_gradients(
-            optimizer: Any,
-            clip_val: float = 0.0,
-            gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-        ) -> None:
-            self._clip_gradients(original, optimizer, clip_val, gradient_clip_algorithm)
-
-        plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
-
-    def _clip_gradients(
-        self, original: Any, optimizer: Any, clip_val: float | None, algorithm: GradClipAlgorithmType | str
-    ) -> None:
-        if clip_val is None or clip_val <= 0:
-            return
-        algorithm = GradClipAlgorithmType(algorithm)
-        if algorithm == GradClipAlgorithmType.VALUE:
-            original(optimizer, clip_val, algorithm)
-            self._clip = ("value", float(clip_val))
-            return
-        raw = getattr(optimizer, "_optimizer", optimizer)
-        grads = [p.grad for group in raw.param_groups for p in group["params"] if p.grad is not None]
-        local = sum(float(g.detach().float().pow(2).sum()) for g in grads)
-        scaler = _scaler(self.precision_plugin)
-        scale = 1.0 / float(scaler.get_scale()) if scaler is not None else 1.0
-        stages = self.peer.stage_grad_sq_norm(self._current_step_id(), self._optimizer_index(raw), scale)
-        total = math.sqrt(local + stages)
-        coef = min(1.0, float(clip_val) / (total + 1e-6))  # as torch.nn.utils.clip_grad_norm_
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        self._clip = ("norm", coef)
-
-    def _check_target_batch_size(self, batch_size: int) -> None:
-        """With trainer-driven steps, a step is ``batch_size x accumulate_grad_batches`` samples; a
-        ``target_batch_size`` given that says otherwise is refused (it would not be honoured)."""
-        self._batch_checked = True
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not self.peer.drives_stages or self._target_batch_size is None:
-            return
-        step = batch_size * trainer.accumulate_grad_batches
-        if self._target_batch_size != step:
-            raise ValueError(
-                f"SwarmStrategy(target_batch_size={self._target_batch_size}) but the trainer steps every "
-                f"{step} samples (batch {batch_size} x accumulate_grad_batches={trainer.accumulate_grad_batches}),"
-                " and with one trainer the stages step with it: drop target_batch_size, or set the batch size or "
-                "accumulate_grad_batches to match."
-            )
 
     @classmethod
     @override

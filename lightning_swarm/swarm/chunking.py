@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .payload import Payload
+from .stage_autograd import _DUMMY, _moved, _remote_outputs, _StageCall
 
 __all__ = ["Unmergeable", "chunk_bounds", "rows_mixing_module", "split_plan"]
 
@@ -117,8 +118,6 @@ def chunked_call(
 ) -> Any:
     """The stage call on ``inputs`` as ``chunks`` calls on row ranges, sent at once; differentiable when grad is
     enabled (one autograd node for all chunks)."""
-    from .stage_autograd import _DUMMY, _moved, _StageCall
-
     rows = inputs.tensors[0].shape[0]
     bounds = chunk_bounds(rows, chunks)
     parts = [_chunk_payload(inputs, plan, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
@@ -157,14 +156,8 @@ class _ChunkedStageFunction(torch.autograd.Function):
     def forward(ctx: Any, state: _Chunked, dummy: torch.Tensor, *diff_inputs: torch.Tensor) -> tuple:
         futures = [state.pool.submit(call.forward) for call in state.calls]
         outputs = [f.result() for f in futures]
-        merged = _merge_outputs(state.stage, outputs, state.bounds)
         ctx.state = state
-        ctx.set_materialize_grads(False)
-        ctx.input_meta = [(t.device, t.dtype, t.shape) for t in diff_inputs]
-        non_diff = [t for t in merged if not t.is_floating_point()]
-        if non_diff:
-            ctx.mark_non_differentiable(*non_diff)
-        return tuple(merged)
+        return _remote_outputs(ctx, diff_inputs, _merge_outputs(state.stage, outputs, state.bounds))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple:

@@ -364,3 +364,19 @@ class Partition:
             for key, value in self.to_container_state(stage, state).items():
                 out[f"{self.path}.{key}"] = value
         return out
+
+
+def find_pipeline(module: nn.Module) -> str:
+    """Attribute path of the ``nn.Sequential`` / ``nn.ModuleList`` holding the most parameters in ``module``."""
+    best, best_params = None, -1
+    for name, sub in module.named_modules():
+        if name and isinstance(sub, (nn.Sequential, nn.ModuleList)) and len(sub) > 1:
+            params = sum(p.numel() for p in sub.parameters())
+            if params > best_params:
+                best, best_params = name, params
+    if best is None:
+        raise ValueError(
+            "The SwarmStrategy found no nn.Sequential or nn.ModuleList of blocks in the model; pass "
+            "`SwarmStrategy(pipeline='<attribute path>')` naming the container of blocks to run in the swarm."
+        )
+    return best

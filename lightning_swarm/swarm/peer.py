@@ -48,7 +48,7 @@ from .lifetime import bounded, describe_exit, settle_dead_helpers, start_bounded
 from .logs import quiet_routine_logs
 from .materialize import RngSnapshot, materialize
 from .optimizer_template import _OptimizerTemplate
-from .partition import Partition
+from .partition import Partition, find_pipeline
 from .peer_rebalance import _Rebalancing, _Since
 from .peer_state import _StageStates
 from .peer_steps import _TrainerSteps
@@ -63,22 +63,6 @@ from .validation import record_validators
 logger = logging.getLogger(__name__)
 
 FAILED_SHUTDOWN_S = 3.0  # after a failure, seconds a peer spends shutting down before it raises the error
-
-
-def find_pipeline(module: nn.Module) -> str:
-    """Attribute path of the ``nn.Sequential`` / ``nn.ModuleList`` holding the most parameters in ``module``."""
-    best, best_params = None, -1
-    for name, sub in module.named_modules():
-        if name and isinstance(sub, (nn.Sequential, nn.ModuleList)) and len(sub) > 1:
-            params = sum(p.numel() for p in sub.parameters())
-            if params > best_params:
-                best, best_params = name, params
-    if best is None:
-        raise ValueError(
-            "The SwarmStrategy found no nn.Sequential or nn.ModuleList of blocks in the model; pass "
-            "`SwarmStrategy(pipeline='<attribute path>')` naming the container of blocks to run in the swarm."
-        )
-    return best
 
 
 class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):

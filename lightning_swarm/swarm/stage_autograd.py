@@ -83,17 +83,22 @@ class _StageCall:
         return grads_in
 
 
+def _remote_outputs(ctx: Any, diff_inputs: tuple, outputs: list[torch.Tensor]) -> tuple:
+    """The bookkeeping of a remote call's autograd node: the inputs' metadata for the backward, no gradient
+    materialised for unused outputs, and integer/boolean outputs marked non-differentiable."""
+    ctx.set_materialize_grads(False)
+    ctx.input_meta = [(t.device, t.dtype, t.shape) for t in diff_inputs]
+    non_diff = [t for t in outputs if not t.is_floating_point()]
+    if non_diff:
+        ctx.mark_non_differentiable(*non_diff)
+    return tuple(outputs)
+
+
 class _StageFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _StageCall, dummy: torch.Tensor, *diff_inputs: torch.Tensor) -> tuple:
-        out_tensors = call.forward()
         ctx.call = call
-        ctx.set_materialize_grads(False)
-        ctx.input_meta = [(t.device, t.dtype, t.shape) for t in diff_inputs]
-        non_diff = [t for t in out_tensors if not t.is_floating_point()]
-        if non_diff:
-            ctx.mark_non_differentiable(*non_diff)
-        return tuple(out_tensors)
+        return _remote_outputs(ctx, diff_inputs, call.forward())
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple:

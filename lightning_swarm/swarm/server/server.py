@@ -88,8 +88,9 @@ from ..records import declare_stage_peer
 from ..settings import SwarmSettings
 from ..states import JOINING, LEAVING, ONLINE, STATES
 from ..throughput import Throughput
+from .applied import AppliedRequests
 from .connection_handler import ConnectionHandler
-from .stage_backend import AppliedRequests, StageBackend, _Kept
+from .stage_backend import StageBackend, _Kept
 from .stepper import _EPOCH_POLL_S, Stepper
 
 _SERVING_THREADS = 16  # with batching: calls being parsed, waiting for the compute thread or encoding at once
