@@ -21,9 +21,12 @@
 Every process writes ``out_dir/peer<rank>.json`` once set up (Lightning's ``on_fit_start``, after the strategy's
 ``setup``): its stage, the bytes of storage its model's tensors hold (every distinct storage of the module's
 parameters and buffers, the pipeline's blocks included, ``meta`` tensors holding none), the bytes its stage and the
-trainer-local modules need, what its stage server holds besides (copies of the parameters, optimizer state), when
+trainer-local modules need, what its stage server holds besides (copies of the parameters, optimizer state, the
+resident part of hivemind's averaged gradients), when
 resuming the bytes of the checkpoint file it has read (``ckpt_rss_bytes``: the resident pages of its memory-mapped
-checkpoint, from ``/proc/self/smaps``), and, for the trainer, the output of the first forward. At the end it adds its peak resident memory (``VmHWM``).
+checkpoint, from ``/proc/self/smaps``), and, for the trainer, the output of the first forward. At the end it adds its peak resident memory (``VmHWM``) and how many of
+its module's tensors are on ``meta`` once ``fit`` returned (``meta_tensors_after_fit``: 0 when the trainer gathered
+the stages).
 """
 
 from __future__ import annotations
@@ -136,20 +139,54 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
+def resident_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` whose pages are resident (``mincore``): shared memory
+    that was never written holds no pages. The page where a storage starts is not counted: torch writes its
+    shared-memory header there (one page per shared tensor)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        start = storage.data_ptr()
+        if start in seen or storage.nbytes() == 0:
+            continue
+        seen.add(start)
+        first = start - start % page + page  # past the header's page
+        if first >= start + storage.nbytes():
+            continue
+        pages = (start + storage.nbytes() - first + page - 1) // page
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(pages * page), vec) != 0:
+            total += storage.nbytes()  # unknown: counted whole
+            continue
+        total += min(storage.nbytes(), sum(v & 1 for v in vec) * page)
+    return total
+
+
 def server_extra_bytes(server, served: list[torch.Tensor]) -> int:
     """Bytes a stage server holds besides its served tensors: the optimizer's copy of the parameters and their
-    gradients, the optimizer's state, hivemind's averaged and accumulated tensors, the pending gradients."""
+    gradients, the optimizer's state, hivemind's averaged and accumulated tensors (the resident part of its
+    averaged gradients: shared memory a stage without a second peer never writes), the pending gradients."""
     extra = list(server._master) + [p.grad for p in server._master] + list(server._pending or ())
+    averaged: list[torch.Tensor] = []
     opt = server.optimizer
     if opt is not None:
         state = opt.state_averager
         extra += list(state._averaged_parameters) + _optimizer_tensors(state.optimizer)
         grads = opt.grad_averager
         extra += list(grads._local_accumulators or ())
-        with grads.get_tensors() as averaged:
-            extra += list(averaged)
+        with grads.get_tensors() as buffers:
+            averaged = list(buffers)
     own = {t.untyped_storage().data_ptr() for t in served if not t.is_meta}
-    return storage_bytes(t for t in extra if t is not None and t.untyped_storage().data_ptr() not in own)
+    mine = {t.untyped_storage().data_ptr() for t in extra if t is not None and not t.is_meta}
+    return storage_bytes(
+        t for t in extra if t is not None and t.untyped_storage().data_ptr() not in own
+    ) + resident_bytes(t for t in averaged if t.untyped_storage().data_ptr() not in own | mine)
 
 
 def mapped_rss_bytes(path: str) -> int:
@@ -252,6 +289,10 @@ class Report(Callback):
         self._write(trainer)
 
     def on_fit_end(self, trainer, pl_module):
+        # after the strategy's teardown: what the trainer's module holds once fit returned
+        self.record["meta_tensors_after_fit"] = sum(
+            t.is_meta for t in (*pl_module.parameters(), *pl_module.buffers())
+        )
         if pl_module.first_output is not None:
             self.record["first_output"] = pl_module.first_output.tolist()
         with open("/proc/self/status") as f:

@@ -96,6 +96,10 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         matchmaking_time: seconds peers of a stage spend finding each other before averaging gradients.
         averaging_timeout: seconds an averaging round may take before it is abandoned.
         linger_timeout: at the end of a run, seconds a peer keeps serving while other peers still train.
+        gather_on_end: whether a trainer gathers every stage's final parameters into its module when ``fit`` ends.
+            ``None`` (default): yes, unless the pipeline was built on ``meta`` (``trainer.init_module()`` or
+            ``configure_model``): such a model is taken to be larger than one peer, and its trainer's module keeps
+            only its own stage after ``fit`` (save checkpoints during ``fit``: they are streamed stage by stage).
         restart_peers: in a local swarm (``devices=N``), how many times a peer process that died is started again
             (per peer). A dead peer never stops the others; 0 (default) leaves it dead.
         rebalance_period: mean seconds between a serving peer's checks whether moving to another stage would speed
@@ -144,6 +148,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         matchmaking_time: float = _DEFAULTS.matchmaking_time,
         averaging_timeout: float = _DEFAULTS.averaging_timeout,
         linger_timeout: float = _DEFAULTS.linger_timeout,
+        gather_on_end: bool | None = None,
         restart_peers: int = 0,
         rebalance_period: float = _DEFAULTS.rebalance_period,
         rebalance_min_gain: float = _DEFAULTS.rebalance_min_gain,
@@ -184,6 +189,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             matchmaking_time=matchmaking_time,
             averaging_timeout=averaging_timeout,
             linger_timeout=linger_timeout,
+            gather_on_end=gather_on_end,
             rebalance_period=rebalance_period,
             rebalance_min_gain=rebalance_min_gain,
             secret=secret,

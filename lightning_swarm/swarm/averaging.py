@@ -22,7 +22,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
 from .codec import all_finite
-from .footprint import release_free_memory
+from .footprint import before_fork, untouched_shared
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class _StartsInAnyThread:
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         # hivemind has just moved the averaged tensors to shared memory (their private copies freed, still resident
         # in the heap): the forked averager would inherit those pages and keep them once this process reuses them
-        release_free_memory()
+        before_fork()
         self.start()  # type: ignore[attr-defined]
         if await_ready:
             self.wait_until_ready(timeout)  # type: ignore[attr-defined]
@@ -239,6 +239,14 @@ class _GradientAverager(_StartsInAnyThread, _GuardedAveraging, GradientAverager)
     """
 
     backwards = 1
+
+    def __init__(self, parameters, *args: Any, averaged_grads=(), **kwargs: Any) -> None:
+        # its buffers are written only in a round with the stage's other peers (see StageServer._sum_with_peers):
+        # shared memory whose pages are allocated when first written, rather than hivemind's dense zeros
+        parameters = tuple(parameters)
+        if not averaged_grads:
+            averaged_grads = tuple(untouched_shared(p) for p in parameters)
+        super().__init__(parameters, *args, averaged_grads=averaged_grads, **kwargs)
 
     def accumulate_grads_(self, batch_size: int) -> None:
         if self._anchor_batch_size is None:

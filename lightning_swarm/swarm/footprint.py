@@ -14,10 +14,18 @@ Measured on the main job (``python benchmarks/swarm_memory.py``, PSS per peer; R
   collected at 1.25x the live data instead of 2x (see :func:`~.lifetime.die_with_parent`, which starts it).
 
 - A page of a private mapping that a process writes after a fork is copied, and the forked helper keeps the old
-  one: :func:`release_free_memory` hands free heap pages back before each fork (and after a peer released the
+  one: :func:`before_fork` hands free heap pages back before each fork and freezes the Python objects out of the
+  garbage collector's passes (and after a peer released the
   blocks it does not host), and :func:`share_optimizer_state` moves a stage optimizer's state (written every step)
   to shared memory before hivemind forks its averagers; :func:`zero_grad_view` is a zero gradient that takes no
   memory, for hivemind's and the optimizer's set-up.
+- :func:`share_parameters` moves the tensors a peer keeps (its stage, the trainer-local modules) to shared memory
+  before its DHT forks: the optimizer writes them every step, and the DHT's process would otherwise keep the
+  pages as they were at the fork (a copy of the stage). :func:`untouched_shared` is shared memory that costs
+  nothing until written: hivemind's gradient averager gets its buffers so, and a stage with one peer (no round
+  to average in) never pays for them.
+- Each shared tensor keeps one file descriptor open (torch's ``file_descriptor`` strategy): :func:`trim_footprint`
+  raises the soft limit on open files to the hard one (at most :data:`OPEN_FILES`).
 
 Linux/glibc only where it matters; elsewhere the calls do nothing.
 """
@@ -25,6 +33,7 @@ Linux/glibc only where it matters; elsewhere the calls do nothing.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import sys
@@ -33,11 +42,14 @@ import torch
 
 __all__ = [
     "MALLOC_ARENAS",
+    "before_fork",
     "P2PD_GOGC",
     "p2pd_env",
     "release_free_memory",
     "share_optimizer_state",
+    "share_parameters",
     "trim_footprint",
+    "untouched_shared",
     "zero_grad_view",
 ]
 
@@ -46,6 +58,7 @@ logger = logging.getLogger(__name__)
 MALLOC_ARENAS = 2
 P2PD_GOGC = "25"
 _M_ARENA_MAX = -8  # glibc's mallopt parameter
+OPEN_FILES = 1 << 16
 _trimmed_in_pid: int | None = None
 
 
@@ -60,11 +73,34 @@ def trim_footprint() -> None:
 
         if "file_descriptor" in tmp.get_all_sharing_strategies():
             tmp.set_sharing_strategy("file_descriptor")
+    _raise_open_files_limit()
     if "MALLOC_ARENA_MAX" not in os.environ and sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None).mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
         except (OSError, AttributeError) as e:  # not glibc
             logger.debug(f"mallopt(M_ARENA_MAX) unavailable: {e!r}")
+
+
+def _raise_open_files_limit() -> None:
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ImportError, OSError, ValueError) as e:
+        logger.debug(f"could not raise the open files limit: {e!r}")
+
+
+def before_fork() -> None:
+    """Right before a helper process is forked: free heap pages go back to the system (:func:`release_free_memory`)
+    and the Python objects alive now are frozen out of the garbage collector (``gc.freeze()``, as CPython's docs
+    advise before a fork): a collection writes to every object it scans, so each of its passes would copy, page by
+    page, this process's whole object heap away from the helper, which would then hold the old pages alone."""
+    gc.collect()
+    gc.freeze()
+    release_free_memory()
 
 
 def release_free_memory() -> None:
@@ -88,6 +124,25 @@ def share_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0:
                 value.share_memory_()
+
+
+def share_parameters(tensors) -> int:
+    """Move each allocated CPU tensor of ``tensors`` (parameters, buffers) to shared memory, in place (see the
+    module docstring); returns how many moved. One at a time, so the copy costs one tensor's size at most."""
+    moved = 0
+    for t in tensors:
+        if t.device.type == "cpu" and not t.is_meta and t.numel() > 0 and not t.is_shared():
+            t.data.share_memory_()
+            moved += 1
+    return moved
+
+
+def untouched_shared(like: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor shaped as ``like``, in shared memory whose pages are allocated only when first written (they
+    read as zeros)."""
+    dtype = like.dtype
+    storage = torch.UntypedStorage._new_shared(max(1, like.numel()) * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(like.shape), torch.empty(like.shape).stride())
 
 
 def zero_grad_view(p: torch.Tensor) -> torch.Tensor:

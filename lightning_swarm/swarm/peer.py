@@ -42,11 +42,11 @@ from .bootstrap import _env_peers, dht_start_error
 from .chunking import rows_mixing_module
 from .client import SwarmClient
 from .errors import RemoteStageError
-from .footprint import release_free_memory, trim_footprint
+from .footprint import before_fork, release_free_memory, share_parameters, trim_footprint
 from .identity import PeerIdentity, register_identity
 from .lifetime import bounded, describe_exit, settle_dead_helpers, start_bounded, wait_bounded
 from .logs import quiet_routine_logs
-from .materialize import RngSnapshot, materialize
+from .materialize import RngSnapshot, has_meta, materialize
 from .optimizer_template import _OptimizerTemplate
 from .partition import Partition, find_pipeline
 from .peer_rebalance import _Rebalancing, _Since
@@ -216,7 +216,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):
         s = self.settings
         quiet_routine_logs()  # before hivemind forks its helpers, which inherit the filter
         trim_footprint()  # before the first helper and the first shared tensor
-        release_free_memory()  # the DHT's process is forked below: it would keep freed pages alive
+        before_fork()  # the DHT's process is forked below
         host_maddrs = s.host_maddrs or ["/ip4/127.0.0.1/tcp/0"]
         initial_peers = list(s.initial_peers) or _env_peers()
         if self.local_swarm_size is not None and self.peer_index > 0 and not initial_peers:
@@ -303,12 +303,16 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):
         self.stage = self._choose_stage()
         hosted = self.partition.stage_blocks(self.stage) if self.is_server else []
         others = {id(m) for block in self.partition.container if block not in hosted for m in block.modules()}
+        self.built_on_meta = has_meta(self.partition.container)
         if rng is None:
             # built on meta by the user's own code (or nothing is on meta): every peer starts from a seed of the run
             rng = RngSnapshot.seeded(_stage_seed(s.run_id, -1), self.device)
         materialize(module, lambda m: id(m) not in others, self.device, rng)
         self.partition.release(keep=[self.stage] if self.is_server else [])
         release_free_memory()
+        # what the optimizers write every step, in shared memory before the DHT forks (see .footprint)
+        trim_footprint()  # first: torch's sharing strategy that needs no manager process
+        share_parameters([*module.parameters(), *module.buffers()])
 
     def _live_pipeline_before(self) -> dict[int, tuple[int, str]]:
         """``id(parameter) -> (id(owning module), name)`` of the pipeline's parameters from before
@@ -481,15 +485,19 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):
             return
         try:
             self._stop_rebalancer()  # no migrations while the run ends and the stages are gathered
+            all_finished = False
             if self.presence is not None:
                 self.presence.set_phase(FINISHED)
-                self.presence.wait_for(
+                all_finished = self.presence.wait_for(
                     FINISHED, self.local_swarm_size, timeout=s.linger_timeout, should_stop=self.should_stop
                 )
+            if all_finished and self.server is not None:
+                # nobody steps any more: the stage's optimizer state and gradient buffers go before the gather
+                self.server.release_training_state()
             error: BaseException | None = None
             if self.joined and self.partition is not None:
                 states: dict[int, dict[str, torch.Tensor]] = {}
-                if self.is_trainer:
+                if self.is_trainer and self.gathers_on_end:
                     try:
                         states = self.gather_stage_states()
                     except RuntimeError as e:
@@ -512,6 +520,13 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):
             raise
         finally:
             self.shutdown(budget=FAILED_SHUTDOWN_S if failed else None)
+
+    @property
+    def gathers_on_end(self) -> bool:
+        """Whether this trainer gathers every stage into its module when the run ends (``gather_on_end``; by
+        default unless the pipeline was built on meta: a model built so is taken to be larger than one peer)."""
+        wanted = self.settings.gather_on_end
+        return not getattr(self, "built_on_meta", False) if wanted is None else wanted
 
     def _helpers(self) -> list[tuple[str, Any]]:
         """This peer's hivemind helper processes by name: its DHT's (unless already reported) and its averagers."""

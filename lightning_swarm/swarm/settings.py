@@ -59,6 +59,7 @@ class SwarmSettings:
     matchmaking_time: float = 3.0
     averaging_timeout: float = 30.0
     linger_timeout: float = 300.0
+    gather_on_end: bool | None = None
     announce_period: float = 5.0
     expiration: float = 30.0
     ban_base_s: float = 15.0

@@ -75,7 +75,7 @@ from torch import nn
 from .._loop import replicate_p2p, run_coroutine
 from ..averaging import _GradientAverager, _StateAverager
 from ..batching import RequestBatcher, mixes_rows
-from ..footprint import release_free_memory, zero_grad_view
+from ..footprint import before_fork, release_free_memory, zero_grad_view
 from ..guards import BadPeers, StageSchemas
 from ..optim import OptimizerFactory, _make_initialized, _StageOptimizer
 from ..protocol import (
@@ -250,7 +250,7 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         ]
         groups = [{k: v for k, v in g.items() if k not in ("swarm_optimizer", "swarm_group")} for g in groups]
         if groups and self.optimizer_factory is not None:
-            release_free_memory()  # hivemind forks its averagers below: pages freed but resident would be copied
+            before_fork()  # hivemind forks its averagers below
             request_timeout = max(0.2, s.matchmaking_time / 3)
             self._trained = [p for g in groups for p in g["params"]]
             # trainer-driven steps on the CPU: the optimizer steps the served parameters themselves, with serving
@@ -364,6 +364,27 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
                 self.optimizer.shutdown()
             except Exception as e:
                 logger.warning(f"Stage {self.stage} server: error while shutting down the optimizer: {e!r}")
+
+    def release_training_state(self) -> None:
+        """The run is over (every trainer finished): shut the stage's optimizer down, freeing its state, its
+        averagers' buffers and any pending gradients. The stage's parameters, as trained, stay served (for the
+        trainers' end-of-run gather); steps are no longer taken (idempotent)."""
+        self.flush()
+        with self._step_lock:
+            opt, self.optimizer = self.optimizer, None
+            if opt is not None and not self._shared_master:
+                self._refresh_parameters()  # the steps taken so far are served, then the copies go
+                self._master = []
+            with self._grads_lock:
+                self._pending, self._pending_samples, self._pending_backwards = None, 0, 0
+            self._prepared = None
+        if opt is not None:
+            try:
+                opt.shutdown()
+            except Exception as e:
+                logger.warning(f"Stage {self.stage} server: error while shutting down the optimizer: {e!r}")
+            del opt
+            release_free_memory()
 
     async def _stop_p2p(self, p2p: P2P) -> None:
         try:
