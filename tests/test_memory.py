@@ -210,3 +210,16 @@ def test_a_swarm_checkpoint_streams_to_a_plain_checkpoint_and_resuming_reads_onl
     with torch.no_grad():
         expected = plain(x)
     torch.testing.assert_close(torch.tensor(peers[0]["first_output"]), expected, rtol=0, atol=1e-6)
+
+
+def test_saving_a_model_whose_stages_were_never_gathered_is_refused_not_written_without_them():
+    """After fit, a model built on meta keeps only its trainer's stage (no end-of-fit gather): a checkpoint saved
+    then would silently lack the other stages, so it is an error that says what to do instead."""
+    strategy = SwarmStrategy(num_stages=2)
+    model = _memory_job.MLPPipeline(width=8, ffn=16, blocks=2)
+    model.layers[1]._apply(lambda t: torch.empty_like(t, device="meta"))
+    strategy.connect(model)
+    with pytest.raises(RuntimeError, match="gather_on_end=True"):
+        strategy.lightning_module_state_dict()
+    model.layers[1].to_empty(device="cpu")  # every tensor here again: saved as usual
+    assert set(strategy.lightning_module_state_dict()) == set(model.state_dict())

@@ -472,7 +472,17 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         (``Deferred`` leaves), fetched one stage at a time when :meth:`save_checkpoint` writes the file."""
         assert self.lightning_module is not None
         if self._peer is None or not self._peer.joined:
-            return self.lightning_module.state_dict()
+            state = self.lightning_module.state_dict()
+            absent = [k for k, v in state.items() if isinstance(v, Tensor) and v.is_meta]
+            if absent:
+                raise RuntimeError(
+                    f"SwarmStrategy: the module's {len(absent)} tensors such as {absent[0]!r} are not in this process "
+                    "(built on meta, the pipeline's other stages were never gathered here: the model is taken to be "
+                    "larger than one peer), so a checkpoint saved now would lack them. Save checkpoints during fit "
+                    "(ModelCheckpoint, or trainer.save_checkpoint in a hook): they are streamed from the swarm stage "
+                    "by stage. Or pass SwarmStrategy(gather_on_end=True) to gather the whole model when fit ends."
+                )
+            return state
         return deferred_state_dict(self._peer, self.lightning_module)
 
     @override
