@@ -10,6 +10,8 @@
 - ``width``, ``ffn``, ``blocks``: the pipeline (``blocks`` blocks LayerNorm -> Linear(width, ffn) -> GELU ->
   Linear(ffn, width)), between a trainer-local input layer and head;
 - ``steps``, ``batch``, ``seed``, ``compression``, ``lr``;
+- ``init_hook``: the model re-initialises its layers after the build, as Hugging Face models do
+  (``self.apply(self._init_weights)``: normal(0, 0.02) weights, zero biases, truncated-normal LayerNorm gains);
 - ``save_path``: the trainer saves a checkpoint there when training ends (``trainer.save_checkpoint`` in
   ``on_train_end``, while the swarm still runs: streamed stage by stage);
 - ``compare_gather`` (with ``save_path``): save weights only, streamed, then the old way (every stage gathered,
@@ -74,10 +76,17 @@ class MLPPipeline(LightningModule):
     """A trainer-local input layer, ``blocks`` MLP blocks (the pipeline, ``self.layers``) and a head."""
 
     def __init__(
-        self, width: int = 64, ffn: int = 256, blocks: int = 8, lr: float = 1e-3, build: bool = True
+        self,
+        width: int = 64,
+        ffn: int = 256,
+        blocks: int = 8,
+        lr: float = 1e-3,
+        build: bool = True,
+        init_hook: bool = False,
     ):
         super().__init__()
         self.width, self.ffn, self.num_blocks, self.lr = width, ffn, blocks, lr
+        self.init_hook = init_hook
         self.first_output: torch.Tensor | None = None
         if build:
             self.build()
@@ -86,6 +95,19 @@ class MLPPipeline(LightningModule):
         self.inp = nn.Linear(self.width, self.width)
         self.layers = nn.Sequential(*(block(self.width, self.ffn) for _ in range(self.num_blocks)))
         self.head = nn.Linear(self.width, 1)
+        if (
+            self.init_hook
+        ):  # as Hugging Face models initialise: an init hook over every module after the build
+            self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(mean=0.0, std=0.02)
+            if module.bias is not None:
+                module.bias.data.zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.trunc_normal_(module.weight, mean=1.0, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.layers(self.inp(x)))
@@ -342,13 +364,14 @@ def main() -> None:
         callbacks=callbacks,
     )
     seed_everything(seed, verbose=False)
+    kwargs = {"lr": cfg.get("lr", 1e-3), "init_hook": bool(cfg.get("init_hook")), **sizes}
     if way == "init":
-        model = MLPPipeline(lr=cfg.get("lr", 1e-3), **sizes)
+        model = MLPPipeline(**kwargs)
     elif way == "init_module":
         with trainer.init_module(empty_init=True):
-            model = MLPPipeline(lr=cfg.get("lr", 1e-3), **sizes)
+            model = MLPPipeline(**kwargs)
     elif way == "configure_model":
-        model = BuiltInConfigureModel(lr=cfg.get("lr", 1e-3), **sizes)
+        model = BuiltInConfigureModel(**kwargs)
     else:
         raise SystemExit(f"unknown way {way!r}: init, init_module or configure_model")
     batch = int(cfg.get("batch", 8))

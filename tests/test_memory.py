@@ -85,9 +85,9 @@ def test_init_module_under_the_swarm_strategy_builds_on_meta(empty_init):
     assert not net.weight.is_meta
 
 
-def _reference_first_output(seed: int, sizes: dict) -> torch.Tensor:
+def _reference_first_output(seed: int, sizes: dict, init_hook: bool = False) -> torch.Tensor:
     seed_everything(seed, verbose=False)
-    model = _memory_job.MLPPipeline(**sizes)
+    model = _memory_job.MLPPipeline(init_hook=init_hook, **sizes)
     x, _ = next(iter(_memory_job.data(sizes["width"], 8, 2)))
     with torch.no_grad():
         return model(x)
@@ -104,6 +104,7 @@ def test_each_peer_allocates_only_its_stage_and_the_first_forward_equals_one_pro
         "seed": 11,
         "out_dir": str(tmp_path),
         "run_id": f"mem_{way}",
+        "init_hook": True,  # Hugging Face style: self.apply(self._init_weights) after the layers are built
         **sizes,
     }
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -126,7 +127,7 @@ def test_each_peer_allocates_only_its_stage_and_the_first_forward_equals_one_pro
         # written: a stage with one peer has no round to average in), and Adam's step counters (a scalar each)
         assert 0 <= peer["server_extra_bytes"] - 2 * peer["stage_bytes"] < 1024, peer
     output = torch.tensor(peers[0]["first_output"])
-    torch.testing.assert_close(output, _reference_first_output(11, sizes), rtol=0, atol=1e-6)
+    torch.testing.assert_close(output, _reference_first_output(11, sizes, init_hook=True), rtol=0, atol=1e-6)
     # when fit returns, a model built in __init__ is whole again in the trainer; one built on meta (taken to be
     # larger than one peer) is not gathered: the trainer keeps its own stage, the others stay on meta
     trainer = next(p for p in peers if "first_output" in p)

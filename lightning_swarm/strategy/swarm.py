@@ -36,6 +36,7 @@ from lightning_swarm.strategy._schedules import follow_swarm_epochs
 from lightning_swarm.strategy._trainer_steps import _TrainerDrivenSteps
 from lightning_swarm.strategy.launcher import _SwarmLauncher
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
+from lightning_swarm.swarm.deferred_init import InitRecorder
 from lightning_swarm.swarm.lifetime import (
     die_with_parent,
     interrupt_handled,
@@ -215,6 +216,9 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         )
         self._batch_checked = False
         self._meta_build: RngSnapshot | None = None  # generators' states when a meta build began (see below)
+        self._meta_recorder: InitRecorder | None = (
+            None  # what the meta build did (see swarm/deferred_init.py)
+        )
         self.stage_steps: dict[
             int, int
         ] = {}  # optimizer steps each stage took in the last run, as it replied
@@ -324,11 +328,11 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
+        assert self.lightning_module is not None
+        if self.peer.partition is None:  # before the conversion below: a meta build is replayed as recorded
+            self._prepare(self.lightning_module)
         # "bf16-true"/"16-true": the stages are converted with the rest, before they are cut out and served
         self.model = self.precision_plugin.convert_module(self.model)
-        assert self.lightning_module is not None
-        if self.peer.partition is None:
-            self._prepare(self.lightning_module)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -353,22 +357,27 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         """Keep only what this peer hosts; blocks built on meta get their initial values here (see
         ``SwarmPeer.prepare``)."""
         rng, self._meta_build = self._meta_build, None
-        self.peer.prepare(module, rng)
+        recorder, self._meta_recorder = self._meta_recorder, None
+        self.peer.prepare(module, rng, recorder)
 
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``trainer.init_module()`` and ``configure_model``: the model is built on the ``meta`` device (no
-        storage), and at setup each peer gives storage and initial values (``reset_parameters()``, the values one
-        process seeded alike would draw) to what it hosts only: its stage's blocks and the modules outside the
-        pipeline. ``empty_init=False`` builds everything on the device, initialised, as Lightning does."""
+        storage) while its build is recorded, and at setup each peer gives storage to what it hosts only (its
+        stage's blocks and the modules outside the pipeline) and replays the build for them: they get the values
+        the model's own code gives them in one process seeded alike, init hooks included (see
+        ``swarm/deferred_init.py``). ``empty_init=False`` builds everything on the device, initialised, as
+        Lightning does."""
         if empty_init is False:
             with super().tensor_init_context(empty_init=False):
                 yield
             return
         if self._meta_build is None:  # the first meta build since the last setup: where the generators start
             self._meta_build = RngSnapshot.capture(self.root_device)
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            self._meta_recorder = InitRecorder()
+        assert self._meta_recorder is not None
+        with torch.device("meta"), self.precision_plugin.tensor_init_context(), self._meta_recorder:
             yield
 
     @override

@@ -41,6 +41,7 @@ from .auth import SECRET_ENV, protect, unprotect
 from .bootstrap import _env_peers, dht_start_error
 from .chunking import rows_mixing_module
 from .client import SwarmClient
+from .deferred_init import InitRecorder, replay
 from .errors import RemoteStageError
 from .footprint import before_fork, release_free_memory, share_parameters, trim_footprint
 from .identity import PeerIdentity, register_identity
@@ -284,7 +285,9 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):
         """Whether this peer's stage is known before its DHT starts (a local swarm's peer, or ``stage`` given)."""
         return self.settings.stage is not None or self.local_swarm_size is not None
 
-    def prepare(self, module: nn.Module, rng: RngSnapshot | None = None) -> None:
+    def prepare(
+        self, module: nn.Module, rng: RngSnapshot | None = None, recorder: InitRecorder | None = None
+    ) -> None:
         """Cut ``module``'s pipeline into stages, choose this peer's stage and keep only what this peer hosts: its
         stage's blocks and the modules outside the pipeline. Blocks built on meta (see :mod:`.materialize`) get
         storage and their initial values here, and only here (replaying the build from ``rng``, the generators'
@@ -307,7 +310,12 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):
         if rng is None:
             # built on meta by the user's own code (or nothing is on meta): every peer starts from a seed of the run
             rng = RngSnapshot.seeded(_stage_seed(s.run_id, -1), self.device)
-        materialize(module, lambda m: id(m) not in others, self.device, rng)
+        meta = [t for t in (*module.parameters(), *module.buffers()) if t.is_meta]
+        if recorder is not None and meta and recorder.covers(meta):
+            # the build was recorded: replayed, so that every kept tensor gets what the model's own code gives it
+            replay(recorder, module, lambda m: id(m) not in others, self.device, rng)
+        else:
+            materialize(module, lambda m: id(m) not in others, self.device, rng)
         self.partition.release(keep=[self.stage] if self.is_server else [])
         release_free_memory()
         # what the optimizers write every step, in shared memory before the DHT forks (see .footprint)
