@@ -7,9 +7,11 @@ size 1024 (16 heads, FFN 4096, pre-norm, dropout 0: the swarm recomputes a stage
 final LayerNorm and a vocabulary head; ~103M parameters, AdamW. Synthetic token data; every variant trains the
 same number of samples at the same global batch, split into the same microbatches:
 
-- ``swarm``: ``SwarmStrategy(num_stages=2, compression="8bit")``, 2 peers: peer A (namespace 0) is the trainer
-  (embeddings, head, loss) and serves stage 0 (blocks 0-3); peer B (namespace 1) serves stage 1 (blocks 4-7). One
-  trainer step is one microbatch; the stages step every ``target_batch_size`` = global batch samples;
+- ``swarm``: ``SwarmStrategy(num_stages=2, compression="8bit", microbatches=M)``, 2 peers: peer A (namespace 0) is
+  the trainer (embeddings, head, loss) and serves stage 0 (blocks 0-3); peer B (namespace 1) serves stage 1 (blocks
+  4-7). One trainer step is one global batch, cut into the same M microbatches as GPipe's, which flow through the
+  two stages at once (stage 1 on microbatch i while stage 0 on i + 1, forward and backward); the stages step once
+  per global batch;
 - ``gpipe``: ``torch.distributed.pipelining`` with ``ScheduleGPipe`` over gloo, rank 0 = embeddings + blocks 0-3,
   rank 1 = blocks 4-7 + head + loss, same microbatches, fp32 boundaries; ``gpipe_fp16``: the same with the
   boundary cast to fp16 inside the model (the pipelining API has no codec: the stage's output is cast to fp16 and
@@ -271,6 +273,9 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
         "averaging_timeout": 10.0,
         "rebalance_period": 0.0,
         "linger_timeout": 120.0,
+        # the global batch per trainer step, cut into the same microbatches as GPipe's, which flow through the
+        # stages at once (lightning_swarm/swarm/pipelining.py)
+        "microbatches": m,
     }
     num_nodes, devices = 1, 1
     if variant in ("single", "single_1thread"):
@@ -295,7 +300,7 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
             initial_peers=[] if a else [args.initial_peer],
             **settings,
         )
-        batch, samples_per_step, warm = mb, mb, cfg["warmup_steps"] * m
+        batch, samples_per_step, warm = global_batch, global_batch, cfg["warmup_steps"]
     clock = Clock()
     trainer = Trainer(
         accelerator="cpu",

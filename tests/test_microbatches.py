@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 
 import pytest
 import torch
@@ -101,6 +102,112 @@ def test_the_chunks_of_one_call_spread_over_the_peers_of_a_stage(dhts, cleanup) 
         client.call_stage(0, x).sum().backward()
     assert [s.samples_processed for s in servers] == [48, 48], [s.samples_processed for s in servers]
     torch.testing.assert_close(x.grad, 3 * torch.autograd.grad(block(x).sum(), x)[0], atol=1e-5, rtol=0)
+
+
+class _Sleep(torch.autograd.Function):
+    """The identity, taking a fixed time forward and backward (sleeping, so that the box's load does not decide
+    the schedule)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class Slow(nn.Module):
+    def __init__(self, width: int, seconds: float) -> None:
+        super().__init__()
+        self.linear, self.seconds = nn.Linear(width, width), seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(_Sleep.apply(x, self.seconds)))
+
+
+class MaskedSlow(Slow):
+    """A ModuleList block with extra arguments: a per-row padding mask (split with the chunks) and a scale shared
+    by every row (sent whole to each chunk)."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x + scale * super().forward(x) * keep.unsqueeze(-1)
+
+
+class LoopModel(nn.Module):
+    """The ModuleList way: the model's own loop calls the stages with its extra arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 16), nn.Linear(16, 1)
+        self.layers = nn.ModuleList([MaskedSlow(16, 0.05) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h, keep, scale)
+        return self.head(h)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["sequential", "modulelist"])
+def test_chunks_flow_through_the_pipeline_and_the_stages_compute_at_once(dhts, cleanup, kind) -> None:
+    """2 stages of one peer each, microbatches=4: stage 1 works on a chunk while stage 0 works on the next, in the
+    forward and in the backward (asserted from the servers' recorded compute intervals, not from wall time); the
+    loss and every gradient are those of one process (compression "none"), and evaluation equals it too. For an
+    nn.Sequential pipeline, and for an nn.ModuleList one called by the model's own loop with a split boolean mask
+    and a shared tensor that requires grad."""
+    torch.manual_seed(0)
+    run_id = _run_id(f"pipelined_{kind}")
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    if kind == "sequential":
+        model: nn.Module = nn.Sequential(
+            nn.Linear(16, 16), nn.Sequential(Slow(16, 0.05), Slow(16, 0.05)), nn.Linear(16, 1)
+        )
+        path, args = "1", (x,)
+    else:
+        model = LoopModel()
+        keep = torch.ones(8, dtype=torch.bool)
+        keep[[1, 6]] = False
+        path, args = "layers", (x, keep, torch.tensor(0.5, requires_grad=True))
+    reference = copy.deepcopy(model)
+    ref_args = tuple(a.detach().requires_grad_(a.requires_grad) for a in args)
+    part = Partition(model, path, 2)
+    servers = [
+        _serve(cleanup, dhts[f"server{k + 1}"], run_id, part.stage_module(k), stage=k) for k in range(2)
+    ]
+    client = _client(cleanup, dhts["trainer"], run_id, 2, microbatches=4)
+    part.install_proxy(client.call_stage)
+    with contextlib.ExitStack() as held:
+        for server in servers:  # the stepper does not take the pending gradients meanwhile
+            held.enter_context(server._step_lock)
+        loss = nn.functional.mse_loss(model(*args), y)
+        loss.backward()
+        pending = [server._pending for server in servers]
+    expected = nn.functional.mse_loss(reference(*ref_args), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=0)
+    for name, got in model.named_parameters():  # the trainer's own (the pipeline's are on the servers)
+        torch.testing.assert_close(got.grad, reference.get_parameter(name).grad, atol=1e-6, rtol=1e-5)
+    for got, want in zip(args, ref_args, strict=True):  # the shared scale's gradient sums both stages'
+        if want.requires_grad:
+            torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=1e-5)
+    blocks = reference[1] if kind == "sequential" else reference.layers
+    for stage, grads in enumerate(pending):
+        want = [p.grad for p in blocks[stage].parameters()]
+        for g, w in zip(grads, want, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+    for kind_ in ("forward", "backward"):
+        first, second = ([(a, b) for k, a, b in s.compute_log if k == kind_] for s in servers)
+        assert len(first) == len(second) == 4, (kind_, first, second)
+        # stage by stage, one stage would finish every chunk before the other starts any
+        overlapping = [(a, b) for a, b in first for c, d in second if a < d and c < b]
+        assert overlapping, (kind_, first, second)
+    with torch.no_grad():
+        torch.testing.assert_close(model(*args), reference(*ref_args), atol=1e-6, rtol=0)
 
 
 def test_a_sequential_pipeline_in_4_chunks_steps_as_one_process(tmp_path):

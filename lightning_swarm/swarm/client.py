@@ -50,6 +50,7 @@ from .codec import CodecError, check_encodable
 from .errors import ProtocolError, RemoteStageError, remote_exception
 from .guards import check_outputs
 from .payload import EncodedPayload, Payload
+from .pipelining import PipelineRun
 from .protocol import (
     SEED_BITS,
     StageRequest,
@@ -143,6 +144,9 @@ class SwarmClient(_StageCommands):
         # whether stage calls may be cut into chunks (see .chunking); off for a pipeline that mixes rows
         self.chunking = True
         self._whole_stages: set[int] = set()  # stages whose outputs cannot be joined from chunks ("auto")
+        self._pipeline_run: PipelineRun | None = (
+            None  # the chunks of the latest chunked call, on through the stages
+        )
         self.nonfinite_backwards = 0
         warm_up_codec(settings.compression)  # the first call's timeout must not pay for loading the kernels
 
@@ -168,12 +172,29 @@ class SwarmClient(_StageCommands):
             check_encodable(t)
         inputs.metadata()
         device = inputs.tensors[0].device if inputs.tensors else torch.device("cpu")
+        run, self._pipeline_run = self._pipeline_run, None
+        if run is not None and run.joins(stage, inputs, swarm_training):
+            self._pipeline_run = (
+                run  # the chunks are already on their way through this stage (see .pipelining)
+            )
+            return run.call(stage)
+        if run is not None:
+            run.close()
         chunks, plan = self._chunking(stage, inputs)
         if chunks > 1 and plan is not None:
-            seeds = [self._seeds.getrandbits(SEED_BITS) for _ in range(chunks)]
             try:
+                if args and isinstance(
+                    args[0], torch.Tensor
+                ):  # its output may be the next stage's first argument
+                    run = PipelineRun(
+                        self, stage, inputs, plan, chunks, device, swarm_training, self.settings.num_stages
+                    )
+                    self._pipeline_run = run
+                    return run.call(stage)
+                seeds = [self._seeds.getrandbits(SEED_BITS) for _ in range(chunks)]
                 return chunked_call(self, stage, inputs, plan, chunks, device, swarm_training, seeds)
             except Unmergeable as e:
+                self._pipeline_run = None
                 if self.settings.microbatches != "auto":
                     raise
                 self._whole_stages.add(stage)
@@ -186,6 +207,10 @@ class SwarmClient(_StageCommands):
         diff_inputs = [t for t, mark in zip(inputs.tensors, call.marks, strict=True) if mark]
         flat_outputs = _StageFunction.apply(call, _DUMMY, *diff_inputs)
         return call.output_skeleton.rebuild(list(flat_outputs))
+
+    def next_seed(self) -> int:
+        """A dropout seed for one stage call (replayed by its backward)."""
+        return self._seeds.getrandbits(SEED_BITS)
 
     def _forward_no_grad(self, stage: int, inputs: Payload, training: bool, seed: int) -> Payload:
         request = StageRequest("forward", stage_uid(self.run_id, stage), inputs, training=training, seed=seed)
@@ -201,7 +226,10 @@ class SwarmClient(_StageCommands):
         plan = split_plan(inputs.tensors)
         if plan is None:
             return 1, None
-        chunks = max(1, len(self._live_peers(stage))) if setting == "auto" else int(setting)
+        if setting == "auto":  # a chunk per peer of the stage, and at least one per stage left to run
+            chunks = max(1, len(self._live_peers(stage)), self.settings.num_stages - stage)
+        else:
+            chunks = int(setting)
         return min(chunks, inputs.tensors[0].shape[0]), plan
 
     def peers(self, stage: int) -> list[PeerInfo]:

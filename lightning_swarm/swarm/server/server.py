@@ -58,6 +58,7 @@ its measured throughput (samples/s of forward + backward, see :mod:`.throughput`
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import threading
@@ -197,6 +198,9 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         self._kept_in_use = 0  # kept forwards taken by a backward that has not finished yet
         # runs of the stage module for them (a merged group runs it once); counted under the parameters lock
         self.computations = 0
+        # (kind, start, end) of the stage's latest computations, on the monotonic clock (shared by the processes
+        # of one machine): when this server's stage was busy
+        self.compute_log: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=1024)
         # trainer-driven steps (settings.stage_steps == "trainer", see .stepping): the trainer's group of each
         # of this stage's optimizer groups, the prepared gradients of the step in progress, the ids applied
         self.driven = settings.stage_steps == "trainer"

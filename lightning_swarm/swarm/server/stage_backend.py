@@ -177,9 +177,10 @@ class StageBackend:
         keep = keep and (bool(self._trained) or any(leaf.requires_grad for leaf in leaves))
         args, kwargs = inputs.rebuild_call(leaves)
         with self._lock, torch.enable_grad() if keep else torch.no_grad():
-            start = time.perf_counter()
+            start, began = time.perf_counter(), time.monotonic()
             outputs = self._run_module(args, kwargs, training, seed)
             version, spent = self._param_version, time.perf_counter() - start
+            self.compute_log.append(("forward", began, time.monotonic()))
         payload = _outputs_payload(outputs)
         check_outputs(payload.tensors, leaves, f"stage {self.stage} output", _NonFinite)
         if not keep:
@@ -250,7 +251,7 @@ class StageBackend:
         batch_size = inputs.batch_size()
         trained = self._trained
         with self._lock:
-            start = time.perf_counter()
+            start, began = time.perf_counter(), time.monotonic()
             results: list[torch.Tensor | None] | None = None
             if kept is not None and kept.matches(inputs, self._param_version):
                 try:
@@ -267,6 +268,7 @@ class StageBackend:
                     outputs = _outputs_payload(self._run_module(args, kwargs, training, seed)).tensors
                     results = self._grads_of(leaves, outputs, grads, trained)
             self.throughput.record(batch_size, spent + time.perf_counter() - start)
+            self.compute_log.append(("backward", began, time.monotonic()))
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         grad_inputs = tuple(
             g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=False)
