@@ -123,11 +123,12 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             skips recomputing the forward. A backward that reaches another peer, or comes after the stage's
             parameters were updated, recomputes the forward as before. Each kept forward holds its activations in
             the server's memory until its backward or until newer ones push it out; 0 turns this off.
-        microbatches: a trainer cuts each stage call's batch into this many chunks (along dim 0) and sends them to
-            the stage's peers at once, forward and backward, so that the peers of a stage compute together
-            (``"auto"``, the default: as many chunks as the stage has online peers; 1: one call per batch). The
-            result is the one of the same chunks sent one after another. A pipeline with batch normalisation
-            (whose output for a row depends on the other rows) is not chunked: refused when set above 1.
+        microbatches: a trainer cuts each stage call's batch into this many chunks (along dim 0), which flow
+            through the stages on their own: stage k+1 works on one chunk while stage k works on the next, and the
+            peers of a stage serve chunks at once, forward and backward (``"auto"``, the default: as many chunks as
+            the stage has online peers; 1: one call per batch). The result is the one of the same chunks sent one
+            after another. A pipeline with batch normalisation (whose output for a row depends on the other rows)
+            is not chunked: refused when set above 1.
     """
 
     strategy_name = "swarm"

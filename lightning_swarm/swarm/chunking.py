@@ -18,8 +18,8 @@ What is not chunked: a pipeline whose output for one row depends on the other ro
 normalisation in training mode): chunks would see other batch statistics. ``"auto"`` then sends whole batches;
 an explicit ``microbatches > 1`` is refused at setup (:func:`rows_mixing_module`).
 
-What this does not do: a stage does not start on chunk ``i`` while the previous stage works on chunk ``i+1``
-(the trainer's code calls stage after stage); with one peer per stage the stages still take turns.
+A call whose first argument is a tensor goes further: its chunks flow on through the following stages
+(:mod:`.pipelining`); :func:`chunked_call` serves the other chunked calls.
 """
 
 from __future__ import annotations

@@ -194,6 +194,8 @@ class SwarmClient(_StageCommands):
                 seeds = [self._seeds.getrandbits(SEED_BITS) for _ in range(chunks)]
                 return chunked_call(self, stage, inputs, plan, chunks, device, swarm_training, seeds)
             except Unmergeable as e:
+                if self._pipeline_run is not None:
+                    self._pipeline_run.close()
                 self._pipeline_run = None
                 if self.settings.microbatches != "auto":
                     raise
@@ -226,8 +228,8 @@ class SwarmClient(_StageCommands):
         plan = split_plan(inputs.tensors)
         if plan is None:
             return 1, None
-        if setting == "auto":  # a chunk per peer of the stage, and at least one per stage left to run
-            chunks = max(1, len(self._live_peers(stage)), self.settings.num_stages - stage)
+        if setting == "auto":  # a chunk per online peer of the stage
+            chunks = max(1, len(self._live_peers(stage)))
         else:
             chunks = int(setting)
         return min(chunks, inputs.tensors[0].shape[0]), plan

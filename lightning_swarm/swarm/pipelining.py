@@ -206,7 +206,7 @@ class PipelineRun:
         tensors = _merge_outputs(stage, [c.outputs[index][0] for c in self.chains], self.bounds)
         skeleton = self.chains[0].outputs[index][1]
         if self.grad:
-            flat = _RunFunction.apply(_RunStage(self, index), _DUMMY, *self.diff_inputs)
+            flat = _RunFunction.apply(_RunStage(self, index, tensors), _DUMMY, *self.diff_inputs)
             result = skeleton.rebuild(list(flat))
         else:
             result = skeleton.rebuild(tensors)
@@ -238,19 +238,16 @@ class PipelineRun:
 class _RunStage:
     """What the node of one stage's output of a run keeps: the run, and which of its stages."""
 
-    def __init__(self, run: PipelineRun, index: int) -> None:
-        self.run, self.index = run, index
+    def __init__(self, run: PipelineRun, index: int, merged: list[torch.Tensor]) -> None:
+        self.run, self.index, self.merged = run, index, merged
 
 
 class _RunFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, state: _RunStage, dummy: torch.Tensor, *diff_inputs: torch.Tensor) -> tuple:
         ctx.state = state
-        run = state.run
-        outputs = [c.outputs[state.index][0] for c in run.chains]
-        return _remote_outputs(
-            ctx, diff_inputs, _merge_outputs(run.first_stage + state.index, outputs, run.bounds)
-        )
+        merged, state.merged = state.merged, []
+        return _remote_outputs(ctx, diff_inputs, merged)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple:
