@@ -285,8 +285,10 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
         strategy, num_nodes = "ddp", 2
         batch, samples_per_step, warm = global_batch // 2, global_batch, cfg["warmup_steps"]
     elif variant == "swarm_local":  # the library's own local swarm: 2 peers, peer 0 trains and serves stage 0
-        # same batch as the single-process baseline it is compared with: the whole global batch per trainer step
-        strategy = lightning_swarm.SwarmStrategy(num_trainers=1, **settings)
+        # same batch as the single-process baseline it is compared with: the whole global batch per trainer step,
+        # sent whole ("auto": one peer per stage); on one box the stages share the cores, and chunks add calls
+        local = {**settings, "microbatches": cfg.get("local_microbatches", "auto")}
+        strategy = lightning_swarm.SwarmStrategy(num_trainers=1, **local)
         devices = 2
         local_mb = cfg.get("local_microbatch") or global_batch  # rows per trainer step (target: global_batch)
         batch, samples_per_step, warm = local_mb, local_mb, cfg["warmup_steps"] * global_batch // local_mb
