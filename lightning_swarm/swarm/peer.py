@@ -501,6 +501,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):
                 )
             if all_finished and self.server is not None:
                 # nobody steps any more: the stage's optimizer state and gradient buffers go before the gather
+                self._report_dead_helpers()  # (a dead averager is told of, and skips its shutdown)
                 self.server.release_training_state()
             error: BaseException | None = None
             if self.joined and self.partition is not None:
@@ -536,6 +537,20 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):
         wanted = self.settings.gather_on_end
         return not getattr(self, "built_on_meta", False) if wanted is None else wanted
 
+    def _report_dead_helpers(self) -> None:
+        """Warn once about hivemind helper processes that died during the run; they skip their shutdown."""
+        dead = settle_dead_helpers(
+            self._helpers(), daemon_gone=self.dht is not None and not _dht_alive(self.dht)
+        )
+        reported = self.__dict__.setdefault("_reported_dead", set())
+        dead = [d for d in dead if d not in reported]
+        reported.update(dead)
+        if dead:
+            logger.warning(
+                f"{self.describe()}: hivemind helper process(es) {', '.join(dead)} died during the run; shutting "
+                "down without them."
+            )
+
     def _helpers(self) -> list[tuple[str, Any]]:
         """This peer's hivemind helper processes by name: its DHT's (unless already reported) and its averagers."""
         helpers: list[tuple[str, Any]] = [] if self._cut_off else [("DHT", self.dht)]
@@ -564,14 +579,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):
             return default if deadline is None else max(0.1, min(default, deadline - time.monotonic()))
 
         self._stop_rebalancer()
-        dead = settle_dead_helpers(
-            self._helpers(), daemon_gone=self.dht is not None and not _dht_alive(self.dht)
-        )
-        if dead:
-            logger.warning(
-                f"{self.describe()}: hivemind helper process(es) {', '.join(dead)} died during the run; shutting "
-                "down without them."
-            )
+        self._report_dead_helpers()
         finished = True
         with self._migration_lock:
             if self.server is not None:
