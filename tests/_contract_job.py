@@ -10,6 +10,7 @@ optimization), ``optimizer`` ("sgd"|"adamw"), ``fp16_scaler`` ("16-mixed" with a
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,11 +34,14 @@ class Net(LightningModule):
         )
         self.out = nn.Linear(16, 1)
         self.automatic_optimization = not cfg.get("manual", False)
+        self.cfg_step_s = float(cfg.get("step_s", 0.0))
 
     def forward(self, x):
         return self.out(self.layers(self.inp(x)))
 
     def training_step(self, batch, batch_idx):
+        if self.cfg_step_s:  # a step that takes this long at least (see test_contract's schedule test)
+            time.sleep(self.cfg_step_s)
         x, y = batch
         loss = nn.functional.mse_loss(self(x), y)
         self.log("train_loss", loss, prog_bar=False)

@@ -194,6 +194,9 @@ def test_with_several_trainers_the_swarms_epoch_drives_the_lr_schedule(tmp_path)
     cfg = {
         "steps": 16,
         "scheduler": "decay",
+        # steps of at least 0.3 s: the stages' progress reaches the DHT, and the trainers' schedules, within a
+        # step (with the bare steps of this tiny model, ~0.1 s, the schedule lags the swarm by the DHT's delay)
+        "step_s": 0.3,
         "swarm": True,
         "strategy": {
             "num_trainers": 2,
