@@ -33,7 +33,7 @@ from torch import nn
 from .payload import Payload
 from .stage_autograd import _DUMMY, _moved, _remote_outputs, _StageCall
 
-__all__ = ["Unmergeable", "chunk_bounds", "rows_mixing_module", "split_plan"]
+__all__ = ["Unmergeable", "chunk_bounds", "join_input_grads", "rows_mixing_module", "split_plan"]
 
 
 class Unmergeable(ValueError):
@@ -177,8 +177,25 @@ class _ChunkedStageFunction(torch.autograd.Function):
 
         futures = [state.pool.submit(chunk_backward, i) for i in range(len(state.calls))]
         per_chunk = [f.result() for f in futures]
-        grads_in = []
-        for j, ((device, dtype, _), split) in enumerate(zip(ctx.input_meta, state.diff_plan, strict=True)):
-            parts = [chunk[j].to(device=device, dtype=dtype) for chunk in per_chunk]
-            grads_in.append(torch.cat(parts, dim=0) if split else torch.stack(parts).sum(dim=0))
-        return (None, None, *grads_in)
+        return (None, None, *join_input_grads(ctx.input_meta, state.diff_plan, per_chunk, bounds))
+
+
+def join_input_grads(
+    input_meta: list[tuple[torch.device, torch.dtype, torch.Size]],
+    diff_plan: list[bool],
+    per_chunk: list[list[torch.Tensor | None]],
+    bounds: list[int],
+) -> list[torch.Tensor]:
+    """The gradients of a chunked call's differentiable inputs from each chunk's: those of split inputs joined
+    along dim 0, those of inputs every chunk shared summed; a chunk without one counts zeros."""
+    grads_in = []
+    for j, ((device, dtype, shape), split) in enumerate(zip(input_meta, diff_plan, strict=True)):
+        parts = [
+            torch.zeros((bounds[i + 1] - bounds[i], *shape[1:]) if split else shape, dtype=dtype)
+            if chunk[j] is None
+            else chunk[j]
+            for i, chunk in enumerate(per_chunk)
+        ]
+        parts = [p.to(device=device, dtype=dtype) for p in parts]
+        grads_in.append(torch.cat(parts, dim=0) if split else torch.stack(parts).sum(dim=0))
+    return grads_in

@@ -45,11 +45,12 @@ from .deferred_init import InitRecorder, replay
 from .errors import RemoteStageError
 from .footprint import before_fork, release_free_memory, share_parameters, trim_footprint
 from .identity import PeerIdentity, register_identity
-from .lifetime import bounded, describe_exit, settle_dead_helpers, start_bounded, wait_bounded
+from .lifetime import bounded, describe_exit, start_bounded, wait_bounded
 from .logs import quiet_routine_logs
 from .materialize import RngSnapshot, has_meta, materialize
 from .optimizer_template import _OptimizerTemplate
 from .partition import Partition, find_pipeline
+from .peer_helpers import _Helpers
 from .peer_rebalance import _Rebalancing, _Since
 from .peer_state import _StageStates
 from .peer_steps import _TrainerSteps
@@ -66,7 +67,7 @@ logger = logging.getLogger(__name__)
 FAILED_SHUTDOWN_S = 3.0  # after a failure, seconds a peer spends shutting down before it raises the error
 
 
-class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):
+class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
     """A peer of the swarm: DHT node, optionally a stage server, and (for trainers) the client of the stages.
 
     Args:
@@ -529,38 +530,6 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates):
             raise
         finally:
             self.shutdown(budget=FAILED_SHUTDOWN_S if failed else None)
-
-    @property
-    def gathers_on_end(self) -> bool:
-        """Whether this trainer gathers every stage into its module when the run ends (``gather_on_end``; by
-        default unless the pipeline was built on meta: a model built so is taken to be larger than one peer)."""
-        wanted = self.settings.gather_on_end
-        return not getattr(self, "built_on_meta", False) if wanted is None else wanted
-
-    def _report_dead_helpers(self) -> None:
-        """Warn once about hivemind helper processes that died during the run; they skip their shutdown."""
-        dead = settle_dead_helpers(
-            self._helpers(), daemon_gone=self.dht is not None and not _dht_alive(self.dht)
-        )
-        reported = self.__dict__.setdefault("_reported_dead", set())
-        dead = [d for d in dead if d not in reported]
-        reported.update(dead)
-        if dead:
-            logger.warning(
-                f"{self.describe()}: hivemind helper process(es) {', '.join(dead)} died during the run; shutting "
-                "down without them."
-            )
-
-    def _helpers(self) -> list[tuple[str, Any]]:
-        """This peer's hivemind helper processes by name: its DHT's (unless already reported) and its averagers."""
-        helpers: list[tuple[str, Any]] = [] if self._cut_off else [("DHT", self.dht)]
-        optimizers = [("trainer", self._trainer_optimizer)]
-        if self.server is not None:
-            optimizers.append((f"stage {self.server.stage}", self.server.optimizer))
-        for owner, opt in optimizers:
-            for kind in ("state_averager", "grad_averager"):
-                helpers.append((f"{owner} {kind.replace('_', ' ')}", getattr(opt, kind, None)))
-        return helpers
 
     def shutdown(self, drain: bool = False, budget: float | None = None) -> None:
         """Stop everything. The stage server first announces that it is leaving; with ``drain`` it also keeps

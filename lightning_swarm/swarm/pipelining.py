@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .chunking import _chunk_payload, _merge_outputs, _pool, chunk_bounds
+from .chunking import _chunk_payload, _merge_outputs, _pool, chunk_bounds, join_input_grads
 from .payload import Payload
 from .stage_autograd import _DUMMY, _moved, _remote_outputs, _StageCall
 
@@ -264,15 +264,4 @@ class _RunFunction(torch.autograd.Function):
 
         futures = [run.pool.submit(chunk_backward, i) for i in range(len(run.chains))]
         per_chunk = [f.result() for f in futures]
-        grads_in: list[torch.Tensor | None] = []
-        for j, ((device, dtype, shape), split) in enumerate(zip(ctx.input_meta, run.diff_plan, strict=True)):
-            parts = [chunk[j] for chunk in per_chunk]
-            parts = [
-                torch.zeros((bounds[i + 1] - bounds[i], *shape[1:]) if split else shape, dtype=dtype)
-                if p is None
-                else p
-                for i, p in enumerate(parts)
-            ]
-            parts = [p.to(device=device, dtype=dtype) for p in parts]
-            grads_in.append(torch.cat(parts, dim=0) if split else torch.stack(parts).sum(dim=0))
-        return (None, None, *grads_in)
+        return (None, None, *join_input_grads(ctx.input_meta, run.diff_plan, per_chunk, bounds))
