@@ -99,7 +99,6 @@ def serve(args: argparse.Namespace) -> None:
 
 def status(args: argparse.Namespace) -> None:
     """Print a table of the swarm: stages, peers, states, throughput and the bottleneck."""
-    import hivemind
 
     if not args.initial_peers:
         raise SystemExit("error: status needs --initial-peers (the multiaddr of any peer of the swarm).")
@@ -107,6 +106,7 @@ def status(args: argparse.Namespace) -> None:
     import tempfile
 
     from .swarm.auth import SECRET_ENV, protect, unprotect
+    from .swarm.dht_process import SwarmDHT
     from .swarm.identity import PeerIdentity
 
     run_id = args.run_id or "lightning_swarm"
@@ -117,7 +117,7 @@ def status(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="swarm-status-") as tmp:
         identity.save(os.path.join(tmp, "identity.key"))
         try:
-            dht = hivemind.DHT(
+            dht = SwarmDHT(
                 start=True,
                 initial_peers=args.initial_peers,
                 client_mode=True,

@@ -107,6 +107,18 @@ class _StageOptimizer(HivemindOptimizer):
                     logger.error(f"{self.run_id}: averaging gradients failed: {e!r}; using local gradients")
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
+    def shutdown(self, run_over: bool = False) -> None:
+        """hivemind's shutdown; with ``run_over`` (every trainer has finished: no peer steps again) a round
+        scheduled for the next epoch is cancelled first instead of joined with zero weight. hivemind waits up to
+        ``averaging_timeout`` for such a round, and at the end of a run its partners are leaving too (or have
+        cancelled theirs), so each peer of a stage with several peers waited the whole timeout."""
+        if run_over:
+            for control in (self.scheduled_grads, self.scheduled_state):
+                if control is not None and not control.done():
+                    control.cancel()
+            self.scheduled_grads = self.scheduled_state = None
+        super().shutdown()
+
     def __init__(self, *args: Any, reuse_state_tensors: bool | None = None, **kwargs: Any) -> None:
         self._reuse_state_tensors = reuse_state_tensors  # None: hivemind's default
         super().__init__(*args, **kwargs)

@@ -42,6 +42,7 @@ from .bootstrap import _env_peers, dht_start_error
 from .chunking import rows_mixing_module
 from .client import SwarmClient
 from .deferred_init import InitRecorder, replay
+from .dht_process import SwarmDHT
 from .errors import RemoteStageError
 from .footprint import before_fork, release_free_memory, share_parameters, trim_footprint
 from .identity import PeerIdentity, register_identity
@@ -238,7 +239,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
                 identity_path = os.path.join(tmp, "identity.key")
                 identity.save(identity_path)
             try:
-                self.dht = hivemind.DHT(
+                self.dht = SwarmDHT(
                     start=True,
                     initial_peers=initial_peers,
                     host_maddrs=host_maddrs,

@@ -384,7 +384,7 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
             self._prepared = None
         if opt is not None:
             try:
-                opt.shutdown()
+                opt.shutdown(run_over=True)
             except Exception as e:
                 logger.warning(f"Stage {self.stage} server: error while shutting down the optimizer: {e!r}")
             del opt
