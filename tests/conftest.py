@@ -34,17 +34,34 @@ UNIT_MODULES = {
     "test_sparse_linear",
 }
 UNIT_TIMEOUT_S = 60
+# the modules whose tests take longest (local swarms of 4 peers, kills and restarts, launchers): run first, so that
+# with several workers (``-n``, what scripts/test.sh uses) none of them is left to run alone at the end
+LONGEST_FIRST = (
+    "test_swarm_strategy",
+    "test_chaos",
+    "test_albert",
+    "test_failures",
+    "test_contract",
+    "test_dslide",
+    "test_memory",
+    "test_launcher",
+)
+
+
+def _module(item: pytest.Item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
-        if module in UNIT_MODULES:
+        if _module(item) in UNIT_MODULES:
             item.add_marker(pytest.mark.unit)
             if item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
         else:
             item.add_marker(pytest.mark.integration)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: each module keeps its order
 
 
 @pytest.fixture

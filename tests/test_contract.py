@@ -21,23 +21,51 @@ JOB = os.path.join(ROOT, "tests", "_contract_job.py")
 TOLERANCE = 1e-6
 
 
-def run(cfg: dict, tmp_path, name: str, expect_failure: bool = False) -> dict | str:
+def start(cfg: dict, tmp_path, name: str) -> tuple[subprocess.Popen, str]:
     out = str(tmp_path / f"{name}.pt")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, JOB, json.dumps({**cfg, "out": out})],
         cwd=ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,
     )
+    return proc, out
+
+
+def finish(started: tuple[subprocess.Popen, str], expect_failure: bool = False) -> dict | str:
+    proc, out = started
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     if expect_failure:
-        assert proc.returncode != 0, proc.stdout[-2000:]
-        return proc.stderr
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        assert proc.returncode != 0, stdout[-2000:]
+        return stderr
+    assert proc.returncode == 0, f"{stdout[-3000:]}\n{stderr[-6000:]}"
     return torch.load(out, weights_only=False)
+
+
+def run(cfg: dict, tmp_path, name: str, expect_failure: bool = False) -> dict | str:
+    return finish(start(cfg, tmp_path, name), expect_failure)
+
+
+def run_pair(cfg: dict, swarm_cfg: dict, tmp_path, single_cfg: dict | None = None) -> tuple[dict, dict]:
+    """The single-process run (``cfg`` updated by ``single_cfg``) and the swarm run (``cfg`` updated by
+    ``swarm_cfg``) side by side: the single process is small, and its start-up overlaps the swarm's."""
+    single = start({**cfg, "swarm": False, **(single_cfg or {})}, tmp_path, "single")
+    swarm = start({**cfg, "swarm": True, **swarm_cfg}, tmp_path, "swarm")
+    try:
+        return finish(single), finish(swarm)
+    finally:
+        if swarm[0].poll() is None:  # the single run failed: the swarm run goes too
+            swarm[0].kill()
+            swarm[0].communicate()
 
 
 CASES = {
@@ -72,8 +100,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_swarm_step_is_the_single_process_step(case, tmp_path):
     cfg = CASES[case]
-    single = run({**cfg, "swarm": False}, tmp_path, "single")
-    swarm = run({**cfg, "swarm": True}, tmp_path, "swarm")
+    single, swarm = run_pair(cfg, {}, tmp_path)
     assert swarm["global_step"] == single["global_step"] == cfg["steps"]
     # every stage stepped exactly as often as the trainer's optimizers did
     assert swarm["stage_steps"] == {0: cfg["steps"], 1: cfg["steps"]}, swarm["stage_steps"]
@@ -92,8 +119,7 @@ def test_with_16_mixed_a_step_whose_gradients_overflowed_is_skipped_everywhere(t
     scale. In the swarm the stages skip the same steps (an overflowed gradient never reaches them, or theirs
     overflowed) and the run equals the single process's, skipped steps included."""
     cfg = {"fp16_scaler": 2.0**18, "steps": 12}
-    single = run({**cfg, "swarm": False}, tmp_path, "single")
-    swarm = run({**cfg, "swarm": True}, tmp_path, "swarm")
+    single, swarm = run_pair(cfg, {}, tmp_path)
     steps = swarm["stage_steps"]
     assert steps[0] == steps[1] and 0 < steps[0] < cfg["steps"], steps  # some steps skipped, not all
     assert swarm["losses"] == pytest.approx(single["losses"], rel=1e-6)
@@ -116,15 +142,19 @@ def test_resuming_restores_the_stages_optimizer_state(tmp_path):
     in a swarm continues exactly as resuming the same checkpoint in one process (without the stages' optimizer
     state, their moments would restart from zero and the parameters part)."""
     cfg = {"optimizer": "adamw"}
-    run({**cfg, "swarm": False, "steps": 8, "save": str(tmp_path / "single.ckpt")}, tmp_path, "single_a")
-    single = run(
-        {**cfg, "swarm": False, "steps": 16, "resume": str(tmp_path / "single.ckpt")}, tmp_path, "single_b"
+    run_pair(  # the first epoch, saved
+        cfg,
+        {"steps": 8, "save": str(tmp_path / "swarm.ckpt")},
+        tmp_path,
+        single_cfg={"steps": 8, "save": str(tmp_path / "single.ckpt")},
     )
-    run({**cfg, "swarm": True, "steps": 8, "save": str(tmp_path / "swarm.ckpt")}, tmp_path, "swarm_a")
     checkpoint = torch.load(tmp_path / "swarm.ckpt", weights_only=False)
     assert sorted(checkpoint["swarm_stages"]["optimizer_states"]) == [0, 1]
-    swarm = run(
-        {**cfg, "swarm": True, "steps": 16, "resume": str(tmp_path / "swarm.ckpt")}, tmp_path, "swarm_b"
+    single, swarm = run_pair(
+        cfg,
+        {"steps": 16, "resume": str(tmp_path / "swarm.ckpt")},
+        tmp_path,
+        single_cfg={"steps": 16, "resume": str(tmp_path / "single.ckpt")},
     )
     assert len(swarm["losses"]) == len(single["losses"]) == 8
     moved = max(float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"])
@@ -138,8 +168,7 @@ def test_two_peers_per_stage_sum_their_gradients_and_end_identical(tmp_path):
     own values plus a delta, x + (avg - x), which is the average to the last bit only where the rounding allows:
     1e-6 here), and the result is the single process's (up to the all-reduce's float summation order: 1e-5)."""
     cfg = {"steps": 6, "strategy": {"matchmaking_time": 1.0, "rebalance_period": 0}}
-    single = run({**cfg, "swarm": False}, tmp_path, "single")
-    swarm = run({**cfg, "swarm": True, "peers_per_stage": 2}, tmp_path, "swarm")
+    single, swarm = run_pair(cfg, {"peers_per_stage": 2}, tmp_path)
     peers = [torch.load(f"{tmp_path / 'swarm.pt'}.peer{rank}", weights_only=False) for rank in range(4)]
     by_stage: dict[int, list[dict]] = {}
     for peer in peers:

@@ -113,7 +113,9 @@ def test_a_peer_that_stops_answering_costs_seconds_not_the_request_timeout(dhts,
             elapsed = time.monotonic() - start
         finally:
             stalling.release.set()
-    assert client.stats()["swarm/retries"] == 1  # one attempt hung, then that peer was banned
+    # one attempt hung, then that peer was banned (on a loaded box a healthy attempt may also outlast the adaptive
+    # timeout once: it is retried too)
+    assert 1 <= client.stats()["swarm/retries"] <= 2
     assert elapsed < 30.0, f"4 calls took {elapsed:.1f} s: the hung attempt waited for request_timeout (60 s)"
     assert client.routers[0].is_banned(a.peer_id)
 
