@@ -839,7 +839,9 @@ def test_an_optimizer_state_larger_than_one_message_travels_in_parts(dhts, clean
     first.flush()
     data = client.fetch_optimizer_state(0)
     assert len(data) > 4 * (1 << 20)
-    first.set_state("leaving")  # as a peer leaving the swarm does: trainers route elsewhere at their next refresh
+    first.set_state(
+        "leaving"
+    )  # as a peer leaving the swarm does: trainers route elsewhere at their next refresh
     first.shutdown()
     second = _serve(cleanup, dhts["server2"], run_id, nn.Linear(1024, 1024), optimizer_factory=adam)
     deadline = time.monotonic() + 30
