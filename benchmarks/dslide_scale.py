@@ -62,11 +62,7 @@ def worker(args: argparse.Namespace) -> None:
         num_nodes=args.ranks,
         strategy="auto" if single else DSlideStrategy(),
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **_harness.QUIET_TRAINER,
         check_val_every_n_epoch=10**6,  # no validation inside fit: P@1 is measured before and after
         callbacks=[clock],
     )
@@ -124,8 +120,7 @@ def launch(
         for rank in range(ranks):
             env = {"OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
             if ranks > 1:
-                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(rank), LOCAL_RANK="0")
-                env.update(WORLD_SIZE=str(ranks))
+                env.update(_harness.rank_env(rank, ranks, "127.0.0.1", port))
             launcher.start(f"rank{rank}", cmd, env=env, cwd=_harness.ROOT)
         launcher.wait(timeout)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]

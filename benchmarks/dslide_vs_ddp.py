@@ -156,12 +156,8 @@ def worker(args: argparse.Namespace) -> None:
         num_nodes=args.ranks if args.strategy != "single" else 1,
         strategy=strategy,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **_harness.QUIET_TRAINER,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[clock],
     )
     trainer.fit(model, data)
@@ -235,11 +231,7 @@ def run_one(
     with _harness.Launcher(out, what=f"{strategy} with {ranks} ranks: ") as launcher:
         for rank in range(ranks):
             env = {
-                "MASTER_ADDR": net.address(0),
-                "MASTER_PORT": port,
-                "NODE_RANK": str(rank),
-                "LOCAL_RANK": "0",
-                "WORLD_SIZE": str(ranks),
+                **_harness.rank_env(rank, ranks, net.address(0), port),
                 "OMP_NUM_THREADS": str(threads),
                 "PYTHONWARNINGS": "ignore",
             }

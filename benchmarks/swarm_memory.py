@@ -75,20 +75,30 @@ def sample(root: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def peaks_while_running(
-    proc: subprocess.Popen, interval: float, timeout: float = float("inf")
-) -> dict[str, dict[str, float]]:
-    """Sample ``proc``'s job every ``interval`` s until it exits (or ``timeout`` s pass): per peer, the sample of
-    the largest total PSS (main process + helpers + p2p daemons), split by kind."""
+def run_sampled(
+    cmd: list[str], interval: float, timeout: float = float("inf"), env: dict[str, str] | None = None
+) -> tuple[int | None, dict[str, dict[str, float]], str]:
+    """Run the job ``cmd`` (from the repository root), sampling its processes every ``interval`` s until it exits
+    (or ``timeout`` s pass: then it is killed); returns its exit code, per peer the sample of the largest total PSS
+    (main process + helpers + p2p daemons) split by kind, and its stderr."""
+    log = tempfile.TemporaryFile(mode="w+")  # a pipe left unread would fill up and stall the job
+    proc = _harness.popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
     peaks: dict[str, dict[str, float]] = {}
     deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        for rank, parts in sample(proc.pid).items():
-            total = parts["main"] + parts["helpers"] + parts["p2pd"]
-            if total > peaks.get(rank, {}).get("total_mb", 0.0):
-                peaks[rank] = {k: round(v, 1) for k, v in parts.items()} | {"total_mb": round(total, 1)}
-        time.sleep(interval)
-    return peaks
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            for rank, parts in sample(proc.pid).items():
+                total = parts["main"] + parts["helpers"] + parts["p2pd"]
+                if total > peaks.get(rank, {}).get("total_mb", 0.0):
+                    peaks[rank] = {k: round(v, 1) for k, v in parts.items()} | {"total_mb": round(total, 1)}
+            time.sleep(interval)
+    finally:
+        if proc.poll() is None:
+            _harness.kill_group(proc)
+        log.seek(0)
+        stderr = log.read()
+        log.close()
+    return proc.returncode, peaks, stderr
 
 
 SCALE_TARGETS = {"init": 0.5, "init_module": 0.35, "configure_model": 0.35}
@@ -118,17 +128,7 @@ def _run_job(cfg: dict, timeout: float, cgroup_mb: float | None = None) -> dict:
     if cgroup_mb is not None:
         env["SWARM_MEMORY_CGROUP"] = f"{CGROUP_ROOT}/swarm_memory_{os.getpid()}:{int(cgroup_mb * 2**20)}"
     cmd = [sys.executable, "examples/memory_job.py", json.dumps({**cfg, "out_dir": out_dir})]
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = _harness.popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
-    peaks: dict[str, dict[str, float]] = {}
-    try:
-        peaks = peaks_while_running(proc, 0.2, timeout)
-    finally:
-        if proc.poll() is None:
-            _harness.kill_group(proc)
-        log.seek(0)
-        stderr = log.read()
-        log.close()
+    returncode, peaks, stderr = run_sampled(cmd, 0.2, timeout, env=env)
     reports = {}
     for name in sorted(os.listdir(out_dir)):
         if name.endswith(".json"):
@@ -140,7 +140,7 @@ def _run_job(cfg: dict, timeout: float, cgroup_mb: float | None = None) -> dict:
             if name.startswith("peer"):
                 _rmdir_when_empty(os.path.join(root, name))
         _rmdir_when_empty(root)
-    completed = proc.returncode == 0 and all("vm_hwm_mb" in r for r in reports.values()) and bool(reports)
+    completed = returncode == 0 and all("vm_hwm_mb" in r for r in reports.values()) and bool(reports)
     return {"peaks": peaks, "reports": reports, "completed": completed, "stderr": stderr}
 
 
@@ -235,20 +235,10 @@ def main() -> None:
         "--trainer.limit_val_batches=0",
     ]
     start = time.monotonic()
-    log = tempfile.TemporaryFile(mode="w+")  # a pipe left unread would fill up and stall the job
-    proc = _harness.popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    peaks: dict[str, dict[str, float]] = {}
-    try:
-        peaks = peaks_while_running(proc, 1.0)
-    finally:
-        if proc.poll() is None:
-            _harness.kill_group(proc)
-        log.seek(0)
-        stderr = log.read()
-        log.close()
-    if proc.returncode != 0:
+    returncode, peaks, stderr = run_sampled(cmd, 1.0)
+    if returncode != 0:
         print(stderr[-6000:], file=sys.stderr)
-        raise SystemExit(f"the main job failed (exit code {proc.returncode})")
+        raise SystemExit(f"the main job failed (exit code {returncode})")
     per_peer = [p["total_mb"] for p in peaks.values()]
     result = {
         "peers": {rank: peaks[rank] for rank in sorted(peaks)},

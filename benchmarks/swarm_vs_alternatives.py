@@ -253,12 +253,8 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
         num_nodes=num_nodes,
         strategy=strategy,
         max_steps=len(data) // batch if variant != "ddp" else len(data) // global_batch,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **_harness.QUIET_TRAINER,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[clock],
     )
     trainer.fit(model, DataLoader(data, batch_size=batch, shuffle=False))
@@ -561,13 +557,7 @@ def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: 
                         net.address(0),
                     ]
                     if variant == "ddp":
-                        env |= {
-                            "MASTER_ADDR": net.address(0),
-                            "MASTER_PORT": str(PORT),
-                            "NODE_RANK": str(rank),
-                            "LOCAL_RANK": "0",
-                            "WORLD_SIZE": "2",
-                        }
+                        env |= _harness.rank_env(rank, 2, net.address(0), PORT)
                     start(f"{variant}_{rank}", cmd, env, net=net, rank=rank)
             procs.wait(2400)
         return json.loads((out / "result.json").read_text()) | {"wall_s": time.monotonic() - started}

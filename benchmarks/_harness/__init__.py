@@ -5,11 +5,12 @@ A benchmark script (``benchmarks/<name>.py``) begins with ``import _harness``: t
 only place that does), so that ``examples``, ``testbed`` and this checkout's ``lightning_swarm`` import from there.
 
 - :mod:`.procs`: child processes and rank launchers that end with the benchmark on every exit path
-  (:func:`popen`, :func:`run`, :class:`Launcher`, :func:`exit_on_sigterm`);
+  (:func:`popen`, :func:`run`, :class:`Launcher`, :func:`rank_env`, :func:`exit_on_sigterm`);
 - :mod:`.links`: shaped links (``testbed.netns.VirtualCluster``: namespaces, veth, ``tc``) and :class:`Loopback`
   behind one interface (:func:`link`);
 - :mod:`.clocks`: step clocks (:class:`StepClock`, :func:`lightning_clock`); :mod:`.memory`: PSS, RSS, ``VmHWM``;
   :mod:`.counters`: bytes on a link, CPU time by process and thread;
+- :mod:`.trainer`: ``QUIET_TRAINER``, the ``Trainer`` arguments of a measured Lightning run;
 - :mod:`.cli`: :func:`parser`, with ``--quick`` and ``--out``; :mod:`.report`: :class:`Report`, which writes
   ``runs/<name>/<name>.json`` (commit, UTC date, load before and after, command line, figures) and prints it as
   the last stdout line;
@@ -41,14 +42,17 @@ from .procs import (  # noqa: E402
     exit_on_sigterm,
     kill_group,
     popen,
+    rank_env,
     run,
     set_parent_death_signal,
     stop_with_stdin,
 )
 from .report import Report  # noqa: E402
+from .trainer import QUIET as QUIET_TRAINER  # noqa: E402
 
 __all__ = [
     "ROOT",
+    "QUIET_TRAINER",
     "Launcher",
     "Loopback",
     "Report",
@@ -64,6 +68,7 @@ __all__ = [
     "memory",
     "parser",
     "popen",
+    "rank_env",
     "run",
     "set_parent_death_signal",
     "stop_with_stdin",

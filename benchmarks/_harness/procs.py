@@ -118,6 +118,18 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def rank_env(rank: int, world_size: int, master_addr: str, master_port: int | str) -> dict[str, str]:
+    """The environment of rank ``rank`` of a job started like ``world_size`` machines of one process each
+    (Lightning's ``num_nodes``; torch.distributed's rendezvous at ``master_addr:master_port``)."""
+    return {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "NODE_RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": str(world_size),
+    }
+
+
 def describe_exit(code: int | None) -> str:
     return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
