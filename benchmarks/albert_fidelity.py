@@ -15,35 +15,32 @@ text, never trained on), computed in each trainer process on the final, whole mo
 
     python benchmarks/albert_fidelity.py [--quick]
 
-Last stdout line: one JSON object with ``steps``, ``loss_single``, ``loss_swarm``, ``relative_gap`` (target <= 0.03).
+Last stdout line: one JSON object with ``steps``, ``loss_single``, ``loss_swarm``, ``relative_gap`` (target <= 0.03),
+also written to ``runs/albert_fidelity/albert_fidelity.json`` (``--out``: that folder, which also gets the swarm
+half's ``summary.json`` and logs).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _harness
 
-from examples.albert import run_swarm  # noqa: E402
+from examples.albert import run_swarm
 
 TARGET = 0.03
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps (under 5 minutes on 2 cores)")
+    p = _harness.parser(
+        "albert_fidelity", __doc__.split("\n\n")[0], quick="fewer steps (under 5 minutes on 2 cores)"
+    )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=32, help="microbatch size")
     p.add_argument("--accumulate", type=int, default=4, help="microbatches per optimizer step")
     p.add_argument("--compression", default="8bit", choices=["8bit", "fp16", "none"])
-    p.add_argument("--out", default=str(ROOT / "runs" / "albert_fidelity"))
     args = p.parse_args()
+    report = _harness.Report("albert_fidelity", args.out)
     steps = args.steps or (20 if args.quick else 60)
     b = args.batch
     overrides = [
@@ -65,11 +62,10 @@ def main() -> None:
             "--steps",
             str(steps),
             "--out",
-            args.out,
+            str(report.dir),
         ]
         + ["--", *overrides]
     )
-    load_before = os.getloadavg()
     started = time.monotonic()
     swarm = run_swarm.run_swarm(launcher_args, extra)
     swarm_s = time.monotonic() - started
@@ -100,10 +96,8 @@ def main() -> None:
         "fp32_boundary_bytes": h.get("fp32_boundary_bytes"),
         "swarm_seconds": round(swarm_s, 1),
         "single_seconds": round(single_s, 1),
-        "loadavg_before": [round(x, 2) for x in load_before],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
-    print(json.dumps(result))
+    report.finish(result)
 
 
 if __name__ == "__main__":

@@ -10,63 +10,27 @@ stage computations the batched server ran per request.
 ``max_batch_rows=1`` is measured too: serving threads and one compute thread, as with batching, but no call is
 ever merged (each has more than one row); it tells the effect of merging apart from that of the threads.
 
-Usage: ``python benchmarks/batched_stage.py [--quick] [--trainers 4] [--rows 4] [--seq 32] [--hidden 512]``.
+Usage: ``python benchmarks/batched_stage.py [--quick] [--trainers 4] [--rows 4] [--seq 32] [--hidden 512]``. The
+JSON is also written to ``runs/batched_stage/batched_stage.json`` (``--out``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import multiprocessing as mp
 import os
 import statistics
-import time
-from typing import Any
 
+import _harness
 import hivemind
 import torch
+from _harness.stage_load import Block, drive
 from torch import nn
 
-from lightning_swarm.swarm import StageServer, SwarmClient, SwarmSettings
+from lightning_swarm.swarm import StageServer, SwarmSettings
 
 RUN_ID = "batched_stage_bench"
 
 
-class Block(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
-def _trainer(maddrs: list[str], args: argparse.Namespace, start: Any, results: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs)
-    settings = SwarmSettings(run_id=RUN_ID, num_stages=1, request_timeout=60.0, no_peers_timeout=60.0)
-    client = SwarmClient(dht, settings)
-    done: list[float] = []
-    results.put("ready")
-    start.wait(600)
-    start_at = time.time()
-    try:
-        end = start_at + args.warmup + args.seconds
-        while time.time() < end:
-            x = torch.randn(args.rows, args.seq, args.hidden, requires_grad=True)
-            client.call_stage(0, x).pow(2).mean().backward()
-            done.append(time.time())
-    finally:
-        client.shutdown()
-        dht.shutdown()
-    window = [t for t in done if start_at + args.warmup <= t < end]
-    if args.verbose:
-        print(f"trainer: {len(done)} calls, first at {done[0] - start_at if done else None}", flush=True)
-    results.put(len(window) * args.rows)
-
-
-def _run(server_dht: hivemind.DHT, module: nn.Module, args: argparse.Namespace, max_batch_rows: int) -> dict:
+def _run(server_dht: hivemind.DHT, module: nn.Module, args, max_batch_rows: int) -> dict:
     settings = SwarmSettings(
         run_id=RUN_ID, num_stages=1, target_batch_size=10**9, max_batch_rows=max_batch_rows
     )
@@ -78,35 +42,27 @@ def _run(server_dht: hivemind.DHT, module: nn.Module, args: argparse.Namespace, 
         optimizer_factory=lambda params: torch.optim.SGD(params, lr=1e-4),
         throughput=1.0,
     ).start()
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    start = ctx.Event()
-    maddrs = [str(m) for m in server_dht.get_visible_maddrs()]
-    procs = [ctx.Process(target=_trainer, args=(maddrs, args, start, results)) for _ in range(args.trainers)]
-    try:
-        for p in procs:
-            p.start()
-        for _ in procs:  # importing torch and starting a DHT takes a while on a busy machine
-            assert results.get(timeout=600) == "ready"
-        start.set()
-        time.sleep(args.warmup)
-        requests0, computations0 = server.requests_served, server.computations
-        time.sleep(args.seconds)
-        requests, computations = server.requests_served - requests0, server.computations - computations0
-        samples = sum(results.get(timeout=120) for _ in procs)
-        for p in procs:
-            p.join(60)
-    finally:
-        server.shutdown()
+    samples, grew = drive(
+        server,
+        server_dht,
+        args.trainers,
+        {"run_id": RUN_ID, "num_stages": 1, "request_timeout": 60.0, "no_peers_timeout": 60.0},
+        (args.rows, args.seq, args.hidden),
+        args.warmup,
+        args.seconds,
+        lambda: {"requests": server.requests_served, "computations": server.computations},
+        verbose=args.verbose,
+    )
     return {
         "samples_per_s": samples / args.seconds,
-        "computations_per_request": computations / max(1, requests),
+        "computations_per_request": grew["computations"] / max(1, grew["requests"]),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one repeat of 10 s per setting")
+    parser = _harness.parser(
+        "batched_stage", __doc__.split("\n\n")[0], quick="one repeat of 10 s per setting"
+    )
     parser.add_argument("--trainers", type=int, default=4)
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
@@ -121,6 +77,7 @@ def main() -> None:
         args.seconds, args.repeats = 10.0, 1
     if args.rows < 2:
         parser.error("--rows must be at least 2 (max_batch_rows=1 must merge nothing)")
+    report = _harness.Report("batched_stage", args.out)
     torch.manual_seed(0)
     module = nn.Sequential(*(Block(args.hidden) for _ in range(args.blocks)))
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -137,24 +94,22 @@ def main() -> None:
     off, threads, on = (
         statistics.median(r["samples_per_s"] for r in runs[k]) for k in ("off", "threads", "on")
     )
-    print(
-        json.dumps(
-            {
-                "trainers": args.trainers,
-                "microbatch": [args.rows, args.seq, args.hidden],
-                "blocks": args.blocks,
-                "samples_per_s_unbatched": round(off, 2),
-                "samples_per_s_threads_no_merging": round(threads, 2),
-                "samples_per_s_batched": round(on, 2),
-                "speedup": round(on / off, 3),
-                "speedup_of_merging": round(on / threads, 3),
-                "computations_per_request_batched": round(
-                    statistics.median(r["computations_per_request"] for r in runs["on"]), 3
-                ),
-                "load_average": os.getloadavg()[0],
-                "cpus": os.cpu_count(),
-            }
-        )
+    report.finish(
+        {
+            "trainers": args.trainers,
+            "microbatch": [args.rows, args.seq, args.hidden],
+            "blocks": args.blocks,
+            "samples_per_s_unbatched": round(off, 2),
+            "samples_per_s_threads_no_merging": round(threads, 2),
+            "samples_per_s_batched": round(on, 2),
+            "speedup": round(on / off, 3),
+            "speedup_of_merging": round(on / threads, 3),
+            "computations_per_request_batched": round(
+                statistics.median(r["computations_per_request"] for r in runs["on"]), 3
+            ),
+            "load_average": os.getloadavg()[0],
+            "cpus": os.cpu_count(),
+        }
     )
 
 

@@ -18,7 +18,8 @@ the wide layers (``configure_model`` under the strategy's sharded init). Measure
   first steps in one process (2 threads), or ``null`` when it would not fit in the memory this machine has free.
 
 ``--quick`` (< 5 min) uses a quarter of the hidden size (256, ~206M parameters) and says so (``hidden``). The last
-stdout line is one JSON object, with the load average.
+stdout line is one JSON object, with the load average, also written to ``runs/dslide_scale/dslide_scale.json``
+(``--out``).
 """
 
 from __future__ import annotations
@@ -26,23 +27,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+import _harness
+from _harness.memory import available_mb, ru_maxrss_mb
+
 FEATURES, LABELS = 135_909, 670_091
 
 
 def worker(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(REPO))
     import torch
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Trainer, seed_everything
 
     import lightning_swarm  # noqa: F401
     from examples.amazon670k.data import XCDataModule
@@ -50,23 +49,12 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_swarm.strategy.dslide import DSlideStrategy
 
     torch.set_num_threads(args.threads)
-
-    class Clock(Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_batch_start(self, *_: Any) -> None:
-            self.times.append(time.perf_counter())
-
-        def on_train_end(self, *_: Any) -> None:
-            self.times.append(time.perf_counter())
-
     seed_everything(0)
     model = XCModel(hidden=args.hidden, num_active=4096, num_bits=14, num_tables=8, lr=1e-3, rebuild_every=50)
     data = XCDataModule(
         synthetic_samples=args.batch * args.steps, synthetic_test_samples=args.test, batch_size=args.batch
     )
-    clock = Clock()
+    clock = _harness.lightning_clock()
     single = args.ranks == 1
     trainer = Trainer(
         accelerator="cpu",
@@ -74,11 +62,7 @@ def worker(args: argparse.Namespace) -> None:
         num_nodes=args.ranks,
         strategy="auto" if single else DSlideStrategy(),
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **_harness.QUIET_TRAINER,
         check_val_every_n_epoch=10**6,  # no validation inside fit: P@1 is measured before and after
         callbacks=[clock],
     )
@@ -99,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     result["rebuild_ms"] = 1000 * (time.perf_counter() - start)
     if not single:
         result["p_at_1_last"] = float(trainer.validate(model, data, verbose=False)[0]["val/p@1"])
-        path = Path(args.out) / "model.ckpt"
+        path = Path(args.rank_dir) / "model.ckpt"
         start = time.perf_counter()
         trainer.save_checkpoint(path, weights_only=True)
         result["checkpoint_s"] = time.perf_counter() - start
@@ -112,8 +96,8 @@ def worker(args: argparse.Namespace) -> None:
         result["checkpoint_shape"] = list(loaded["output_layer.weight"].shape)
         del loaded
     result["params"] = sum(p.numel() for p in model.parameters()) * (1 if single else args.ranks)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    (Path(args.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    result["peak_rss_mb"] = ru_maxrss_mb()
+    (Path(args.rank_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 def launch(
@@ -130,47 +114,21 @@ def launch(
         str(threads),
     ]
     cmd += ["--hidden", str(args.hidden), "--steps", str(steps), "--warmup", str(args.warmup)]
-    cmd += ["--batch", str(args.batch), "--test", str(args.test), "--out", str(out)]
+    cmd += ["--batch", str(args.batch), "--test", str(args.test), "--rank-dir", str(out)]
     port = str(29600 + os.getpid() % 300)
-    procs, logs = [], []
-    try:
+    with _harness.Launcher(out) as launcher:
         for rank in range(ranks):
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
+            env = {"OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
             if ranks > 1:
-                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(rank), LOCAL_RANK="0")
-                env.update(WORLD_SIZE=str(ranks))
-            log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
-            logs.append(log)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
-    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        raise RuntimeError(f"rank {failed[0]} failed:\n{(out / f'rank{failed[0]}.log').read_text()[-3000:]}")
+                env.update(_harness.rank_env(rank, ranks, "127.0.0.1", port))
+            launcher.start(f"rank{rank}", cmd, env=env, cwd=_harness.ROOT)
+        launcher.wait(timeout)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
-def available_mb() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 1024.0
-    return 0.0
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="a quarter of the hidden size (256), fewer steps"
+    parser = _harness.parser(
+        "dslide_scale", __doc__, quick="a quarter of the hidden size (256), fewer steps", raw=True
     )
     parser.add_argument(
         "--steps", type=int, default=None, help="training steps (default 60; 24 with --quick)"
@@ -182,13 +140,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=256, help=argparse.SUPPRESS)
     parser.add_argument("--test", type=int, default=256, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--rank-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     # SIGTERM unwinds like an exception, so the `finally` blocks kill the rank processes started so far.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    _harness.exit_on_sigterm()
+    report = _harness.Report("dslide_scale", args.out)
     if args.quick:
         args.hidden = 256
     steps = args.steps or (24 if args.quick else 60)
@@ -233,7 +192,7 @@ def main() -> None:
         "load_average_1min": round(os.getloadavg()[0], 2),
         "cpu_cores": os.cpu_count(),
     }
-    print(json.dumps(summary))
+    report.finish(summary)
 
 
 if __name__ == "__main__":

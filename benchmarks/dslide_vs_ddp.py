@@ -17,7 +17,7 @@ for every variant (a D-SLIDE rank works on the whole batch, a DDP rank on ``batc
   dense gradients of both layers all-reduced every step).
 
 Ranks run in their own network namespaces, joined through a bridge by veth pairs shaped with ``tc`` to
-``--rate-mbit`` (``benchmarks/_netns.py``), or on loopback (127.0.0.1, same namespace). Processes are started
+``--rate-mbit`` (``testbed/netns.py``), or on loopback (127.0.0.1, same namespace). Processes are started
 like separate machines (``num_nodes=ranks``, ``NODE_RANK``/``MASTER_ADDR``). Step time: mean interval between
 consecutive batches after the warm-up steps (the first steps include the first hash-table build; the timed steps
 contain no rebuild, for the sparse variants alike). Bytes per step: ``bytes_per_step_*`` is the logical payload
@@ -35,7 +35,8 @@ per interleaved round (``parallel_efficiency_rounds``, one ratio per round of ba
 their median; ``parallel_efficiency_best`` is each variant's fastest round over the other's (the ``_loopback`` keys
 the same on 127.0.0.1). ``load_average_before`` is the box's load before the run started its own processes. ``--quick`` (~6 min on
 an idle 2-core box) runs fewer steps and only: single, D-SLIDE at 2 ranks (loopback and 1 Gbit/s) and 4 ranks,
-DDP-sparse and DDP-dense at 2 ranks (1 Gbit/s). The last stdout line is one JSON object (with the load average).
+DDP-sparse and DDP-dense at 2 ranks (1 Gbit/s). The last stdout line is one JSON object (with the load average),
+also written to ``runs/dslide_vs_ddp/dslide_vs_ddp.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -43,10 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,32 +52,27 @@ import types
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+import _harness
+
+REPO = _harness.ROOT
 HIDDEN = 128
 
 
 # ----------------------------------------------------------------------------------- worker (one rank)
 def _tx_bytes() -> int | None:
-    try:
-        return int(Path("/sys/class/net/eth0/statistics/tx_bytes").read_text())
-    except OSError:
-        return None
+    return _harness.counters.link_bytes(("tx",), in_namespace_only=False)
 
 
 def _peak_rss_mb() -> float:
     """This process's peak resident memory (``VmHWM``). Not ``ru_maxrss``: Linux carries that across ``exec``
     from the process that forked, so a rank would report at least the harness's own memory."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024.0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return _harness.memory.vm_hwm_mb()
 
 
 def worker(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(REPO))
     import torch
     import torch.nn.functional as F
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Trainer, seed_everything
     from torch import nn
 
     import lightning_swarm  # noqa: F401
@@ -89,22 +82,6 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     rss_after_imports = _peak_rss_mb()
-
-    class StepClock(Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.cpu: list[float] = []
-            self.tx: list[int | None] = []
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self.times.append(time.perf_counter())
-            self.cpu.append(time.process_time())
-            self.tx.append(_tx_bytes())
-
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            self.times.append(time.perf_counter())
-            self.cpu.append(time.process_time())
-            self.tx.append(_tx_bytes())
 
     class DDPSparseXCModel(XCModel):
         """The sparse model with its wide weights held by sparse embedding modules, so torch DDP reduces them as
@@ -169,7 +146,7 @@ def worker(args: argparse.Namespace) -> None:
             output="dense" if args.strategy == "ddp" else "sparse", hidden=HIDDEN, num_active=4096, lr=1e-4
         )
     data = XCDataModule(data_dir=args.data_dir, batch_size=args.batch)
-    clock = StepClock()
+    clock = _harness.lightning_clock(tx=_tx_bytes)
     strategy: Any = {"single": "auto", "dslide": DSlideStrategy(), "ddp": "ddp", "ddp_sparse": "ddp"}[
         args.strategy
     ]
@@ -179,19 +156,15 @@ def worker(args: argparse.Namespace) -> None:
         num_nodes=args.ranks if args.strategy != "single" else 1,
         strategy=strategy,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **_harness.QUIET_TRAINER,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[clock],
     )
     trainer.fit(model, data)
     warm = args.warmup
     steps = len(clock.times) - 1 - warm
     step_s = (clock.times[-1] - clock.times[warm]) / steps
-    tx = clock.tx
+    tx = clock.readings["tx"]
     tx_per_step = (tx[-1] - tx[warm]) / steps if tx[-1] is not None and tx[warm] is not None else None
     output_grad_bytes = None
     if args.strategy == "dslide":
@@ -217,29 +190,10 @@ def worker(args: argparse.Namespace) -> None:
         "peak_rss_mb": _peak_rss_mb(),
         "rss_after_imports_mb": rss_after_imports,
     }
-    (Path(args.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    (Path(args.rank_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 # ----------------------------------------------------------------------------------- harness
-class Loopback:
-    """The ``VirtualCluster`` interface on 127.0.0.1 in this namespace (no shaping, no per-rank byte counter)."""
-
-    def __init__(self, num_ranks: int) -> None:
-        self.num_ranks = num_ranks
-
-    def __enter__(self) -> Loopback:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-    def address(self, rank: int) -> str:
-        return "127.0.0.1"
-
-    def popen(self, rank: int, cmd: list[str], env: dict[str, str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(cmd, env={**os.environ, **env}, **kwargs)
-
-
 def _free_port() -> int:
     """A TCP port nobody listens on here (a fresh network namespace has none in use): back-to-back runs must not
     meet the previous run's rendezvous port in TIME_WAIT."""
@@ -250,7 +204,6 @@ def _free_port() -> int:
 
 def make_data(directory: Path, num_samples: int) -> None:
     """Amazon-670K-shaped synthetic points, written once in the repository format for every rank to read."""
-    sys.path.insert(0, str(REPO))
     from examples.amazon670k.data import make_synthetic, write_xc_file
 
     write_xc_file(directory / "train.txt", make_synthetic(num_samples, sample_seed=0))
@@ -273,41 +226,19 @@ def run_one(
     cmd += ["--ranks", str(ranks), "--threads", str(threads), "--steps", str(steps), "--warmup", str(warmup)]
     # Same global batch for all: D-SLIDE ranks all work on the whole batch, DDP ranks on 1/ranks of it each.
     per_rank_batch = batch // ranks if strategy.startswith("ddp") else batch
-    cmd += ["--batch", str(per_rank_batch), "--data-dir", str(data_dir), "--out", str(out)]
-    procs, logs = [], []
+    cmd += ["--batch", str(per_rank_batch), "--data-dir", str(data_dir), "--rank-dir", str(out)]
     port = str(_free_port())
-    try:
+    with _harness.Launcher(out, what=f"{strategy} with {ranks} ranks: ") as launcher:
         for rank in range(ranks):
             env = {
-                "MASTER_ADDR": net.address(0),
-                "MASTER_PORT": port,
-                "NODE_RANK": str(rank),
-                "LOCAL_RANK": "0",
-                "WORLD_SIZE": str(ranks),
+                **_harness.rank_env(rank, ranks, net.address(0), port),
                 "OMP_NUM_THREADS": str(threads),
                 "PYTHONWARNINGS": "ignore",
             }
             if strategy == "single":
                 env = {"OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
-            log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
-            logs.append(log)
-            procs.append(net.popen(rank, cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
-        deadline = time.monotonic() + 900
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"{strategy} with {ranks} ranks did not finish in time; logs in {out}") from exc
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
-    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        tail = (out / f"rank{failed[0]}.log").read_text()[-3000:]
-        raise RuntimeError(f"{strategy} rank {failed[0]} failed:\n{tail}")
+            launcher.start(f"rank{rank}", cmd, env, net=net, rank=rank, cwd=REPO)
+        launcher.wait(900)
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
     tx = [r["tx_bytes_per_step"] for r in per_rank]
     return {
@@ -323,10 +254,9 @@ def run_one(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = _harness.parser(
+        "dslide_vs_ddp", __doc__, quick="fewer runs and steps (under 5 minutes)", raw=True
     )
-    parser.add_argument("--quick", action="store_true", help="fewer runs and steps (under 5 minutes)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0, help="link rate of the shaped runs")
     parser.add_argument("--batch", type=int, default=256, help="global batch size")
     parser.add_argument(
@@ -341,17 +271,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--rank-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     # SIGTERM unwinds like an exception, so the `finally` blocks kill the rank processes started so far.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _netns import VirtualCluster
+    _harness.exit_on_sigterm()
+    report = _harness.Report("dslide_vs_ddp", args.out)
 
     rate = args.rate_mbit
     cores = os.cpu_count() or 1
@@ -384,9 +312,7 @@ def main() -> None:
             n, warm = steps.get(strategy, sparse_steps)
             threads = 2 if strategy == "single" else 1
             started = time.monotonic()
-            cluster = (
-                Loopback(ranks) if link == "loopback" else VirtualCluster(ranks, rate_mbit=link, net=index)
-            )
+            cluster = _harness.link(ranks, None if link == "loopback" else link, net=index)
             with cluster as net:
                 res = run_one(
                     net,
@@ -498,7 +424,7 @@ def main() -> None:
         "quick": args.quick,
         "runs": runs,
     }
-    print(json.dumps(summary))
+    report.finish(summary)
 
 
 if __name__ == "__main__":

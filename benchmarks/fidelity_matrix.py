@@ -25,30 +25,26 @@ A family whose swarm run fails has ``null`` gaps and its error in ``failed``; ``
 
 Last stdout line: one JSON object with ``families``, ``max_relative_gap``, ``gaps``, ``stage_steps_equal``,
 ``held_out_single``, ``held_out_swarm``, ``stage_steps``, ``trainer_steps``, ... (targets: gap <= 0.02, stage
-steps equal). Also written, with commit, date and load average, to ``runs/fidelity_matrix/fidelity_matrix.json``,
-and the loss curves to ``runs/fidelity_matrix/loss_curves.png``. ``--quick``: 40 steps of batch 32 (under 5
+steps equal). Also written, with commit, date and load average, to ``runs/fidelity_matrix/fidelity_matrix.json``
+(``--out``), and the loss curves to ``runs/fidelity_matrix/loss_curves.png``. ``--quick``: 40 steps of batch 32 (under 5
 minutes on 2 idle cores); default: 200 steps of batch 64 (issue 23's ViT report).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _harness
 
-from examples.albert.plot import smooth  # noqa: E402
-from examples.families import FAMILIES  # noqa: E402
-from examples.fidelity_job import buffer_gap, launch, parameter_gap, run  # noqa: E402
+from examples.albert.plot import smooth
+from examples.families import FAMILIES
+from examples.fidelity_job import buffer_gap, launch, parameter_gap, run
 
 TARGET_GAP = 0.02
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w]*\.)*[A-Za-z_]\w*(Error|Exception|Interrupt): ")
@@ -149,18 +145,12 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="40 steps of batch 32 (under 5 minutes on 2 cores)")
+    p = _harness.parser(
+        "fidelity_matrix",
+        __doc__.split("\n\n")[0],
+        quick="40 steps of batch 32 (under 5 minutes on 2 cores)",
+    )
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200; --quick: 40)")
     p.add_argument("--batch", type=int, default=None, help="global batch (default 64; --quick: 32)")
     p.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated subset of {FAMILIES}")
@@ -173,7 +163,6 @@ def main() -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one swarm run may take")
-    p.add_argument("--out", default=str(ROOT / "runs" / "fidelity_matrix"))
     args = p.parse_args()
     args.steps = args.steps or (40 if args.quick else 200)
     args.batch = args.batch or (32 if args.quick else 64)
@@ -182,11 +171,11 @@ def main() -> None:
     if unknown:
         p.error(f"unknown families {unknown}; choose from {FAMILIES}")
 
-    load_before = os.getloadavg()
+    report = _harness.Report("fidelity_matrix", args.out)
     started = time.monotonic()
     results = {family: compare(family, args) for family in families}
-    out = Path(args.out)
-    plot(results, out / "loss_curves.png")
+    png = report.path("loss_curves.png")
+    plot(results, png)
 
     gaps: dict[str, float | None] = {}
     parameter_gaps: dict[str, float | None] = {}
@@ -248,15 +237,9 @@ def main() -> None:
         "seed": args.seed,
         "seconds": seconds,
         "total_seconds": round(time.monotonic() - started, 1),
-        "commit": _commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "loadavg_before": [round(x, 2) for x in load_before],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        "plot": str(out / "loss_curves.png"),
+        "plot": str(png),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fidelity_matrix.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    report.finish(result)
 
 
 if __name__ == "__main__":

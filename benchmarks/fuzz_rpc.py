@@ -16,7 +16,7 @@ validated rather than refused at the door. Then another peer sends one well-form
 with the same module run locally. The child's resident memory is sampled throughout.
 
 Usage: ``python benchmarks/fuzz_rpc.py [--quick]`` (``--quick``: 10,000 generated requests, otherwise 50,000).
-The last stdout line is one JSON object: ``cases`` (requests and hostile cases sent), ``server_crashes``,
+The last stdout line is one JSON object (also written to ``runs/fuzz_rpc/fuzz_rpc.json``, ``--out``): ``cases`` (requests and hostile cases sent), ``server_crashes``,
 ``well_formed_after_ok``, ``max_rss_growth_mb``; for the generated requests ``error_replies``, ``cut_streams`` and
 ``accepted`` (mutations that stayed well-formed, e.g. another request id or a bit flip in a float); the outcomes of
 the ``hostile_cases`` (``ok`` would be a failure), ``seconds`` and ``loadavg``.
@@ -35,22 +35,18 @@ import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
-from pathlib import Path
 
+import _harness
 import msgpack
 import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from hivemind.p2p import P2P, PeerID  # noqa: E402
-from hivemind.proto import runtime_pb2  # noqa: E402
-
-from lightning_swarm.swarm._loop import run_coroutine  # noqa: E402
-from lightning_swarm.swarm.payload import Payload  # noqa: E402
-from lightning_swarm.swarm.protocol import StageRequest, StageService, parse_reply, stage_uid  # noqa: E402
-from lightning_swarm.swarm.transport import MessageReceiver, encode_request  # noqa: E402
+from lightning_swarm.swarm._loop import run_coroutine
+from lightning_swarm.swarm.payload import Payload
+from lightning_swarm.swarm.protocol import StageRequest, StageService, parse_reply, stage_uid
+from lightning_swarm.swarm.transport import MessageReceiver, encode_request
 
 RUN_ID, WIDTH, LIMIT = "fuzz", 64, 64 * 1024 * 1024
 UID = stage_uid(RUN_ID, 0)
@@ -96,13 +92,13 @@ def serve() -> None:
 
 class Server:
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
+        self.proc = _harness.popen(
             [sys.executable, __file__, "--serve"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=None if os.environ.get("FUZZ_VERBOSE") else subprocess.DEVNULL,
             text=True,
-            cwd=ROOT,
+            cwd=_harness.ROOT,
         )
         line = self.proc.stdout.readline()
         if not line:
@@ -115,23 +111,11 @@ class Server:
         return self.proc.poll() is None
 
     def rss_mb(self) -> float:
-        try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return 0.0
+        return _harness.memory.vm_rss_mb(self.proc.pid)
 
     def stop(self) -> None:
         if self.alive():
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            _harness.stop_with_stdin(self.proc, timeout=30)
 
 
 def message(inputs: Payload, grads: Payload | None = None, uid: str = UID, compression: str = "none"):
@@ -362,8 +346,9 @@ async def unknown_stage_other_rpcs(p2p: P2P, peer_id: PeerID) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="10,000 generated requests (default 50,000)")
+    parser = _harness.parser(
+        "fuzz_rpc", __doc__.split("\n")[0], quick="10,000 generated requests (default 50,000)"
+    )
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -371,6 +356,7 @@ def main() -> None:
     if args.serve:
         serve()
         return
+    report = _harness.Report("fuzz_rpc", args.out)
     from lightning_swarm.swarm.logs import quiet_routine_logs
 
     quiet_routine_logs()
@@ -486,7 +472,7 @@ def main() -> None:
         "seconds": round(time.monotonic() - start, 1),
         "loadavg": [round(v, 2) for v in os.getloadavg()],
     }
-    print(json.dumps(result))
+    report.finish(result)
 
 
 if __name__ == "__main__":

@@ -12,57 +12,27 @@ The last stdout line is one JSON object: samples/s of each setting (medians), th
 that reused a kept forward, and the stage module's runs per forward + backward pair (2.0 when every backward
 recomputes its forward, 1.0 when every backward reuses it).
 
-Usage: ``python benchmarks/kept_activations.py [--quick] [--rows 4] [--seq 32] [--hidden 512] [--blocks 4]``.
+Usage: ``python benchmarks/kept_activations.py [--quick] [--rows 4] [--seq 32] [--hidden 512] [--blocks 4]``. The
+JSON is also written to ``runs/kept_activations/kept_activations.json`` (``--out``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import multiprocessing as mp
 import os
 import statistics
-import sys
-import time
-from pathlib import Path
-from typing import Any
 
+import _harness
 import hivemind
 import torch
+from _harness.stage_load import Block, drive
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batched_stage import Block  # noqa: E402
-
-from lightning_swarm.swarm import StageServer, SwarmClient, SwarmSettings  # noqa: E402
+from lightning_swarm.swarm import StageServer, SwarmSettings
 
 RUN_ID = "kept_activations_bench"
 
 
-def _trainer(maddrs: list[str], args: argparse.Namespace, keep: int, start: Any, results: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs)
-    settings = SwarmSettings(
-        run_id=RUN_ID, num_stages=1, request_timeout=60.0, no_peers_timeout=60.0, keep_activations=keep
-    )
-    client = SwarmClient(dht, settings)
-    done: list[float] = []
-    results.put("ready")
-    start.wait(600)
-    start_at = time.time()
-    end = start_at + args.warmup + args.seconds
-    try:
-        while time.time() < end:
-            x = torch.randn(args.rows, args.seq, args.hidden, requires_grad=True)
-            client.call_stage(0, x).pow(2).mean().backward()
-            done.append(time.time())
-    finally:
-        client.shutdown()
-        dht.shutdown()
-    results.put(len([t for t in done if start_at + args.warmup <= t < end]) * args.rows)
-
-
-def _run(server_dht: hivemind.DHT, module: nn.Module, args: argparse.Namespace, keep: int) -> dict:
+def _run(server_dht: hivemind.DHT, module: nn.Module, args, keep: int) -> dict:
     settings = SwarmSettings(
         run_id=RUN_ID,
         num_stages=1,
@@ -78,36 +48,29 @@ def _run(server_dht: hivemind.DHT, module: nn.Module, args: argparse.Namespace, 
         optimizer_factory=lambda params: torch.optim.Adam(params, lr=1e-5),
         throughput=1.0,
     ).start()
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    start = ctx.Event()
-    maddrs = [str(m) for m in server_dht.get_visible_maddrs()]
-    proc = ctx.Process(target=_trainer, args=(maddrs, args, keep, start, results))
-    try:
-        proc.start()
-        assert results.get(timeout=600) == "ready"
-        start.set()
-        time.sleep(args.warmup)
-        requests0, runs0, hits0 = server.requests_served, server.computations, server.kept_hits
-        time.sleep(args.seconds)
-        requests = server.requests_served - requests0
-        runs, hits = server.computations - runs0, server.kept_hits - hits0
-        samples = results.get(timeout=120)
-        proc.join(60)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        server.shutdown()
+    trainer = {"run_id": RUN_ID, "num_stages": 1, "request_timeout": 60.0, "no_peers_timeout": 60.0}
+    samples, grew = drive(
+        server,
+        server_dht,
+        1,
+        {**trainer, "keep_activations": keep},
+        (args.rows, args.seq, args.hidden),
+        args.warmup,
+        args.seconds,
+        lambda: {"requests": server.requests_served, "runs": server.computations, "hits": server.kept_hits},
+    )
+    pairs = max(1, grew["requests"] / 2)
     return {
         "samples_per_s": samples / args.seconds,
-        "module_runs_per_call": runs / max(1, requests / 2),
-        "kept_hits_per_backward": hits / max(1, requests / 2),
+        "module_runs_per_call": grew["runs"] / pairs,
+        "kept_hits_per_backward": grew["hits"] / pairs,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one repeat of 10 s per setting")
+    parser = _harness.parser(
+        "kept_activations", __doc__.split("\n\n")[0], quick="one repeat of 10 s per setting"
+    )
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=512)
@@ -119,6 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.seconds, args.repeats = 10.0, 1
+    report = _harness.Report("kept_activations", args.out)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     module = nn.Sequential(*(Block(args.hidden) for _ in range(args.blocks)))
@@ -135,22 +99,20 @@ def main() -> None:
     def median(keep: int, key: str) -> float:
         return statistics.median(r[key] for r in runs[keep])
 
-    print(
-        json.dumps(
-            {
-                "microbatch": [args.rows, args.seq, args.hidden],
-                "blocks": args.blocks,
-                "calls_per_optimizer_step": args.calls_per_step,
-                "samples_per_s_recompute": round(median(0, "samples_per_s"), 2),
-                "samples_per_s_kept": round(median(16, "samples_per_s"), 2),
-                "speedup": round(median(16, "samples_per_s") / median(0, "samples_per_s"), 3),
-                "module_runs_per_call_recompute": round(median(0, "module_runs_per_call"), 3),
-                "module_runs_per_call_kept": round(median(16, "module_runs_per_call"), 3),
-                "kept_hits_per_backward": round(median(16, "kept_hits_per_backward"), 3),
-                "load_average": os.getloadavg()[0],
-                "cpus": os.cpu_count(),
-            }
-        )
+    report.finish(
+        {
+            "microbatch": [args.rows, args.seq, args.hidden],
+            "blocks": args.blocks,
+            "calls_per_optimizer_step": args.calls_per_step,
+            "samples_per_s_recompute": round(median(0, "samples_per_s"), 2),
+            "samples_per_s_kept": round(median(16, "samples_per_s"), 2),
+            "speedup": round(median(16, "samples_per_s") / median(0, "samples_per_s"), 3),
+            "module_runs_per_call_recompute": round(median(0, "module_runs_per_call"), 3),
+            "module_runs_per_call_kept": round(median(16, "module_runs_per_call"), 3),
+            "kept_hits_per_backward": round(median(16, "kept_hits_per_backward"), 3),
+            "load_average": os.getloadavg()[0],
+            "cpus": os.cpu_count(),
+        }
     )
 
 

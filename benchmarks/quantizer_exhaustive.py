@@ -10,17 +10,19 @@ whole tensors; this is the exhaustive proof for the machine it runs on (~2 minut
 It also times both kernels side by side on 1 MiB of Gaussian float32 (one thread, no helpers; best of 30 rounds
 of 10 calls): ``fast_quantize_ms``, ``bitsandbytes_quantize_ms``, their ratio, and the same for dequantizing.
 
-Usage: ``python benchmarks/quantizer_exhaustive.py [--speed-only]``. The last stdout line is JSON: values
-checked, mismatches (must be 0), the largest mismatching |v| if any, seconds, and the timings.
+Usage: ``python benchmarks/quantizer_exhaustive.py [--speed-only]`` (``--quick`` changes nothing: the whole check
+takes about 2 minutes on 2 cores). The last stdout line is JSON: values checked, mismatches (must be 0), the largest
+mismatching |v| if any, seconds, and the timings; it is also written to
+``runs/quantizer_exhaustive/quantizer_exhaustive.json`` (``--speed-only``: ``runs/quantizer_speed/quantizer_speed.json``,
+the timings alone).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 
+import _harness
 import torch
 
 from lightning_swarm.swarm import quantize
@@ -63,9 +65,14 @@ def speeds() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _harness.parser(
+        "quantizer_exhaustive",
+        __doc__.split("\n\n")[0],
+        quick="no effect: the whole check takes about 2 minutes on 2 cores (--speed-only: the timings alone)",
+    )
     parser.add_argument("--speed-only", action="store_true", help="only time the kernels (a few seconds)")
     args = parser.parse_args()
+    report = _harness.Report("quantizer_speed" if args.speed_only else "quantizer_exhaustive", args.out)
     fast = quantize_fast._fast_kernel()
     if fast is None:
         raise SystemExit(
@@ -73,7 +80,7 @@ def main() -> None:
         )
     timings = speeds()
     if args.speed_only:
-        print(json.dumps(timings))
+        report.finish(timings)
         return
     kernel, _ = quantize_bnb._native_kernels()
     start = time.time()
@@ -90,16 +97,14 @@ def main() -> None:
                 largest = float(values[bad].abs().max())
                 worst = largest if worst is None else max(worst, largest)
         print(f"{'negative' if sign else 'non-negative'} values done: {mismatches} mismatches", flush=True)
-    print(
-        json.dumps(
-            {
-                "values_checked": checked,
-                "mismatches": mismatches,
-                "largest_mismatching_abs": worst,
-                "seconds": round(time.time() - start, 1),
-                **timings,
-            }
-        )
+    report.finish(
+        {
+            "values_checked": checked,
+            "mismatches": mismatches,
+            "largest_mismatching_abs": worst,
+            "seconds": round(time.time() - start, 1),
+            **timings,
+        }
     )
 
 

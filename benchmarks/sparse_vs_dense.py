@@ -36,7 +36,8 @@ a short sweep budget the dense model's sweep picks a rate that learns fast and t
 best P@1 0.733 at 43 s, 0.640 at 180 s), while 0.01 reaches 0.938 in 180 s. The timing part (``speedup``) stays at
 670,091 labels.
 
-Usage: ``python benchmarks/sparse_vs_dense.py [--quick] [--labels 20000] [--data-dir /path/to/Amazon-670K]``.
+Usage: ``python benchmarks/sparse_vs_dense.py [--quick] [--labels 20000] [--data-dir /path/to/Amazon-670K]``. The
+JSON is also written to ``runs/sparse_vs_dense/sparse_vs_dense.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -44,21 +45,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import _harness
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import Tensor, nn  # noqa: E402
-
-from examples.amazon670k.data import XCData, collate_sparse, make_synthetic  # noqa: E402
-from lightning_swarm.layers import LazyAdam, SparseInputLinear, SparseLSHLinear, active_set_loss  # noqa: E402
-from lightning_swarm.layers.metrics import PrecisionAtK  # noqa: E402
+from examples.amazon670k.data import XCData, collate_sparse, make_synthetic
+from lightning_swarm.layers import LazyAdam, SparseInputLinear, SparseLSHLinear, active_set_loss
+from lightning_swarm.layers.metrics import PrecisionAtK
 
 FEATURES, LABELS, HIDDEN, BATCH = 135_909, 670_091, 128, 256
 MAX_SWEEP_EXTENSIONS = 3  # rates added past an edge of the sweep when the best one sits on it
@@ -189,7 +187,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         "curve": curve,
         "first_loss": losses[0],
         "last_loss": sum(losses[-10:]) / len(losses[-10:]),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "peak_rss_mb": _harness.memory.ru_maxrss_mb(),
         "rebuilds": net.out.num_rebuilds if args.variant == "sparse" else None,
     }
 
@@ -262,7 +260,7 @@ def child(variant: str, **kw: object) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant]
     for key, value in kw.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = _harness.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"variant {variant} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -292,8 +290,9 @@ def reader_speed() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="finish in < 5 minutes (quality on 20k labels)")
+    parser = _harness.parser(
+        "sparse_vs_dense", __doc__.split("\n")[0], quick="finish in < 5 minutes (quality on 20k labels)"
+    )
     parser.add_argument("--data-dir", default="", help="real data for the quality part (train.txt, test.txt)")
     parser.add_argument("--variant", choices=["sparse", "dense", "timing"], help=argparse.SUPPRESS)
     parser.add_argument(
@@ -339,7 +338,7 @@ def main() -> None:
     if args.variant:
         print(json.dumps(run_variant(args)))
         return
-
+    report = _harness.Report("sparse_vs_dense", args.out)
     load_before = [round(v, 2) for v in os.getloadavg()]  # the box is shared: its load before this run
     result: dict = {
         "labels": LABELS,
@@ -443,7 +442,7 @@ def main() -> None:
         peak_rss_mb_dense=round(runs["dense"]["peak_rss_mb"], 1),
         load_average_1min=round(os.getloadavg()[0], 2),
     )
-    print(json.dumps(result))
+    report.finish(result)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ For hidden sizes d in 256..4096, this measures the forward+backward time of one 
 d/64 heads, MLP 4d) per microbatch on this CPU, next to the time to send the block's boundary traffic (its output
 activations forward, their gradients back) over links of 100 Mbit/s and 1 Gbit/s, with fp32, fp16 and 8-bit
 boundaries. Bytes are those the swarm's codec produces for the real tensors (``encode_tensor``); the transfer time
-is measured through a rate-limited pair of network namespaces (``benchmarks/_netns.py``, needs root) for one size
+is measured through a rate-limited pair of network namespaces (``testbed/netns.py``, needs root) for one size
 and computed from the bytes and the link rate for the rest (the measured rows say how close the computation is).
 
     python benchmarks/square_cube.py [--quick] [--no-netns]
@@ -15,12 +15,12 @@ Compute runs on one thread (the machine is shared; the fastest of a few runs). L
 per (size, link, codec): ``compute_s``, ``comm_s`` (measured where ``measured``, else computed), ``ratio`` (compute /
 communication) and ``ratio_computed`` (with the computed transfer time); ``ratio_grows_with_size`` checks the law on
 ``ratio_computed``, and ``measured_vs_computed`` says how the measured transfers compare (the shaped link's token
-bucket lets a burst of 64 KiB through at once, so small payloads beat the computed time). PNG plot: ``--plot``.
+bucket lets a burst of 64 KiB through at once, so small payloads beat the computed time). The JSON and the plot
+(``square_cube.png``) are written to ``runs/square_cube/`` (``--out``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -31,9 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness
 
 LINKS_MBIT = (100, 1000)
 CODECS = ("none", "fp16", "8bit")  # "none" = fp32
@@ -126,26 +124,32 @@ def _worker_client(host: str, sizes: list[tuple[int, int]], reps: int) -> None:
 
 
 def measure_transfers(link_mbit: int, sizes: list[tuple[int, int]], reps: int) -> list[float]:
-    from _netns import VirtualCluster
-
-    with VirtualCluster(num_ranks=2, rate_mbit=link_mbit, net=171) as net:
+    with _harness.link(2, link_mbit, net=171) as net:
         me = [sys.executable, os.path.abspath(__file__)]
-        server = net.popen(1, [*me, "--_serve", net.address(1)], stdout=subprocess.PIPE, text=True)
+        server = net.popen(
+            1, [*me, "--_serve", net.address(1)], stdout=subprocess.PIPE, text=True, **_harness.dies_with_me()
+        )
+        client = None
         try:
             assert server.stdout is not None
             if server.stdout.readline().strip() != "ready":
                 raise RuntimeError("the echo server in the namespace did not start")
             spec = json.dumps(sizes)
             client = net.popen(
-                0, [*me, "--_client", net.address(1), spec, str(reps)], stdout=subprocess.PIPE, text=True
+                0,
+                [*me, "--_client", net.address(1), spec, str(reps)],
+                stdout=subprocess.PIPE,
+                text=True,
+                **_harness.dies_with_me(),
             )
             out, _ = client.communicate(timeout=600)
             if client.returncode != 0:
                 raise RuntimeError(f"the transfer client failed ({client.returncode})")
             return json.loads(out.strip().splitlines()[-1])
         finally:
-            server.kill()
-            server.wait()
+            for proc in (client, server):
+                if proc is not None:
+                    _harness.kill_group(proc)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -189,15 +193,16 @@ def main() -> None:
         return _worker_server(sys.argv[2])
     if len(sys.argv) > 1 and sys.argv[1] == "--_client":
         return _worker_client(sys.argv[2], [tuple(s) for s in json.loads(sys.argv[3])], int(sys.argv[4]))
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--quick", action="store_true", help="256-token microbatches (else 1024), 3 repetitions (else 5)"
+    p = _harness.parser(
+        "square_cube",
+        __doc__.split("\n\n")[0],
+        quick="256-token microbatches (else 1024), 3 repetitions (else 5)",
     )
     p.add_argument("--sizes", default="256,512,1024,2048,4096")
     p.add_argument("--measure-size", type=int, default=4096, help="hidden size whose transfers are measured")
     p.add_argument("--no-netns", action="store_true", help="compute every transfer time (no root needed)")
-    p.add_argument("--plot", default=str(ROOT / "runs" / "square_cube.png"))
     args = p.parse_args()
+    report = _harness.Report("square_cube", args.out)
     import torch
 
     torch.set_num_threads(1)  # one core, one thread: stable timings on a shared machine
@@ -205,7 +210,6 @@ def main() -> None:
     seq_len = 128
     tokens = 256 if args.quick else 1024
     reps = 3 if args.quick else 5
-    load_before = os.getloadavg()
     compute = {d: block_time(d, tokens, seq_len, reps) for d in sizes}
     wire = {(d, c): boundary_bytes(d, tokens, seq_len, c) for d in sizes for c in CODECS}
     measured: dict[tuple[int, int, str], float] = {}
@@ -241,7 +245,7 @@ def main() -> None:
                 )
     for r in rows:
         r["codec_key"] = "none" if r["codec"] == "fp32" else r["codec"]
-    plot([{**r, "codec": r["codec_key"]} for r in rows], Path(args.plot))
+    plot([{**r, "codec": r["codec_key"]} for r in rows], report.png)
     for r in rows:
         del r["codec_key"]
     # the law is about the link's rate: check it on the computed transfer times (the measured ones validate them)
@@ -265,14 +269,12 @@ def main() -> None:
             for (d, link, c) in measured
         },
         "netns_error": netns_error,
-        "plot": args.plot,
-        "loadavg_before": [round(x, 2) for x in load_before],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "plot": str(report.png),
     }
     sel = [r["ratio_computed"] for r in rows if r["link_mbit"] == 100 and r["codec"] == "8bit"]
     if len(sel) >= 2:
         result["ratio_growth_256_to_4096_8bit_100mbit"] = round(sel[-1] / sel[0], 2)
-    print(json.dumps(result))
+    report.finish(result)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Two configurations, in one run, with the same trainer, transport, stages, microbatch and cores:
 
-- ``swarm``: 2 stages x 2 server peers (``tests/_stage_peer.py`` processes); the trainer routes each microbatch
+- ``swarm``: 2 stages x 2 server peers (``examples/stage_peer.py`` processes); the trainer routes each microbatch
   through one peer per stage and retries failed calls on the other peer of the stage;
 - ``fixed``: 2 stages x 1 server peer, the same client: a fixed pipeline, nothing to reroute to.
 
@@ -16,8 +16,9 @@ start on its own machine), so its start-up also slows the others: both configura
 
 Usage: ``python benchmarks/swarm_faults.py [--quick]``. The last stdout line is one JSON object with
 ``throughput_no_faults``, ``throughput_with_faults``, ``retained`` (swarm), ``fixed_pipeline_retained``,
-``kills``, the measured ``down_fraction`` per configuration and the load average; ``swarm_faults.png`` (samples/s
-over time for both, downtimes shaded) is written next to the JSON (``--out``).
+``kills``, the measured ``down_fraction`` per configuration and the load average; it is also written to
+``runs/swarm_faults/swarm_faults.json``, with ``swarm_faults.png`` (samples/s over time for both, downtimes shaded)
+next to it (``--out``).
 """
 
 from __future__ import annotations
@@ -32,24 +33,23 @@ import threading
 import time
 from pathlib import Path
 
+import _harness
 import hivemind
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from lightning_swarm.swarm import SwarmClient, SwarmSettings
+from lightning_swarm.swarm.lifetime import die_with_parent
+from lightning_swarm.swarm.logs import quiet_routine_logs
 
-from lightning_swarm.swarm import SwarmClient, SwarmSettings  # noqa: E402
-from lightning_swarm.swarm.lifetime import die_with_parent  # noqa: E402
-from lightning_swarm.swarm.logs import quiet_routine_logs  # noqa: E402
-
-PEER = ROOT / "tests" / "_stage_peer.py"
+ROOT = _harness.ROOT
+PEER = ROOT / "examples" / "stage_peer.py"
 WIDTH, BLOCKS, BATCH = 256, 2, 16
 TIMEOUTS = {"request_timeout": 15.0, "matchmaking_time": 1.0, "averaging_timeout": 5.0}
 
 
 class Peer:
     def __init__(self, cfg: dict) -> None:
-        self.proc = subprocess.Popen(
+        self.proc = _harness.popen(
             [sys.executable, str(PEER), json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -68,12 +68,7 @@ class Peer:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            _harness.stop_with_stdin(self.proc, timeout=20)
 
 
 class Trainer:
@@ -199,11 +194,12 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short phases (under 5 minutes on 2 cores)")
+    parser = _harness.parser(
+        "swarm_faults", __doc__.splitlines()[0], quick="short phases (under 5 minutes on 2 cores)"
+    )
     parser.add_argument("--concurrency", type=int, default=2, help="microbatches in flight")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for swarm_faults.png")
     args = parser.parse_args()
+    report = _harness.Report("swarm_faults", args.out)
     args.phase = 25.0 if args.quick else 60.0  # the no-fault phase
     args.cycles = 2 if args.quick else 4  # kill cycles in the fault phase
     args.warmup = 2.0 if args.quick else 10.0
@@ -225,9 +221,7 @@ def main() -> None:
             )
     finally:
         dht.shutdown()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plot(results, out / "swarm_faults.png")
+    plot(results, report.png)
     s, f = results["swarm"], results["fixed"]
     summary = {
         "throughput_no_faults": round(s["throughput_no_faults"], 2),
@@ -247,10 +241,10 @@ def main() -> None:
         "microbatch": BATCH,
         "width": WIDTH,
         "quick": args.quick,
-        "plot": str(out / "swarm_faults.png"),
+        "plot": str(report.png),
         "loadavg": os.getloadavg(),
     }
-    print(json.dumps(summary))
+    report.finish(summary)
 
 
 if __name__ == "__main__":

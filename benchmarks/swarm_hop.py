@@ -22,7 +22,8 @@ where the headline is measured (``--link-mbit 1000`` and ``--link-mbit 100``). T
 object with the medians, ``ratio_vs_stream_echo`` (8-bit hop / stream echo), ``floor_ms`` (wire time of the
 8-bit hop's encoded bytes, both ways, at the link rate: the physical limit), ``echo_floor_ms`` (the same for the
 echo's fp32 bytes), ``ratio_8bit_vs_none`` (the codec's effect through the same stack), the bytes on the wire and
-the load average.
+the load average; it is also written to ``runs/swarm_hop/swarm_hop.json`` (loopback) or
+``runs/swarm_hop_<rate>mbit/swarm_hop_<rate>mbit.json`` (a shaped link; ``--out``).
 
 The 8-bit hop does two quantizations of 1 MiB (the client's request and the server's reply; ~0.7 ms each with
 the fast kernel, ~3 ms with bitsandbytes' own, see ``benchmarks/quantizer_exhaustive.py``), so on a busy machine
@@ -41,6 +42,7 @@ import sys
 import time
 from typing import AsyncIterator  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
 
+import _harness
 import hivemind
 import numpy as np
 import torch
@@ -221,18 +223,10 @@ def _server_info(server: subprocess.Popen) -> dict:
     return json.loads(line)
 
 
-def _stop(server: subprocess.Popen) -> None:
-    if server.stdin is not None:
-        server.stdin.close()
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (well under 5 minutes)")
+    parser = _harness.parser(
+        "swarm_hop", __doc__.split("\n\n")[0], quick="fewer repetitions (well under 5 minutes)"
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant")
     parser.add_argument(
         "--link-mbit",
@@ -260,24 +254,30 @@ def main() -> None:
     if args.client is not None:
         print(json.dumps(measure(args.client, json.loads(args.server_info), reps, args.order)), flush=True)
         return
+    name = "swarm_hop" if args.link_mbit is None else f"swarm_hop_{args.link_mbit:g}mbit"
+    report = _harness.Report(name, args.out)
     this = [sys.executable, os.path.abspath(__file__)]
     if args.link_mbit is None:
-        server = subprocess.Popen(
+        server = _harness.popen(
             [*this, "--serve", "127.0.0.1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         try:
             result = measure("127.0.0.1", _server_info(server), reps, args.order)
         finally:
-            _stop(server)
-        print(json.dumps(result))
+            _harness.stop_with_stdin(server)
+        report.finish(result)
         return
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _netns import VirtualCluster
-
-    with VirtualCluster(2, rate_mbit=args.link_mbit, delay_ms=args.delay_ms) as net:
+    with _harness.link(2, args.link_mbit, delay_ms=args.delay_ms) as net:
+        lives = _harness.dies_with_me()
         server = net.popen(
-            1, [*this, "--serve", net.address(1)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            1,
+            [*this, "--serve", net.address(1)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            **lives,
         )
+        client = None
         try:
             info = _server_info(server)
             client = net.popen(
@@ -295,10 +295,13 @@ def main() -> None:
                 ],
                 stdout=subprocess.PIPE,
                 text=True,
+                **lives,
             )
             output, _ = client.communicate(timeout=3600)
         finally:
-            _stop(server)
+            if client is not None and client.poll() is None:
+                _harness.kill_group(client)
+            _harness.stop_with_stdin(server)
     lines = output.strip().splitlines()
     if client.returncode != 0 or not lines:
         raise RuntimeError(f"the trainer process failed ({client.returncode}); see its stderr above")
@@ -314,7 +317,7 @@ def main() -> None:
         hop_vs_floor=round(result["hop_ms"] / floor_ms, 3),
         echo_floor_ms=round(echo_floor_ms, 3),
     )
-    print(json.dumps(result))
+    report.finish(result)
 
 
 if __name__ == "__main__":

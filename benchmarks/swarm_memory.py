@@ -9,9 +9,10 @@ process; hivemind's forked helpers and p2p daemons inherit it).
 
 The last stdout line is one JSON object: for each peer the peak (over samples) of its total PSS and its split into
 main process, forked helpers (DHT, averagers) and p2p daemons; the mean peak per peer; and the peak number of
-processes per peer. ``--quick``: 30 steps.
+processes per peer. ``--quick``: 30 steps. Also written to ``runs/swarm_memory/swarm_memory.json`` (``--scale``:
+``runs/swarm_memory_scale/swarm_memory_scale.json``; ``--out``).
 
-``--scale``: models larger than one peer (``benchmarks/_memory_job.py``). An MLP pipeline (16 blocks of width 2048
+``--scale``: models larger than one peer (``examples/memory_job.py``). An MLP pipeline (16 blocks of width 2048
 and FFN 8192: 537M parameters; ``--quick``: width 1024, FFN 4096, 134M) trained with Adam for a few steps by one
 plain Lightning process, then by a local swarm of 4 peers, 4 stages of one peer each (one trainer), once for each
 way of building the model: in ``__init__`` (``init``), under ``trainer.init_module(empty_init=True)``
@@ -25,7 +26,6 @@ of each peer (``init_module``) and of the plain process in a memory cgroup (v1, 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -33,41 +33,11 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import _harness
+from _harness.memory import descendants, pss_kb
 
-
-def _pss_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _descendants(root: int) -> dict[int, int]:
-    """pid -> parent pid of ``root`` and every process below it."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                parents[int(entry)] = int(fields[1])
-            except OSError:
-                continue
-    tree, frontier = {root: parents.get(root, 0)}, [root]
-    while frontier:
-        pid = frontier.pop()
-        for child, parent in parents.items():
-            if parent == pid and child not in tree:
-                tree[child] = parent
-                frontier.append(child)
-    return tree
+ROOT = _harness.ROOT
 
 
 def _rank(pid: int) -> str:
@@ -94,15 +64,41 @@ def _kind(pid: int, parent: int, ranks: dict[int, str], root: int) -> str:
 
 
 def sample(root: int) -> dict[str, dict[str, float]]:
-    tree = _descendants(root)
+    tree = descendants(root)
     ranks = {pid: _rank(pid) for pid in tree}
     out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for pid, parent in tree.items():
         kind = _kind(pid, parent, ranks, root)
-        mb = _pss_kb(pid) / 1024
+        mb = pss_kb(pid) / 1024
         out[ranks[pid]][kind] += mb
         out[ranks[pid]]["processes"] += 1
     return out
+
+
+def run_sampled(
+    cmd: list[str], interval: float, timeout: float = float("inf"), env: dict[str, str] | None = None
+) -> tuple[int | None, dict[str, dict[str, float]], str]:
+    """Run the job ``cmd`` (from the repository root), sampling its processes every ``interval`` s until it exits
+    (or ``timeout`` s pass: then it is killed); returns its exit code, per peer the sample of the largest total PSS
+    (main process + helpers + p2p daemons) split by kind, and its stderr."""
+    log = tempfile.TemporaryFile(mode="w+")  # a pipe left unread would fill up and stall the job
+    proc = _harness.popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
+    peaks: dict[str, dict[str, float]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            for rank, parts in sample(proc.pid).items():
+                total = parts["main"] + parts["helpers"] + parts["p2pd"]
+                if total > peaks.get(rank, {}).get("total_mb", 0.0):
+                    peaks[rank] = {k: round(v, 1) for k, v in parts.items()} | {"total_mb": round(total, 1)}
+            time.sleep(interval)
+    finally:
+        if proc.poll() is None:
+            _harness.kill_group(proc)
+        log.seek(0)
+        stderr = log.read()
+        log.close()
+    return proc.returncode, peaks, stderr
 
 
 SCALE_TARGETS = {"init": 0.5, "init_module": 0.35, "configure_model": 0.35}
@@ -115,42 +111,24 @@ def _floor_mb() -> float:
         "import torch, lightning.pytorch, lightning_swarm, time, sys; sys.stdout.write('ready\\n'); "
         "sys.stdout.flush(); time.sleep(30)"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = _harness.popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         proc.stdout.readline()
         time.sleep(0.5)
-        return round(_pss_kb(proc.pid) / 1024, 1)
+        return round(pss_kb(proc.pid) / 1024, 1)
     finally:
-        proc.kill()
-        proc.wait()
+        _harness.kill_group(proc)
 
 
 def _run_job(cfg: dict, timeout: float, cgroup_mb: float | None = None) -> dict:
-    """Run ``_memory_job.py`` with ``cfg``, sampling its processes' PSS; returns the peaks per peer, the peers'
+    """Run ``examples/memory_job.py`` with ``cfg``, sampling its processes' PSS; returns the peaks per peer, the peers'
     reports and whether it completed."""
     out_dir = tempfile.mkdtemp(prefix="swarm-memory-")
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
     if cgroup_mb is not None:
         env["SWARM_MEMORY_CGROUP"] = f"{CGROUP_ROOT}/swarm_memory_{os.getpid()}:{int(cgroup_mb * 2**20)}"
-    cmd = [sys.executable, "benchmarks/_memory_job.py", json.dumps({**cfg, "out_dir": out_dir})]
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
-    peaks: dict[str, dict[str, float]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            for rank, parts in sample(proc.pid).items():
-                total = parts["main"] + parts["helpers"] + parts["p2pd"]
-                if total > peaks.get(rank, {}).get("total_mb", 0.0):
-                    peaks[rank] = {k: round(v, 1) for k, v in parts.items()} | {"total_mb": round(total, 1)}
-            time.sleep(0.2)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.seek(0)
-        stderr = log.read()
-        log.close()
+    cmd = [sys.executable, "examples/memory_job.py", json.dumps({**cfg, "out_dir": out_dir})]
+    returncode, peaks, stderr = run_sampled(cmd, 0.2, timeout, env=env)
     reports = {}
     for name in sorted(os.listdir(out_dir)):
         if name.endswith(".json"):
@@ -162,7 +140,7 @@ def _run_job(cfg: dict, timeout: float, cgroup_mb: float | None = None) -> dict:
             if name.startswith("peer"):
                 _rmdir_when_empty(os.path.join(root, name))
         _rmdir_when_empty(root)
-    completed = proc.returncode == 0 and all("vm_hwm_mb" in r for r in reports.values()) and bool(reports)
+    completed = returncode == 0 and all("vm_hwm_mb" in r for r in reports.values()) and bool(reports)
     return {"peaks": peaks, "reports": reports, "completed": completed, "stderr": stderr}
 
 
@@ -180,7 +158,7 @@ def _rmdir_when_empty(path: str, timeout: float = 20.0) -> None:
             time.sleep(0.5)
 
 
-def scale(quick: bool, capped: bool) -> None:
+def scale(quick: bool, capped: bool, report: _harness.Report) -> None:
     sizes = (
         {"width": 1024, "ffn": 4096, "blocks": 16} if quick else {"width": 2048, "ffn": 8192, "blocks": 16}
     )
@@ -225,20 +203,24 @@ def scale(quick: bool, capped: bool) -> None:
     result["seconds"] = round(time.monotonic() - start, 1)
     result["tracebacks_in_output"] = tracebacks
     result["loadavg"] = os.getloadavg()
-    print(json.dumps(result))
+    report.finish(result)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
+    parser = _harness.parser(
+        "swarm_memory",
+        __doc__.split("\n\n")[0],
+        quick="30 steps (--scale: width 1024, FFN 4096: 134M parameters)",
+    )
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument(
         "--scale", action="store_true", help="models larger than one peer (see the docstring)"
     )
     parser.add_argument("--capped", action="store_true", help="with --scale: also the memory-capped runs")
     args = parser.parse_args()
+    report = _harness.Report("swarm_memory_scale" if args.scale else "swarm_memory", args.out)
     if args.scale:
-        scale(args.quick, args.capped)
+        scale(args.quick, args.capped, report)
         return
     steps = args.steps or (30 if args.quick else 100)
     cmd = [
@@ -253,25 +235,10 @@ def main() -> None:
         "--trainer.limit_val_batches=0",
     ]
     start = time.monotonic()
-    log = tempfile.TemporaryFile(mode="w+")  # a pipe left unread would fill up and stall the job
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    peaks: dict[str, dict[str, float]] = {}
-    try:
-        while proc.poll() is None:
-            for rank, parts in sample(proc.pid).items():
-                total = parts["main"] + parts["helpers"] + parts["p2pd"]
-                if total > peaks.get(rank, {}).get("total_mb", 0.0):
-                    peaks[rank] = {k: round(v, 1) for k, v in parts.items()} | {"total_mb": round(total, 1)}
-            time.sleep(1.0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.seek(0)
-        stderr = log.read()
-        log.close()
-    if proc.returncode != 0:
+    returncode, peaks, stderr = run_sampled(cmd, 1.0)
+    if returncode != 0:
         print(stderr[-6000:], file=sys.stderr)
-        raise SystemExit(f"the main job failed (exit code {proc.returncode})")
+        raise SystemExit(f"the main job failed (exit code {returncode})")
     per_peer = [p["total_mb"] for p in peaks.values()]
     result = {
         "peers": {rank: peaks[rank] for rank in sorted(peaks)},
@@ -282,7 +249,7 @@ def main() -> None:
         "tracebacks_in_output": stderr.count("Traceback"),
         "loadavg": os.getloadavg(),
     }
-    print(json.dumps(result))
+    report.finish(result)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ through both stages, throughput-weighted routing) and counts the samples that co
 Usage: ``python benchmarks/swarm_rebalance.py [--quick]``. The last stdout line is one JSON object with
 ``throughput_initial`` (samples/s before the first move), ``throughput_rebalanced`` (after the placement has
 settled), ``throughput_optimal`` and ``fraction_of_optimal`` (rebalanced / optimal; target >= 0.9), the moves and
-placements seen, and the load average. ``swarm_rebalance.png`` (throughput over time) is written next to the
-JSON file given by ``--out`` (default: the current directory).
+placements seen, and the load average; it is also written to ``runs/swarm_rebalance/swarm_rebalance.json``, with
+``swarm_rebalance.png`` (throughput over time) next to it (``--out``).
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ import threading
 import time
 from pathlib import Path
 
+import _harness
 import torch
 from torch import nn
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WIDTH = 32
 BATCH = 4
@@ -113,7 +112,7 @@ def worker(spec: dict) -> None:
 
 def _start(run_id: str, name: str, stage: int, speed: float, period: float, initial: list[str]):
     spec = {"run_id": run_id, "stage": stage, "speed": speed, "period": period, "initial_peers": initial}
-    proc = subprocess.Popen(
+    proc = _harness.popen(
         [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
         stdout=subprocess.PIPE,
         text=True,
@@ -125,7 +124,7 @@ def _start(run_id: str, name: str, stage: int, speed: float, period: float, init
             return proc, line.split()[1:]
         if not line and proc.poll() is not None:
             break
-    proc.kill()
+    _harness.kill_group(proc)
     raise RuntimeError(f"peer {name} did not start (exit code {proc.poll()})")
 
 
@@ -188,7 +187,7 @@ def run_swarm(
                 out, _ = proc.communicate(timeout=60)
                 moves[name] = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("MOVES ")]
             except subprocess.TimeoutExpired:
-                proc.kill()
+                _harness.kill_group(proc)
 
 
 def rate(times: list[float], lo: float, hi: float) -> float:
@@ -197,16 +196,17 @@ def rate(times: list[float], lo: float, hi: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter runs (under 5 minutes)")
+    parser = _harness.parser(
+        "swarm_rebalance", __doc__.split("\n\n")[0], quick="shorter runs (under 5 minutes)"
+    )
     parser.add_argument("--period", type=float, default=None, help="mean seconds between rebalancing checks")
     parser.add_argument("--inflight", type=int, default=12, help="microbatches the trainer keeps in flight")
-    parser.add_argument("--out", default=".", help="folder for swarm_rebalance.json and .png")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
         return
+    report = _harness.Report("swarm_rebalance", args.out)
     period = args.period or (12.0 if args.quick else 20.0)
     duration = 50.0 if args.quick else 120.0
     warmup = 3.0
@@ -226,9 +226,7 @@ def main() -> None:
     opt_times, opt_placements, opt_errors, _ = run_swarm(best, 0.0, optimal_duration, args.inflight, "best")
     throughput_optimal = rate(opt_times, warmup + 2.0, optimal_duration)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plot = out / "swarm_rebalance.png"
+    plot = report.png
     _plot(times, opt_times, placements, duration, optimal_duration, plot)
     result = {
         "throughput_initial": round(throughput_initial, 2),
@@ -255,8 +253,7 @@ def main() -> None:
         "loadavg": os.getloadavg(),
         "plot": str(plot),
     }
-    (out / "swarm_rebalance.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    report.finish(result)
 
 
 def _plot(times, opt_times, placements, duration, optimal_duration, path: Path) -> None:

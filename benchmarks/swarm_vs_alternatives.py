@@ -18,7 +18,7 @@ same number of samples at the same global batch, split into the same microbatche
   cast back on the next rank, so activations and their gradients cross the link as fp16);
 - ``ddp``: Lightning's ``"ddp"`` (torch DDP, gloo) of the whole model, 2 ranks, global batch / 2 each.
 
-Each variant's two processes run in two network namespaces joined by a veth pair shaped with ``tc`` (``_netns.py``)
+Each variant's two processes run in two network namespaces joined by a veth pair shaped with ``tc`` (``testbed/netns.py``)
 to 100 Mbit/s and to 1 Gbit/s; each side is pinned to one core (``taskset``, with all its helper processes: the
 hivemind DHT and p2p daemon of a swarm peer) and computes on one torch thread: two one-core machines. On loopback in
 one namespace: ``swarm_local`` is ``Trainer(strategy=SwarmStrategy(num_trainers=1), devices=2)`` (the library's
@@ -50,15 +50,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+import _harness
+from _harness.counters import cpu_snapshot, cpu_split, link_bytes, thread_cpu
+
+REPO = _harness.ROOT
 PORT = 31337  # DHT/p2p port of swarm peer A, and the gloo rendezvous port (namespaces have their own ports)
 
 MODEL = {"vocab": 1024, "hidden": 1024, "heads": 16, "ffn": 4096, "layers": 8, "lr": 1e-4}
@@ -116,54 +117,6 @@ def make_data(cfg: dict, num_samples: int) -> Any:
     return TensorDataset(x, torch.roll(x, -1, dims=1))  # next-token targets of random tokens
 
 
-def link_bytes() -> int | None:
-    """Bytes sent + received on this namespace's veth so far (None on loopback)."""
-    if os.environ.get("GLOO_SOCKET_IFNAME") != "eth0":  # set by VirtualCluster.popen: not in a namespace
-        return None
-    try:
-        base = Path("/sys/class/net/eth0/statistics")
-        return int((base / "tx_bytes").read_text()) + int((base / "rx_bytes").read_text())
-    except OSError:
-        return None
-
-
-def cpu_snapshot(sessions: set[int]) -> dict[int, tuple[str, float]]:
-    """pid -> (name, CPU seconds so far) of every process in the given sessions (a worker and its helpers)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        close = stat.rfind(")")
-        fields = stat[close + 2 :].split()  # state, ppid, pgrp, session, ..., utime (11), stime (12)
-        if int(fields[3]) in sessions:
-            out[int(entry)] = (stat[stat.find("(") + 1 : close], (int(fields[11]) + int(fields[12])) / tick)
-    return out
-
-
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds so far of each live Python thread of this process, by thread name (native threads that are not
-    Python threads, e.g. torch's or the codec's, are counted together as ``other_native_threads``)."""
-    import threading
-
-    tick = os.sysconf("SC_CLK_TCK")
-    by_tid = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
-    out: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        name = by_tid.get(int(tid), "other_native_threads")
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
 def worker_sessions(out: Path) -> set[int]:
     """This worker's session and the other workers' of the run (the harness lists their pids in pids.txt; each
     worker leads its own session)."""
@@ -173,17 +126,6 @@ def worker_sessions(out: Path) -> set[int]:
     except OSError:
         pass
     return sessions
-
-
-def cpu_split(before: dict, after: dict, mains: dict[int, str]) -> dict[str, float]:
-    """CPU seconds spent between two snapshots, by kind of process: the named main processes, p2p daemons and
-    the other (hivemind helper) processes."""
-    split: dict[str, float] = {}
-    for pid, (name, cpu) in after.items():
-        kind = mains.get(pid) or ("p2pd" if name == "p2pd" else "helper_processes")
-        used = cpu - before.get(pid, (name, 0.0))[1]
-        split[kind] = split.get(kind, 0.0) + used
-    return split
 
 
 def summarize_clock(times: list[float], wire: list[int | None], warm: int, samples_per_step: int) -> dict:
@@ -206,7 +148,7 @@ def summarize_clock(times: list[float], wire: list[int | None], warm: int, sampl
 def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
     """``single``, ``ddp``, ``swarm`` (peer A or B, one namespace each) and ``swarm_local`` (devices=2)."""
     import torch
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Trainer, seed_everything
     from torch.utils.data import DataLoader
 
     import lightning_swarm
@@ -215,11 +157,13 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
     mb, m, steps = cfg["microbatch"], cfg["microbatches"], cfg["global_steps"]
     global_batch = mb * m
 
-    class Clock(Callback):
+    class Clock(_harness.lightning_clock_class()):
+        """The step clock with the bytes on the link (``wire``), plus CPU snapshots of every process of the run
+        and of this process's threads where the timed window starts and ends, and the trainer's stage calls."""
+
         def __init__(self) -> None:
-            self.times: list[float] = []
-            self.wire: list[int | None] = []
-            self.cpu: list[dict] = []
+            super().__init__(wire=link_bytes)
+            self.snapshots: list[dict] = []
             self.threads: list[dict[str, float]] = []
             self.calls: list[tuple[int, str, float, float]] = []  # stage, kind, start, end (swarm trainer)
             self.stats: dict[str, float] = {}
@@ -242,18 +186,17 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
 
                 client._call = timed_call
 
-        def mark(self, cpu: bool) -> None:
+        def mark_with_cpu(self, cpu: bool) -> None:
             # the CPU snapshots (reading /proc) are taken only where the timed window starts and ends
-            self.cpu.append(cpu_snapshot(worker_sessions(Path(args.out))) if cpu else {})
+            self.snapshots.append(cpu_snapshot(worker_sessions(Path(args.out))) if cpu else {})
             self.threads.append(thread_cpu() if cpu else {})
-            self.times.append(time.perf_counter())
-            self.wire.append(link_bytes())
+            self.mark()
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self.mark(cpu=len(self.times) == warm)
+            self.mark_with_cpu(cpu=len(self.times) == warm)
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            self.mark(cpu=True)
+            self.mark_with_cpu(cpu=True)
             peer = getattr(trainer.strategy, "_peer", None)
             self.stats = peer.stats() if peer is not None else {}
 
@@ -310,22 +253,18 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
         num_nodes=num_nodes,
         strategy=strategy,
         max_steps=len(data) // batch if variant != "ddp" else len(data) // global_batch,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **_harness.QUIET_TRAINER,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[clock],
     )
     trainer.fit(model, DataLoader(data, batch_size=batch, shuffle=False))
     if not clock.times or trainer.global_rank != 0 or (variant == "swarm" and args.peer != "A"):
         return  # a serving-only swarm peer, or DDP rank 1
-    result = summarize_clock(clock.times, clock.wire, warm, samples_per_step)
+    result = summarize_clock(clock.times, clock.readings["wire"], warm, samples_per_step)
     result["threads"] = torch.get_num_threads()
     other = "peer1_server" if variant == "swarm" else "rank1"
     mains = {pid: other for pid in worker_sessions(Path(args.out)) if pid != os.getpid()} | clock.mains
-    split = cpu_split(clock.cpu[warm], clock.cpu[-1], mains)
+    split = cpu_split(clock.snapshots[warm], clock.snapshots[-1], mains)
     result["cpu_s_per_sample"] = {k: round(v / result["timed_samples"], 4) for k, v in sorted(split.items())}
     result["cpu_s_per_sample_total"] = round(sum(split.values()) / result["timed_samples"], 4)
     t_a, t_b = clock.threads[warm], clock.threads[-1]
@@ -397,12 +336,10 @@ def gpipe_worker(args: argparse.Namespace, cfg: dict) -> None:
     schedule = ScheduleGPipe(stage, n_microbatches=m, loss_fn=_lm_loss)
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg["lr"])
     data = make_data(cfg, steps * mb * m).tensors
-    times, wire, cpu = [], [], []
+    clock, snapshots = _harness.StepClock(wire=link_bytes), []
     for step in range(steps):
-        times.append(time.perf_counter())
-        wire.append(link_bytes())
-        cpu.append(cpu_snapshot(worker_sessions(Path(args.out))) if step == cfg["warmup_steps"] else {})
-        times[-1] = time.perf_counter()
+        snapshots.append(cpu_snapshot(worker_sessions(Path(args.out))) if step == cfg["warmup_steps"] else {})
+        clock.mark()
         lo, hi = step * mb * m, (step + 1) * mb * m
         if rank == 0:
             schedule.step(data[0][lo:hi])
@@ -412,14 +349,13 @@ def gpipe_worker(args: argparse.Namespace, cfg: dict) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     dist.barrier()
-    times.append(time.perf_counter())
-    wire.append(link_bytes())
-    cpu.append(cpu_snapshot(worker_sessions(Path(args.out))))
+    clock.mark()
+    snapshots.append(cpu_snapshot(worker_sessions(Path(args.out))))
     if rank == 0:
-        result = summarize_clock(times, wire, cfg["warmup_steps"], mb * m)
+        result = summarize_clock(clock.times, clock.readings["wire"], cfg["warmup_steps"], mb * m)
         result["threads"] = torch.get_num_threads()
         mains = {pid: "rank1" for pid in worker_sessions(Path(args.out))} | {os.getpid(): "rank0"}
-        split = cpu_split(cpu[cfg["warmup_steps"]], cpu[-1], mains)
+        split = cpu_split(snapshots[cfg["warmup_steps"]], snapshots[-1], mains)
         result["cpu_s_per_sample"] = {
             k: round(v / result["timed_samples"], 4) for k, v in sorted(split.items())
         }
@@ -516,7 +452,6 @@ def calibrate_worker(args: argparse.Namespace, cfg: dict) -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(REPO))
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -530,64 +465,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------------- harness
-class Procs:
-    """The worker processes of one run, each in its own process group: all of them end with the run."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.logs: list[Any] = []
-
-    def start(self, name: str, popen: Any, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = open(self.out / f"{name}.log", "w")  # noqa: SIM115 (closed in stop)
-        self.logs.append(log)
-        proc = popen(cmd, env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-        self.procs.append((name, proc))
-        with open(
-            self.out / "pids.txt", "a"
-        ) as f:  # each worker leads a session: its CPU accounting reads them
-            f.write(f"{proc.pid}\n")
-        return proc
-
-    def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for name, proc in self.procs:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired as exc:
-                raise RuntimeError(f"{name} did not finish in {timeout:.0f} s; logs in {self.out}") from exc
-        failed = [(n, p.returncode) for n, p in self.procs if p.returncode != 0]
-        if failed:
-            name, code = failed[0]
-            tail = (self.out / f"{name}.log").read_text()[-3000:]
-            raise RuntimeError(f"{name} failed (exit code {code}):\n{tail}")
-
-    def stop(self) -> None:
-        """SIGTERM every worker's process group still alive, SIGKILL what is left 15 s later."""
-        alive = [p for _, p in self.procs if p.poll() is None]
-        for proc in alive:
-            _killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for proc in alive:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for _, proc in self.procs:  # the groups' leftovers (helper processes) too
-            _killpg(proc.pid, signal.SIGKILL)
-            if proc.poll() is None:
-                proc.wait()
-        for log in self.logs:
-            log.close()
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def error_lines(out: Path, keep: Path) -> list[str]:
     """ERROR lines and tracebacks (whole) in the run's worker logs; a log that has any is copied to ``keep``."""
     lines = []
@@ -614,41 +491,37 @@ def error_lines(out: Path, keep: Path) -> list[str]:
 
 def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: int) -> dict:
     """One run of ``variant`` on a shaped link (``link`` Mbit/s) or on loopback (None); returns rank 0's result."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _netns import VirtualCluster
-
     name = f"{variant}_{'loopback' if link is None else f'{link:g}mbit'}"
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
     this = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", variant]
     this += ["--cfg", json.dumps(cfg), "--out", str(out)]
     base_env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    procs = Procs(out)
+    procs = _harness.Launcher(out)
     started = time.monotonic()
+
+    def start(name: str, cmd: list[str], env: dict[str, str], net: Any = None, rank: int = 0) -> None:
+        # each worker leads its own session: the workers' CPU accounting reads their pids in pids.txt
+        proc = procs.start(name, cmd, env, net=net, rank=rank, cwd=REPO, start_new_session=True)
+        with open(out / "pids.txt", "a") as f:
+            f.write(f"{proc.pid}\n")
+
     try:
         if link is None:
-
-            def local(cmd: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen:
-                return subprocess.Popen(cmd, env={**os.environ, **env}, **kw)
-
             if variant == "single":
-                cmd = [*this, "--threads", "2"]
-                procs.start("single", local, cmd, {**base_env, "OMP_NUM_THREADS": "2"})
+                start("single", [*this, "--threads", "2"], {**base_env, "OMP_NUM_THREADS": "2"})
             elif variant == "single_1thread":
-                procs.start("single_1thread", local, [*this, "--threads", "1"], base_env)
+                start("single_1thread", [*this, "--threads", "1"], base_env)
             elif variant == "swarm_local":
                 port = str(29400 + os.getpid() % 500)
-                procs.start(
-                    "swarm_local", local, [*this, "--threads", "1"], {**base_env, "MASTER_PORT": port}
-                )
+                start("swarm_local", [*this, "--threads", "1"], {**base_env, "MASTER_PORT": port})
             else:  # calibrate: one core, one thread
-                procs.start("calibrate", local, ["taskset", "-c", "0", *this, "--threads", "1"], base_env)
+                start("calibrate", ["taskset", "-c", "0", *this, "--threads", "1"], base_env)
             procs.wait(1800)
             return json.loads((out / "result.json").read_text()) | {"wall_s": time.monotonic() - started}
-        with VirtualCluster(2, rate_mbit=link, net=index) as net:
+        with _harness.link(2, link, net=index) as net:
             pin = [["taskset", "-c", "0"], ["taskset", "-c", "1"]]  # one core per "machine"
             if variant == "swarm":
-                sys.path.insert(0, str(REPO))
                 from lightning_swarm.swarm.identity import PeerIdentity
 
                 key = str(out / "peer_a.key")
@@ -667,9 +540,7 @@ def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: 
                         net.address(rank),
                     ]
                     cmd += ["--identity", key, "--initial-peer", peer_a]
-                    procs.start(
-                        f"swarm_{peer}", lambda c, e, r=rank, **kw: net.popen(r, c, e, **kw), cmd, base_env
-                    )
+                    start(f"swarm_{peer}", cmd, base_env, net=net, rank=rank)
                     if rank == 0:
                         time.sleep(3)  # peer A bootstraps the DHT that B joins (B retries on its own too)
             else:
@@ -686,16 +557,8 @@ def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: 
                         net.address(0),
                     ]
                     if variant == "ddp":
-                        env |= {
-                            "MASTER_ADDR": net.address(0),
-                            "MASTER_PORT": str(PORT),
-                            "NODE_RANK": str(rank),
-                            "LOCAL_RANK": "0",
-                            "WORLD_SIZE": "2",
-                        }
-                    procs.start(
-                        f"{variant}_{rank}", lambda c, e, r=rank, **kw: net.popen(r, c, e, **kw), cmd, env
-                    )
+                        env |= _harness.rank_env(rank, 2, net.address(0), PORT)
+                    start(f"{variant}_{rank}", cmd, env, net=net, rank=rank)
             procs.wait(2400)
         return json.loads((out / "result.json").read_text()) | {"wall_s": time.monotonic() - started}
     finally:
@@ -875,12 +738,10 @@ def plot(summary: dict, path: Path) -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = _harness.parser(
+        "swarm_vs_alternatives", __doc__, quick="shorter sequences, fewer steps (a few minutes)", raw=True
     )
-    parser.add_argument("--quick", action="store_true", help="shorter sequences, fewer steps (a few minutes)")
     parser.add_argument("--links", default="100,1000", help="link rates in Mbit/s, comma-separated")
-    parser.add_argument("--out", default=str(REPO / "runs" / "swarm_vs_alternatives"), help="where to write")
     parser.add_argument("--only", default="", help="comma-separated variants to run (debugging)")
     parser.add_argument("--model", default="{}", help="JSON overrides of the model/run config (debugging)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -900,13 +761,13 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("swarm_vs_alternatives.py needs root (network namespaces and tc); run it as root.")
     # SIGTERM unwinds like an exception: the `finally` blocks stop the workers and delete the namespaces
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    _harness.exit_on_sigterm()
+    report = _harness.Report("swarm_vs_alternatives", args.out)
     cfg = {**MODEL, **(QUICK if args.quick else FULL), **json.loads(args.model)}
     links = [float(x) for x in args.links.split(",") if x]
     only = {v for v in args.only.split(",") if v}
     load_start = os.getloadavg()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = report.dir
     plan: list[tuple[str, float | None]] = [("calibrate", None), ("single", None), ("single_1thread", None)]
     plan += [("swarm_local", None)]
     for link in links:
@@ -959,10 +820,9 @@ def main() -> None:
     summary["load_average_1min"] = {"start": round(load_start[0], 2), "end": round(os.getloadavg()[0], 2)}
     summary["cpu_count"] = os.cpu_count()
     summary["quick"] = args.quick
-    note = plot(summary, out_dir / "swarm_vs_alternatives.png")
-    summary["chart"] = note or str(out_dir / "swarm_vs_alternatives.png")
-    (out_dir / "swarm_vs_alternatives.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary))
+    note = plot(summary, report.png)
+    summary["chart"] = note or str(report.png)
+    report.finish(summary)
 
 
 if __name__ == "__main__":

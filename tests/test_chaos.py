@@ -1,6 +1,6 @@
 """Chaos: servers SIGKILLed mid-forward, mid-backward and mid-averaging while a trainer trains through the swarm.
 
-Peers are real processes on 127.0.0.1 (``tests/_stage_peer.py``); the trainer runs here with a :class:`SwarmClient`.
+Peers are real processes on 127.0.0.1 (``examples/stage_peer.py``); the trainer runs here with a :class:`SwarmClient`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.settings import SwarmSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-PEER = ROOT / "tests" / "_stage_peer.py"
+PEER = ROOT / "examples" / "stage_peer.py"
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL chaos on Linux")
 
 

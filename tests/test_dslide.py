@@ -459,7 +459,7 @@ def test_checkpoint_loads_unsharded_and_resumes_on_three_ranks(two_rank_run: tup
     assert resumed["ids"] == plain_resumed["ids"]
 
 
-# --------------------------------------------------------------------------- benchmark harness
+# --------------------------------------------------------------------------- shaped links (testbed/netns.py)
 _ALL_REDUCE = """
 import os, sys, torch, torch.distributed as dist
 rank = int(sys.argv[1])
@@ -471,23 +471,14 @@ dist.destroy_process_group()
 """
 
 
-def _netns_module() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_netns", REPO / "benchmarks" / "_netns.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _ip(*args: str) -> str:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=True).stdout
 
 
 @pytest.mark.timeout(120)
 def test_virtual_cluster_carries_gloo_between_namespaces_and_cleans_up() -> None:
-    netns = _netns_module()
+    from testbed import netns
+
     if os.geteuid() != 0:
         pytest.skip("creating network namespaces needs root (`ip netns`, `tc`)")
     probe = f"lsw-{os.getpid()}-probe"

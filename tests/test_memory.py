@@ -11,14 +11,12 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from torch import nn
 
+from examples import memory_job as _memory_job
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.swarm.materialize import RngSnapshot, has_meta, materialize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import _memory_job  # noqa: E402
-
-JOB = os.path.join(ROOT, "benchmarks", "_memory_job.py")
+JOB = os.path.join(ROOT, "examples", "memory_job.py")
 
 
 def _net() -> nn.Module:

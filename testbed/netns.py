@@ -5,7 +5,8 @@ Nothing touches the root namespace's routes: the bridge and all addresses (10.21
 only inside namespaces this module creates, named ``lsw-<pid>-<suffix>``. They are deleted on ``close()``, at
 interpreter exit and on SIGINT/SIGTERM (deleting a namespace deletes its veth ends).
 
-Needs root (``ip netns``, ``tc``). Usage::
+Needs root (``ip netns``, ``tc``). Used by the benchmarks (through ``benchmarks/_harness/links.py``, which puts
+loopback behind the same interface) and by ``tests/test_dslide.py``. Usage::
 
     with VirtualCluster(num_ranks=2, rate_mbit=1000) as net:
         procs = [net.popen(rank, [sys.executable, "worker.py"], env={...}) for rank in range(2)]

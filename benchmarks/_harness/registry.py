@@ -1,0 +1,283 @@
+"""What each benchmark report claims: the rows of the figures table in ``docs/benchmarks.md``.
+
+One entry per report name (``runs/<name>/<name>.json``; a benchmark whose options change what it measures writes
+under a variant's name, e.g. ``swarm_hop_1000mbit``): the claim in words, its target, the JSON keys the table shows
+as the latest figure (dotted paths into the JSON, the headline first), whether it needs root (network namespaces,
+cgroups) and, for a report with no earlier row of its own, the benchmark whose rows it goes beside. The
+command, date, commit and load come from the JSON itself (``report.py``). ``scripts/benchmark_table.py`` reads this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Claim:
+    claim: str
+    target: str
+    figures: tuple[str, ...]  # the first one is the headline (bold)
+    root: bool = False
+    beside: str | None = None  # a new row goes with this benchmark's rows (default: its own name's)
+
+
+NONE = "none stated"
+
+BENCHMARKS: dict[str, Claim] = {
+    "albert_fidelity": Claim(
+        "ALBERT fidelity: 1 trainer + 2 stage servers with 8-bit boundaries vs plain Lightning, same seed, data, "
+        "global batch and optimizer steps",
+        "`relative_gap` <= 0.03",
+        (
+            "relative_gap",
+            "meets_target",
+            "loss_swarm",
+            "loss_single",
+            "steps",
+            "stage_steps",
+            "wire_bytes_swarm",
+            "fp32_boundary_bytes",
+        ),
+    ),
+    "fidelity_matrix": Claim(
+        "fidelity matrix: GPT, ViT, encoder, CNN, ALBERT; swarm (1 trainer, 2 stages, 8-bit) vs one process, "
+        "same seed, data, batch, steps; `seed_gaps`: two single-process seeds (the noise floor)",
+        "`max_relative_gap` <= 0.02, stage steps equal",
+        (
+            "max_relative_gap",
+            "gaps",
+            "seed_gaps",
+            "stage_steps_equal",
+            "meets_target",
+            "steps",
+            "global_batch",
+        ),
+    ),
+    "square_cube": Claim(
+        "square-cube law: one Transformer block's forward+backward (1 thread) vs sending its boundary activations "
+        "and gradients at 100 Mbit/s and 1 Gbit/s",
+        "ratio grows with size",
+        (
+            "ratio_grows_with_size",
+            "ratio_growth_256_to_4096_8bit_100mbit",
+            "tokens_per_microbatch",
+            "measured_size",
+            "measured_vs_computed",
+            "netns_error",
+        ),
+        root=True,
+    ),
+    "swarm_faults": Claim(
+        "throughput under repeated kills of one stage-1 server, swarm (2x2) vs fixed pipeline (2x1), one peer in "
+        "four down a quarter of the time",
+        "`retained` >= 0.75",
+        (
+            "retained",
+            "throughput_no_faults",
+            "throughput_with_faults",
+            "fixed_pipeline_retained",
+            "kills",
+            "down_fraction",
+            "downtime_s",
+            "retries",
+            "failed_microbatches",
+        ),
+    ),
+    "fuzz_rpc": Claim(
+        "a stage server under hostile requests (garbage, truncated, wrong dtype/sizes, huge sizes, 8-bit bombs, an "
+        "endless stream, NaN/Inf, unknown stage, a 64-channel flood), then generated malformed requests",
+        "0 crashes; RSS growth < 500 MB",
+        (
+            "server_crashes",
+            "well_formed_after_ok",
+            "max_rss_growth_mb",
+            "generated_requests",
+            "error_replies",
+            "cut_streams",
+            "accepted",
+            "hostile_cases",
+            "seconds",
+        ),
+    ),
+    "quantizer_exhaustive": Claim(
+        "fast 8-bit kernel vs bitsandbytes' CPU kernel on every float32 value in [-1, 1], same bytes; timings on "
+        "1 MiB of fp32, one thread",
+        "0 mismatches",
+        (
+            "mismatches",
+            "values_checked",
+            "seconds",
+            "fast_quantize_ms",
+            "bitsandbytes_quantize_ms",
+            "quantize_speedup",
+            "fast_dequantize_ms",
+            "bitsandbytes_dequantize_ms",
+        ),
+    ),
+    "quantizer_speed": Claim(
+        "fast 8-bit kernel vs bitsandbytes' CPU kernel, 1 MiB of fp32, one thread (the timings alone)",
+        NONE,
+        (
+            "quantize_speedup",
+            "fast_quantize_ms",
+            "bitsandbytes_quantize_ms",
+            "fast_dequantize_ms",
+            "bitsandbytes_dequantize_ms",
+            "dequantize_speedup",
+        ),
+        beside="quantizer_exhaustive",
+    ),
+    "swarm_vs_alternatives": Claim(
+        "SWARM (2 peers, 8-bit) vs torch GPipe (fp32/fp16) vs DDP, one 103M-parameter Transformer split over two "
+        "namespaces on a shaped veth, 1 core each, same samples and global batch; one box: 2 peers vs one process",
+        "`speedup_vs_ddp` >= 3, `speedup_vs_gpipe` >= 2, `efficiency_single_box` >= 0.5",
+        (
+            "per_link.100mbit.speedup_vs_gpipe",
+            "per_link.100mbit.speedup_vs_ddp",
+            "per_link.1000mbit.speedup_vs_gpipe",
+            "per_link.1000mbit.speedup_vs_ddp",
+            "efficiency_single_box",
+            "samples_per_s_swarm_local",
+            "samples_per_s_single",
+            "samples_per_s_single_1thread",
+        ),
+        root=True,
+    ),
+    "kept_activations": Claim(
+        "kept activations: one trainer calling a remote stage (4 MLP blocks, hidden 512), Adam every 4 calls",
+        NONE,
+        ("speedup", "samples_per_s_recompute", "samples_per_s_kept", "kept_hits_per_backward"),
+    ),
+    "batched_stage": Claim(
+        "batched stage servers: 4 trainers calling one stage peer (2 MLP blocks, hidden 512), batching off, "
+        "serving threads without merging, merging on",
+        NONE,
+        (
+            "speedup",
+            "samples_per_s_unbatched",
+            "samples_per_s_threads_no_merging",
+            "samples_per_s_batched",
+            "speedup_of_merging",
+            "computations_per_request_batched",
+        ),
+        beside="kept_activations",
+    ),
+    "swarm_hop_1000mbit": Claim(
+        "one stage hop (1 MiB fp32, 8-bit) vs an echo over the same long-lived stream, trainer and server in two "
+        "network namespaces on a 1 Gbit/s link",
+        "`ratio_vs_stream_echo` <= 0.45",
+        (
+            "ratio_vs_stream_echo",
+            "hop_ms",
+            "raw_stream_echo_ms",
+            "floor_ms",
+            "hop_vs_floor",
+            "hop_ms_fp16",
+            "hop_ms_none",
+            "order",
+        ),
+        root=True,
+    ),
+    "swarm_hop_100mbit": Claim(
+        "one stage hop (1 MiB fp32, 8-bit) vs an echo over the same long-lived stream, trainer and server in two "
+        "network namespaces on a 100 Mbit/s link",
+        "`ratio_vs_stream_echo` <= 0.3",
+        ("ratio_vs_stream_echo", "hop_ms", "raw_stream_echo_ms", "floor_ms", "hop_vs_floor", "order"),
+        root=True,
+    ),
+    "swarm_hop": Claim(
+        "one stage hop (1 MiB fp32, 8-bit) vs an echo over the same long-lived stream, on loopback (no shaping)",
+        NONE,
+        ("ratio_vs_stream_echo", "hop_ms", "raw_stream_echo_ms", "hop_ms_fp16", "hop_ms_none", "raw_echo_ms"),
+    ),
+    "swarm_rebalance": Claim(
+        "adaptive rebalancing: 4 peers of speeds 2,1,1 on stage 0 and 2 on stage 1 (sleep-simulated), rebalancing on",
+        "`fraction_of_optimal` >= 0.9",
+        (
+            "fraction_of_optimal",
+            "throughput_initial",
+            "throughput_rebalanced",
+            "throughput_optimal",
+            "first_move_s",
+            "settled_s",
+            "final_placement",
+            "failed_calls",
+        ),
+    ),
+    "swarm_memory": Claim(
+        "memory of a peer of the main job (ALBERT `swarm.yaml`, 4 peers), peak PSS of its processes",
+        NONE,
+        ("mean_peer_total_mb", "mean_peer_main_mb", "steps", "tracebacks_in_output"),
+    ),
+    "swarm_memory_scale": Claim(
+        "models larger than one peer: worst peer's peak PSS (helpers included) / one plain process, MLP pipeline, "
+        "4 stages x 1 peer, Adam, 3 steps",
+        "`ratio` <= 0.35 (`init_module`, `configure_model`), <= 0.5 (`init`)",
+        (
+            "init_module.ratio",
+            "params",
+            "peak_mb_single",
+            "floor_mb",
+            "init.ratio",
+            "configure_model.ratio",
+            "capped_swarm_completed",
+            "capped_single_completed",
+        ),
+    ),
+    "sparse_vs_dense": Claim(
+        "SparseLSHLinear vs dense `nn.Linear` + Adam, batch 256, synthetic Amazon-670K-shaped data: step time at "
+        "670,091 labels, time to accuracy, `read_xc_file`",
+        "`time_to_p1_ratio` >= 10",
+        (
+            "time_to_p1_ratio",
+            "speedup",
+            "step_ms_sparse",
+            "step_ms_dense",
+            "p_at_1_sparse_best",
+            "p_at_1_dense_best",
+            "quality_labels",
+            "dense_converged",
+            "reader_lines_per_s",
+            "reader_lines_per_s_line_by_line",
+        ),
+    ),
+    "dslide_vs_ddp": Claim(
+        "D-SLIDE vs one process and vs DDP, Amazon-670K-shaped network (103M parameters), batch 256, shaped veths",
+        "`parallel_efficiency` >= 0.85 (median of 3 interleaved rounds), `parallel_efficiency_best` >= 0.7, "
+        "`model_rss_ratio_4_ranks` <= 0.3",
+        (
+            "parallel_efficiency",
+            "parallel_efficiency_rounds",
+            "parallel_efficiency_best",
+            "parallel_efficiency_loopback",
+            "model_rss_ratio_4_ranks",
+            "comm_reduction",
+            "comm_reduction_ranks",
+            "step_ms_single_sparse",
+            "step_ms_dslide_2",
+            "step_ms_dslide_4",
+            "step_ms_ddp_sparse",
+            "step_ms_ddp_dense",
+        ),
+        root=True,
+    ),
+    "dslide_scale": Claim(
+        "D-SLIDE at the paper's scale: 135,909 -> `hidden` -> 670,091, 4 ranks x 1 thread, batch 256, LazyAdam "
+        "(`--quick`: hidden 256)",
+        NONE,
+        (
+            "params",
+            "hidden",
+            "step_ms",
+            "rebuild_ms",
+            "rebuild_ms_incremental",
+            "p_at_1_first",
+            "p_at_1_last",
+            "checkpoint_mb",
+            "checkpoint_rows_match",
+            "peak_rss_mb_per_rank",
+            "peak_rss_mb_single",
+            "peak_rss_ratio",
+        ),
+    ),
+}
