@@ -230,3 +230,57 @@ def test_chunking_a_pipeline_with_batch_normalisation_is_refused(tmp_path):
     )
     assert "SwarmStrategy(microbatches=2) cannot cut this pipeline's batches into chunks" in stderr
     assert "BatchNorm1d" in stderr
+
+
+@pytest.mark.timeout(120)
+def test_threads_sharing_a_client_each_pipeline_their_own_calls(dhts, cleanup) -> None:
+    """Four threads drive one client through 2 stages (microbatches=2), as a benchmark's trainer threads do: each
+    thread's second call continues the run its first call opened, and no thread closes another's run (which left
+    the other waiting forever for chunks that had stopped). Every output and input gradient is one process's."""
+    import threading
+
+    torch.manual_seed(0)
+    run_id = _run_id("threads")
+    model = nn.Sequential(nn.Identity(), nn.Sequential(Slow(16, 0.01), Slow(16, 0.01)))
+    blocks = copy.deepcopy(model[1])
+    part = Partition(model, "1", 2)
+    servers = [
+        _serve(cleanup, dhts[f"server{k + 1}"], run_id, part.stage_module(k), stage=k) for k in range(2)
+    ]
+    client = _client(cleanup, dhts["trainer"], run_id, 2, microbatches=2)
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def drive(i: int) -> None:
+        try:
+            done = []
+            for _ in range(3):
+                x = torch.randn(4, 16, requires_grad=True)
+                out = client.call_stage(1, client.call_stage(0, x))
+                run = client._pipeline_run  # this thread's: opened by its first call, continued by its second
+                joined = run is not None and run.first_stage == 0
+                out.pow(2).sum().backward()
+                done.append((x.detach(), out.detach(), x.grad, joined))
+            results[i] = done
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=drive, args=(i,), daemon=True) for i in range(4)]
+    with contextlib.ExitStack() as held:
+        for server in servers:  # no step meanwhile: every call sees the same parameters
+            held.enter_context(server._step_lock)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a thread hung waiting for its run's chunks"
+    assert not errors, errors
+    assert len(results) == 4
+    for done in results.values():
+        for x, out, grad, joined in done:
+            assert joined, "a thread's second call did not continue the run of its first"
+            xr = x.clone().requires_grad_(True)
+            want = blocks(xr)
+            want.pow(2).sum().backward()
+            torch.testing.assert_close(out, want.detach(), atol=1e-5, rtol=0)
+            torch.testing.assert_close(grad, xr.grad, atol=1e-5, rtol=1e-4)

@@ -144,9 +144,9 @@ class SwarmClient(_StageCommands):
         # whether stage calls may be cut into chunks (see .chunking); off for a pipeline that mixes rows
         self.chunking = True
         self._whole_stages: set[int] = set()  # stages whose outputs cannot be joined from chunks ("auto")
-        self._pipeline_run: PipelineRun | None = (
-            None  # the chunks of the latest chunked call, on through the stages
-        )
+        # per calling thread: the chunks of its latest chunked call, on through the stages (a run continues only
+        # the calls of the thread that opened it; threads sharing a client must not close each other's runs)
+        self._runs = threading.local()
         self.nonfinite_backwards = 0
         warm_up_codec(settings.compression)  # the first call's timeout must not pay for loading the kernels
 
@@ -209,6 +209,14 @@ class SwarmClient(_StageCommands):
         diff_inputs = [t for t, mark in zip(inputs.tensors, call.marks, strict=True) if mark]
         flat_outputs = _StageFunction.apply(call, _DUMMY, *diff_inputs)
         return call.output_skeleton.rebuild(list(flat_outputs))
+
+    @property
+    def _pipeline_run(self) -> PipelineRun | None:
+        return getattr(self._runs, "run", None)
+
+    @_pipeline_run.setter
+    def _pipeline_run(self, run: PipelineRun | None) -> None:
+        self._runs.run = run
 
     def next_seed(self) -> int:
         """A dropout seed for one stage call (replayed by its backward)."""

@@ -67,7 +67,7 @@ class _Chain:
         while True:
             with run.cond:
                 index = len(self.outputs)
-                if self.error is not None or run.closed or index > run.allowed:
+                if self.error is not None or index > run.allowed or (run.closed and index > run.awaited):
                     self.running = False
                     run.cond.notify_all()
                     return
@@ -156,6 +156,7 @@ class PipelineRun:
         self.cond = threading.Condition()
         self.closed = False
         self.allowed = -1  # the last stage index (of the run) the chains may run
+        self.awaited = -1  # the last stage index a call waits for: run even once the run is closed
         self.gates = {
             s: threading.BoundedSemaphore(2 * max(1, len(client._live_peers(s))))
             for s in range(stage, num_stages)
@@ -197,6 +198,7 @@ class PipelineRun:
         index = stage - self.first_stage
         self.allow(min(index + 1, self.num_stages - 1 - self.first_stage))
         with self.cond:
+            self.awaited = max(self.awaited, index)
             while not all(len(c.outputs) > index or c.error is not None for c in self.chains):
                 self.cond.wait()
             errors = [c.error for c in self.chains if c.error is not None and len(c.outputs) <= index]
@@ -229,7 +231,8 @@ class PipelineRun:
             self.pool.submit(chain.advance)
 
     def close(self) -> None:
-        """No further stage joins this run; the chains stop after their current call."""
+        """No further stage joins this run; the chains stop after their current call (once past the stage a call
+        waits for)."""
         with self.cond:
             self.closed = True
             self.cond.notify_all()
