@@ -2,9 +2,42 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import hivemind
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the strategy of the small local swarms (2 stages, fast timeouts) of the failure, launcher and chaos tests
+SMALL_SWARM_STRATEGY: dict[str, Any] = {
+    "pipeline": "layers",
+    "num_stages": 2,
+    "compression": "none",
+    "target_batch_size": 32,
+    "matchmaking_time": 1.0,
+    "averaging_timeout": 5.0,
+    "request_timeout": 10.0,
+}
+
+
+def run_launcher_job(out_dir: Path, mode: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``tests/_launcher_job.py OUT_DIR MODE`` to its end: the process and what it printed last (JSON)."""
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "_launcher_job.py"), str(out_dir), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res, json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def free_port() -> int:

@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.settings import SwarmSettings
+from tests._helpers import SMALL_SWARM_STRATEGY
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT / "examples" / "stage_peer.py"
@@ -180,13 +181,7 @@ def test_killing_one_peer_of_a_local_swarm_leaves_the_others_training_to_the_end
         "pids_dir": str(tmp_path),
         "kill": {"rank": 3, "step": 8},
         "strategy": {
-            "pipeline": "layers",
-            "num_stages": 2,
-            "compression": "none",
-            "target_batch_size": 32,
-            "matchmaking_time": 1.0,
-            "averaging_timeout": 5.0,
-            "request_timeout": 10.0,
+            **SMALL_SWARM_STRATEGY,
             "linger_timeout": 60.0,
             "run_id": "chaos_local",
         },

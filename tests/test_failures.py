@@ -19,6 +19,7 @@ import pytest
 
 from lightning_swarm.swarm.identity import PeerIdentity
 from lightning_swarm.swarm.validation import failure_key, record_validators
+from tests._helpers import SMALL_SWARM_STRATEGY, run_launcher_job
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "_failure_job.py"
@@ -26,16 +27,7 @@ pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="local swarms' lifetime is Linux only"
 )
 
-_STRATEGY = {
-    "pipeline": "layers",
-    "num_stages": 2,
-    "compression": "none",
-    "target_batch_size": 32,
-    "matchmaking_time": 1.0,
-    "averaging_timeout": 5.0,
-    "request_timeout": 10.0,
-    "linger_timeout": 30.0,
-}
+_STRATEGY = {**SMALL_SWARM_STRATEGY, "linger_timeout": 30.0}
 
 
 def _alive(pid: int) -> bool:
@@ -189,16 +181,7 @@ def test_a_peer_whose_dht_process_was_killed_stops_and_the_others_train_to_the_e
 def test_a_peer_that_exits_with_an_error_is_not_restarted_and_fails_the_launching_peer(tmp_path) -> None:
     """The launcher's own route, for a peer that fails before it could publish its error: an error exit status
     is a failure (not restarted, unlike a kill), raised once in the launching peer after the grace period."""
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_launcher_job.py"), str(tmp_path), "fail"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    res, seen = run_launcher_job(tmp_path, "fail")
     assert seen["deaths"] == [[1, 3]] and seen["restarts"] == {}, seen
     assert seen["early"] is None and seen["again"] is None, seen
     assert seen["raised"].startswith("Swarm peer 1 (pid ") and "exit code 3" in seen["raised"], seen

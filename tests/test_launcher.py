@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._helpers import SMALL_SWARM_STRATEGY, run_launcher_job
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
 
@@ -67,16 +69,7 @@ def test_forked_helpers_die_with_their_peer(tmp_path):
 
 
 def test_dead_peer_is_restarted_and_the_others_carry_on(tmp_path):
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_launcher_job.py"), str(tmp_path), "restart"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    res, seen = run_launcher_job(tmp_path, "restart")
     assert seen["deaths"] == [[1, -signal.SIGKILL]]
     assert seen["restarts"] == {"1": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["peer0.0", "peer1.1", "peer2.0"]
@@ -118,13 +111,7 @@ def test_a_signal_to_the_process_group_stops_a_training_local_swarm_promptly(tmp
         "out": str(tmp_path / "out.pt"),
         "pids_dir": str(tmp_path),
         "strategy": {
-            "pipeline": "layers",
-            "num_stages": 2,
-            "compression": "none",
-            "target_batch_size": 32,
-            "matchmaking_time": 1.0,
-            "averaging_timeout": 5.0,
-            "request_timeout": 10.0,
+            **SMALL_SWARM_STRATEGY,
             "run_id": f"signal_{sig.name}",
         },
     }
