@@ -220,3 +220,27 @@ def test_a_ctrl_c_swallowed_by_a_weakref_callback_is_raised_at_the_next_stage_ca
     assert "Exception ignored" in plain_err and "KeyboardInterrupt" in plain_err
     assert latched_out.split() == ["carried", "on", "raised", "not", "raised"], latched_err[-2000:]
     assert "Exception ignored" not in latched_err and "Traceback" not in latched_err, latched_err
+
+
+_NEW_SESSION_SCRIPT = r"""
+import os, subprocess, sys
+from lightning_swarm.swarm.lifetime import die_with_parent
+die_with_parent()  # what a peer's process does: a fork hook that places forked helpers
+child = subprocess.Popen(
+    [sys.executable, "-c", "import os; print(os.getsid(0), os.getpid())"],
+    start_new_session=True, preexec_fn=lambda: None, stdout=subprocess.PIPE, text=True,
+)
+sid, pid = child.communicate(timeout=60)[0].split()
+print("new session" if sid == pid else f"session {sid} of pid {pid}")
+"""
+
+
+def test_a_popen_asking_for_a_new_session_in_a_peers_process_gets_it() -> None:
+    """A peer's fork hook (``die_with_parent``) put every forked child in its own process group, which made the
+    ``setsid`` of ``Popen(start_new_session=True, preexec_fn=...)`` fail with EPERM in any process that had
+    started a peer (seen in the test suite's workers); such a child now gets its session."""
+    res = subprocess.run(
+        [sys.executable, "-c", _NEW_SESSION_SCRIPT], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "new session", res.stdout

@@ -44,6 +44,7 @@ import functools
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -209,6 +210,7 @@ def die_with_parent() -> None:
     if _installed_in_pid is None:
         os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
         _wrap_subprocess_exec()
+        _keep_new_sessions()
     _installed_in_pid = os.getpid()
 
 
@@ -228,6 +230,27 @@ def _wrap_subprocess_exec() -> None:
 
     create_subprocess_exec._dies_with_parent = True  # type: ignore[attr-defined]
     asyncio.subprocess.create_subprocess_exec = create_subprocess_exec  # type: ignore[assignment]
+
+
+def _keep_new_sessions() -> None:
+    """A ``subprocess.Popen`` that asks for its own session or process group places its child itself: the fork hook
+    leaves that child alone. (With a ``preexec_fn`` Python runs the fork hooks in the child, and the hook's
+    ``setpgid`` made the child a group leader, so the ``setsid`` that ``start_new_session`` asks for failed with
+    EPERM: any such ``Popen`` in a peer's process raised ``PermissionError``.)"""
+    original = subprocess.Popen.__init__
+    if getattr(original, "_sessions_kept", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: subprocess.Popen, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("start_new_session") or kwargs.get("process_group") is not None:
+            with exec_children():
+                original(self, *args, **kwargs)
+        else:
+            original(self, *args, **kwargs)
+
+    __init__._sessions_kept = True  # type: ignore[attr-defined]
+    subprocess.Popen.__init__ = __init__  # type: ignore[method-assign]
 
 
 _libc: Any = None
