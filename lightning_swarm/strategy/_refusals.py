@@ -52,3 +52,21 @@ def _refuse_for_swarm_steps(trainer: Trainer, plugin: Any, optimizers: list[Any]
             f"supported: the stages cannot unscale gradients of several trainers' loss scales; {fix}, or use "
             "'bf16-mixed'."
         )
+
+
+def _refuse_before_launch(model: Any, settings: Any) -> None:
+    """What the launching process can refuse before it starts the other peers of a local swarm (each peer checks
+    again when it joins): a pipeline that mixes rows cut into ``microbatches`` chunks. A model whose pipeline is
+    not built yet (``configure_model``) or cannot be found is left to the peers, which say what is wrong."""
+    from torch import nn
+
+    from lightning_swarm.swarm.chunking import check_chunkable
+    from lightning_swarm.swarm.partition import find_pipeline
+
+    if settings.microbatches in ("auto", 1) or not isinstance(model, nn.Module):
+        return
+    try:
+        container = model.get_submodule(settings.pipeline or find_pipeline(model))
+    except (AttributeError, ValueError):
+        return
+    check_chunkable(container, settings.microbatches)

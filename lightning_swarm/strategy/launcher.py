@@ -73,6 +73,8 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         self.restart_peers = restart_peers
         self.exit_timeout = exit_timeout
         self.poll_interval = poll_interval
+        # set by the strategy: called with the model (``fit``'s first argument) before the children start
+        self.precheck: Callable[[Any], None] | None = None
         self.restarts: dict[int, int] = {}  # local rank -> times restarted
         self.deaths: list[tuple[int, int]] = []  # (local rank, exit code) of every child that died
         self._by_rank: dict[int, subprocess.Popen] = {}
@@ -88,6 +90,8 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
+            if self.precheck is not None and args:
+                self.precheck(args[0])  # the user's error, before any other peer starts
             self._call_children_scripts()
             self._observer = threading.Thread(target=self._observe, daemon=True, name="swarm-launcher")
             self._observer.start()

@@ -31,7 +31,12 @@ from lightning_swarm.strategy._checkpointing import (
     fetcher,
     optimizer_state_bytes,
 )
-from lightning_swarm.strategy._refusals import _refuse_for_swarm_steps, _refuse_weight_copies, _scaler
+from lightning_swarm.strategy._refusals import (
+    _refuse_before_launch,
+    _refuse_for_swarm_steps,
+    _refuse_weight_copies,
+    _scaler,
+)
 from lightning_swarm.strategy._schedules import follow_swarm_epochs
 from lightning_swarm.strategy._trainer_steps import _TrainerDrivenSteps
 from lightning_swarm.strategy.launcher import _SwarmLauncher
@@ -274,6 +279,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
                 restart_peers=self.restart_peers,
                 exit_timeout=self.settings.linger_timeout + 30.0,
             )
+            self._launcher.precheck = lambda model: _refuse_before_launch(model, self.settings)
 
     @override
     def setup_environment(self) -> None:

@@ -33,7 +33,14 @@ from torch import nn
 from .payload import Payload
 from .stage_autograd import _DUMMY, _moved, _remote_outputs, _StageCall
 
-__all__ = ["Unmergeable", "chunk_bounds", "join_input_grads", "rows_mixing_module", "split_plan"]
+__all__ = [
+    "Unmergeable",
+    "check_chunkable",
+    "chunk_bounds",
+    "join_input_grads",
+    "rows_mixing_module",
+    "split_plan",
+]
 
 
 class Unmergeable(ValueError):
@@ -47,6 +54,21 @@ def rows_mixing_module(container: nn.Module) -> str | None:
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             return f"{name} ({type(module).__name__})" if name else type(module).__name__
     return None
+
+
+def check_chunkable(container: nn.Module, microbatches: int | str) -> None:
+    """Refuse an explicit ``microbatches > 1`` for a pipeline that mixes rows (see :func:`rows_mixing_module`).
+
+    Raises:
+        ValueError: naming the module and what to do instead.
+    """
+    mixer = rows_mixing_module(container)
+    if mixer is not None and microbatches not in ("auto", 1):
+        raise ValueError(
+            f"SwarmStrategy(microbatches={microbatches}) cannot cut this pipeline's batches into chunks: its "
+            f"module {mixer} computes each row's output from the whole batch's statistics. Use microbatches=1 "
+            "(or 'auto', which sends such a pipeline whole batches)."
+        )
 
 
 def split_plan(tensors: list[torch.Tensor]) -> list[bool] | None:

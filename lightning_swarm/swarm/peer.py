@@ -39,7 +39,7 @@ from torch import nn
 
 from .auth import SECRET_ENV, protect, unprotect
 from .bootstrap import _env_peers, dht_start_error
-from .chunking import rows_mixing_module
+from .chunking import check_chunkable, rows_mixing_module
 from .client import SwarmClient
 from .deferred_init import InitRecorder, replay
 from .dht_process import SwarmDHT
@@ -345,13 +345,8 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         if self.partition is None or self.partition.root is not module:
             self.prepare(module)
         assert self.partition is not None and self.stage is not None
+        check_chunkable(self.partition.container, s.microbatches)
         mixer = rows_mixing_module(self.partition.container)
-        if mixer is not None and s.microbatches not in ("auto", 1):
-            raise ValueError(
-                f"SwarmStrategy(microbatches={s.microbatches}) cannot cut this pipeline's batches into chunks: its "
-                f"module {mixer} computes each row's output from the whole batch's statistics. Use microbatches=1 "
-                "(or 'auto', which sends such a pipeline whole batches)."
-            )
         if training and optimizers:  # before the trainer's optimizers lose the pipeline's parameters
             self._stage_optimizer = _OptimizerTemplate(
                 optimizers, self.partition.container, before=self._live_pipeline_before()
