@@ -238,8 +238,10 @@ def test_with_several_trainers_the_swarms_epoch_drives_the_lr_schedule(tmp_path)
     assert swarm["global_step"] == 16
     peers = [torch.load(f"{tmp_path / 'swarm.pt'}.peer{rank}", weights_only=False) for rank in range(2)]
     epoch = max(p["info"]["epoch"] for p in peers)
-    # 2 trainers x 16 batches x 8 samples = 256 samples = 8 epochs of 32 (the last may not complete)
-    assert 6 <= epoch <= 8, epoch
+    # 2 trainers x 16 batches x 8 samples = 256 samples = 8 epochs of 32 (the last may not complete); hivemind
+    # also ends an epoch once its estimated time has passed (`ProgressTracker.ready_to_update_epoch`: on a loaded
+    # box, with reports late, one epoch may end short and a ninth begin)
+    assert 6 <= epoch <= 9, epoch
     steps = swarm["schedule_steps"]
     assert epoch - 2 <= steps <= epoch, (steps, epoch)
     assert swarm["lrs"][-1] == pytest.approx(0.05 / (1 + steps))
@@ -248,7 +250,7 @@ def test_with_several_trainers_the_swarms_epoch_drives_the_lr_schedule(tmp_path)
         assert p["lrs"][0] in [pytest.approx(0.05 / (1 + s)) for s in range(epoch - 3, epoch + 1)], p["lrs"]
     # the schedule moved with the swarm along the way: lr changes at most once per trainer step and not at every one
     changes = sum(a != b for a, b in zip(swarm["lrs"], swarm["lrs"][1:], strict=False))
-    assert 3 <= changes <= 8, swarm["lrs"]
+    assert 3 <= changes <= 9, swarm["lrs"]
 
 
 def test_several_optimizers_with_several_trainers_are_refused(tmp_path):
