@@ -20,6 +20,7 @@ import hivemind
 logger = logging.getLogger(__name__)
 
 _SKIP = "_skip_unreadable_request"
+_MAX_SKIPPED_IN_A_ROW = 1000  # more unreadable requests in a row than a run's end leaves queued (53 seen)
 
 
 class _SkipUnreadable:
@@ -27,16 +28,22 @@ class _SkipUnreadable:
 
     def __init__(self, pipe: Any) -> None:
         self._pipe = pipe
+        self._failed_in_a_row = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipe, name)
 
     def recv(self) -> Any:
         try:
-            return self._pipe.recv()
+            request = self._pipe.recv()
         except (OSError, RuntimeError) as e:  # what hivemind's loop catches (and then sleeps on)
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row > _MAX_SKIPPED_IN_A_ROW:
+                raise  # not a queue of stale requests but a broken pipe: hivemind's pause, not a busy loop
             logger.debug(f"DHT: dropped a request whose sender has exited: {e!r}")
             return (_SKIP, [], {})
+        self._failed_in_a_row = 0
+        return request
 
 
 class SwarmDHT(hivemind.DHT):
