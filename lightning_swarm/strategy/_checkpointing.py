@@ -23,6 +23,22 @@ _OPTIMIZER = "optimizer"
 _OPTIMIZER_KEY = "state"
 
 
+def local_state_dict(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` outside a run; refused while some of its tensors are on ``meta`` (a model larger
+    than one peer whose other stages were never gathered here)."""
+    state = module.state_dict()
+    absent = [k for k, v in state.items() if isinstance(v, Tensor) and v.is_meta]
+    if absent:
+        raise RuntimeError(
+            f"SwarmStrategy: the module's {len(absent)} tensors such as {absent[0]!r} are not in this process "
+            "(built on meta, the pipeline's other stages were never gathered here: the model is taken to be "
+            "larger than one peer), so a checkpoint saved now would lack them. Save checkpoints during fit "
+            "(ModelCheckpoint, or trainer.save_checkpoint in a hook): they are streamed from the swarm stage "
+            "by stage. Or pass SwarmStrategy(gather_on_end=True) to gather the whole model when fit ends."
+        )
+    return state
+
+
 def deferred_state_dict(peer: SwarmPeer, module: nn.Module) -> dict[str, Any]:
     """``module.state_dict()`` as if the pipeline were local, each pipeline tensor a ``Deferred`` leaf of its
     stage (fetched when the checkpoint is written)."""

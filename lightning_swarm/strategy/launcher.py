@@ -58,6 +58,8 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         exit_timeout: when this process exits normally, seconds it waits for its children to finish before it
             stops them (SIGTERM, then SIGKILL 10 s later); once the swarm failed, ``FAILED_EXIT_TIMEOUT_S`` at most.
         poll_interval: seconds between two checks of the children's health.
+        precheck: called with the model (``fit``'s first argument) before the children start: the user's errors
+            found there come before any other peer runs.
     """
 
     def __init__(
@@ -68,13 +70,13 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         restart_peers: int = 0,
         exit_timeout: float = 330.0,
         poll_interval: float = 1.0,
+        precheck: Callable[[Any], None] | None = None,
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.restart_peers = restart_peers
         self.exit_timeout = exit_timeout
         self.poll_interval = poll_interval
-        # set by the strategy: called with the model (``fit``'s first argument) before the children start
-        self.precheck: Callable[[Any], None] | None = None
+        self.precheck = precheck
         self.restarts: dict[int, int] = {}  # local rank -> times restarted
         self.deaths: list[tuple[int, int]] = []  # (local rank, exit code) of every child that died
         self._by_rank: dict[int, subprocess.Popen] = {}
@@ -91,7 +93,7 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             if self.precheck is not None and args:
-                self.precheck(args[0])  # the user's error, before any other peer starts
+                self.precheck(args[0])
             self._call_children_scripts()
             self._observer = threading.Thread(target=self._observe, daemon=True, name="swarm-launcher")
             self._observer.start()

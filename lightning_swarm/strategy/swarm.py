@@ -29,6 +29,7 @@ from lightning_swarm.strategy._checkpointing import (
     deferred_optimizer_states,
     deferred_state_dict,
     fetcher,
+    local_state_dict,
     optimizer_state_bytes,
 )
 from lightning_swarm.strategy._refusals import (
@@ -278,8 +279,8 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
                 self.num_nodes,
                 restart_peers=self.restart_peers,
                 exit_timeout=self.settings.linger_timeout + 30.0,
+                precheck=lambda model: _refuse_before_launch(model, self.settings),
             )
-            self._launcher.precheck = lambda model: _refuse_before_launch(model, self.settings)
 
     @override
     def setup_environment(self) -> None:
@@ -488,17 +489,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         (``Deferred`` leaves), fetched one stage at a time when :meth:`save_checkpoint` writes the file."""
         assert self.lightning_module is not None
         if self._peer is None or not self._peer.joined:
-            state = self.lightning_module.state_dict()
-            absent = [k for k, v in state.items() if isinstance(v, Tensor) and v.is_meta]
-            if absent:
-                raise RuntimeError(
-                    f"SwarmStrategy: the module's {len(absent)} tensors such as {absent[0]!r} are not in this process "
-                    "(built on meta, the pipeline's other stages were never gathered here: the model is taken to be "
-                    "larger than one peer), so a checkpoint saved now would lack them. Save checkpoints during fit "
-                    "(ModelCheckpoint, or trainer.save_checkpoint in a hook): they are streamed from the swarm stage "
-                    "by stage. Or pass SwarmStrategy(gather_on_end=True) to gather the whole model when fit ends."
-                )
-            return state
+            return local_state_dict(self.lightning_module)
         return deferred_state_dict(self._peer, self.lightning_module)
 
     @override

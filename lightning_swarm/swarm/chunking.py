@@ -56,8 +56,9 @@ def rows_mixing_module(container: nn.Module) -> str | None:
     return None
 
 
-def check_chunkable(container: nn.Module, microbatches: int | str) -> None:
-    """Refuse an explicit ``microbatches > 1`` for a pipeline that mixes rows (see :func:`rows_mixing_module`).
+def check_chunkable(container: nn.Module, microbatches: int | str) -> str | None:
+    """Refuse an explicit ``microbatches > 1`` for a pipeline that mixes rows; return the module that mixes them
+    (see :func:`rows_mixing_module`), or ``None``.
 
     Raises:
         ValueError: naming the module and what to do instead.
@@ -69,6 +70,7 @@ def check_chunkable(container: nn.Module, microbatches: int | str) -> None:
             f"module {mixer} computes each row's output from the whole batch's statistics. Use microbatches=1 "
             "(or 'auto', which sends such a pipeline whole batches)."
         )
+    return mixer
 
 
 def split_plan(tensors: list[torch.Tensor]) -> list[bool] | None:

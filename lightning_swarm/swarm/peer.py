@@ -39,7 +39,7 @@ from torch import nn
 
 from .auth import SECRET_ENV, protect, unprotect
 from .bootstrap import _env_peers, dht_start_error
-from .chunking import check_chunkable, rows_mixing_module
+from .chunking import check_chunkable
 from .client import SwarmClient
 from .deferred_init import InitRecorder, replay
 from .dht_process import SwarmDHT
@@ -345,8 +345,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         if self.partition is None or self.partition.root is not module:
             self.prepare(module)
         assert self.partition is not None and self.stage is not None
-        check_chunkable(self.partition.container, s.microbatches)
-        mixer = rows_mixing_module(self.partition.container)
+        mixer = check_chunkable(self.partition.container, s.microbatches)
         if training and optimizers:  # before the trainer's optimizers lose the pipeline's parameters
             self._stage_optimizer = _OptimizerTemplate(
                 optimizers, self.partition.container, before=self._live_pipeline_before()
