@@ -43,6 +43,7 @@ JSON is also written to ``runs/sparse_vs_dense/sparse_vs_dense.json`` (``--out``
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -149,47 +150,82 @@ def load_quality_data(args: argparse.Namespace) -> tuple[XCData, XCData]:
 
 
 def run_variant(args: argparse.Namespace) -> dict:
-    """Train one variant at one learning rate in this process, evaluating as it goes; returns the curve."""
-    torch.set_num_threads(2)
+    """Train one variant at one learning rate in this process, evaluating as it goes; returns the curve.
+
+    The training clock counts only the optimizer steps (not batching, not evaluation): process CPU seconds with
+    ``--clock cpu`` (with one torch thread that equals idle-box wall time and does not grow with other load on a
+    shared box), wall seconds with ``--clock wall``. Evaluations come at clock times growing geometrically
+    (``--first-eval-s``, ``--eval-growth``) until their interval reaches ``--max-eval-interval-s``. The run stops at
+    the first of: a plateau (at least ``--min-train-s`` trained and the best held-out P@1 rose by less than
+    ``CONVERGED_GAIN`` over the last third of the training time, with at least 3 evaluations in it), ``--patience``
+    evaluations in a row without a new best (a rate that peaks and falls), the budget ``--budget-s``, or the
+    wall-clock ``--deadline`` (seconds since the epoch; 0: none).
+    """
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     train, test = load_quality_data(args)
     global FEATURES
     FEATURES = train.num_features
     net = Net(args.variant, train.num_labels, args)
     gen = torch.Generator().manual_seed(0)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     curve: list[tuple[float, float]] = []  # (training seconds, held-out P@1)
-    train_s, steps, best, since_best = 0.0, 0, -1.0, 0
+    train_s, wall_s, steps, best, since_best = 0.0, 0.0, 0, -1.0, 0
+    interval = args.first_eval_s
     next_eval = args.first_eval_s
     losses: list[float] = []
-    done = False
-    while not done:
+    stopped = ""
+    epochs = 0
+    while not stopped:
         order = torch.randperm(len(train), generator=gen)
+        epochs += 1
         for lo in range(0, len(order) - BATCH + 1, BATCH):
             batch = collate_sparse([train.row(int(i)) for i in order[lo : lo + BATCH]])
-            start = time.perf_counter()
+            start, wall = clock(), time.perf_counter()
             losses.append(net.train_step(batch))
-            train_s += time.perf_counter() - start
+            train_s += clock() - start
+            wall_s += time.perf_counter() - wall
             steps += 1
-            if train_s >= next_eval or train_s >= args.budget_s:
-                next_eval = max(next_eval * args.eval_growth, train_s)
+            past_deadline = bool(args.deadline) and time.time() >= args.deadline
+            if train_s >= next_eval or train_s >= args.budget_s or past_deadline:
+                interval = min(interval * args.eval_growth, args.max_eval_interval_s)
+                next_eval = max(next_eval + interval, train_s)
                 p1 = net.precision(test)["p@1"]
                 curve.append((round(train_s, 2), round(p1, 4)))
                 best, since_best = (p1, 0) if p1 > best else (best, since_best + 1)
-                if since_best >= args.patience or train_s >= args.budget_s:
-                    done = True
+                if train_s >= args.budget_s:
+                    stopped = "budget"
+                elif past_deadline:
+                    stopped = "deadline"
+                elif since_best >= args.patience:
+                    stopped = "patience"
+                elif train_s >= args.min_train_s and plateaued(curve):
+                    stopped = "plateau"
+                if stopped:
                     break
     return {
         "lr": args.lr,
         "steps": steps,
+        "epochs": round(steps * BATCH / len(train), 2),
+        "clock": args.clock,
+        "threads": args.threads,
         "train_s": round(train_s, 1),
+        "train_wall_s": round(wall_s, 1),
         "step_ms": round(1000 * train_s / steps, 1),
         "best_p_at_1": round(best, 4),
+        "stopped": stopped,
         "curve": curve,
         "first_loss": losses[0],
         "last_loss": sum(losses[-10:]) / len(losses[-10:]),
         "peak_rss_mb": _harness.memory.ru_maxrss_mb(),
         "rebuilds": net.out.num_rebuilds if args.variant == "sparse" else None,
     }
+
+
+def plateaued(curve: list[tuple[float, float]]) -> bool:
+    """The plateau rule: converged (below) with at least 3 evaluations in the last third of the training time."""
+    end = curve[-1][0]
+    return sum(1 for t, _ in curve if t > end * 2 / 3) >= 3 and converged(curve)
 
 
 def last_third_gain(curve: list[list[float]]) -> float | None:
@@ -321,10 +357,55 @@ def main() -> None:
         "--eval-growth", type=float, default=1.5, help="each evaluation interval is this much longer"
     )
     parser.add_argument(
-        "--patience", type=int, default=4, help="evaluations without improvement before stopping"
+        "--patience", type=int, default=6, help="evaluations in a row without a new best P@1 before stopping"
     )
     parser.add_argument(
-        "--lrs", default="0.001,0.003,0.01,0.03", help="learning rates swept for both variants"
+        "--max-eval-interval-s",
+        type=float,
+        default=20.0,
+        help="longest training-clock interval between evaluations",
+    )
+    parser.add_argument(
+        "--min-train-s",
+        type=float,
+        default=30.0,
+        help="training seconds before the plateau rule may stop a run",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="",
+        help="training clock of the quality runs: process CPU seconds (default with one thread per run) or wall seconds",
+    )
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="quality runs side by side (each then gets 2 // N torch threads)",
+    )
+    parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--max-wall-s",
+        type=float,
+        default=0.0,
+        help="wall-clock limit of the whole quality part: runs still going then stop (stopped: deadline)",
+    )
+    parser.add_argument(
+        "--skip-timing",
+        action="store_true",
+        help="leave out the 670,091-label step timing (quality part only)",
+    )
+    parser.add_argument(
+        "--lrs",
+        default="",
+        help="learning rates swept for both variants (0.001,0.003,0.01,0.03; --quick: 0.001,0.003,0.01)",
+    )
+    parser.add_argument(
+        "--lrs-dense", default="", help="learning rates swept for the dense model (default: --lrs)"
+    )
+    parser.add_argument(
+        "--lrs-sparse", default="", help="learning rates swept for the sparse model (default: --lrs)"
     )
     parser.add_argument("--num-active", type=int, default=4096, help="active neurons per sample (sparse)")
     parser.add_argument("--lr", type=float, default=2e-3, help=argparse.SUPPRESS)
@@ -336,6 +417,8 @@ def main() -> None:
         print(json.dumps(run_timing(args)))
         return
     if args.variant:
+        args.threads = args.threads or 2
+        args.clock = args.clock or "wall"
         print(json.dumps(run_variant(args)))
         return
     report = _harness.Report("sparse_vs_dense", args.out)
@@ -348,22 +431,49 @@ def main() -> None:
         "quick": args.quick,
     }
     lsh = dict(num_bits=args.num_bits, num_tables=args.num_tables, rebuild_every=args.rebuild_every)
+    quality_start = time.time()
     result.update(reader_speed())
-    timing = child(
-        "timing", num_active=args.num_active, dense_steps=6 if args.quick else 12, lr=args.lr, **lsh
+    timing = (
+        None
+        if args.skip_timing
+        else child(
+            "timing", num_active=args.num_active, dense_steps=6 if args.quick else 12, lr=args.lr, **lsh
+        )
     )
     if args.quick:  # short budgets, few held-out points (exact top-k over 670k labels is costly)
         held_out = 256 if args.labels == LABELS else 2048  # exact top-k over 20k labels is cheap
         quality = dict(labels=args.labels, train=BATCH * 400, test=held_out, num_active=args.num_active)
         sweep_s, budget_s, lrs = 12.0, 60.0, [0.001, 0.003, 0.01]
+        lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else lrs
     else:
         quality = dict(labels=args.labels, train=BATCH * 2000, test=2048, num_active=args.num_active)
-        sweep_s, budget_s, lrs = 60.0, 900.0, [float(x) for x in args.lrs.split(",")]
+        sweep_s, budget_s, lrs = (
+            60.0,
+            900.0,
+            [float(x) for x in (args.lrs or "0.001,0.003,0.01,0.03").split(",")],
+        )
+    lrs_of = {
+        v: [float(x) for x in getattr(args, f"lrs_{v}").split(",")] if getattr(args, f"lrs_{v}") else lrs
+        for v in ("dense", "sparse")
+    }
     sweep_s, budget_s = args.sweep_s or sweep_s, args.train_s or budget_s
     quality["num_active"] = min(quality["num_active"], args.labels)
     if args.data_dir:
         quality["data_dir"] = args.data_dir
-    common = dict(**quality, **lsh, patience=args.patience, eval_growth=args.eval_growth)
+    threads = max(1, 2 // args.parallel)
+    clock = args.clock or ("cpu" if threads == 1 else "wall")
+    deadline = quality_start + args.max_wall_s if args.max_wall_s else 0.0
+    common = dict(
+        **quality,
+        **lsh,
+        patience=args.patience,
+        eval_growth=args.eval_growth,
+        max_eval_interval_s=args.max_eval_interval_s,
+        min_train_s=args.min_train_s,
+        threads=threads,
+        clock=clock,
+        deadline=deadline,
+    )
     chosen, sweeps, runs, interior = {}, {}, {}, {}
     # --full-sweep: every swept rate trains for the final budget (to its plateau) and the best of those runs is the
     # result, so a rate that learns fast but peaks low cannot win on a short sweep budget.
@@ -374,22 +484,35 @@ def main() -> None:
             return child(variant, lr=lr, budget_s=budget_s, first_eval_s=args.first_eval_s, **common)
         return child(variant, lr=lr, budget_s=sweep_s, first_eval_s=sweep_s, **common)
 
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel)
+    swept_runs: dict[str, dict[float, dict]] = {"sparse": {}, "dense": {}}
+
+    def sweep_all(jobs: list[tuple[str, float]]) -> None:
+        futures = {job: pool.submit(sweep_run, *job) for job in jobs}
+        for (variant, lr), future in futures.items():
+            swept_runs[variant][lr] = future.result()
+
+    # Dense runs first: they are the longest (the pool starts jobs in this order).
+    sweep_all([(v, lr) for v in ("dense", "sparse") for lr in lrs_of[v]])
+    # A best rate at the edge of the sweep is not tuned: extend the sweep past that edge (x3 steps).
+    for _ in range(MAX_SWEEP_EXTENSIONS):
+        more = []
+        for variant in ("dense", "sparse"):
+            swept = sorted(swept_runs[variant])
+            best_lr = max(swept, key=lambda lr: swept_runs[variant][lr]["best_p_at_1"])
+            if not swept[0] < best_lr < swept[-1]:
+                more.append((variant, best_lr * 3 if best_lr == swept[-1] else best_lr / 3))
+        if not more or (deadline and time.time() >= deadline):
+            break
+        sweep_all(more)
+    pool.shutdown()
     for variant in ("sparse", "dense"):
-        swept_runs = {lr: sweep_run(variant, lr) for lr in lrs}
-        # A best rate at the edge of the sweep is not tuned: extend the sweep past that edge (x3 steps).
-        for _ in range(MAX_SWEEP_EXTENSIONS):
-            swept = sorted(swept_runs)
-            best_lr = max(swept, key=lambda lr: swept_runs[lr]["best_p_at_1"])
-            if swept[0] < best_lr < swept[-1]:
-                break
-            lr = best_lr * 3 if best_lr == swept[-1] else best_lr / 3
-            swept_runs[lr] = sweep_run(variant, lr)
-        swept = sorted(swept_runs)
-        sweeps[variant] = {lr: swept_runs[lr]["best_p_at_1"] for lr in swept}
+        swept = sorted(swept_runs[variant])
+        sweeps[variant] = {lr: swept_runs[variant][lr]["best_p_at_1"] for lr in swept}
         chosen[variant] = max(swept, key=lambda lr: sweeps[variant][lr])
         interior[variant] = swept[0] < chosen[variant] < swept[-1]
         runs[variant] = (
-            swept_runs[chosen[variant]]
+            swept_runs[variant][chosen[variant]]
             if full
             else child(
                 variant, lr=chosen[variant], budget_s=budget_s, first_eval_s=args.first_eval_s, **common
@@ -397,18 +520,33 @@ def main() -> None:
         )
     target = runs["dense"]["best_p_at_1"]
     t_sparse, t_dense = time_to(runs["sparse"]["curve"], target), time_to(runs["dense"]["curve"], target)
+    if timing:
+        result.update(
+            step_ms_dense=round(timing["step_ms_dense"], 1),
+            step_ms_sparse=round(timing["step_ms_sparse"], 1),
+            speedup=round(timing["step_ms_dense"] / timing["step_ms_sparse"], 2),
+            cpu_ms_per_step_dense=round(timing["cpu_ms_dense"], 1),
+            cpu_ms_per_step_sparse=round(timing["cpu_ms_sparse"], 1),
+            speedup_cpu_time=round(timing["cpu_ms_dense"] / timing["cpu_ms_sparse"], 2),
+            active_fraction=round(args.num_active / LABELS, 5),
+            timed_steps_dense=timing["timed_steps_dense"],
+            timed_steps_sparse=timing["timed_steps_sparse"],
+            rebuilds_in_timed_sparse_steps=timing["rebuilds_timed"],
+        )
     result.update(
-        step_ms_dense=round(timing["step_ms_dense"], 1),
-        step_ms_sparse=round(timing["step_ms_sparse"], 1),
-        speedup=round(timing["step_ms_dense"] / timing["step_ms_sparse"], 2),
-        cpu_ms_per_step_dense=round(timing["cpu_ms_dense"], 1),
-        cpu_ms_per_step_sparse=round(timing["cpu_ms_sparse"], 1),
-        speedup_cpu_time=round(timing["cpu_ms_dense"] / timing["cpu_ms_sparse"], 2),
         num_active=args.num_active,
-        active_fraction=round(args.num_active / LABELS, 5),
-        timed_steps_dense=timing["timed_steps_dense"],
-        timed_steps_sparse=timing["timed_steps_sparse"],
-        rebuilds_in_timed_sparse_steps=timing["rebuilds_timed"],
+        quality_clock=clock,
+        quality_threads_per_run=threads,
+        quality_runs_side_by_side=args.parallel,
+        sweep_runs={
+            v: {
+                str(lr): {
+                    k: r[k] for k in ("best_p_at_1", "stopped", "train_s", "train_wall_s", "epochs", "steps")
+                }
+                for lr, r in sorted(swept_runs[v].items())
+            }
+            for v in swept_runs
+        },
         quality_data="real files" if args.data_dir else "synthetic, Amazon-670K-shaped",
         quality_labels=quality["labels"],
         load_average_before=load_before,
@@ -432,8 +570,10 @@ def main() -> None:
         time_to_p1_sparse=t_sparse,
         time_to_p1_dense=t_dense,
         time_to_p1_ratio=round(t_dense / t_sparse, 2) if t_sparse and t_dense else None,
-        stopped_dense="budget" if runs["dense"]["train_s"] >= budget_s else "plateau",
-        stopped_sparse="budget" if runs["sparse"]["train_s"] >= budget_s else "plateau",
+        stopped_dense=runs["dense"]["stopped"],
+        stopped_sparse=runs["sparse"]["stopped"],
+        epochs_dense=runs["dense"]["epochs"],
+        epochs_sparse=runs["sparse"]["epochs"],
         curve_sparse=runs["sparse"]["curve"],
         curve_dense=runs["dense"]["curve"],
         training_step_ms_dense=runs["dense"]["step_ms"],
