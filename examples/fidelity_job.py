@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -153,9 +154,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any] | None:
     return result
 
 
-def launch(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+def launch(
+    cfg: dict[str, Any], timeout: float, run: Callable[..., subprocess.CompletedProcess] = subprocess.run
+) -> dict[str, Any]:
     """Run ``cfg`` (a swarm run) as its own program, ``python examples/fidelity_job.py '<cfg>'`` (Lightning's
-    launcher starts the other peers from it), and return peer 0's result.
+    launcher starts the other peers from it), and return peer 0's result. ``run`` starts it (``subprocess.run``
+    or one with the same arguments).
 
     Raises:
         RuntimeError: the run failed; the message holds the end of its output.
@@ -164,7 +168,7 @@ def launch(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     env.pop("LOCAL_RANK", None)  # a run started from inside a peer must start its own swarm
     with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
         out = os.path.join(tmp, "result.pt")
-        proc = subprocess.run(
+        proc = run(
             [sys.executable, os.path.abspath(__file__), json.dumps({**cfg, "out": out})],
             env=env,
             capture_output=True,

@@ -12,6 +12,8 @@ from typing import Any
 
 import hivemind
 
+from tests import _zygote
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # the strategy of the small local swarms (2 stages, fast timeouts) of the failure, launcher and chaos tests
@@ -28,11 +30,11 @@ SMALL_SWARM_STRATEGY: dict[str, Any] = {
 
 def run_launcher_job(out_dir: Path, mode: str) -> tuple[subprocess.CompletedProcess, dict]:
     """``tests/_launcher_job.py OUT_DIR MODE`` to its end: the process and what it printed last (JSON)."""
-    res = subprocess.run(
+    res = _zygote.run(
         [sys.executable, str(ROOT / "tests" / "_launcher_job.py"), str(out_dir), mode],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import yaml
 
 from examples.albert.data import IGNORE, MASK, AlbertDataModule
 from examples.albert.model import Albert
+from tests import _zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "albert" / "configs"
@@ -202,7 +202,7 @@ def test_single_process_config_trains_a_few_steps(tmp_path):
         "--model.lr=0.005",
         *[f"--model.{k}={v}" for k, v in TINY_MODEL.items()],
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = _zygote.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(history.read_text())
     assert record["done"] and record["step"] == [1, 2, 3, 4, 5, 6]
@@ -221,7 +221,7 @@ def test_main_job_launcher_survives_a_killed_peer_and_summarizes(tmp_path):
         "--trainer.strategy.init_args.target_batch_size=64", "--trainer.accumulate_grad_batches=2",
         "--trainer.limit_val_batches=0", *[f"--model.{k}={v}" for k, v in TINY_MODEL.items()],
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = _zygote.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "Traceback" not in output and "ERROR" not in output, output[-4000:]

@@ -23,6 +23,7 @@ from examples.amazon670k.data import (
     read_xc_file,
     write_xc_file,
 )
+from tests import _zygote
 
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "examples" / "amazon670k" / "sample_data"
 
@@ -344,7 +345,6 @@ def test_cli_reads_real_format_files_with_fast_dev_run(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_train_script_runs_from_the_repository_root(tmp_path: Path) -> None:
-    import subprocess
     import sys
 
     cmd = [sys.executable, "examples/amazon670k/train.py", "fit", "--config", str(SMALL_CONFIG)]
@@ -357,7 +357,7 @@ def test_train_script_runs_from_the_repository_root(tmp_path: Path) -> None:
         "2",
     ]
     cmd += ["--trainer.default_root_dir", str(tmp_path)]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=170)
+    result = _zygote.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fast_dev_run" in result.stdout + result.stderr
 

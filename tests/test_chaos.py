@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.settings import SwarmSettings
+from tests import _zygote
 from tests._helpers import SMALL_SWARM_STRATEGY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def _alive(pid: int) -> bool:
 class Peer:
     def __init__(self, cfg: dict) -> None:
         self.cfg = cfg
-        self.proc = subprocess.Popen(
+        self.proc = _zygote.Popen(
             [sys.executable, str(PEER), json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -17,6 +17,7 @@ import yaml
 
 from examples.albert.model import Albert
 from lightning_swarm.swarm import SwarmClient, SwarmSettings
+from tests import _zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {
@@ -37,7 +38,7 @@ def _start_server(
     cmd = [sys.executable, "-m", "lightning_swarm.cli", "serve", "examples.albert.model.Albert"]
     cmd += ["--config", str(config), "--run-id", run_id, "--num-stages", "2", "--stage", str(stage)]
     cmd += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--initial-peers", *initial_peers]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = _zygote.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -77,7 +78,7 @@ def test_serve_and_status_form_a_swarm_by_initial_peers(tmp_path: Path) -> None:
         second, _ = _start_server(config, run_id, 1, [address])  # joins the first by its address only
         servers.append(second)
 
-        status = subprocess.run(
+        status = _zygote.run(
             [sys.executable, "-m", "lightning_swarm.cli", "status", "--initial-peers", address]
             + ["--run-id", run_id],  # the number of stages comes from the peers' records
             cwd=ROOT,

@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+from tests import _zygote
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "_contract_job.py")
 TOLERANCE = 1e-6
@@ -25,7 +27,7 @@ def start(cfg: dict, tmp_path, name: str) -> tuple[subprocess.Popen, str]:
     out = str(tmp_path / f"{name}.pt")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.Popen(
+    proc = _zygote.Popen(
         [sys.executable, JOB, json.dumps({**cfg, "out": out})],
         cwd=ROOT,
         env=env,

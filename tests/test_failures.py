@@ -19,6 +19,7 @@ import pytest
 
 from lightning_swarm.swarm.identity import PeerIdentity
 from lightning_swarm.swarm.validation import failure_key, record_validators
+from tests import _zygote
 from tests._helpers import SMALL_SWARM_STRATEGY, run_launcher_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +47,7 @@ def _run(tmp_path: Path, cfg: dict, timeout: float) -> tuple[int, str, dict[int,
     env.pop("LOCAL_RANK", None)
     err = tmp_path / "stderr"
     with open(err, "w") as f:
-        proc = subprocess.Popen(
+        proc = _zygote.Popen(
             [sys.executable, str(JOB), json.dumps(cfg)],
             cwd=ROOT,
             env=env,

@@ -41,6 +41,7 @@ from examples.fidelity_job import buffer_gap, launch, parameter_gap, run  # noqa
 from lightning_swarm.swarm.client import SwarmClient  # noqa: E402
 from lightning_swarm.swarm.server import StageServer  # noqa: E402
 from lightning_swarm.swarm.settings import SwarmSettings  # noqa: E402
+from tests import _zygote  # noqa: E402
 
 STEPS = 20
 BATCH = 16
@@ -97,6 +98,7 @@ def test_a_swarm_trains_the_model_one_process_trains(family: str) -> None:
     swarm = launch(
         {**cfg, "devices": 2, "swarm": {**SWARM, "run_id": f"fidelity_{family}_{os.getpid()}_{next(_runs)}"}},
         timeout=240,
+        run=_zygote.run,
     )
     gap = parameter_gap(single, swarm)
     report = (

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ from lightning.pytorch.cli import LightningCLI
 
 import lightning_swarm
 from lightning_swarm import SwarmStrategy
+from tests import _zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALBERT_SMALL = {"embedding_size": 16, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
@@ -22,7 +22,7 @@ JOB = os.path.join(ROOT, "tests", "swarm_job.py")
 def run_job(cfg: dict, timeout: float) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
+    proc = _zygote.run(
         [sys.executable, JOB, json.dumps(cfg)],
         cwd=ROOT,
         env=env,
@@ -235,7 +235,7 @@ def test_lightning_cli_yaml_trains_and_validates_through_the_swarm(tmp_path):
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
+    proc = _zygote.run(
         [sys.executable, "examples/albert/train.py", "fit", "--config", str(path)],
         cwd=ROOT,
         env=env,

@@ -1,0 +1,356 @@
+"""Start the tests' job scripts without paying for ``import torch, lightning, hivemind`` each time.
+
+A local swarm test starts Python processes, and each spends about 4 s of CPU importing torch, Lightning and
+hivemind before it does anything: on the 2-core box that was about half of the suite's CPU. Each pytest worker
+therefore keeps one *zygote*: a process that imported those modules once and then only forks. ``Popen`` below is a
+``subprocess.Popen`` whose child is forked by the zygote instead of started afresh; it runs the same script with
+the same arguments, working directory, environment and standard streams, in its own session when asked, and its
+exit status reaches ``wait``/``poll`` as a real child's would.
+
+What a job then does is unchanged: it is the same script in a process with the same modules. The processes it
+starts itself (the other ranks of a local swarm, their DHTs and p2p daemons) are started as before. Only the
+job's own start differs, so a test that measures a job process's memory, or that is about how a process starts,
+uses ``subprocess`` directly.
+
+Anything the zygote cannot reproduce falls back to ``subprocess.Popen``: a command that is not
+``[sys.executable, SCRIPT, ...]`` or ``[sys.executable, "-m", MODULE, ...]``, an environment that changes what happens at import (``OMP_*``, ``PYTHON*``,
+``HIVEMIND_*``, ...), options other than the ones handled here, or a zygote that could not start.
+``LIGHTNING_SWARM_TEST_ZYGOTE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Any
+
+# environment variables read while the preloaded modules are imported (or by the interpreter at start-up): a job
+# that sets them differently from the zygote is started afresh
+_IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "PYTHON", "HIVEMIND_", "TORCH", "CUDA_",
+                         "LD_", "MALLOC", "BNB_", "LIGHTNING_SWARM_TEST")  # fmt: skip
+_PRELOAD = ("numpy", "torch", "lightning.pytorch", "lightning.pytorch.cli", "hivemind", "lightning_swarm",
+            "lightning_swarm.strategy.swarm")  # fmt: skip
+_HEADER = struct.Struct("!Q")
+_STATUS = struct.Struct("!qi")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the client side: used in the pytest worker
+
+
+class _Zygote:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.path = ""
+        self.env: dict[str, str] = {}
+        self.broken = os.environ.get("LIGHTNING_SWARM_TEST_ZYGOTE", "1") == "0"
+
+    def address(self) -> str | None:
+        """The zygote's socket, started on first use; ``None`` if it cannot be used."""
+        with self.lock:
+            if self.broken:
+                return None
+            if self.proc is not None and self.proc.poll() is None:
+                return self.path
+            self.path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "sock")
+            self.env = dict(os.environ)
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), self.path, str(os.getpid())],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            )
+            ready = self.proc.stdout.readline().strip()  # type: ignore[union-attr]
+            if ready != b"ready":
+                self.broken = True  # e.g. the preloaded modules started threads: forking would not be safe
+                self.proc.kill()
+                self.proc.wait()
+                return None
+            return self.path
+
+    def usable_for(self, args: Any, env: dict[str, str] | None) -> bool:
+        if isinstance(args, (str, bytes)) or len(args) < 2 or str(args[0]) != sys.executable:
+            return False
+        if str(args[1]) == "-m":
+            if len(args) < 3:
+                return False
+        elif str(args[1]).startswith("-") or not os.path.isfile(str(args[1])):
+            return False
+        wanted = dict(os.environ if env is None else env)
+        if self.address() is None:
+            return False
+        for key in set(wanted) | set(self.env):
+            if key.startswith(_IMPORT_TIME_PREFIXES) and wanted.get(key) != self.env.get(key):
+                if key in ("PYTHONUNBUFFERED", "PYTHONPATH"):  # the child sets up its streams and path again
+                    continue
+                return False
+        return True
+
+
+_ZYGOTE = _Zygote()
+
+
+class Popen(subprocess.Popen):
+    """``subprocess.Popen`` for ``[sys.executable, script, *args]``; the child is forked by this worker's zygote
+    when it can be (see the module's docstring), else started as usual."""
+
+    def __init__(self, args: Any, **kwargs: Any) -> None:
+        handled = {"stdin", "stdout", "stderr", "cwd", "env", "text", "universal_newlines", "encoding", "errors",
+                   "bufsize", "start_new_session"}  # fmt: skip
+        self._zygote_conn: socket.socket | None = None
+        self._use_zygote = set(kwargs) <= handled and _ZYGOTE.usable_for(args, kwargs.get("env"))
+        super().__init__(args, **kwargs)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,  # type: ignore[override]
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
+                       restore_signals, gid, gids, uid, umask, start_new_session, *rest):  # fmt: skip
+        path = _ZYGOTE.address() if self._use_zygote else None
+        if path is None:
+            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                                          creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
+                                          errwrite, restore_signals, gid, gids, uid, umask, start_new_session,
+                                          *rest)  # fmt: skip
+        request = json.dumps({
+            "argv": [str(a) for a in args],
+            "cwd": os.path.abspath(cwd if cwd is not None else os.getcwd()),
+            "env": {str(k): str(v) for k, v in (os.environ if env is None else env).items()},
+            "new_session": bool(start_new_session),
+        }).encode()  # fmt: skip
+        fds = [
+            p2cread if p2cread != -1 else 0,
+            c2pwrite if c2pwrite != -1 else 1,
+            errwrite if errwrite != -1 else 2,
+        ]
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+            socket.send_fds(conn, [_HEADER.pack(len(request))], fds)
+            conn.sendall(request)
+            pid = _HEADER.unpack(_recv_exactly(conn, _HEADER.size))[0]
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            devnull = getattr(self, "_devnull", None)
+            for write_end, read_end in ((p2cread, p2cwrite), (c2pwrite, c2pread), (errwrite, errread)):
+                if write_end != -1 and read_end != -1 and write_end != devnull:
+                    os.close(write_end)
+            if devnull is not None:
+                os.close(devnull)
+        self._zygote_conn = conn
+        self.pid = pid
+        self._child_created = True
+
+    def _try_wait(self, wait_flags: int) -> tuple[int, int]:
+        if self._zygote_conn is None:
+            return super()._try_wait(wait_flags)
+        if wait_flags & os.WNOHANG and not select.select([self._zygote_conn], [], [], 0)[0]:
+            return 0, 0
+        data = _recv_exactly(self._zygote_conn, _STATUS.size)
+        self._zygote_conn.close()
+        self._zygote_conn = None
+        pid, status = _STATUS.unpack(data)
+        return pid, status
+
+    def _internal_poll(self, _deadstate: Any = None, **_: Any) -> int | None:
+        if self._zygote_conn is None:
+            return (
+                super()._internal_poll(_deadstate=_deadstate) if self.returncode is None else self.returncode
+            )
+        if not self._waitpid_lock.acquire(False):
+            return None
+        try:
+            if self.returncode is not None:
+                return self.returncode
+            pid, status = self._try_wait(os.WNOHANG)
+            if pid == self.pid:
+                self._handle_exitstatus(status)
+        finally:
+            self._waitpid_lock.release()
+        return self.returncode
+
+
+def run(args: Any, *, input: Any = None, capture_output: bool = False, timeout: float | None = None,
+        check: bool = False, **kwargs: Any) -> subprocess.CompletedProcess:  # fmt: skip
+    """``subprocess.run`` with :class:`Popen`."""
+    if input is not None:
+        kwargs["stdin"] = subprocess.PIPE
+    if capture_output:
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    with Popen(args, **kwargs) as proc:
+        try:
+            stdout, stderr = proc.communicate(input, timeout=timeout)
+        except BaseException:
+            proc.kill()
+            proc.communicate()
+            raise
+        code = proc.poll()
+    if check and code:
+        raise subprocess.CalledProcessError(code, args, stdout, stderr)
+    return subprocess.CompletedProcess(args, code, stdout, stderr)  # type: ignore[arg-type]
+
+
+def _recv_exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        part = conn.recv(size - len(data))
+        if not part:
+            raise ConnectionError("the zygote closed the connection")
+        data += part
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the zygote itself: ``python tests/_zygote.py SOCKET PARENT_PID``
+
+
+def _serve(path: str, parent: int) -> int | None:
+    """Accept requests and fork; returns in a forked child (its exit code comes from running the script), never in
+    the zygote, which ends when its parent does."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    waiting: dict[int, socket.socket] = {}
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 1)  # the worker reads only "ready" from this pipe
+    while os.getppid() == parent:
+        ready = select.select([listener], [], [], 0.05)[0]
+        while waiting:  # report ended children
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(_STATUS.pack(pid, status))
+                except OSError:
+                    pass
+                conn.close()
+        if not ready:
+            continue
+        conn, _ = listener.accept()
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(conn, _HEADER.size, 3)
+            request = json.loads(_recv_exactly(conn, _HEADER.unpack(msg)[0]))
+        except Exception:
+            conn.close()
+            continue
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            conn.close()
+            for other in waiting.values():
+                other.close()
+            os.close(devnull)
+            return _become(request, fds)
+        for fd in fds:
+            os.close(fd)
+        waiting[pid] = conn
+        conn.sendall(_HEADER.pack(pid))
+    return None
+
+
+def _become(request: dict, fds: list[int]) -> int:
+    """In the forked child: take the job's streams, directory, environment and arguments, and run its script."""
+    import io
+    import runpy
+    import traceback
+
+    if request["new_session"]:
+        os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),
+                                  write_through=unbuffered, line_buffering=os.isatty(1))  # fmt: skip
+    sys.__stdin__, sys.__stdout__ = sys.stdin, sys.stdout
+    import numpy
+
+    numpy.random.seed()  # a fresh process draws its own seed (Python's `random` reseeds itself after a fork)
+    argv = request["argv"]
+    module = argv[2] if argv[1] == "-m" else None
+    extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if module is None:  # python SCRIPT ARGS: the script's folder first on the path
+        sys.argv = argv[1:]
+        sys.path[:1] = [os.path.dirname(os.path.abspath(argv[1])), *extra]
+    else:  # python -m MODULE ARGS: the working directory first, argv[0] the module's file (set by runpy)
+        sys.argv = [argv[2], *argv[3:]]
+        sys.path[:1] = [os.getcwd(), *extra]
+    try:
+        if module is None:
+            runpy.run_path(argv[1], run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _main() -> None:
+    path, parent = sys.argv[1], int(sys.argv[2])
+    import ctypes
+    import importlib
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: the zygote ends with its pytest worker
+    sys.path[0] = os.getcwd()  # the repository: ``lightning_swarm`` and ``tests`` import as they do in a job
+    for name in _PRELOAD:
+        importlib.import_module(name)
+    if threading.active_count() != 1:  # a thread would not survive the fork: do not fork at all
+        sys.stdout.write("threads\n")
+        sys.stdout.flush()
+        return
+    code = _serve(path, parent)
+    if code is not None:  # a forked child: end as the script's process would
+        _exit(code)
+
+
+def _exit(code: int) -> None:
+    """End the child the way the interpreter ends a script (wait for its non-daemon threads, run its ``atexit``
+    functions, flush its streams), without tearing down every module: in a forked child that teardown writes to
+    every page it shares with the zygote, which took 1.2 s per job."""
+    import atexit
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except BaseException:
+        pass
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _main()
