@@ -7,15 +7,25 @@ this script again, exactly as a user's ``train.py`` would be. Rank 0 writes what
 child forked from this process after the imports (so a run costs the training, not 10 s of imports), each child
 leaving through the normal interpreter exit like a user's script. The exit status of every rank is written to
 ``--out``/repeat.json; ``--fail-rank R`` makes rank ``R`` raise in its second training step.
+
+``--suite`` runs, from one import, the runs that tests/test_dslide.py compares (each in a child forked after the
+imports, results in ``--out``/<run>/result.json): ``plain`` (one process, 6 steps) side by side with ``dslide2``
+(``devices=2``: Lightning's own launcher starts rank 1 by running this command again, as a user's ``train.py``);
+then, from ``dslide2``'s checkpoint, ``dslide3`` (3 ranks started as 3 nodes) side by side with ``plain_resumed``.
+
+Every process trains with one torch thread (the ranks of a 2-core box share it; more threads only add OpenMP
+spinning when the box is busy).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -32,10 +42,16 @@ import lightning_swarm  # noqa: E402,F401
 from examples.amazon670k.data import XCData, XCDataModule, XCDataset, collate_sparse  # noqa: E402
 from examples.amazon670k.model import XCModel  # noqa: E402
 from lightning_swarm.strategy.dslide import DSlideStrategy  # noqa: E402
-from tests._helpers import free_port  # noqa: E402
 
 if "dslide" not in StrategyRegistry:
     DSlideStrategy.register_strategies(StrategyRegistry)
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (not tests._helpers': that imports hivemind)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 
 MODEL = {
     "num_features": 300,
@@ -109,6 +125,7 @@ class FailingXCModel(XCModel):
 
 def repeated_rank(rank: int, port: int, out: Path, fail_rank: int) -> None:
     """One rank of a two-node run: train 2 steps, gather a checkpoint, predict with the sharded top-k."""
+    torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0"
     )
@@ -139,12 +156,25 @@ def _record_group_state_at_exit(path: Path) -> None:
     path.write_text(json.dumps({"process_group_alive": torch.distributed.is_initialized()}))
 
 
+def _freeze_imports() -> None:
+    """Move the objects of the imports to the garbage collector's permanent generation before forking.
+
+    A forked child's interpreter exit otherwise walks (and, through reference counts, copies) the ~400 MB of
+    objects that ``import torch, lightning`` made: about 1.2 s of CPU per child, more than its training. The child
+    still leaves through the normal interpreter exit (atexit handlers, finalisation, the collection of everything
+    it created itself: the model, the Trainer, the process group), which is what the exit test is about.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def repeat(times: int, out: Path, fail_rank: int, timeout: float = 120.0) -> None:
     """Run the two-node training ``times`` times, then once more with a failure on ``fail_rank`` (if >= 0).
 
     Records every rank's exit status (negative: killed by that signal; ``None``: hung and killed).
     """
     runs, seconds, started = [], [], time.monotonic()
+    _freeze_imports()
     for run in range(times + (fail_rank >= 0)):
         run_started = time.monotonic()
         failing = fail_rank if run == times else -1
@@ -182,27 +212,19 @@ def repeat(times: int, out: Path, fail_rank: int, timeout: float = 120.0) -> Non
     print(f"{len(runs)} runs in {time.monotonic() - started:.1f} s", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--strategy", default="dslide")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--resume", default=None)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--repeat", type=int, default=0)
-    parser.add_argument("--fail-rank", type=int, default=-1)
-    args = parser.parse_args()
-    if args.repeat:
-        repeat(args.repeat, Path(args.out), args.fail_rank)
-        return
+def train(out: Path, devices: int = 1, strategy: str = "dslide", steps: int = 6, resume: str | None = None,
+          num_nodes: int = 1) -> None:
+    """One Trainer run of the small model; rank 0 writes what it saw to ``out``/result.json."""
+    torch.set_num_threads(1)
     seed_everything(0)
     model = XCModel(**MODEL)
     recorder = Recorder()
     trainer = Trainer(
         accelerator="cpu",
-        devices=args.devices,
-        strategy=args.strategy,
-        max_steps=args.steps,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -211,8 +233,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         callbacks=[recorder],
     )
-    trainer.fit(model, data_module(), ckpt_path=args.resume)
-    out = Path(args.out)
+    trainer.fit(model, data_module(), ckpt_path=resume)
     trainer.save_checkpoint(out / "model.ckpt")
     scores, ids = predictions(model)
     if trainer.global_rank == 0:
@@ -227,6 +248,94 @@ def main() -> None:
             "world_size": trainer.world_size,
         }
         (out / "result.json").write_text(json.dumps(result))
+
+
+def _fork(log: Path, env: dict[str, str], fn: Any, **kwargs: Any) -> int:
+    """Run ``fn(**kwargs)`` in a child forked from this process (after the imports), output to ``log``."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.environ.update(env)
+            fn(**kwargs)
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        sys.exit(code)  # the ordinary interpreter exit (the strategy's exit handler runs)
+    return pid
+
+
+def _wait(children: dict[str, tuple[int, Path]]) -> None:
+    """Wait for the children; if one failed, raise with the end of its log."""
+    failed = []
+    for name, (pid, log) in children.items():
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            failed.append(f"{name} ({os.waitstatus_to_exitcode(status)}):\n{log.read_text()[-3000:]}")
+    if failed:
+        raise RuntimeError("suite runs failed: " + "\n".join(failed))
+
+
+def suite(out: Path) -> None:
+    """The runs tests/test_dslide.py compares, from one import (see the module docstring)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # rank 1 of `dslide2`, started by Lightning's launcher
+        train(out / "dslide2", devices=2)
+        return
+    for name in ("plain", "dslide2", "dslide3", "plain_resumed"):
+        (out / name).mkdir(parents=True, exist_ok=True)
+    _freeze_imports()
+    local = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    _wait({
+        "plain": (_fork(out / "plain.log", {}, train, out=out / "plain", strategy="auto"), out / "plain.log"),
+        "dslide2": (_fork(out / "dslide2.log", local, train, out=out / "dslide2", devices=2), out / "dslide2.log"),
+    })  # fmt: skip
+    ckpt = str(out / "dslide2" / "model.ckpt")
+    port = str(free_port())
+    children = {
+        f"dslide3 rank {rank}": (
+            _fork(
+                out / f"dslide3_rank{rank}.log",
+                {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(rank), "WORLD_SIZE": "3",
+                 "LOCAL_RANK": "0"},
+                train, out=out / "dslide3", steps=10, resume=ckpt, num_nodes=3,
+            ),
+            out / f"dslide3_rank{rank}.log",
+        )
+        for rank in range(3)
+    }  # fmt: skip
+    log = out / "plain_resumed.log"
+    children["plain_resumed"] = (
+        _fork(log, {}, train, out=out / "plain_resumed", strategy="auto", steps=10, resume=ckpt), log
+    )
+    _wait(children)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--strategy", default="dslide")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--repeat", type=int, default=0)
+    parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--suite", action="store_true")
+    args = parser.parse_args()
+    if args.repeat:
+        repeat(args.repeat, Path(args.out), args.fail_rank)
+        return
+    if args.suite:
+        suite(Path(args.out))
+        return
+    train(Path(args.out), devices=args.devices, strategy=args.strategy, steps=args.steps, resume=args.resume)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
   the same parameters, losses and eval top-k; the bytes of every step equal the analytic count;
 - the lock-step loader stops all ranks at the shortest data and refuses different batches;
 - Trainer: ``strategy="dslide"`` on 2 ranks (Lightning's launcher) matches a plain single-process run, writes a
-  checkpoint that the plain LightningModule loads, and 3 ranks resume from it like a plain run does.
+  checkpoint that the plain LightningModule loads, and 3 ranks (started as 3 nodes) resume from it like a plain run
+  does. These four runs come from one worker process that imports once and forks them (``--suite``); every rank and
+  process trains with one torch thread.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import warnings
@@ -30,10 +33,17 @@ from lightning_swarm.layers.distributed import ShardGroup
 from lightning_swarm.layers.shard_plan import LockStepLoader, shard_lightning_module
 from lightning_swarm.layers.sharded import ShardedSparseInputLinear, ShardedSparseLSHLinear
 from lightning_swarm.strategy.dslide import DSlideStrategy
-from tests._helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_dslide_worker.py"
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (here, not from tests._helpers: that imports hivemind,
+    which every spawned rank would then import too)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 NET = {"F": 400, "H": 24, "Y": 300, "B": 16, "ymax": 3, "k": 40, "steps": 5, "tables": 6}
 
 
@@ -128,6 +138,7 @@ def _lockstep_checks(rank: int) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, world: int, port: int, active_set: str, out_dir: str) -> None:
+    torch.set_num_threads(1)  # ranks share the 2 cores: more threads only spin when the box is busy
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         result = _train(active_set, shard=True)
@@ -232,6 +243,7 @@ def _memory_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     from lightning_swarm.layers.init import sharded_init
     from lightning_swarm.layers.shard_plan import streamed_optimizer_state
 
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
@@ -344,38 +356,35 @@ def test_module_without_sparse_output_layer_is_refused() -> None:
 
 
 # --------------------------------------------------------------------------- Trainer
-def _launch(
-    out: Path, devices: int, steps: int, resume: Path | None = None, strategy: str = "dslide"
-) -> dict:
+def _suite(out: Path) -> dict[str, dict]:
+    """The worker's ``--suite`` (one import, every run forked from it; see tests/_dslide_worker.py): ``plain`` and
+    ``dslide2`` (Lightning's launcher, 2 ranks) for 6 steps, then ``dslide3`` (3 ranks) and ``plain_resumed``
+    resumed from ``dslide2``'s checkpoint to step 10. Their results, by run."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        str(WORKER),
-        "--devices",
-        str(devices),
-        "--strategy",
-        strategy,
-        "--steps",
-        str(steps),
-    ]
-    cmd += ["--out", str(out)] + (["--resume", str(resume)] if resume else [])
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "result.json").read_text())
+    cmd = [sys.executable, str(WORKER), "--suite", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:  # timed out: end the forked runs and their launched ranks with it
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 0, stderr[-6000:]
+    return {name: json.loads((out / name / "result.json").read_text())
+            for name in ("plain", "dslide2", "dslide3", "plain_resumed")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict, dict]:
     root = tmp_path_factory.mktemp("dslide")
-    plain = _launch(root / "plain", devices=1, steps=6, strategy="auto")
-    sharded = _launch(root / "dslide2", devices=2, steps=6)
-    return root, plain, sharded
+    runs = _suite(root)
+    return root, runs["plain"], runs["dslide2"], runs
 
 
 @pytest.mark.timeout(900)
-def test_trainer_two_ranks_match_plain_run(two_rank_run: tuple[Path, dict, dict]) -> None:
-    root, plain, sharded = two_rank_run
+def test_trainer_two_ranks_match_plain_run(two_rank_run: tuple[Path, dict, dict, dict]) -> None:
+    root, plain, sharded, _ = two_rank_run
     assert sharded["world_size"] == 2 and sharded["global_step"] == plain["global_step"] == 6
     assert sharded["losses"] == pytest.approx(plain["losses"], rel=1e-5)
     assert sharded["ids"] == plain["ids"]
@@ -438,12 +447,12 @@ def test_two_rank_runs_exit_cleanly_every_time_and_a_failure_ends_both_ranks(tmp
 
 
 @pytest.mark.timeout(900)
-def test_checkpoint_loads_unsharded_and_resumes_on_three_ranks(two_rank_run: tuple[Path, dict, dict]) -> None:
+def test_checkpoint_loads_unsharded_and_resumes_on_three_ranks(two_rank_run: tuple[Path, dict, dict, dict]) -> None:
     sys.path.insert(0, str(REPO))
     from examples.amazon670k.model import XCModel
     from tests._dslide_worker import predictions
 
-    root, _, sharded = two_rank_run
+    root, _, sharded, runs = two_rank_run
     ckpt = root / "dslide2" / "model.ckpt"
     model = XCModel.load_from_checkpoint(ckpt)
     assert isinstance(model.output_layer, SparseLSHLinear) and model.output_layer.out_features == 400
@@ -451,8 +460,8 @@ def test_checkpoint_loads_unsharded_and_resumes_on_three_ranks(two_rank_run: tup
     assert ids.tolist() == sharded["ids"]
     torch.testing.assert_close(scores, torch.tensor(sharded["scores"]), rtol=1e-5, atol=1e-6)
 
-    resumed = _launch(root / "dslide3", devices=3, steps=10, resume=ckpt)
-    plain_resumed = _launch(root / "plain_resumed", devices=1, steps=10, resume=ckpt, strategy="auto")
+    # The fixture resumed both from this checkpoint: 3 ranks (3 nodes) and one plain process, to step 10.
+    resumed, plain_resumed = runs["dslide3"], runs["plain_resumed"]
     assert resumed["world_size"] == 3 and resumed["global_step"] == 10
     assert len(resumed["losses"]) == 4
     assert resumed["losses"] == pytest.approx(plain_resumed["losses"], rel=1e-5)
