@@ -266,6 +266,16 @@ class LockStepLoader:
         return batch, flags, work
 
 
+_FINGERPRINT_WEIGHTS = torch.empty(0, dtype=torch.float64)  # 1 + (position % 97), grown as needed
+
+
+def _fingerprint_weights(n: int) -> Tensor:
+    global _FINGERPRINT_WEIGHTS
+    if _FINGERPRINT_WEIGHTS.numel() < n:
+        _FINGERPRINT_WEIGHTS = torch.arange(1, 2 * n + 1, dtype=torch.float64) % 97 + 1
+    return _FINGERPRINT_WEIGHTS[:n]
+
+
 def batch_fingerprint(batch: Any) -> int:
     """A cheap integer summary of every tensor in ``batch`` (equal batches give equal fingerprints)."""
     total = 0.0
@@ -276,8 +286,7 @@ def batch_fingerprint(batch: Any) -> int:
         if isinstance(item, Tensor):
             flat = item.detach().reshape(-1)
             if flat.numel():
-                weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64) % 97 + 1
-                total += float((flat.to(torch.float64) * weights).sum())
+                total += float(torch.dot(flat.to(torch.float64), _fingerprint_weights(flat.numel())))
             count += flat.numel()
         elif isinstance(item, dict):
             stack.extend(item[k] for k in sorted(item, key=str))

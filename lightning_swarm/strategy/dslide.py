@@ -103,7 +103,8 @@ class DSlideStrategy(DDPStrategy):
         timeout: how long a collective may wait for the other ranks before failing.
         start_method: ``"popen"`` runs the script once per process (like ``strategy="ddp"``); ``"spawn"``,
             ``"fork"`` or ``"forkserver"`` start processes from the calling one (like ``"ddp_spawn"``).
-        log_bytes: log the bytes sent per step (``dslide/bytes_per_step``) through ``LightningModule.log``.
+        log_bytes: log the bytes sent per step (``dslide/bytes_per_step``) through ``LightningModule.log``, at the
+            steps whose logs the logger writes (every ``log_every_n_steps``).
         child_exit_timeout: seconds rank 0 waits at exit for the processes Lightning's launcher started (then it
             kills them).
     """
@@ -231,7 +232,15 @@ class DSlideStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         output = super().training_step(*args, **kwargs)
-        if self._log_bytes and self._last_step_bytes and self.lightning_module is not None:
+        # Logged at the steps whose logs the logger writes (`log_every_n_steps`): a `LightningModule.log` call costs
+        # about as much as the rest of Lightning's per-step work, and it would be a cost the ranks pay on top of
+        # what a single process pays.
+        if (
+            self._log_bytes
+            and self._last_step_bytes
+            and self.lightning_module is not None
+            and self._logs_written_this_step()
+        ):
             self.lightning_module.log(
                 "dslide/bytes_per_step",
                 float(sum(self._last_step_bytes.values())),
@@ -239,6 +248,11 @@ class DSlideStrategy(DDPStrategy):
                 batch_size=1,
             )
         return output
+
+    def _logs_written_this_step(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        connector = getattr(trainer, "_logger_connector", None)
+        return bool(getattr(connector, "should_update_logs", True))
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
