@@ -20,6 +20,7 @@ Anything the zygote cannot reproduce falls back to ``subprocess.Popen``: a comma
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -68,6 +69,7 @@ class _Zygote:
                 stdout=subprocess.PIPE,
                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
             )
+            atexit.register(self.stop)
             ready = self.proc.stdout.readline().strip()  # type: ignore[union-attr]
             if ready != b"ready":
                 self.broken = True  # e.g. the preloaded modules started threads: forking would not be safe
@@ -75,6 +77,12 @@ class _Zygote:
                 self.proc.wait()
                 return None
             return self.path
+
+    def stop(self) -> None:
+        """End the zygote and reap it (so that the CPU time of the jobs it forked counts in this process's)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait()
 
     def usable_for(self, args: Any, env: dict[str, str] | None) -> bool:
         if isinstance(args, (str, bytes)) or len(args) < 2 or str(args[0]) != sys.executable:

@@ -3,7 +3,6 @@ Lightning's three ways built the model, with the values one process seeded alike
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from torch import nn
 from examples import memory_job as _memory_job
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.swarm.materialize import RngSnapshot, has_meta, materialize
+from tests import _zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "examples", "memory_job.py")
@@ -107,7 +107,7 @@ def test_each_peer_allocates_only_its_stage_and_the_first_forward_equals_one_pro
     }
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
+    proc = _zygote.run(
         [sys.executable, JOB, json.dumps(cfg)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -152,7 +152,7 @@ def test_a_checkpoint_loaded_into_a_meta_build_is_taken_not_dropped():
 def _run_job(cfg: dict) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
+    proc = _zygote.run(
         [sys.executable, JOB, json.dumps(cfg)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
