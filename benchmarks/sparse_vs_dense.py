@@ -11,11 +11,17 @@ Step times (``step_ms_*``, ``speedup``) come from one child process that holds b
 interleaves 10 sparse steps with 1 dense step, so load from other processes on the box hits both alike; the
 sparse steps include the table rebuilds at their amortised rate.
 
-Quality is time to accuracy, each variant in its own child process: first a learning-rate sweep (the same
-``--lrs`` for both, a short wall-clock budget each, best held-out P@1 wins), then a run with the best rate that
-evaluates P@1 on held-out points (evaluation time not counted) and stops when P@1
-has not improved for ``--patience`` evaluations or the training clock reaches the budget. Evaluations
-happen at training times growing geometrically (``--first-eval-s``, ``--eval-growth``), the same for both.
+Quality is time to accuracy, each variant in its own child process: first a learning-rate sweep (``--lrs``, or
+``--lrs-dense`` / ``--lrs-sparse``, a short wall-clock budget each, best held-out P@1 wins), then a run with the best
+rate that evaluates P@1 on held-out points (evaluation time not counted). Evaluations happen at training times
+growing geometrically (``--first-eval-s``, ``--eval-growth``) up to one every ``--max-eval-interval-s``, the same for
+both. A run stops at the first of: a plateau (after ``--min-train-s``, the best P@1 rose by less than 0.002 over the
+last third of its training time, with at least 3 evaluations in that third), ``--patience`` evaluations in a row
+without a new best (a rate that peaks and falls), the budget ``--train-s``, or the wall-clock limit ``--max-wall-s``
+of the whole quality part (the run's ``stopped`` then says ``deadline``). ``--parallel 2`` runs two quality runs side
+by side with one torch thread each; their training clock is then process CPU time (equal to wall time on an idle
+box, and not inflated by other jobs on a shared one; ``quality_clock``). ``sweep_runs`` lists every swept rate's best
+P@1, why it stopped, its training seconds and epochs.
 ``time_to_p1_dense`` / ``time_to_p1_sparse``: training seconds each needed to reach the dense model's best P@1
 (``null`` if it never did); ``time_to_p1_ratio`` their ratio.
 
