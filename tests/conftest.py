@@ -7,7 +7,9 @@
   test module is integration unless it is added to ``UNIT_MODULES``. Each has the suite's default timeout (600 s)
   unless it says otherwise.
 
-``pytest`` (what CI runs) runs both.
+``pytest`` (what CI runs) runs both. The job scripts that integration tests start (``tests/_*_job.py``,
+``examples/albert/*.py``, ``lightning-swarm serve``...) are forked by each worker's zygote (``tests/_zygote.py``)
+instead of importing torch and Lightning afresh; ``LIGHTNING_SWARM_TEST_ZYGOTE=0`` starts them as plain processes.
 """
 
 from __future__ import annotations
