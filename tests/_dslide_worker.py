@@ -46,6 +46,7 @@ from lightning_swarm.strategy.dslide import DSlideStrategy  # noqa: E402
 if "dslide" not in StrategyRegistry:
     DSlideStrategy.register_strategies(StrategyRegistry)
 
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (not tests._helpers': that imports hivemind)."""
     with socket.socket() as sock:
@@ -212,8 +213,14 @@ def repeat(times: int, out: Path, fail_rank: int, timeout: float = 120.0) -> Non
     print(f"{len(runs)} runs in {time.monotonic() - started:.1f} s", flush=True)
 
 
-def train(out: Path, devices: int = 1, strategy: str = "dslide", steps: int = 6, resume: str | None = None,
-          num_nodes: int = 1) -> None:
+def train(
+    out: Path,
+    devices: int = 1,
+    strategy: str = "dslide",
+    steps: int = 6,
+    resume: str | None = None,
+    num_nodes: int = 1,
+) -> None:
     """One Trainer run of the small model; rank 0 writes what it saw to ``out``/result.json."""
     torch.set_num_threads(1)
     seed_everything(0)
@@ -313,7 +320,8 @@ def suite(out: Path) -> None:
     }  # fmt: skip
     log = out / "plain_resumed.log"
     children["plain_resumed"] = (
-        _fork(log, {}, train, out=out / "plain_resumed", strategy="auto", steps=10, resume=ckpt), log
+        _fork(log, {}, train, out=out / "plain_resumed", strategy="auto", steps=10, resume=ckpt),
+        log,
     )
     _wait(children)
 

@@ -36,6 +36,8 @@ from lightning_swarm.strategy.dslide import DSlideStrategy
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_dslide_worker.py"
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (here, not from tests._helpers: that imports hivemind,
     which every spawned rank would then import too)."""
@@ -447,7 +449,9 @@ def test_two_rank_runs_exit_cleanly_every_time_and_a_failure_ends_both_ranks(tmp
 
 
 @pytest.mark.timeout(900)
-def test_checkpoint_loads_unsharded_and_resumes_on_three_ranks(two_rank_run: tuple[Path, dict, dict, dict]) -> None:
+def test_checkpoint_loads_unsharded_and_resumes_on_three_ranks(
+    two_rank_run: tuple[Path, dict, dict, dict],
+) -> None:
     sys.path.insert(0, str(REPO))
     from examples.amazon670k.model import XCModel
     from tests._dslide_worker import predictions

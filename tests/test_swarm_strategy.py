@@ -143,7 +143,7 @@ def lm_job(tmp_path, compression: str) -> dict:
     cfg = {
         "model": "albert",
         "devices": 4,
-        "max_steps": 40,
+        "max_steps": 30,
         "out": str(tmp_path / f"lm_{compression}.pt"),
         # 4 unshared blocks (4 groups of 1 layer), 2 per stage
         "model_args": {
@@ -152,7 +152,7 @@ def lm_job(tmp_path, compression: str) -> dict:
             "num_groups": 4,
             "layers_per_group": 1,
             "seq_len": 64,
-            "lr": 5e-3,  # 40 steps at 5e-3: 8.21 -> 5.70 (mean of the first 5 -> last 10), as 100 at 1e-3 did not
+            "lr": 5e-3,  # 30 steps at 5e-3: 8.21 -> 6.19 (mean of the first 5 -> last 10); 40: 5.70
         },
         "data_args": {"seq_len": 64, "batch_size": 16, "vocab_size": 1000},
         "strategy": {
@@ -172,17 +172,17 @@ def lm_job(tmp_path, compression: str) -> dict:
 
 @pytest.mark.timeout(1200)
 def test_four_peers_train_a_transformer_lm_and_8bit_matches_uncompressed(tmp_path):
-    """2 stages x 2 peers, all 4 feeding data, 40 steps each: the loss falls clearly, and with 8-bit boundaries
+    """2 stages x 2 peers, all 4 feeding data, 30 steps each: the loss falls clearly, and with 8-bit boundaries
     it ends within 5% of the uncompressed run."""
     finals = {}
     for compression in ("none", "8bit"):
         result = lm_job(tmp_path, compression)
         losses = result["losses"]
-        assert len(losses) == 40
+        assert len(losses) == 30
         first, last = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
         print(f"{compression}: loss (mean of first 5 -> last 10 steps) {first:.3f} -> {last:.3f}")  # for -s
         assert first > 5.0  # ~ln(4096) at the start
-        # masked-LM loss (measured: 8.21 -> 5.70 in 40 steps at lr 5e-3, with and without 8-bit boundaries)
+        # masked-LM loss (measured: 8.21 -> 6.19 / 6.20 in 30 steps at lr 5e-3, without / with 8-bit boundaries)
         assert last < 0.8 * first, f"{compression}: loss went from {first:.3f} to {last:.3f}"
         finals[compression] = last
         # the gathered model is whole again: every block of the pipeline came back from the swarm
