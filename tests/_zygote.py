@@ -53,6 +53,7 @@ class _Zygote:
         self.path = ""
         self.env: dict[str, str] = {}
         self.broken = os.environ.get("LIGHTNING_SWARM_TEST_ZYGOTE", "1") == "0"
+        atexit.register(self.stop)
 
     def address(self) -> str | None:
         """The zygote's socket, started on first use; ``None`` if it cannot be used."""
@@ -69,7 +70,6 @@ class _Zygote:
                 stdout=subprocess.PIPE,
                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
             )
-            atexit.register(self.stop)
             ready = self.proc.stdout.readline().strip()  # type: ignore[union-attr]
             if ready != b"ready":
                 self.broken = True  # e.g. the preloaded modules started threads: forking would not be safe

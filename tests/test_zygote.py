@@ -1,0 +1,81 @@
+"""The tests' zygote (``tests/_zygote.py``): a job it forks sees what a freshly started one would, and its exit
+status reaches the caller as a real child's does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests import _zygote
+
+JOB = """
+import json, os, sys, time
+mode = sys.argv[1]
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "x": os.environ.get("ZYGOTE_TEST_X"),
+                  "path0": sys.path[0], "stdin": sys.stdin.readline().strip(), "sid": os.getsid(0) == os.getpid()}))
+print("to stderr", file=sys.stderr)
+if mode == "raise":
+    raise ValueError("boom")
+if mode == "sleep":
+    time.sleep(60)
+sys.exit(int(mode))
+"""
+
+
+def test_a_forked_job_gets_its_arguments_directory_environment_streams_and_exit_status(tmp_path) -> None:
+    import json
+
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "ZYGOTE_TEST_X": "42"}
+    proc = _zygote.Popen(
+        [sys.executable, str(script), "3"], cwd=work, env=env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc._zygote_conn is not None, "the job was not forked by the zygote"
+    out, err = proc.communicate("hello\n", timeout=60)
+    assert proc.returncode == 3
+    seen = json.loads(out)
+    assert seen == {"argv": [str(script), "3"], "cwd": str(work), "x": "42", "path0": str(tmp_path),
+                    "stdin": "hello", "sid": False}  # fmt: skip
+    assert err == "to stderr\n"
+
+    failed = _zygote.run(
+        [sys.executable, str(script), "raise"], input="", capture_output=True, text=True, timeout=60
+    )
+    assert failed.returncode == 1 and "ValueError: boom" in failed.stderr and "Traceback" in failed.stderr
+
+
+def test_a_forked_job_in_its_own_session_is_killed_with_its_group(tmp_path) -> None:
+    proc = _zygote.Popen(
+        [sys.executable, "-m", "http.server", "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )  # -m MODULE is forked too
+    assert proc._zygote_conn is not None
+    assert proc.wait(timeout=60) == 0
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    proc = _zygote.Popen(
+        [sys.executable, str(script), "sleep"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    assert proc._zygote_conn is not None
+    time.sleep(1)
+    assert proc.poll() is None and os.getpgid(proc.pid) == proc.pid
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_what_the_zygote_cannot_reproduce_starts_as_a_plain_process(tmp_path) -> None:
+    proc = _zygote.Popen([sys.executable, "-c", "print(1)"], stdout=subprocess.PIPE, text=True)
+    assert proc._zygote_conn is None and proc.communicate(timeout=60)[0] == "1\n"
+    script = tmp_path / "omp.py"
+    script.write_text("import os; print(os.environ['OMP_NUM_THREADS'])")
+    env = {**os.environ, "OMP_NUM_THREADS": "7"}  # read when torch is imported: the zygote's would differ
+    proc = _zygote.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc._zygote_conn is None and proc.communicate(timeout=60)[0] == "7\n"
+    assert _zygote._ZYGOTE.usable_for([sys.executable, str(script)], {**os.environ, "PYTHONUNBUFFERED": "1"})
