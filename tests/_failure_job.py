@@ -73,8 +73,10 @@ class Watch(Callback):
 
     def __init__(self, cfg: dict) -> None:
         self.cfg = cfg
+        self.presence = None
 
     def on_train_start(self, trainer, pl_module):
+        self.presence = trainer.strategy.peer.presence
         pids = [os.getpid(), *_descendants(os.getpid())]
         with open(os.path.join(self.cfg["out"], f"pids{RANK}"), "w") as f:
             f.write(" ".join(map(str, pids)))
@@ -95,6 +97,7 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1)  # a test that finds a peer hanging dumps its threads
     cfg = json.loads(sys.argv[1])
     seed_everything(0)
+    watch = Watch(cfg)
     trainer = Trainer(
         strategy=lightning_swarm.SwarmStrategy(**cfg["strategy"]),
         accelerator="cpu",
@@ -106,7 +109,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[Watch(cfg)],
+        callbacks=[watch],
     )
     end = {"rank": RANK, "error": None}
     try:
@@ -116,6 +119,7 @@ def main() -> None:
         raise
     finally:
         end["time"], end["steps"] = time.time(), trainer.global_step
+        end["seen"] = getattr(watch.presence, "failure_seen_at", None)  # when it read another peer's failure
         with open(os.path.join(cfg["out"], f"end{RANK}"), "w") as f:
             f.write(json.dumps(end))
 

@@ -88,14 +88,17 @@ def _check_everyone_raised(tmp_path, code, stderr, ends, left, devices, types, m
     assert message in stderr  # the launching peer (rank 0) is one of the peers checked below
     assert sorted(ends) == list(range(devices)), (sorted(ends), stderr[-5000:])
     raised = float((tmp_path / "raised").read_text())
-    delays = {}
+    delays, seen = {}, {}
     for rank, end in sorted(ends.items()):
         assert end["error"] is not None, (rank, stderr[-5000:])
         assert set(types) & set(end["error"]["types"]), (rank, end)
         assert message in end["error"]["message"], (rank, end)
         delays[rank] = end["time"] - raised
+        if end.get("seen") is not None:
+            seen[rank] = end["seen"] - raised
     print(
-        f"seconds from the first raise to each peer's raise: { {r: round(d, 1) for r, d in delays.items()} }"
+        f"seconds from the first raise to each peer's raise: { {r: round(d, 1) for r, d in delays.items()} }; "
+        f"to reading it in the DHT: { {r: round(d, 1) for r, d in seen.items()} }"
     )
     assert max(delays.values()) < 10.0, delays
     assert left == [], "processes of the failed swarm are still running"

@@ -12,11 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.client import MIN_ATTEMPT_TIMEOUT_S
+from lightning_swarm.swarm.client import MIN_ATTEMPT_TIMEOUT_S, SwarmClient
 from lightning_swarm.swarm.errors import UNAVAILABLE
 from lightning_swarm.swarm.payload import Payload
 from lightning_swarm.swarm.presence import Presence
 from lightning_swarm.swarm.protocol import StageRequest, stage_uid
+from lightning_swarm.swarm.routing import PeerStopping
+from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.states import FINISHED
 from lightning_swarm.swarm.transport import encode_request
 from tests.test_stage_server import _client, _run_id, _serve
@@ -118,6 +120,59 @@ def test_a_peer_that_stops_answering_costs_seconds_not_the_request_timeout(dhts,
     assert 1 <= client.stats()["swarm/retries"] <= 2
     assert elapsed < 30.0, f"4 calls took {elapsed:.1f} s: the hung attempt waited for request_timeout (60 s)"
     assert client.routers[0].is_banned(a.peer_id)
+
+
+@pytest.mark.timeout(120)
+def test_a_call_in_flight_is_abandoned_once_the_peer_must_stop(dhts, cleanup) -> None:  # noqa: F811
+    """A call waiting for a peer that does not answer ends within a fraction of a second of the peer's
+    ``should_stop`` turning: with another peer's failure (what ``should_stop`` raises), that error; else
+    ``PeerStopping``. Not after ``request_timeout`` (60 s here)."""
+    torch.manual_seed(0)
+    run_id = _run_id("abandon")
+    stage = Hangs()
+    _serve(cleanup, dhts["server1"], run_id, stage)
+    verdict: list = [False]
+
+    def should_stop() -> bool:
+        if isinstance(verdict[0], BaseException):
+            raise verdict[0]
+        return verdict[0]
+
+    settings = SwarmSettings(
+        run_id=run_id, num_stages=1, compression="none", request_timeout=60.0, refresh_period=600.0
+    )
+    client = SwarmClient(dhts["trainer"], settings, should_stop=should_stop)
+    cleanup.append(client)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        client.call_stage(0, x)  # answered: the channel to the peer is open
+        stage.hang.set()
+        try:
+            for turn in (True, ValueError("user bug on another peer")):
+                verdict[0] = False
+                ended: list = []
+
+                def call(ended: list = ended) -> None:
+                    try:
+                        client.call_stage(0, x)
+                    except BaseException as e:  # what the call raised is the point
+                        ended.append((e, time.monotonic()))
+
+                thread = threading.Thread(target=call)
+                thread.start()
+                time.sleep(1.0)  # the call is in flight, waiting for the hung peer
+                assert not ended
+                verdict[0], turned = turn, time.monotonic()
+                thread.join(timeout=10)
+                assert ended, "the call did not end after should_stop turned"
+                error, when = ended[0]
+                assert when - turned < 2.0, when - turned
+                if turn is True:
+                    assert isinstance(error, PeerStopping), error
+                else:
+                    assert error is turn, error
+        finally:
+            stage.release.set()
 
 
 @pytest.mark.timeout(120)

@@ -11,7 +11,8 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -50,13 +51,21 @@ def in_loop_thread() -> bool:
     return _thread is not None and threading.current_thread() is _thread
 
 
-def run_coroutine(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+STOP_POLL_S = 0.25  # how often a wait with a ``stop`` predicate polls it
+
+
+def run_coroutine(
+    coro: Coroutine[Any, Any, T], timeout: float | None = None, stop: Callable[[], bool] | None = None
+) -> T:
     """Run ``coro`` on the background loop and wait for its result.
 
     Args:
         coro: the coroutine to run.
         timeout: seconds to wait; ``None`` waits forever. On timeout the coroutine is cancelled and
             ``TimeoutError`` is raised.
+        stop: polled every ``STOP_POLL_S`` seconds while waiting; once it returns True the coroutine is cancelled
+            and :class:`~.routing.PeerStopping` is raised, and what it raises (another peer's failure) is raised
+            after cancelling the coroutine. A peer that is stopping does not wait out a call in flight.
     """
     if in_loop_thread():
         coro.close()
@@ -64,13 +73,28 @@ def run_coroutine(coro: Coroutine[Any, Any, T], timeout: float | None = None) ->
             "run_coroutine() was called from the swarm event-loop thread; await the coroutine instead"
         )
     future = asyncio.run_coroutine_threadsafe(coro, get_loop())
-    try:
-        return future.result(timeout)
-    except concurrent.futures.TimeoutError:
-        if future.done() and not future.cancelled():
-            raise  # the coroutine itself raised TimeoutError
-        future.cancel()
-        raise TimeoutError(f"swarm operation did not finish within {timeout} s") from None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        wait = left if stop is None else (STOP_POLL_S if left is None else min(left, STOP_POLL_S))
+        try:
+            return future.result(wait)
+        except concurrent.futures.TimeoutError:
+            if future.done() and not future.cancelled():
+                raise  # the coroutine itself raised TimeoutError
+            if deadline is not None and time.monotonic() >= deadline:
+                future.cancel()
+                raise TimeoutError(f"swarm operation did not finish within {timeout} s") from None
+        try:
+            stopping = stop is not None and stop()
+        except BaseException:
+            future.cancel()
+            raise
+        if stopping:
+            future.cancel()
+            from .routing import PeerStopping
+
+            raise PeerStopping("a swarm call was abandoned: this peer is stopping")
 
 
 async def replicate_p2p(dht: Any) -> Any:

@@ -43,7 +43,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.mpfuture import MPFuture
 
-from ._loop import replicate_p2p, run_coroutine
+from ._loop import STOP_POLL_S, replicate_p2p, run_coroutine
 from .chunking import Unmergeable, chunked_call, split_plan
 from .client_commands import _StageCommands
 from .codec import CodecError, check_encodable
@@ -510,6 +510,7 @@ class SwarmClient(_StageCommands):
                             stage_uid(self.run_id, stage),
                             StageService.get_stub,
                             self.settings.request_timeout,
+                            stop=self.should_stop,
                         )
                     self._transports[key] = transport
         return transport
@@ -534,10 +535,7 @@ class SwarmClient(_StageCommands):
             )
             self._last_refresh[stage] = start
         if pending is not None and block:
-            try:
-                pending.result(timeout=max(max_wait, 0.01))
-            except Exception:
-                pass  # handled below
+            self._wait_polling(start + max(max_wait, 0.01), pending)
         if pending is not None and pending.done():
             self._pending[stage] = None
             try:
@@ -547,7 +545,24 @@ class SwarmClient(_StageCommands):
             except Exception as e:
                 logger.debug(f"DHT lookup of stage {stage} failed: {e!r}")
         if block and self.routers[stage].num_live() == 0:
-            time.sleep(max(0.0, max_wait - (time.monotonic() - start)))
+            self._wait_polling(start + max_wait)
+
+    def _wait_polling(self, deadline: float, future: Any = None) -> None:
+        """Wait until ``deadline`` (or until ``future`` is done), polling ``should_stop`` meanwhile: a peer that is
+        stopping raises :class:`~.routing.PeerStopping`, one that learnt of another peer's failure raises it."""
+        while future is None or not future.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if future is None:
+                time.sleep(min(left, STOP_POLL_S))
+            else:
+                try:
+                    future.result(timeout=min(left, STOP_POLL_S))
+                except Exception:
+                    pass  # the caller reads the outcome
+            if self.should_stop():
+                raise PeerStopping("a wait for a stage's peers was abandoned: this peer is stopping")
 
     # ---- counters ----
 

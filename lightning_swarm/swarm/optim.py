@@ -86,6 +86,8 @@ class _StageOptimizer(HivemindOptimizer):
         super()._maybe_schedule_gradient_averaging()
 
     def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
+        if self.aborted:
+            return True  # as alone: local gradients, no round
         if (
             grad_scaler is None
             and self.scheduled_grads is None
@@ -95,6 +97,17 @@ class _StageOptimizer(HivemindOptimizer):
         return super()._begin_averaging_gradients(grad_scaler)
 
     rounds = 0  # gradient averaging rounds completed with other peers
+    aborted = False  # the run failed: rounds are cancelled, not waited for
+
+    def abort(self) -> None:
+        """The run failed: cancel the averaging rounds scheduled or in progress, so that a step waiting for one
+        goes on at once (with local gradients) instead of after up to ``averaging_timeout`` seconds, and the
+        peer's shutdown does not wait for it."""
+        self.aborted = True
+        self.average_state_every = 2**62  # no new state averaging round either
+        for control in (self.scheduled_grads, self.scheduled_state):
+            if control is not None and not control.done():
+                control.cancel()
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
         # hivemind logs a failed round at its status level (INFO) whatever the cause: a broken round is an ERROR
@@ -103,7 +116,7 @@ class _StageOptimizer(HivemindOptimizer):
                 maybe_step_control.result(self.averaging_timeout)
                 self.rounds += 1
             except BaseException as e:
-                if not _no_partner(e):
+                if not (_no_partner(e) or self.aborted):
                     logger.error(f"{self.run_id}: averaging gradients failed: {e!r}; using local gradients")
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
@@ -112,11 +125,22 @@ class _StageOptimizer(HivemindOptimizer):
         scheduled for the next epoch is cancelled first instead of joined with zero weight. hivemind waits up to
         ``averaging_timeout`` for such a round, and at the end of a run its partners are leaving too (or have
         cancelled theirs), so each peer of a stage with several peers waited the whole timeout."""
-        if run_over:
+        if run_over or self.aborted:
             for control in (self.scheduled_grads, self.scheduled_state):
                 if control is not None and not control.done():
                     control.cancel()
             self.scheduled_grads = self.scheduled_state = None
+        if (
+            self.aborted
+        ):  # the run failed: no goodbye round, no waiting for a state averaging in the background
+            self.tracker.shutdown(min(self.shutdown_timeout, 1.0))
+            for pending in list(self.state_averager.pending_updates):
+                pending.cancel()
+            self.state_averager.pending_updates = set()
+            self.state_averager.shutdown()
+            if self.use_gradient_averaging:
+                self.grad_averager.shutdown()
+            return
         super().shutdown()
 
     def __init__(self, *args: Any, reuse_state_tensors: bool | None = None, **kwargs: Any) -> None:

@@ -20,6 +20,7 @@ This is the glue between the pieces of the engine (DHT, :class:`StageServer`, :c
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -563,7 +564,12 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         for what, name, default in steps:
             obj = getattr(self, name)
             if obj is not None:
-                running.append((what, start_bounded(what, obj.shutdown), default))
+                stop = obj.shutdown
+                if (
+                    name == "server" and budget is not None
+                ):  # after a failure: no averaging round is waited for
+                    stop = functools.partial(obj.shutdown, abort=True)
+                running.append((what, start_bounded(what, stop), default))
                 setattr(self, name, None)
         for what, done, default in running:
             finished = wait_bounded(what, done, bound(default)) and finished

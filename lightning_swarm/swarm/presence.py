@@ -126,6 +126,7 @@ class Presence:
         self.seen: set[str] = set()  # every peer ever seen in this run
         self.seen_trainers: set[str] = set()
         self.failure: PeerFailure | None = None  # the earliest failure another peer published
+        self.failure_seen_at: float | None = None  # when (``time.time()``) this peer read it
         self._failed_here = False  # this peer published its own failure: it raises its own exception
         self._started_at = time.monotonic()
         self._stop = threading.Event()
@@ -304,6 +305,7 @@ class Presence:
         if earliest is not None:
             type_name, message, origin, _ = earliest[1]
             self.failure = peer_failure(type_name, message, origin)
+            self.failure_seen_at = time.time()
         return self.failure
 
     def shutdown(self) -> None:

@@ -21,7 +21,7 @@ import itertools
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -182,11 +182,21 @@ class P2PTransport:
         namespace: the stage's uid (the RPC namespace of its handlers).
         stub_factory: ``StageServer.get_stub``-compatible callable ``(p2p, peer_id, namespace) -> stub``.
         timeout: seconds a call may take end to end.
+        stop: polled while a call waits for its reply (see :func:`~._loop.run_coroutine`): a peer that is stopping,
+            or that learnt of another peer's failure, abandons the call at once.
     """
 
-    def __init__(self, p2p: P2P, peer_id: PeerID, namespace: str, stub_factory: Any, timeout: float) -> None:
+    def __init__(
+        self,
+        p2p: P2P,
+        peer_id: PeerID,
+        namespace: str,
+        stub_factory: Any,
+        timeout: float,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
         self.stub = stub_factory(p2p, peer_id, namespace=namespace)
-        self.peer_id, self.timeout = peer_id, timeout
+        self.peer_id, self.timeout, self.stop = peer_id, timeout, stop
         self._idle: list[_Channel] = []
         self._lock = threading.Lock()
         self.channels_opened = 0
@@ -212,8 +222,11 @@ class P2PTransport:
                 split = any(p.split for p in payloads)
                 size = MESSAGE_BYTES if split else math.inf  # not split: everything in one message
                 outgoing = messages(runtime_pb2.ExpertRequest, parts, header, size)
-                reply_header, tensors, sent, recv = channel.call(outgoing, timeout or self.timeout)
-            except Exception as e:
+                reply_header, tensors, sent, recv = channel.call(outgoing, timeout or self.timeout, self.stop)
+            except BaseException as e:
+                if not isinstance(e, Exception):  # abandoned (this peer stops): the stream is cut mid-call
+                    channel.close()
+                    raise
                 channel.close()
                 if reused and not fresh_attempt and not isinstance(e, TimeoutError):
                     logger.debug(
@@ -336,11 +349,16 @@ class _Channel:
         return header, tensors, received
 
     def call(
-        self, outgoing: Iterator[runtime_pb2.ExpertRequest], timeout: float
+        self,
+        outgoing: Iterator[runtime_pb2.ExpertRequest],
+        timeout: float,
+        stop: Callable[[], bool] | None = None,
     ) -> tuple[bytes, list, int, int]:
-        """Send the messages (encoded lazily, on the event loop) and decode the reply's; bounded by ``timeout``.
-        Returns the reply's header and tensors and the bytes sent and received."""
-        return run_coroutine(asyncio.wait_for(self._exchange(outgoing), timeout), timeout=timeout + 5)
+        """Send the messages (encoded lazily, on the event loop) and decode the reply's; bounded by ``timeout``,
+        abandoned once ``stop`` says so. Returns the reply's header and tensors and the bytes sent and received."""
+        return run_coroutine(
+            asyncio.wait_for(self._exchange(outgoing), timeout), timeout=timeout + 5, stop=stop
+        )
 
     def close(self) -> None:
         """End the stream (from any thread; idempotent)."""

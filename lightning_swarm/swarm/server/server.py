@@ -337,17 +337,21 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         await self.add_p2p_handlers(p2p, namespace=self.uid)
         return p2p
 
-    def shutdown(self) -> None:
-        """Stop announcing and serving and shut the optimizer down (idempotent)."""
+    def shutdown(self, abort: bool = False) -> None:
+        """Stop announcing and serving and shut the optimizer down (idempotent). With ``abort`` (the run failed),
+        an averaging round in progress is cancelled rather than waited for."""
         if not self._started:
             return
         self._started = False
         self._stop.set()
         self._wake.set()
+        if abort and hasattr(self.optimizer, "abort"):
+            self.optimizer.abort()
         if self._announcer is not None:
             self._announcer.join(timeout=5)
         if self._stepper is not None:  # a round in progress ends within averaging_timeout; do not wait longer
-            self._stepper.join(timeout=self.settings.averaging_timeout + self.settings.matchmaking_time)
+            rounds = self.settings.averaging_timeout + self.settings.matchmaking_time
+            self._stepper.join(timeout=min(rounds, 1.0) if abort else rounds)
         if self.p2p is not None:
             p2p, self.p2p = self.p2p, None
             try:
