@@ -18,15 +18,35 @@ from lightning_swarm.swarm.states import LEAVING, ONLINE, STATES
 _runs = itertools.count()
 
 
+class Rotary(nn.Module):
+    """A block written as many libraries write theirs: a bare ``nn.Parameter`` (no ``reset_parameters()``) and a
+    non-persistent buffer computed in ``__init__`` (rotary frequencies: in no ``state_dict``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.gain = nn.Parameter(1.0 + 0.1 * torch.randn(width))
+        freqs = 1.0 / (10000 ** (torch.arange(0, width, 2).float() / width))
+        self.register_buffer("inv_freq", torch.cat([freqs, freqs]), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x) * torch.cos(self.inv_freq) * self.gain)
+
+
 class Model(nn.Module):
     """Trainer-local ``inp``; a pipeline of 8 blocks (4 stages of 2 blocks, or 2 of 4)."""
 
-    def __init__(self, width: int = 16, blocks: int = 8, meta_blocks: bool = False) -> None:
+    def __init__(
+        self, width: int = 16, blocks: int = 8, meta_blocks: bool = False, rotary: bool = False
+    ) -> None:
         super().__init__()
         self.inp = nn.Linear(4, width)
         with torch.device("meta" if meta_blocks else "cpu"):
             self.layers = nn.Sequential(
-                *(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks))
+                *(
+                    Rotary(width) if rotary else nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                    for _ in range(blocks)
+                )
             )
 
 
@@ -186,6 +206,39 @@ def test_three_and_one_become_two_and_two_and_stay() -> None:
         expected = peers[3].server.state_dict_local()
         for key, value in mover.server.state_dict_local().items():
             assert torch.equal(value, expected[key]), key
+    finally:
+        for peer in peers:
+            peer.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_moves_to_a_stage_whose_blocks_hold_bare_parameters_and_non_persistent_buffers() -> None:
+    """Moving to another stage allocates blocks the peer had freed: a bare parameter (no ``reset_parameters()``)
+    comes from the stage's peer, a non-persistent buffer (in no state) comes back as the peer had built it, and
+    the mover computes what the stage's other peer computes."""
+    settings = _settings("move")
+    peers = []
+    try:
+        a, model = _peer(settings.replace(stage=0), seed=0, rotary=True)
+        peers.append(a)
+        b, _ = _peer(settings.replace(stage=1, role="server"), seed=0, maddrs=_maddrs(a), rotary=True)
+        peers.append(b)
+        c, _ = _peer(settings.replace(stage=0, role="server"), seed=0, maddrs=_maddrs(a), rotary=True)
+        peers.append(c)
+        model.layers(model.inp(torch.randn(4, 4))).pow(2).mean().backward()  # stage 1 steps: new weights
+        b.server.flush(timeout=30)
+        assert b.server.optimizer.local_epoch >= 1
+        c.migrate(1)
+        assert c.stage == 1 and not c.partition.is_materialized(0) and c.partition.is_materialized(1)
+        expected, served = b.server.state_dict_local(), c.server.state_dict_local()
+        for key in expected:
+            assert torch.equal(expected[key], served[key]), key
+        freqs = Rotary(16).inv_freq
+        for block in c.partition.stage_blocks(1):
+            assert torch.equal(block.inv_freq, freqs)
+        x = torch.randn(3, 16)
+        with torch.no_grad():
+            assert torch.equal(c.server.module(x), b.server.module(x))
     finally:
         for peer in peers:
             peer.shutdown()

@@ -157,3 +157,43 @@ def test_sequential_proxy_refuses_to_run_its_blocks_locally():
     assert calls == []  # nothing ran anywhere
     model.body.layers(x)  # calling it as a whole goes through every stage
     assert calls == [0, 1]
+
+
+class _Rotary(nn.Module):
+    """A bare parameter (no ``reset_parameters()``) and a non-persistent buffer computed in ``__init__``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(8))
+        self.register_buffer("inv_freq", torch.linspace(1.0, 0.01, 8), persistent=False)
+        self.register_buffer("count", torch.zeros(()))  # persistent: it travels in the stage's state
+
+    def forward(self, x):
+        return x * self.gain * torch.cos(self.inv_freq)
+
+
+def test_released_blocks_get_their_non_persistent_buffers_back():
+    """No peer sends a non-persistent buffer (it is in no state_dict): a released block keeps it aside and gets it
+    back when allocated again and when the trained pipeline is put back from gathered states."""
+    parent = nn.Module()
+    parent.layers = nn.Sequential(*(_Rotary() for _ in range(4)))
+    original = {i: parent.layers[i].inv_freq.clone() for i in range(4)}
+    partition = Partition(parent, "layers", 2)
+    trained = {
+        k: v.detach() + 1 for k, v in partition.stage_module(1).state_dict().items()
+    }  # what a peer sends
+    partition.release(keep=[0])
+    assert parent.layers[2].inv_freq.is_meta and parent.layers[3].gain.is_meta
+    assert partition.materialize(1, "cpu", seed=0)
+    # the bare parameters cannot be initialised here: they must come from a peer of the stage
+    assert partition.uninitialised[1] == ["gain", "gain"]
+    with pytest.raises(ValueError, match=r"\['gain', 'gain'\].*without reset_parameters\(\)"):
+        partition.check_initialised(1)
+    for i in (2, 3):
+        assert torch.equal(parent.layers[i].inv_freq, original[i])
+    partition.release(keep=[0])
+    partition.restore({1: trained})
+    for i in (2, 3):
+        assert torch.equal(parent.layers[i].inv_freq, original[i])
+        assert torch.equal(parent.layers[i].gain, trained[f"{i - 2}.gain"])
+    assert torch.isfinite(parent.layers(torch.randn(2, 8))).all()

@@ -125,6 +125,17 @@ def stage_state_keys(container: nn.Module, blocks: range) -> dict[str, str]:
     return mapping
 
 
+def _non_persistent_buffers(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` of every non-persistent buffer in ``block`` (names relative to it)."""
+    found = []
+    for module_name, module in block.named_modules():
+        for name in module._non_persistent_buffers_set:
+            buffer = module._buffers.get(name)
+            if buffer is not None:
+                found.append((f"{module_name}.{name}" if module_name else name, buffer))
+    return found
+
+
 def _on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
@@ -260,6 +271,13 @@ class Partition:
         self.path = path
         self.parent, self.name, self.container = resolve_attribute(root, path)
         self.stages = split_stages(len(self.container), num_stages)
+        # the non-persistent buffers of released blocks (a rotary embedding's frequencies, a causal mask): no
+        # peer sends them (they are not in a state_dict), so they are kept here and put back when the block is
+        # allocated again or the trained pipeline is put back
+        self._kept_buffers: dict[int, dict[str, torch.Tensor]] = {}
+        # per stage, the parameters that materialize() could not initialise (their modules have no
+        # reset_parameters()): they must come from a peer of the stage (see check_initialised)
+        self.uninitialised: dict[int, list[str]] = {}
 
     @property
     def num_stages(self) -> int:
@@ -285,18 +303,31 @@ class Partition:
         kept = {i for stage in keep for i in self.stages[stage]}
         for i, block in enumerate(self.container):
             if i not in kept:
+                buffers = {name: b for name, b in _non_persistent_buffers(block) if not b.is_meta}
+                if buffers:
+                    self._kept_buffers[i] = buffers
                 block.to("meta")
                 mark_released(block)
+
+    def _put_back_buffers(self, i: int) -> None:
+        """Give block ``i`` back the non-persistent buffers it had when it was released (see ``release``)."""
+        for name, buffer in self._kept_buffers.get(i, {}).items():
+            module_name, _, buffer_name = name.rpartition(".")
+            module = self.container[i].get_submodule(module_name) if module_name else self.container[i]
+            current = module._buffers.get(buffer_name)
+            if current is not None and not current.is_meta and current.shape == buffer.shape:
+                with torch.no_grad():
+                    current.copy_(buffer)
+            else:
+                module._buffers[buffer_name] = buffer
 
     def materialize(self, stage: int, device: torch.device | str, seed: int | None = None) -> bool:
         """Allocate the stage's blocks on ``device`` if any of their tensors is on ``meta``; returns whether it
         did. The new tensors are initialised by the blocks' own ``reset_parameters()`` under ``torch.manual_seed(
         seed)`` (so every peer that does this for a stage gets the same values) and are meant to be overwritten
-        by the stage's current state from a peer.
-
-        Raises:
-            ValueError: a parameter of the stage belongs to a module without ``reset_parameters()``, so it could
-                not be initialised.
+        by the stage's current state from a peer. Non-persistent buffers the blocks had before they were released
+        come back as they were. Parameters of modules without ``reset_parameters()`` (a bare ``nn.Parameter``)
+        are listed in :attr:`uninitialised`: they must come from a peer (:meth:`check_initialised`).
         """
         blocks = self.stage_blocks(stage)
         if not any(_on_meta(block) for block in blocks):
@@ -310,12 +341,6 @@ class Partition:
                     uncovered += [
                         f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)
                     ]
-        if uncovered:
-            raise ValueError(
-                f"Stage {stage}'s blocks were not allocated on this peer (meta device) and the parameters "
-                f"{uncovered[:5]} belong to modules without reset_parameters(), so they cannot be initialised here. "
-                "Give those modules a reset_parameters() method, or build the pipeline's blocks on a real device."
-            )
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
@@ -324,7 +349,28 @@ class Partition:
                     for module in block.modules():
                         if hasattr(module, "reset_parameters"):
                             module.reset_parameters()
+        for i in self.stages[stage]:
+            self._put_back_buffers(i)
+        if uncovered:
+            self.uninitialised[stage] = uncovered
+        else:
+            self.uninitialised.pop(stage, None)
         return True
+
+    def check_initialised(self, stage: int) -> None:
+        """Raise if the stage holds parameters that :meth:`materialize` could not initialise and no peer sent.
+
+        Raises:
+            ValueError: names them and says what to do.
+        """
+        uncovered = self.uninitialised.get(stage)
+        if uncovered:
+            raise ValueError(
+                f"Stage {stage}'s blocks were not allocated on this peer (meta device), no peer of the stage could "
+                f"send their values, and the parameters {uncovered[:5]} belong to modules without "
+                "reset_parameters(), so they cannot be initialised here. Give those modules a reset_parameters() "
+                "method, or build the pipeline's blocks on a real device."
+            )
 
     def install_proxy(self, call_stage: CallStage) -> nn.Module:
         """Replace the container with its proxy inside ``root``; the container's parameters leave ``root``."""
@@ -345,6 +391,9 @@ class Partition:
             # released (meta) blocks take the gathered tensors themselves; allocated ones copy them in place
             assign = not self.is_materialized(stage)
             self.container.load_state_dict(self.to_container_state(stage, state), strict=False, assign=assign)
+            if assign:
+                for i in self.stages[stage]:
+                    self._put_back_buffers(i)
         setattr(self.parent, self.name, self.container)
 
     def to_container_state(self, stage: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -443,6 +443,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         me = self.dht.peer_id
         donors = [p for p in get_stage_peers(self.dht, self.settings.run_id, server.stage) if p.peer_id != me]
         joining = bool(donors) and server.optimizer_factory is not None
+        partition = self.partition
         if donors and not joining and self._fresh:
             # not training (validate/test/predict), and the stage was not allocated here: its weights come from
             # the stage's peers (the seeded initialisation would be a silent wrong answer)
@@ -451,9 +452,24 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
                 server.module.load_state_dict(client.fetch_stage_state(server.stage))
             finally:
                 client.shutdown()
+            if partition is not None:
+                partition.uninitialised.pop(server.stage, None)
+        if not joining and partition is not None:
+            partition.check_initialised(
+                server.stage
+            )  # nobody sends the stage: every tensor must be initialised
         server.start(joining=joining)
         if joining:
-            if server.load_state_from_peers():
+            try:
+                loaded = server.load_state_from_peers()
+                if not loaded and partition is not None:
+                    partition.check_initialised(server.stage)
+            except BaseException:
+                server.shutdown(abort=True)
+                raise
+            if loaded:
+                if partition is not None:
+                    partition.uninitialised.pop(server.stage, None)
                 logger.info(f"Peer {me} loaded the current state of stage {server.stage} from its peers")
             else:
                 logger.warning(
