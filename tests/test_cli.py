@@ -111,12 +111,49 @@ def test_serve_and_status_form_a_swarm_by_initial_peers(tmp_path: Path) -> None:
             for block in reference.layers:
                 expected = block(expected)
         torch.testing.assert_close(y, expected, atol=1e-5, rtol=0)
+        client.shutdown()
+        client = None
+        # a server killed outright (preemption, the OOM killer) takes its helper processes along: its DHT
+        # process, the p2p daemon and the stage's averagers
+        helpers = _descendants(second.pid)
+        assert len(helpers) >= 3, helpers
+        second.kill()
+        second.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(p) for p in helpers):
+            time.sleep(0.2)
+        assert not [p for p in helpers if _alive(p)], (
+            "helpers of a SIGKILLed `lightning-swarm serve` lived on"
+        )
     finally:
         if client is not None:
             client.shutdown()
         if dht is not None:
             dht.shutdown()
         for proc in servers:
-            proc.send_signal(signal.SIGTERM)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         codes = [proc.wait(timeout=60) for proc in servers]
-    assert codes == [0, 0]  # SIGTERM shuts a server down cleanly
+    assert codes == [0, -signal.SIGKILL]  # SIGTERM shuts a server down cleanly
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -47,7 +47,7 @@ from .dht_process import SwarmDHT
 from .errors import RemoteStageError
 from .footprint import before_fork, release_free_memory, share_parameters, trim_footprint
 from .identity import PeerIdentity, register_identity
-from .lifetime import bounded, describe_exit, start_bounded, wait_bounded
+from .lifetime import bounded, describe_exit, die_with_parent, start_bounded, wait_bounded
 from .logs import quiet_routine_logs
 from .materialize import RngSnapshot, has_meta, materialize
 from .optimizer_template import _OptimizerTemplate
@@ -218,6 +218,9 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
                 p2p daemon failure) and what to do.
         """
         s = self.settings
+        # hivemind's helper processes (DHT, p2p daemon, averagers) must not outlive this peer, however it is used
+        # (the strategy, `lightning-swarm serve`, a script of one's own): a SIGKILLed peer takes them along
+        die_with_parent()
         quiet_routine_logs()  # before hivemind forks its helpers, which inherit the filter
         trim_footprint()  # before the first helper and the first shared tensor
         before_fork()  # the DHT's process is forked below
