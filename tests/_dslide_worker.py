@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
@@ -141,7 +142,8 @@ def repeated_rank(rank: int, port: int, out: Path, fail_rank: int) -> None:
         num_nodes=2,
         strategy="dslide",
         max_steps=2,
-        logger=False,
+        logger=CSVLogger(out, name="logs", version=0),  # rank 0 writes: dslide/bytes_per_step at every step
+        log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -438,6 +439,11 @@ def test_two_rank_runs_exit_cleanly_every_time_and_a_failure_ends_both_ranks(tmp
             assert exit_state == {"process_group_alive": False}, f"run {run} rank {rank}"
             if run < 10:
                 assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    # the strategy logs the bytes each rank sent per step (log_bytes, on by default) at the steps the logger writes
+    with open(tmp_path / "run0" / "logs" / "version_0" / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("dslide/bytes_per_step")]
+    assert [int(row["step"]) for row in rows] == [0, 1], rows
+    assert all(float(row["dslide/bytes_per_step"]) > 0 for row in rows), rows
     failed = [(tmp_path / "run10" / f"rank{rank}.log").read_text() for rank in range(2)]
     assert "ValueError: deliberate failure on rank 1" in failed[1]
     # Rank 0 fails fast with gloo's transport error (its wording depends on timing: "Connection closed by peer",
