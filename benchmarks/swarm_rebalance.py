@@ -132,9 +132,17 @@ def _start(run_id: str, name: str, stage: int, speed: float, period: float, init
 
 
 def run_swarm(
-    placement: dict[str, tuple[int, float]], period: float, duration: float, inflight: int, tag: str
+    placement: dict[str, tuple[int, float]],
+    period: float,
+    duration: float,
+    inflight: int,
+    tag: str,
+    settled: list[int] | None = None,
+    tail: float = 0.0,
 ):
-    """Start the peers, drive the pipeline for ``duration`` s; returns completion times and placements seen."""
+    """Start the peers, drive the pipeline for ``duration`` s, or longer: until ``tail`` s after the placement
+    first becomes ``settled`` (at most twice ``duration``); returns completion times, placements seen, failed
+    calls, moves and the seconds driven."""
     import hivemind
 
     from lightning_swarm.swarm import SwarmClient
@@ -171,17 +179,22 @@ def run_swarm(
         for t in threads:
             t.start()
         placements: list[tuple[float, list[int]]] = []
-        while time.monotonic() - start < duration:
+        end = duration
+        while time.monotonic() - start < end:
             counts = [len(get_stage_peers(dht, run_id, k)) for k in range(2)]
+            now = time.monotonic() - start
             if not placements or placements[-1][1] != counts:
-                placements.append((round(time.monotonic() - start, 1), counts))
+                placements.append((round(now, 1), counts))
+                if counts == settled:  # a late move still leaves a full window to measure after it
+                    end = min(max(end, now + tail), 2 * duration)
             time.sleep(0.5)
+        driven = time.monotonic() - start
         stop.set()
         for t in threads:
             t.join(timeout=30)
         client.shutdown()
         dht.shutdown()
-        return [t - start for t in done], placements, len(errors), moves
+        return [t - start for t in done], placements, len(errors), moves, driven
     finally:
         for proc in procs.values():
             proc.send_signal(signal.SIGTERM)
@@ -217,20 +230,27 @@ def main() -> None:
     bad = {"A": (0, 2.0), "B": (0, 1.0), "C": (0, 1.0), "D": (1, 2.0)}
     best = {"A": (0, 2.0), "B": (0, 1.0), "C": (1, 1.0), "D": (1, 2.0)}
 
-    times, placements, errors, moves = run_swarm(bad, period, duration, args.inflight, "bad")
-    first_move = next((t for t, c in placements if c != [3, 1]), duration)
+    tail = 20.0 if args.quick else 40.0  # seconds measured after the placement has settled (+5 s to adapt)
+    times, placements, errors, moves, driven = run_swarm(
+        bad, period, duration, args.inflight, "bad", settled=[2, 2], tail=tail + 5.0
+    )
+    first_move = next((t for t, c in placements if c != [3, 1]), driven)
     settled = next((t for t, c in placements if c == [2, 2]), None)
     final = placements[-1][1]
     throughput_initial = rate(times, warmup, max(first_move, warmup + 1.0))
-    after = (settled if settled is not None else duration) + 5.0
-    throughput_rebalanced = rate(times, after, duration) if after < duration - 2 else 0.0
+    after = (settled if settled is not None else driven) + 5.0
+    throughput_rebalanced = rate(times, after, driven) if after < driven - 2 else 0.0
 
-    optimal_duration = 25.0 if args.quick else 45.0
-    opt_times, opt_placements, opt_errors, _ = run_swarm(best, 0.0, optimal_duration, args.inflight, "best")
-    throughput_optimal = rate(opt_times, warmup + 2.0, optimal_duration)
+    optimal_duration = (
+        40.0 if args.quick else 60.0
+    )  # measured after 10 s: routing learns the peers' speeds first
+    opt_times, opt_placements, opt_errors, _, _ = run_swarm(
+        best, 0.0, optimal_duration, args.inflight, "best"
+    )
+    throughput_optimal = rate(opt_times, 10.0, optimal_duration)
 
     plot = report.png
-    _plot(times, opt_times, placements, duration, optimal_duration, plot)
+    _plot(times, opt_times, placements, driven, optimal_duration, plot)
     result = {
         "throughput_initial": round(throughput_initial, 2),
         "throughput_rebalanced": round(throughput_rebalanced, 2),
@@ -255,7 +275,7 @@ def main() -> None:
         "optimal_placements": opt_placements,
         "failed_calls": errors + opt_errors,
         "rebalance_period_s": period,
-        "duration_s": duration,
+        "duration_s": round(driven, 1),
         "inflight": args.inflight,
         "unit_cost_s_per_sample_per_block": UNIT_COST,
         "loadavg": os.getloadavg(),
