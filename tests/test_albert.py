@@ -140,19 +140,27 @@ def test_albert_shares_layers_within_a_group_and_ties_the_head(groups):
 def test_albert_boundaries_are_an_option():
     kw = {"vocab_size": 300, "seq_len": 16, "num_groups": 2, **TINY_MODEL}
     h, f = 32, 4
-    maxout = Albert(boundary="maxout", boundary_factor=f, **kw)
-    bottleneck = Albert(boundary="bottleneck", boundary_factor=f, **kw)
     base = _count(300, 16, 32, 2, 64, 16)
-    # one boundary between the two groups: compress (LayerNorm + linear) and expand (linear)
-    assert sum(p.numel() for p in maxout.parameters()) == base + 2 * h + (h * h + h) + (h // f * h + h)
-    assert sum(p.numel() for p in bottleneck.parameters()) == base + 2 * h + (h * h // f + h // f) + (
-        h // f * h + h
-    )
-    x = maxout.embedding_projection(
-        maxout.embedding_norm(maxout.word_embeddings(torch.zeros(2, 16, dtype=torch.long)))
-    )
+    maxout_pair = 2 * h + (h * h + h) + (h // f * h + h)  # compress (LayerNorm + linear) and expand (linear)
+    bottleneck_pair = 2 * h + (h * h // f + h // f) + (h // f * h + h)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    # between the two groups only
+    maxout = Albert(boundary="maxout", boundary_factor=f, boundary_ends=False, **kw)
+    bottleneck = Albert(boundary="bottleneck", boundary_factor=f, boundary_ends=False, **kw)
+    assert sum(p.numel() for p in maxout.parameters()) == base + maxout_pair
+    assert sum(p.numel() for p in bottleneck.parameters()) == base + bottleneck_pair
+    x = maxout.embedding_projection(maxout.embedding_norm(maxout.word_embeddings(ids)))
     assert maxout.layers[0](x).shape[-1] == h // f  # what crosses to the next stage
-    assert maxout(torch.zeros(2, 16, dtype=torch.long)).shape[-1] == h
+    assert maxout(ids).shape[-1] == h
+    # the default: the trainer's hops shrink too (its input to the first group, the last group's output)
+    maxout = Albert(boundary="maxout", boundary_factor=f, **kw)
+    assert sum(p.numel() for p in maxout.parameters()) == base + 3 * maxout_pair
+    x = maxout.boundary_in(maxout.embedding_projection(maxout.embedding_norm(maxout.word_embeddings(ids))))
+    assert x.shape[-1] == h // f
+    for group in maxout.layers:
+        x = group(x)
+        assert x.shape[-1] == h // f
+    assert maxout(ids).shape[-1] == h
 
 
 def _cli(args: list[str]):

@@ -14,6 +14,7 @@ from lightning_swarm.swarm.boundary import (
     BoundaryStage,
     MaxoutCompress,
     compression_aware,
+    end_boundaries,
 )
 from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.server import StageServer
@@ -139,3 +140,29 @@ def test_boundary_bytes_on_the_wire_of_a_swarm_stage_shrink_by_the_factor():
             thing.shutdown()
         server_dht.shutdown()
         trainer.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["maxout", "bottleneck"])
+def test_with_ends_every_hop_of_the_pipeline_is_narrow(kind):
+    """``ends=True``: the first stage takes, and the last one returns, tensors ``factor`` times narrower; the trainer
+    compresses before the pipeline and expands after it (``end_boundaries``), and gradients reach every part."""
+    torch.manual_seed(0)
+    width, factor = 32, 4
+    stages = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(3)]
+    pipeline = compression_aware(stages, width, kind=kind, factor=factor, ends=True)
+    enter, leave = end_boundaries(kind, width, factor)
+    x = torch.randn(5, 7, width, requires_grad=True)
+    h = enter(x)
+    widths = [h.shape[-1]]
+    for stage in pipeline:
+        h = stage(h)
+        widths.append(h.shape[-1])
+    assert widths == [width // factor] * 4  # every tensor between trainer and stages, and between stages
+    y = leave(h)
+    assert y.shape == x.shape
+    y.square().mean().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    for module in (enter, leave, *pipeline):
+        assert all(p.grad is not None for p in module.parameters())
+    with pytest.raises(ValueError, match="multiple of the compression factor"):
+        end_boundaries(kind, 30, 4)

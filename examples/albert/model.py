@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_swarm.swarm.boundary import compression_aware
+from lightning_swarm.swarm.boundary import compression_aware, end_boundaries
 
 from .data import IGNORE
 
@@ -82,6 +82,8 @@ class Albert(LightningModule):
         dropout: dropout probability (ALBERT v2 uses 0).
         boundary: ``"none"``, ``"maxout"`` or ``"bottleneck"``: compression-aware layers between groups.
         boundary_factor: how many times narrower the tensor between groups becomes with a boundary.
+        boundary_ends: with a boundary, also shrink the trainer's hops: the input of the first group and the output
+            of the last (the model compresses before the groups and expands after them).
         lr: learning rate of AdamW (constant: the stage servers step with the same optimizer and no scheduler).
         weight_decay: weight decay of AdamW.
     """
@@ -99,6 +101,7 @@ class Albert(LightningModule):
         dropout: float = 0.0,
         boundary: Literal["none", "maxout", "bottleneck"] = "none",
         boundary_factor: int = 4,
+        boundary_ends: bool = True,
         lr: float = 1e-3,
         weight_decay: float = 0.01,
     ) -> None:
@@ -112,10 +115,16 @@ class Albert(LightningModule):
             SharedLayers(AlbertBlock(hidden_size, num_heads, intermediate_size, dropout), layers_per_group)
             for _ in range(num_groups)
         ]
+        self.boundary_in: nn.Module | None = None
+        self.boundary_out: nn.Module | None = None
         if boundary == "none":
             self.layers = nn.ModuleList(groups)
         else:
-            self.layers = compression_aware(groups, hidden_size, kind=boundary, factor=boundary_factor)
+            self.layers = compression_aware(
+                groups, hidden_size, kind=boundary, factor=boundary_factor, ends=boundary_ends
+            )
+            if boundary_ends:
+                self.boundary_in, self.boundary_out = end_boundaries(boundary, hidden_size, boundary_factor)
         self.final_norm = nn.LayerNorm(hidden_size)
         self.mlm_dense = nn.Linear(hidden_size, embedding_size)
         self.mlm_norm = nn.LayerNorm(embedding_size)
@@ -127,8 +136,12 @@ class Albert(LightningModule):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.embedding_norm(self.word_embeddings(input_ids) + self.position_embeddings(positions))
         x = self.embedding_projection(x)
+        if self.boundary_in is not None:
+            x = self.boundary_in(x)
         for group in self.layers:
             x = group(x)
+        if self.boundary_out is not None:
+            x = self.boundary_out(x)
         return self.final_norm(x)
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:

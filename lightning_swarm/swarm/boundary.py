@@ -31,6 +31,7 @@ __all__ = [
     "MaxoutCompress",
     "boundary_pair",
     "compression_aware",
+    "end_boundaries",
 ]
 
 
@@ -133,17 +134,34 @@ class BoundaryStage(nn.Module):
 
 
 def compression_aware(
-    stages: Sequence[nn.Module], width: int, kind: BoundaryKind = "maxout", factor: int = 4
+    stages: Sequence[nn.Module],
+    width: int,
+    kind: BoundaryKind = "maxout",
+    factor: int = 4,
+    ends: bool = False,
 ) -> nn.ModuleList:
-    """Put a compress/expand boundary between every two consecutive ``stages`` (none before the first or after the
-    last), so the tensors passed between them are ``factor`` times narrower. Use the result as the pipeline with
-    one stage per element (e.g. ``SwarmStrategy(pipeline=..., num_stages=len(stages))``)."""
+    """Put a compress/expand boundary between every two consecutive ``stages``, so the tensors passed between them
+    are ``factor`` times narrower. Use the result as the pipeline with one stage per element (e.g.
+    ``SwarmStrategy(pipeline=..., num_stages=len(stages))``).
+
+    With ``ends``, the first stage also starts with an expand and the last one ends with a compress: the trainer's
+    own hops (its input to the first stage, the last stage's output back to it) shrink too. The trainer then
+    compresses what it feeds the pipeline and expands what comes out, with the modules of :func:`end_boundaries`.
+    """
     if not stages:
         raise ValueError("compression_aware needs at least one stage module.")
-    pairs = [boundary_pair(kind, width, factor) for _ in range(len(stages) - 1)]
+    inner = len(stages) - 1 + (2 if ends else 0)
+    pairs = [boundary_pair(kind, width, factor) for _ in range(inner)]
+    offset = 1 if ends else 0  # pairs[0] is the entry boundary with ends (its compress lives on the trainer)
     wrapped = []
     for k, body in enumerate(stages):
-        expand = pairs[k - 1][1] if k > 0 else None
-        compress = pairs[k][0] if k < len(stages) - 1 else None
+        expand = pairs[k - 1 + offset][1] if k > 0 or ends else None
+        compress = pairs[k + offset][0] if k < len(stages) - 1 or ends else None
         wrapped.append(BoundaryStage(body, expand=expand, compress=compress))
     return nn.ModuleList(wrapped)
+
+
+def end_boundaries(kind: BoundaryKind, width: int, factor: int) -> tuple[nn.Module, nn.Module]:
+    """The trainer's side of ``compression_aware(..., ends=True)``: ``(compress, expand)``, to apply to the tensor
+    it feeds the first stage and to the tensor the last stage returns."""
+    return boundary_pair(kind, width, factor)[0], BoundaryExpand(width, factor)
