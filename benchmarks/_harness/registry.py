@@ -45,9 +45,9 @@ BENCHMARKS: dict[str, Claim] = {
         "ALBERT fidelity beyond 8 bit: 1 trainer + 2 stage servers, uncompressed / 8-bit / maxout and bottleneck "
         "boundaries (factor 4) on top of 8-bit, vs one plain-model process, same seed, data, global batch and steps; "
         "every peer on one shared loopback shaped to 100 Mbit/s; `time_to_target_s`: training time until the "
-        "10-step mean loss reaches the single process's loss after 2/3 of the steps. Only the tensors between the "
-        "stages narrow (the first stage's input and the last one's output stay `hidden_size` wide): factor 4 at 8 "
-        "bit gives at best ~0.156",
+        "10-step mean loss reaches the single process's loss after 2/3 of the steps. With a boundary every hop "
+        "narrows, the trainer's too (`boundary_ends`, the default since 6022a48: before, the first stage's input "
+        "and the last one's output stayed `hidden_size` wide and factor 4 at 8 bit gave at best ~0.157)",
         "a configuration with `bytes_vs_fp32` <= 0.1 at `relative_gap` <= 0.03 (issue 25)",
         (
             "target_met",
