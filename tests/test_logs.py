@@ -279,6 +279,6 @@ def test_a_dht_request_that_cannot_be_read_is_dropped_without_a_pause(dht_class:
     finally:
         dht.shutdown()
     if dht_class == "SwarmDHT":
-        assert took < 2.0, took
+        assert took < 4.0, took  # a busy CI box: well below the 6 s each unreadable request costs hivemind
     else:  # the bug this works around, still in the pinned hivemind
         assert took > 5.0, took
