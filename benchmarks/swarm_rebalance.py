@@ -109,8 +109,13 @@ def worker(spec: dict) -> None:
         stop.wait()
     finally:
         moves = [[m.src, m.dst, round(m.before, 1), round(m.after, 1)] for m in peer.migrations]
+        served = peer.server.samples_processed if peer.server is not None else None
+        stage = peer.stage
         peer.shutdown()
         print("MOVES " + json.dumps(moves), flush=True)
+        print(
+            "SERVED " + json.dumps([stage, served]), flush=True
+        )  # backward samples served on its last stage
 
 
 def _start(run_id: str, name: str, stage: int, speed: float, period: float, initial: list[str]):
@@ -152,6 +157,7 @@ def run_swarm(
     procs: dict[str, subprocess.Popen] = {}
     initial: list[str] = []
     moves: dict[str, list] = {}
+    served: dict[str, list | None] = {}
     try:
         for name, (stage, speed) in placement.items():
             proc, maddrs = _start(run_id, name, stage, speed, period, initial)
@@ -194,7 +200,7 @@ def run_swarm(
             t.join(timeout=30)
         client.shutdown()
         dht.shutdown()
-        return [t - start for t in done], placements, len(errors), moves, driven
+        return [t - start for t in done], placements, len(errors), moves, driven, served
     finally:
         for proc in procs.values():
             proc.send_signal(signal.SIGTERM)
@@ -202,6 +208,9 @@ def run_swarm(
             try:
                 out, _ = proc.communicate(timeout=60)
                 moves[name] = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("MOVES ")]
+                served[name] = next(
+                    (json.loads(line[7:]) for line in out.splitlines() if line.startswith("SERVED ")), None
+                )
             except subprocess.TimeoutExpired:
                 _harness.kill_group(proc)
 
@@ -231,7 +240,7 @@ def main() -> None:
     best = {"A": (0, 2.0), "B": (0, 1.0), "C": (1, 1.0), "D": (1, 2.0)}
 
     tail = 20.0 if args.quick else 40.0  # seconds measured after the placement has settled (+5 s to adapt)
-    times, placements, errors, moves, driven = run_swarm(
+    times, placements, errors, moves, driven, served = run_swarm(
         bad, period, duration, args.inflight, "bad", settled=[2, 2], tail=tail + 5.0
     )
     first_move = next((t for t, c in placements if c != [3, 1]), driven)
@@ -244,7 +253,7 @@ def main() -> None:
     optimal_duration = (
         40.0 if args.quick else 60.0
     )  # measured after 10 s: routing learns the peers' speeds first
-    opt_times, opt_placements, opt_errors, _, _ = run_swarm(
+    opt_times, opt_placements, opt_errors, _, _, opt_served = run_swarm(
         best, 0.0, optimal_duration, args.inflight, "best"
     )
     throughput_optimal = rate(opt_times, 10.0, optimal_duration)
@@ -272,6 +281,9 @@ def main() -> None:
         "final_placement": final,
         "moves": {name: m[0] if m else [] for name, m in moves.items()},  # [src, dst, before, after] per peer
         "placements": placements,
+        # [stage, backward samples served there] per peer at the end: where the trainer's calls went
+        "served": served,
+        "optimal_served": opt_served,
         "optimal_placements": opt_placements,
         "failed_calls": errors + opt_errors,
         "rebalance_period_s": period,
