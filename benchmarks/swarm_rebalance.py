@@ -164,7 +164,9 @@ def run_swarm(
             procs[name] = proc
             initial = initial or maddrs
         dht = hivemind.DHT(start=True, initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        client = SwarmClient(dht, _settings(run_id))
+        # whole calls, routed by throughput: the 12 microbatches in flight already keep the stages busy; chunking a
+        # call over every peer of a stage ("auto") would make each call wait for the stage's slowest peer
+        client = SwarmClient(dht, _settings(run_id, microbatches=1))
         done: list[float] = []
         stop = threading.Event()
         errors: list[BaseException] = []
