@@ -8,5 +8,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-# one resolver pass (15 s faster than two on this box); torch==2.13.0 is the CPU build on disk
+# one pip call, one resolver pass; torch==2.13.0 is the CPU build on disk
 python -m pip install -q torch==2.13.0 -e ".[test]"

@@ -65,3 +65,27 @@ def local_dhts(count: int) -> list[hivemind.DHT]:
             node.shutdown()
         raise
     return nodes
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie is dead, just not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:  # gone (or going) between the listing and the read
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, whichever of its threads started it (hivemind forks from several)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found

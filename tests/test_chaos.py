@@ -20,7 +20,7 @@ from torch import nn
 from lightning_swarm.swarm.client import SwarmClient
 from lightning_swarm.swarm.settings import SwarmSettings
 from tests import _zygote
-from tests._helpers import SMALL_SWARM_STRATEGY
+from tests._helpers import SMALL_SWARM_STRATEGY, alive
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT / "examples" / "stage_peer.py"
@@ -36,13 +36,6 @@ def _descendants(pid: int) -> list[int]:
     for child in map(int, children):
         out += [child, *_descendants(child)]
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class Peer:
@@ -158,11 +151,11 @@ def test_servers_killed_mid_forward_backward_and_averaging_cost_retries_not_the_
     assert stats["swarm/retries"] >= 2  # the calls in flight at the kills went to the other peer
     # no step waited longer than a request timeout and a retry per stage call (plus slack for a loaded box)
     assert max(durations) < 4 * timeouts["request_timeout"], max(durations)
-    leftovers = [pid for peer in peers for pid in peer.pids if _alive(pid)]
+    leftovers = [pid for peer in peers for pid in peer.pids if alive(pid)]
     deadline = time.monotonic() + 15
     while leftovers and time.monotonic() < deadline:
         time.sleep(0.2)
-        leftovers = [pid for pid in leftovers if _alive(pid)]
+        leftovers = [pid for pid in leftovers if alive(pid)]
     assert leftovers == [], "processes of killed or stopped peers are still running"
     assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-3000:]
 
@@ -196,7 +189,7 @@ def test_killing_one_peer_of_a_local_swarm_leaves_the_others_training_to_the_end
     pids = [int(p) for f in tmp_path.glob("pids?") for p in f.read_text().split()]
     assert len(list(tmp_path.glob("pids?"))) == 4 and len(pids) >= 4 * 3  # each peer: itself, DHT, p2pd...
     deadline = time.monotonic() + 15
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert [p for p in pids if _alive(p)] == [], "processes of the local swarm outlived it"
+    assert [p for p in pids if alive(p)] == [], "processes of the local swarm outlived it"
     print(f"local swarm with a killed peer: {time.monotonic() - start:.0f} s")

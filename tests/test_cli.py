@@ -18,6 +18,7 @@ import yaml
 from examples.albert.model import Albert
 from lightning_swarm.swarm import SwarmClient, SwarmSettings
 from tests import _zygote
+from tests._helpers import alive, descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {
@@ -115,16 +116,14 @@ def test_serve_and_status_form_a_swarm_by_initial_peers(tmp_path: Path) -> None:
         client = None
         # a server killed outright (preemption, the OOM killer) takes its helper processes along: its DHT
         # process, the p2p daemon and the stage's averagers
-        helpers = _descendants(second.pid)
+        helpers = descendants(second.pid)
         assert len(helpers) >= 3, helpers
         second.kill()
         second.wait(timeout=30)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(_alive(p) for p in helpers):
+        while time.monotonic() < deadline and any(alive(p) for p in helpers):
             time.sleep(0.2)
-        assert not [p for p in helpers if _alive(p)], (
-            "helpers of a SIGKILLed `lightning-swarm serve` lived on"
-        )
+        assert not [p for p in helpers if alive(p)], "helpers of a SIGKILLed `lightning-swarm serve` lived on"
     finally:
         if client is not None:
             client.shutdown()
@@ -135,25 +134,3 @@ def test_serve_and_status_form_a_swarm_by_initial_peers(tmp_path: Path) -> None:
                 proc.send_signal(signal.SIGTERM)
         codes = [proc.wait(timeout=60) for proc in servers]
     assert codes == [0, -signal.SIGKILL]  # SIGTERM shuts a server down cleanly
-
-
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

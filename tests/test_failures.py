@@ -20,7 +20,7 @@ import pytest
 from lightning_swarm.swarm.identity import PeerIdentity
 from lightning_swarm.swarm.validation import failure_key, record_validators
 from tests import _zygote
-from tests._helpers import SMALL_SWARM_STRATEGY, run_launcher_job
+from tests._helpers import SMALL_SWARM_STRATEGY, alive, run_launcher_job
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "_failure_job.py"
@@ -29,14 +29,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 _STRATEGY = {**SMALL_SWARM_STRATEGY, "linger_timeout": 30.0}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _run(tmp_path: Path, cfg: dict, timeout: float) -> tuple[int, str, dict[int, dict], list[int]]:
@@ -60,7 +52,7 @@ def _run(tmp_path: Path, cfg: dict, timeout: float) -> tuple[int, str, dict[int,
     except subprocess.TimeoutExpired:
         for pid_file in tmp_path.glob("pids?"):  # where each peer hangs, for the report
             for pid in pid_file.read_text().split()[:1]:
-                if _alive(int(pid)):
+                if alive(int(pid)):
                     os.kill(int(pid), signal.SIGUSR1)
         time.sleep(2)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -69,9 +61,9 @@ def _run(tmp_path: Path, cfg: dict, timeout: float) -> tuple[int, str, dict[int,
         ) from None
     pids = [int(p) for f in tmp_path.glob("pids?") for p in f.read_text().split()]
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.2)
-    left = [p for p in pids if _alive(p)]
+    left = [p for p in pids if alive(p)]
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the session, so that no test leaks it
     except ProcessLookupError:

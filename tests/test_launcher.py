@@ -11,25 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from tests._helpers import SMALL_SWARM_STRATEGY, run_launcher_job
+from tests._helpers import SMALL_SWARM_STRATEGY, alive, run_launcher_job
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead, just not reaped yet
-    except FileNotFoundError:
-        return False
-
-
 def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 def test_forked_helpers_die_with_their_peer(tmp_path):
@@ -58,7 +50,7 @@ def test_forked_helpers_die_with_their_peer(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(x) for x in proc.stdout.readline().split()]
-        assert len(pids) == 2 and all(_alive(p) for p in pids), (
+        assert len(pids) == 2 and all(alive(p) for p in pids), (
             "both helpers outlive the thread that forked them"
         )
         proc.kill()
@@ -88,7 +80,7 @@ def test_nothing_outlives_a_killed_launcher(tmp_path):
         while len(list(tmp_path.glob("pids?"))) < 3 and time.monotonic() < deadline:
             time.sleep(0.2)
         pids = [int(p) for f in sorted(tmp_path.glob("pids?")) for p in f.read_text().split()]
-        assert len(pids) == 6 and all(_alive(p) for p in pids)
+        assert len(pids) == 6 and all(alive(p) for p in pids)
         assert proc.pid in pids
         proc.kill()
         proc.wait()
@@ -137,7 +129,7 @@ def test_a_signal_to_the_process_group_stops_a_training_local_swarm_promptly(tmp
             time.sleep(0.2)
         time.sleep(3.0)  # both peers are training
         pids = [int(p) for f in tmp_path.glob("pids?") for p in f.read_text().split()]
-        assert len(pids) >= 2 * 3 and all(_alive(p) for p in pids)  # each peer: itself, DHT, p2pd...
+        assert len(pids) >= 2 * 3 and all(alive(p) for p in pids)  # each peer: itself, DHT, p2pd...
         names = {Path(f"/proc/{p}/comm").read_text().strip() for p in pids}
         assert "p2pd" in names and "torch_shm_manag" not in names, (
             names
@@ -156,7 +148,7 @@ def test_a_signal_to_the_process_group_stops_a_training_local_swarm_promptly(tmp
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         for p in pids:
-            if _alive(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
 
 

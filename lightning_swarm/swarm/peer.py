@@ -61,7 +61,7 @@ from .rebalance import Move, PeerLoad, choose_stage
 from .records import get_stage_peers
 from .server import StageServer
 from .settings import SwarmSettings
-from .states import DEPARTING, FINISHED, LEAVING, ONLINE, STATES
+from .states import DEPARTING, FINISHED, LEAVING, STATES
 from .validation import record_validators
 
 logger = logging.getLogger(__name__)
@@ -439,48 +439,6 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
             throughput=throughput,
         )
 
-    def _start_server(self, server: StageServer) -> None:
-        """Start ``server``; if its stage already has online peers, first as ``"joining"`` while it downloads the
-        stage's current parameters and optimizer state from one of them, then online."""
-        assert self.dht is not None
-        me = self.dht.peer_id
-        donors = [p for p in get_stage_peers(self.dht, self.settings.run_id, server.stage) if p.peer_id != me]
-        joining = bool(donors) and server.optimizer_factory is not None
-        partition = self.partition
-        if donors and not joining and self._fresh:
-            # not training (validate/test/predict), and the stage was not allocated here: its weights come from
-            # the stage's peers (the seeded initialisation would be a silent wrong answer)
-            client = SwarmClient(self.dht, self.settings)
-            try:
-                server.module.load_state_dict(client.fetch_stage_state(server.stage))
-            finally:
-                client.shutdown()
-            if partition is not None:
-                partition.uninitialised.pop(server.stage, None)
-        if not joining and partition is not None:
-            partition.check_initialised(
-                server.stage
-            )  # nobody sends the stage: every tensor must be initialised
-        server.start(joining=joining)
-        if joining:
-            try:
-                loaded = server.load_state_from_peers()
-                if not loaded and partition is not None:
-                    partition.check_initialised(server.stage)
-            except BaseException:
-                server.shutdown(abort=True)
-                raise
-            if loaded:
-                if partition is not None:
-                    partition.uninitialised.pop(server.stage, None)
-                logger.info(f"Peer {me} loaded the current state of stage {server.stage} from its peers")
-            else:
-                logger.warning(
-                    f"Peer {me} found no peer of stage {server.stage} to download its state from; it serves its own "
-                    "initial weights until the stage's next averaging round"
-                )
-            server.set_state(ONLINE)
-
     # ------------------------------------------------------------------ leave
     def serve_until_trainers_finish(self) -> None:
         """For server-only peers: serve until trainers have appeared (however late) and every live one has
@@ -575,20 +533,18 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
                 )
         # independent of each other: shut down together, so that a failing peer is quick
         steps = [
-            ("the trainer optimizer's shutdown", "_trainer_optimizer", rounds + 30),
-            ("the client's shutdown", "client", 15.0),
-            ("the stage server's shutdown", "server", rounds + 30),
+            ("the trainer optimizer's shutdown", "_trainer_optimizer", rounds + 30, {}),
+            ("the client's shutdown", "client", 15.0, {}),
+            # after a failure the server cancels its averaging rounds instead of waiting for them
+            ("the stage server's shutdown", "server", rounds + 30, {"abort": budget is not None}),
         ]
         running = []
-        for what, name, default in steps:
+        for what, name, default, kwargs in steps:
             obj = getattr(self, name)
             if obj is not None:
-                stop = obj.shutdown
-                if (
-                    name == "server" and budget is not None
-                ):  # after a failure: no averaging round is waited for
-                    stop = functools.partial(obj.shutdown, abort=True)
-                running.append((what, start_bounded(what, stop), default))
+                running.append(
+                    (what, start_bounded(what, functools.partial(obj.shutdown, **kwargs)), default)
+                )
                 setattr(self, name, None)
         for what, done, default in running:
             finished = wait_bounded(what, done, bound(default)) and finished

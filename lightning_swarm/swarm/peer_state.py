@@ -1,5 +1,6 @@
-"""The stages' state seen from a peer (a mixin of :class:`~.peer.SwarmPeer`): gathering every stage's parameters
-and optimizer state for checkpoints, loading them back, waiting for the stages to appear."""
+"""The stages' state seen from a peer (a mixin of :class:`~.peer.SwarmPeer`): a stage server that starts takes its
+stage's current state from the stage's peers; gathering every stage's parameters and optimizer state for
+checkpoints, loading them back, waiting for the stages to appear."""
 
 from __future__ import annotations
 
@@ -8,13 +9,63 @@ import time
 
 import torch
 
+from .client import SwarmClient
 from .presence import APPEAR_TIMEOUT
+from .records import get_stage_peers
+from .server import StageServer
+from .states import ONLINE
 
 logger = logging.getLogger(__name__)
 
 
 class _StageStates:
     """Stage states for checkpoints and resuming (a mixin: its attributes are the peer's)."""
+
+    # ------------------------------------------------------------------ a server starts
+    def _start_server(self, server: StageServer) -> None:
+        """Start ``server``; if its stage already has online peers, first as ``"joining"`` while it downloads the
+        stage's current parameters and optimizer state from one of them, then online.
+
+        Raises:
+            ValueError: the stage holds parameters this peer could not initialise (no ``reset_parameters()``) and
+                no peer of the stage sent them (:meth:`~.partition.Partition.check_initialised`).
+        """
+        assert self.dht is not None and self.partition is not None
+        me, stage = self.dht.peer_id, server.stage
+        donors = [p for p in get_stage_peers(self.dht, self.settings.run_id, stage) if p.peer_id != me]
+        joining = bool(donors) and server.optimizer_factory is not None
+        if donors and not joining and self._fresh:
+            # not training (validate/test/predict), and the stage was not allocated here: its weights come from
+            # the stage's peers (the seeded initialisation would be a silent wrong answer)
+            client = SwarmClient(self.dht, self.settings)
+            try:
+                server.module.load_state_dict(client.fetch_stage_state(stage))
+            finally:
+                client.shutdown()
+            self.partition.uninitialised.pop(stage, None)
+        if not joining:
+            self.partition.check_initialised(
+                stage
+            )  # nobody sends the stage: every tensor must be initialised
+        server.start(joining=joining)
+        if not joining:
+            return
+        try:
+            loaded = server.load_state_from_peers()
+            if not loaded:
+                self.partition.check_initialised(stage)
+        except BaseException:
+            server.shutdown(abort=True)
+            raise
+        if loaded:
+            self.partition.uninitialised.pop(stage, None)
+            logger.info(f"Peer {me} loaded the current state of stage {stage} from its peers")
+        else:
+            logger.warning(
+                f"Peer {me} found no peer of stage {stage} to download its state from; it serves its own initial "
+                "weights until the stage's next averaging round"
+            )
+        server.set_state(ONLINE)
 
     # ------------------------------------------------------------------ state
     def gather_stage_states(

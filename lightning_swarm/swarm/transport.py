@@ -224,10 +224,9 @@ class P2PTransport:
                 outgoing = messages(runtime_pb2.ExpertRequest, parts, header, size)
                 reply_header, tensors, sent, recv = channel.call(outgoing, timeout or self.timeout, self.stop)
             except BaseException as e:
-                if not isinstance(e, Exception):  # abandoned (this peer stops): the stream is cut mid-call
-                    channel.close()
+                channel.close()  # broken, or cut mid-call (abandoned: this peer stops)
+                if not isinstance(e, Exception):
                     raise
-                channel.close()
                 if reused and not fresh_attempt and not isinstance(e, TimeoutError):
                     logger.debug(
                         f"A channel to {self.peer_id} broke after {channel.calls} calls ({e!r}); reopening"
