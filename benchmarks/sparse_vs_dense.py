@@ -314,7 +314,7 @@ def reader_speed() -> dict:
     """Lines per second of ``read_xc_file`` (vectorised) and of the line-by-line parser, on the same file."""
     import tempfile
 
-    from examples.amazon670k.data import _read_xc_file_by_lines, read_xc_file, write_xc_file
+    from examples.amazon670k.xc_format import _read_xc_file_by_lines, read_xc_file, write_xc_file
 
     data = make_synthetic(20_000, seed=0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,8 +13,6 @@ import torch
 from examples.amazon670k.data import (
     XCData,
     XCDataModule,
-    _parse_lines,
-    _read_xc_file_by_lines,
     collate_sparse,
     iter_xc_file,
     make_synthetic,
@@ -23,6 +21,7 @@ from examples.amazon670k.data import (
     read_xc_file,
     write_xc_file,
 )
+from examples.amazon670k.xc_format import _parse_lines, _read_xc_file_by_lines
 from tests import _zygote
 
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "examples" / "amazon670k" / "sample_data"
