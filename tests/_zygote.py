@@ -38,6 +38,7 @@ _IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "PYTHON",
                          "LD_", "MALLOC", "BNB_", "LIGHTNING_SWARM_TEST")  # fmt: skip
 _PRELOAD = ("numpy", "torch", "lightning.pytorch", "lightning.pytorch.cli", "hivemind", "lightning_swarm",
             "lightning_swarm.strategy.swarm")  # fmt: skip
+_RANKS_ENV = "LIGHTNING_SWARM_TEST_ZYGOTE_SOCKET"  # set in a forked job: where its launcher forks its ranks
 _HEADER = struct.Struct("!Q")
 _STATUS = struct.Struct("!qi")
 
@@ -53,6 +54,7 @@ class _Zygote:
         self.path = ""
         self.env: dict[str, str] = {}
         self.broken = os.environ.get("LIGHTNING_SWARM_TEST_ZYGOTE", "1") == "0"
+        self.external = False
         atexit.register(self.stop)
 
     def address(self) -> str | None:
@@ -60,6 +62,8 @@ class _Zygote:
         with self.lock:
             if self.broken:
                 return None
+            if self.external:  # in a job the zygote forked: its zygote's socket
+                return self.path
             if self.proc is not None and self.proc.poll() is None:
                 return self.path
             self.path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "sock")
@@ -122,15 +126,20 @@ class Popen(subprocess.Popen):
                        restore_signals, gid, gids, uid, umask, start_new_session, *rest):  # fmt: skip
         path = _ZYGOTE.address() if self._use_zygote else None
         if path is None:
+            preexec_fn = preexec_fn or getattr(self, "_rank_preexec", None)
             return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                                           creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
                                           errwrite, restore_signals, gid, gids, uid, umask, start_new_session,
                                           *rest)  # fmt: skip
+        child_env = {str(k): str(v) for k, v in (os.environ if env is None else env).items()}
+        if not start_new_session and os.environ.get("LIGHTNING_SWARM_TEST_ZYGOTE_RANKS", "1") != "0":
+            child_env[_RANKS_ENV] = path  # the job's launcher forks its ranks here too (see _fork_ranks_here)
         request = json.dumps({
             "argv": [str(a) for a in args],
             "cwd": os.path.abspath(cwd if cwd is not None else os.getcwd()),
-            "env": {str(k): str(v) for k, v in (os.environ if env is None else env).items()},
+            "env": child_env,
             "new_session": bool(start_new_session),
+            "watch_pid": getattr(self, "_watch_pid", None),
         }).encode()  # fmt: skip
         fds = [
             p2cread if p2cread != -1 else 0,
@@ -204,6 +213,50 @@ def run(args: Any, *, input: Any = None, capture_output: bool = False, timeout: 
     if check and code:
         raise subprocess.CalledProcessError(code, args, stdout, stderr)
     return subprocess.CompletedProcess(args, code, stdout, stderr)  # type: ignore[arg-type]
+
+
+class _RankPopen(Popen):
+    """The ``Popen`` of a job's Lightning launcher (``SwarmLauncher``) when the zygote forked the job: its ranks are
+    forked by the same zygote. A rank started by the launcher asks the kernel to kill it with the job
+    (``preexec_fn``: ``PR_SET_PDEATHSIG``); a forked rank's parent is the zygote, so it watches the job's pid
+    instead (:func:`_watch`). Anything the zygote cannot start goes the launcher's way, ``preexec_fn`` included."""
+
+    def __init__(self, args: Any, **kwargs: Any) -> None:
+        self._rank_preexec = kwargs.pop("preexec_fn", None)
+        self._watch_pid = os.getpid()
+        super().__init__(args, **kwargs)
+
+
+def _fork_ranks_here(path: str) -> None:
+    """In a job the zygote forked: the job's ``SwarmLauncher`` starts its ranks through the zygote at ``path``.
+
+    What differs from a launcher's own start is only how a rank's process begins (forked from a process that
+    imported torch, Lightning and hivemind, as the job itself was): each rank runs the same script with the same
+    environment and streams, and its exit status reaches the launcher as a child's would. Tests of how ranks are
+    started and signalled (``test_launcher.py``) and jobs in their own session keep the launcher's ``Popen``."""
+    import types
+
+    from lightning_swarm.strategy import launcher
+
+    _ZYGOTE.path, _ZYGOTE.env, _ZYGOTE.external = path, dict(os.environ), True
+    launcher.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": _RankPopen})  # type: ignore[attr-defined]
+
+
+def _watch(pid: int) -> None:
+    """End this process (SIGKILL, as ``PR_SET_PDEATHSIG`` would) when process ``pid`` ends."""
+    import signal
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def wait() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, daemon=True, name="zygote-watch-job").start()
 
 
 def _recv_exactly(conn: socket.socket, size: int) -> bytes:
@@ -288,6 +341,10 @@ def _become(request: dict, fds: list[int]) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if request.get("watch_pid"):
+        _watch(int(request["watch_pid"]))
+    if os.environ.get(_RANKS_ENV):
+        _fork_ranks_here(os.environ[_RANKS_ENV])
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),
