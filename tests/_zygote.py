@@ -7,10 +7,13 @@ therefore keeps one *zygote*: a process that imported those modules once and the
 the same arguments, working directory, environment and standard streams, in its own session when asked, and its
 exit status reaches ``wait``/``poll`` as a real child's would.
 
-What a job then does is unchanged: it is the same script in a process with the same modules. The processes it
-starts itself (the other ranks of a local swarm, their DHTs and p2p daemons) are started as before. Only the
-job's own start differs, so a test that measures a job process's memory, or that is about how a process starts,
-uses ``subprocess`` directly.
+What a job then does is unchanged: it is the same script in a process with the same modules. The ranks its
+Lightning launcher (``SwarmLauncher``) starts are forked by the same zygote too (``_fork_ranks_here``; each watches
+the job's pid, as a launched rank's ``PR_SET_PDEATHSIG`` would), unless the job runs in its own session (the tests
+that signal a job's process group) or ``LIGHTNING_SWARM_TEST_ZYGOTE_RANKS=0``; the other processes (DHTs, p2p
+daemons, D-SLIDE ranks) are started as before. ``test_launcher.py`` starts its jobs with ``subprocess`` and so
+checks the launcher's own start, signals and process groups; a test that measures a job process's memory, or that
+is about how a process starts, uses ``subprocess`` directly.
 
 Anything the zygote cannot reproduce falls back to ``subprocess.Popen``: a command that is not
 ``[sys.executable, SCRIPT, ...]`` or ``[sys.executable, "-m", MODULE, ...]``, an environment that changes what happens at import (``OMP_*``, ``PYTHON*``,

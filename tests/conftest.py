@@ -9,7 +9,9 @@
 
 ``pytest`` (what CI runs) runs both. The job scripts that integration tests start (``tests/_*_job.py``,
 ``examples/albert/*.py``, ``lightning-swarm serve``...) are forked by each worker's zygote (``tests/_zygote.py``)
-instead of importing torch and Lightning afresh; ``LIGHTNING_SWARM_TEST_ZYGOTE=0`` starts them as plain processes.
+instead of importing torch and Lightning afresh, and so are the ranks their Lightning launcher starts (unless the job
+runs in its own session); ``LIGHTNING_SWARM_TEST_ZYGOTE=0`` starts them all as plain processes,
+``LIGHTNING_SWARM_TEST_ZYGOTE_RANKS=0`` only the ranks.
 """
 
 from __future__ import annotations
