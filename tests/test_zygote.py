@@ -79,3 +79,61 @@ def test_what_the_zygote_cannot_reproduce_starts_as_a_plain_process(tmp_path) ->
     proc = _zygote.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
     assert proc._zygote_conn is None and proc.communicate(timeout=60)[0] == "7\n"
     assert _zygote._ZYGOTE.usable_for([sys.executable, str(script)], {**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+RANK_JOB = """
+import os, sys, time
+from lightning_swarm.strategy import launcher
+from lightning_swarm.swarm.lifetime import set_parent_death_signal
+child = sys.argv[1]
+parent = os.getpid()
+def start(code):
+    return launcher.subprocess.Popen([sys.executable, child, code], env={**os.environ, "LOCAL_RANK": "1"},
+                                     preexec_fn=lambda: set_parent_death_signal(parent_pid=parent))
+done = start("7")
+print("exit", done.wait(timeout=60), flush=True)
+rank = start("sleep")
+print("rank", rank.pid, type(rank).__name__, flush=True)
+time.sleep(120)
+"""
+
+RANK = """
+import os, sys, time
+if sys.argv[1] == "sleep":
+    time.sleep(120)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_the_ranks_of_a_forked_job_are_forked_too_and_end_with_the_job(tmp_path) -> None:
+    """A job forked by the zygote starts its launcher's ranks through the zygote: the rank's exit status reaches
+    the job, and a rank (whose parent is the zygote, not the job) is killed when the job is SIGKILLed."""
+    job, rank = tmp_path / "job.py", tmp_path / "rank.py"
+    job.write_text(RANK_JOB)
+    rank.write_text(RANK)
+    proc = _zygote.Popen([sys.executable, str(job), str(rank)], stdout=subprocess.PIPE, text=True)
+    assert proc._zygote_conn is not None
+    try:
+        assert proc.stdout.readline().split() == ["exit", "7"]
+        _, pid, kind = proc.stdout.readline().split()
+        pid = int(pid)
+        assert kind == "_RankPopen"
+        with open(f"/proc/{pid}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) != proc.pid  # its parent is the zygote
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}") and _running(pid):
+            time.sleep(0.1)
+        assert not _running(pid), "a forked rank outlived its job"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
