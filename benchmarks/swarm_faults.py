@@ -1,24 +1,23 @@
-"""Throughput of a swarm while one of its servers is killed and restarted, next to a fixed pipeline's.
+"""Throughput of a swarm while one of its servers is killed and restarted.
 
-Two configurations, in one run, with the same trainer, transport, stages, microbatch and cores:
+The swarm: 2 stages x 2 server peers (``examples/stage_peer.py`` processes); the trainer routes each microbatch
+through one peer per stage and retries failed calls on the other peer of the stage. (An earlier version also ran
+a "fixed pipeline": the same client with one peer per stage. It is gone: that is not a pipeline a user would
+otherwise pick, it reconnected on its own and shared the cores a dead peer freed, so it said nothing about the
+alternative. The comparison against torch's GPipe restarted from checkpoints, asked for by issue 25, is not built.)
 
-- ``swarm``: 2 stages x 2 server peers (``examples/stage_peer.py`` processes); the trainer routes each microbatch
-  through one peer per stage and retries failed calls on the other peer of the stage;
-- ``fixed``: 2 stages x 1 server peer, the same client: a fixed pipeline, nothing to reroute to.
-
-The trainer keeps ``--concurrency`` microbatches in flight (forward through both stages, then backward). Each
-configuration is measured without faults, then under faults: one stage-1 server is SIGKILLed, a replacement
+The trainer keeps ``--concurrency`` microbatches in flight (forward through both stages, then backward). The swarm
+is measured without faults, then under faults: one stage-1 server is SIGKILLed, a replacement
 process is started at once (a preempted machine coming back: its start-up is the downtime), and once it serves,
 the next kill waits three times that downtime, so that one peer in four (in the swarm) is down a quarter of the
 time; the fault phase is whole kill cycles (2 with ``--quick``, else 4). ``retained`` = samples/s with faults /
 samples/s without. The replacement starts on the same two cores as everything else (on a real swarm it would
-start on its own machine), so its start-up also slows the others: both configurations pay that alike.
+start on its own machine), so its start-up also slows the others.
 
 Usage: ``python benchmarks/swarm_faults.py [--quick]``. The last stdout line is one JSON object with
-``throughput_no_faults``, ``throughput_with_faults``, ``retained`` (swarm), ``fixed_pipeline_retained``,
-``kills``, the measured ``down_fraction`` per configuration and the load average; it is also written to
-``runs/swarm_faults/swarm_faults.json``, with ``swarm_faults.png`` (samples/s over time for both, downtimes shaded)
-next to it (``--out``).
+``throughput_no_faults``, ``throughput_with_faults``, ``retained``, ``kills``, the measured ``down_fraction`` and
+the load average; it is also written to ``runs/swarm_faults/swarm_faults.json``, with ``swarm_faults.png``
+(samples/s over time, downtimes shaded) next to it (``--out``).
 """
 
 from __future__ import annotations
@@ -104,7 +103,7 @@ class Trainer:
         return sum(start <= t < end for t in self.done) * BATCH / (end - start)
 
 
-def run_config(name: str, peers_per_stage: int, args: argparse.Namespace, dht: hivemind.DHT) -> dict:
+def run_swarm(name: str, peers_per_stage: int, args: argparse.Namespace, dht: hivemind.DHT) -> dict:
     run_id = f"faults_{name}_{os.getpid()}"
     base = {
         "run_id": run_id,
@@ -180,15 +179,15 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for ax, (name, r) in zip(axes, results.items(), strict=True):
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 3 * len(results)), sharex=True, squeeze=False)
+    for ax, (name, r) in zip(axes[:, 0], results.items(), strict=True):
         ax.plot([t for t, _ in r["series"]], [v for _, v in r["series"]], label=f"{name} samples/s")
         for a, b in r["downs"]:
             ax.axvspan(a, b, color="red", alpha=0.2)
         ax.axvline(r["faults_start"], color="gray", linestyle="--")
         ax.set_ylabel("samples/s")
         ax.set_title(f"{name}: retained {r['retained']:.2f} (one stage-1 server down: shaded)")
-    axes[-1].set_xlabel("seconds")
+    axes[-1, 0].set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(path)
 
@@ -210,8 +209,8 @@ def main() -> None:
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         results = {}
-        for name, per_stage in (("swarm", 2), ("fixed", 1)):
-            r = run_config(name, per_stage, args, dht)
+        for name, per_stage in (("swarm", 2),):
+            r = run_swarm(name, per_stage, args, dht)
             r["retained"] = r["throughput_with_faults"] / max(r["throughput_no_faults"], 1e-9)
             results[name] = r
             print(
@@ -222,7 +221,7 @@ def main() -> None:
     finally:
         dht.shutdown()
     plot(results, report.png)
-    s, f = results["swarm"], results["fixed"]
+    s = results["swarm"]
     summary = {
         "throughput_no_faults": round(s["throughput_no_faults"], 2),
         "throughput_with_faults": round(s["throughput_with_faults"], 2),
@@ -232,11 +231,6 @@ def main() -> None:
         "downtime_s": s["downtime_s"],
         "retries": s["retries"],
         "failed_microbatches": s["failed_microbatches"],
-        "fixed_pipeline_throughput_no_faults": round(f["throughput_no_faults"], 2),
-        "fixed_pipeline_throughput_with_faults": round(f["throughput_with_faults"], 2),
-        "fixed_pipeline_retained": round(f["retained"], 3),
-        "fixed_pipeline_kills": f["kills"],
-        "fixed_pipeline_down_fraction": round(f["down_fraction"], 3),
         "concurrency": args.concurrency,
         "microbatch": BATCH,
         "width": WIDTH,
