@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from typing import Any
 
 # environment variables read while the preloaded modules are imported (or by the interpreter at start-up): a job
@@ -250,13 +251,23 @@ def _watch(pid: int) -> None:
     import signal
 
     try:
-        fd = os.pidfd_open(pid)
+        fd: int | None = os.pidfd_open(pid)
     except ProcessLookupError:
         os.kill(os.getpid(), signal.SIGKILL)
         return
+    except (AttributeError, OSError):  # no pidfd here (Linux < 5.3): poll the pid instead
+        fd = None
 
     def wait() -> None:
-        select.select([fd], [], [])
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=wait, daemon=True, name="zygote-watch-job").start()
