@@ -103,8 +103,8 @@ class Trainer:
         return sum(start <= t < end for t in self.done) * BATCH / (end - start)
 
 
-def run_swarm(name: str, peers_per_stage: int, args: argparse.Namespace, dht: hivemind.DHT) -> dict:
-    run_id = f"faults_{name}_{os.getpid()}"
+def run_swarm(args: argparse.Namespace, dht: hivemind.DHT, peers_per_stage: int = 2) -> dict:
+    run_id = f"faults_swarm_{os.getpid()}"
     base = {
         "run_id": run_id,
         "num_stages": 2,
@@ -173,21 +173,20 @@ def _frange(start: float, stop: float, step: float) -> list[float]:
     return out
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(r: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), 1, figsize=(9, 3 * len(results)), sharex=True, squeeze=False)
-    for ax, (name, r) in zip(axes[:, 0], results.items(), strict=True):
-        ax.plot([t for t, _ in r["series"]], [v for _, v in r["series"]], label=f"{name} samples/s")
-        for a, b in r["downs"]:
-            ax.axvspan(a, b, color="red", alpha=0.2)
-        ax.axvline(r["faults_start"], color="gray", linestyle="--")
-        ax.set_ylabel("samples/s")
-        ax.set_title(f"{name}: retained {r['retained']:.2f} (one stage-1 server down: shaded)")
-    axes[-1, 0].set_xlabel("seconds")
+    fig, ax = plt.subplots(figsize=(9, 3))
+    ax.plot([t for t, _ in r["series"]], [v for _, v in r["series"]], label="swarm samples/s")
+    for a, b in r["downs"]:
+        ax.axvspan(a, b, color="red", alpha=0.2)
+    ax.axvline(r["faults_start"], color="gray", linestyle="--")
+    ax.set_ylabel("samples/s")
+    ax.set_title(f"swarm: retained {r['retained']:.2f} (one stage-1 server down: shaded)")
+    ax.set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(path)
 
@@ -208,20 +207,16 @@ def main() -> None:
     torch.set_num_threads(1)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
-        results = {}
-        for name, per_stage in (("swarm", 2),):
-            r = run_swarm(name, per_stage, args, dht)
-            r["retained"] = r["throughput_with_faults"] / max(r["throughput_no_faults"], 1e-9)
-            results[name] = r
-            print(
-                f"{name}: {r['throughput_no_faults']:.1f} -> {r['throughput_with_faults']:.1f} samples/s "
-                f"(retained {r['retained']:.2f}, {r['kills']} kills, down {r['down_fraction']:.0%})",
-                flush=True,
-            )
+        s = run_swarm(args, dht)
     finally:
         dht.shutdown()
-    plot(results, report.png)
-    s = results["swarm"]
+    s["retained"] = s["throughput_with_faults"] / max(s["throughput_no_faults"], 1e-9)
+    print(
+        f"swarm: {s['throughput_no_faults']:.1f} -> {s['throughput_with_faults']:.1f} samples/s "
+        f"(retained {s['retained']:.2f}, {s['kills']} kills, down {s['down_fraction']:.0%})",
+        flush=True,
+    )
+    plot(s, report.png)
     summary = {
         "throughput_no_faults": round(s["throughput_no_faults"], 2),
         "throughput_with_faults": round(s["throughput_with_faults"], 2),

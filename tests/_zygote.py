@@ -246,28 +246,18 @@ def _fork_ranks_here(path: str) -> None:
     launcher.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": _RankPopen})  # type: ignore[attr-defined]
 
 
-def _watch(pid: int) -> None:
-    """End this process (SIGKILL, as ``PR_SET_PDEATHSIG`` would) when process ``pid`` ends."""
+def _watch(pid: int, period: float = 0.2) -> None:
+    """End this process (SIGKILL, as ``PR_SET_PDEATHSIG`` would) once process ``pid`` is gone (the zygote reaps the
+    jobs it forked within 0.05 s, so a dead job does not linger as a zombie)."""
     import signal
 
-    try:
-        fd: int | None = os.pidfd_open(pid)
-    except ProcessLookupError:
-        os.kill(os.getpid(), signal.SIGKILL)
-        return
-    except (AttributeError, OSError):  # no pidfd here (Linux < 5.3): poll the pid instead
-        fd = None
-
     def wait() -> None:
-        if fd is not None:
-            select.select([fd], [], [])
-        else:
-            while True:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.2)
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(period)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=wait, daemon=True, name="zygote-watch-job").start()

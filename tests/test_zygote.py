@@ -10,6 +10,7 @@ import sys
 import time
 
 from tests import _zygote
+from tests._helpers import alive
 
 JOB = """
 import json, os, sys, time
@@ -123,17 +124,9 @@ def test_the_ranks_of_a_forked_job_are_forked_too_and_end_with_the_job(tmp_path)
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}") and _running(pid):
+        while time.monotonic() < deadline and alive(pid):
             time.sleep(0.1)
-        assert not _running(pid), "a forked rank outlived its job"
+        assert not alive(pid), "a forked rank outlived its job"
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
