@@ -12,6 +12,7 @@ import hivemind
 import msgpack
 import pytest
 import torch
+from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from torch import nn
 
@@ -119,6 +120,9 @@ def test_malformed_step_commands_are_refused_and_the_server_keeps_serving(dhts, 
         msgpack.packb({**good, "groups": {0: {"lr": "x" * 10, "params": [1]}}}),
         msgpack.packb({**good, "groups": {0: {"lr": [float("nan")]}}}),
         msgpack.packb({**good, "step_id": -1}),
+        msgpack.packb({**good, "group": "everyone"}),
+        msgpack.packb({**good, "group": [b"a", b"a"]}),
+        msgpack.packb({**good, "group": [b"x" * 4096]}),
     ]
     stub = client._transport(server.peer_id, 0).stub
     for data in bad:
@@ -150,11 +154,9 @@ def test_with_several_trainers_the_stages_take_the_trainers_schedule_for_their_n
     assert server.steps == 0  # a hyper-parameter update is no step
 
 
-def test_two_peers_of_a_stage_redo_a_sum_they_disagree_on_and_step_as_one(dhts, cleanup):
-    """Two peers of one stage; the first is commanded alone once (as when its partner missed the round): it finds
-    nobody to sum with within a few matchmaking periods, not ``averaging_timeout``. The trainer's step then sees the
-    two peers' sums disagree (group 1 each), has them sum again from their own gradients, and both step with the
-    sum of every backward: the parameters of one SGD step over the whole batch, identical on both peers."""
+def _two_peer_stage(dhts, cleanup, matchmaking_time: float, averaging_timeout: float):
+    """Two server peers of one stage (on the module's server DHT and a third DHT), a client, the modules' common
+    initial weights in a reference module, and the run id."""
     trainer_dht, server_dht = dhts
     third = hivemind.DHT(
         start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=trainer_dht.get_visible_maddrs()
@@ -168,8 +170,8 @@ def test_two_peers_of_a_stage_redo_a_sum_they_disagree_on_and_step_as_one(dhts, 
         stage_steps="trainer",
         request_timeout=10.0,
         no_peers_timeout=20.0,
-        matchmaking_time=1.0,
-        averaging_timeout=60.0,
+        matchmaking_time=matchmaking_time,
+        averaging_timeout=averaging_timeout,
     )
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
@@ -196,21 +198,66 @@ def test_two_peers_of_a_stage_redo_a_sum_they_disagree_on_and_step_as_one(dhts, 
     while len(client.peers(0)) < 2:
         assert time.monotonic() < deadline, "the second peer never appeared"
         time.sleep(0.5)
+    return servers, client, reference, settings, run_id
+
+
+def _backwards_on_both(client, servers, reference) -> None:
+    """Six calls spread over the two peers, and the same batches through ``reference`` (one SGD step)."""
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    batches = [torch.randn(8, 4) for _ in range(6)]
-    for x in batches:
+    for x in [torch.randn(8, 4) for _ in range(6)]:
         reference(x).pow(2).sum().backward()
         client.call_stage(0, x.clone().requires_grad_()).pow(2).sum().backward()
     opt.step()
     assert all(s._pending_backwards > 0 for s in servers), "the calls did not reach both peers"
+
+
+def _assert_stepped_as_one(servers, reference) -> None:
+    for server in servers:
+        served = server.state_dict_local()
+        for key, value in reference.state_dict().items():
+            assert torch.allclose(served[key], value, atol=1e-6), key
+        assert server.steps == 1 and server.averaged_rounds >= 1
+
+
+def test_two_peers_of_a_stage_redo_a_sum_they_disagree_on_and_step_as_one(dhts, cleanup):
+    """Two peers of one stage; the first is commanded alone once, by a command that names no peers (as from a
+    trainer that does not name them, when its partner missed the round): it looks for a group by matchmaking and
+    finds nobody within a few matchmaking periods, not ``averaging_timeout``. The trainer's step then sees the
+    two peers' sums disagree (group 1 each), has them sum again from their own gradients, and both step with the
+    sum of every backward: the parameters of one SGD step over the whole batch, identical on both peers."""
+    servers, client, reference, settings, run_id = _two_peer_stage(
+        dhts, cleanup, matchmaking_time=1.0, averaging_timeout=60.0
+    )
+    _backwards_on_both(client, servers, reference)
     uid = stage_uid(run_id, 0)
     started = time.monotonic()
     alone = servers[0].step_command(StepCommand(uid, 42, phase="norm", peers=2))
     assert alone["group"] == 1 and time.monotonic() - started < 3 * settings.matchmaking_time + 6
     replies = client.step_stage(0, StepCommand(uid, 42, groups={0: {"lr": 0.1}}))
     assert len(replies) == 2 and {r["group"] for r in replies} == {2}
-    for server in servers:
-        served = server.state_dict_local()
-        for key, value in reference.state_dict().items():
-            assert torch.allclose(served[key], value, atol=1e-6), key
-        assert server.steps == 1 and server.averaged_rounds >= 1
+    _assert_stepped_as_one(servers, reference)
+
+
+def test_the_peers_a_trainer_names_sum_without_matchmaking(dhts, cleanup):
+    """The trainer names a stage's peers in its step command: they sum their gradients among exactly them, under
+    an id they derive from the command, without hivemind's matchmaking (which would wait ``matchmaking_time``,
+    here longer than the whole step is given). A named peer that never joins fails the round within
+    ``averaging_timeout``, and the other steps with its own gradients after the trainer drops it."""
+    servers, client, reference, settings, run_id = _two_peer_stage(
+        dhts, cleanup, matchmaking_time=60.0, averaging_timeout=5.0
+    )
+    _backwards_on_both(client, servers, reference)
+    uid = stage_uid(run_id, 0)
+    started = time.monotonic()
+    replies = client.step_stage(0, StepCommand(uid, 42, groups={0: {"lr": 0.1}}))
+    assert time.monotonic() - started < settings.matchmaking_time / 2
+    assert len(replies) == 2 and {r["group"] for r in replies} == {2}
+    _assert_stepped_as_one(servers, reference)
+    # a named partner that never comes: the round fails within averaging_timeout, not matchmaking_time
+    absent = PeerID.from_base58("QmUF1j7CVgoe7s3PsFxon3eEQFGBBgRWDkB4sq2UMgCEYA")
+    client.call_stage(0, torch.randn(8, 4, requires_grad=True)).sum().backward()
+    server = next(s for s in servers if s._pending_backwards > 0)
+    group = [server.peer_id.to_bytes(), absent.to_bytes()]
+    started = time.monotonic()
+    reply = server.step_command(StepCommand(uid, 43, phase="norm", peers=2, group=group))
+    assert reply["group"] == 1 and time.monotonic() - started < settings.averaging_timeout + 10

@@ -5,20 +5,26 @@ tracker that finishes its tasks at shutdown."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import signal
 import threading
-from typing import Any
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind's servicer reads typing's AsyncIterator only)
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import achain, anext, as_aiter, azip, enter_asynchronously
 from hivemind.utils.timed_storage import get_dht_time
 
 from .codec import all_finite
@@ -30,6 +36,22 @@ logger = logging.getLogger(__name__)
 OUTLIER_NORM_RATIO = 100.0
 
 _DRAIN_S = 2.0  # seconds a progress tracker's leftover tasks get to finish once cancelled
+
+_NAMED_GROUP_TAG = (
+    b"lightning-swarm/named:"  # group ids of rounds among peers a trainer named (no matchmaking)
+)
+_NAMED_GROUP_POLL_S = 0.002  # how often a part that came before its named round began looks for the round
+
+
+class NamedGroupFailed(Exception):
+    """A round among named peers did not complete (a peer did not join in time, or the all-reduce failed)."""
+
+
+def named_group_id(uid: str, step_id: int, attempt: int) -> bytes:
+    """The id of the all-reduce round of step ``step_id``'s attempt ``attempt`` of stage ``uid``: every peer the
+    trainer commanded derives the same id, with nothing to agree on beforehand."""
+    digest = hashlib.blake2b(f"{uid}|{step_id}|{attempt}".encode(), digest_size=16).digest()
+    return _NAMED_GROUP_TAG + digest
 
 
 class _LoadProbe(DecentralizedAverager):
@@ -225,7 +247,80 @@ def _state_lock(averager: Any) -> Any:
     return lock
 
 
-class _GradientAverager(_StartsInAnyThread, _GuardedAveraging, GradientAverager):
+class _NamedGroups:
+    """All-reduce rounds among peers that a trainer names (:meth:`sum_in_named_group`), instead of a group found
+    by hivemind's matchmaking, which waits for ``matchmaking_time`` every round: a trainer that commands a
+    stage's peers to step knows who they are, and gives them the round's id and the order of its members."""
+
+    def sum_in_named_group(self, group_id: bytes, peer_ids: list[PeerID], timeout: float) -> int:
+        """Average the averaged tensors with exactly ``peer_ids`` (this peer among them, every weight 1) in one
+        all-reduce round; returns the group's size. Raises :class:`NamedGroupFailed` if the round did not
+        complete within ``timeout`` seconds (the tensors then hold this peer's values or a partial average)."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(  # type: ignore[attr-defined]
+            (
+                "_named_group_round",
+                [],
+                dict(group_id=group_id, peer_ids=tuple(peer_ids), timeout=timeout, future=future),
+            )
+        )
+        return future.result(timeout=timeout + 5.0)
+
+    async def _named_group_round(
+        self, group_id: bytes, peer_ids: tuple[PeerID, ...], timeout: float, future: MPFuture
+    ) -> None:
+        try:
+            if self.peer_id not in peer_ids or self.mode != AveragingMode.NODE:  # type: ignore[attr-defined]
+                raise NamedGroupFailed(
+                    f"this peer ({self.mode.name}) is not a full member of the named group"
+                )  # type: ignore[attr-defined]
+            kwargs = dict(self.allreduce_kwargs)  # type: ignore[attr-defined]
+            fractions = load_balance_peers(
+                self.total_size,
+                [1.0] * len(peer_ids),
+                kwargs.pop("min_vector_size"),  # type: ignore[attr-defined]
+            )
+            group = GroupInfo(group_id, peer_ids, tuple(b"" for _ in peer_ids))
+
+            async def run() -> None:
+                async with enter_asynchronously(self.get_tensors()) as tensors:  # type: ignore[attr-defined]
+                    await self._run_allreduce_inplace_(  # type: ignore[attr-defined]
+                        tensors,
+                        group,
+                        peer_fractions=fractions,
+                        tensor_infos=self.tensor_infos,
+                        weight=1.0,
+                        **kwargs,  # type: ignore[attr-defined]
+                    )
+
+            with self._register_allreduce_group(group):  # type: ignore[attr-defined]
+                await asyncio.wait_for(run(), timeout)
+            future.set_result(len(peer_ids))
+        except Exception as e:
+            if not future.done():
+                future.set_exception(NamedGroupFailed(f"{type(e).__name__}: {e}"))
+        except BaseException:
+            if not future.done():
+                future.set_exception(NamedGroupFailed("the round was cancelled"))
+            raise
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        # a peer of a named round may begin before this one does (nothing synchronises their starts): its first
+        # part waits here for this peer's round to be registered, at most the all-reduce's timeout
+        request = await anext(stream)
+        running = self._running_groups  # type: ignore[attr-defined]
+        if request.group_id.startswith(_NAMED_GROUP_TAG) and request.group_id not in running:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + (self._allreduce_timeout or 30.0)  # type: ignore[attr-defined]
+            while request.group_id not in running and loop.time() < deadline:
+                await asyncio.sleep(_NAMED_GROUP_POLL_S)
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):  # type: ignore[misc]
+            yield message
+
+
+class _GradientAverager(_StartsInAnyThread, _NamedGroups, _GuardedAveraging, GradientAverager):
     """hivemind's gradient averager, startable from any thread, guarded against hostile contributions (see
     :class:`_RobustPartReducer`), and counting each backward the server sums into one optimizer step.
 

@@ -117,6 +117,8 @@ class _StageCommands:
             return []
         router = self.routers[stage]
         command.peers = max(1, len(peers))
+        # the peers sum their gradients among exactly these (no matchmaking round), in this order
+        command.group = [p.to_bytes() for p in peers] if len(peers) > 1 else []
         data = command.encode()
         timeout = (
             self.settings.averaging_timeout + self.settings.matchmaking_time + self.settings.request_timeout

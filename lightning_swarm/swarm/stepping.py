@@ -45,6 +45,8 @@ PHASES = ("norm", "apply", "zero", "hyper")
 _MAX_GROUPS = 4096
 _MAX_KEYS = 64
 _MAX_KEY_LEN = 64
+_MAX_GROUP_PEERS = 1024
+_MAX_PEER_ID_BYTES = 128
 
 
 @dataclass
@@ -71,6 +73,9 @@ class StepCommand:
             stage's state from its peers.
         attempt: how many times this phase was sent before: a peer that found none of the other commanded peers
             to sum its gradients with replies ``retry`` and keeps them for the next attempt.
+        group: the commanded peers' ids (``PeerID.to_bytes()``, the same order for every peer): with several, they
+            sum their gradients in one all-reduce among exactly these peers, without matchmaking (empty: a peer
+            finds the others by hivemind's matchmaking).
     """
 
     uid: str
@@ -85,6 +90,7 @@ class StepCommand:
     peers: int = 1
     epoch: int = 0
     attempt: int = 0
+    group: list[bytes] = field(default_factory=list)
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -101,6 +107,7 @@ class StepCommand:
                 "peers": self.peers,
                 "epoch": self.epoch,
                 "attempt": self.attempt,
+                "group": list(self.group),
             },
             use_bin_type=True,
         )
@@ -169,6 +176,14 @@ def parse_command(data: bytes, expected_uid: str) -> StepCommand:
     skip = fields.get("skip")
     if not isinstance(skip, bool):
         raise ValueError("step command: skip must be a boolean")
+    group = fields.get("group", [])
+    if (
+        not isinstance(group, list)
+        or len(group) > _MAX_GROUP_PEERS
+        or not all(isinstance(p, bytes) and 0 < len(p) <= _MAX_PEER_ID_BYTES for p in group)
+        or len(set(group)) != len(group)
+    ):
+        raise ValueError("step command: group must be a list of distinct peer ids (bytes)")
     return StepCommand(
         uid=expected_uid,
         step_id=_int(fields.get("step_id"), "step_id"),
@@ -182,6 +197,7 @@ def parse_command(data: bytes, expected_uid: str) -> StepCommand:
         peers=_int(fields.get("peers"), "peers", low=1),
         epoch=_int(fields.get("epoch"), "epoch"),
         attempt=_int(fields.get("attempt", 0), "attempt"),
+        group=group,
     )
 
 

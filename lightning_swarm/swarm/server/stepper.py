@@ -14,8 +14,17 @@ from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.p2p import PeerID
 
-from ..averaging import _GradientAverager, _no_partner, _state_lock, _StateAverager
+from ..averaging import (
+    NamedGroupFailed,
+    _GradientAverager,
+    _NamedGroups,
+    _no_partner,
+    _state_lock,
+    _StateAverager,
+    named_group_id,
+)
 from ..stepping import StepCommand
 
 logger = logging.getLogger(__name__)
@@ -182,7 +191,7 @@ class Stepper:
                 # peers' sums of the last attempt inconsistent (see SwarmClient.step_stage)
                 grads, group = own, 1
                 if command.peers > 1:
-                    grads, group = self._sum_with_peers(own, wanted)
+                    grads, group = self._sum_with_peers(own, wanted, command)
                     if group == 1 and command.phase == "apply" and command.attempt < MAX_STEP_ATTEMPTS - 1:
                         # nobody to sum with this time (the peers missed each other): the trainer sends the command
                         # again, and this peer keeps its own gradients for that round
@@ -272,11 +281,12 @@ class Stepper:
         return grads, wanted
 
     def _sum_with_peers(
-        self, grads: list[torch.Tensor | None], wanted: list[int]
+        self, grads: list[torch.Tensor | None], wanted: list[int], command: StepCommand
     ) -> tuple[list[torch.Tensor | None], int]:
         """The sum of ``grads`` over the stage's peers stepping now (one all-reduce round of the stage's gradient
         averager, every peer with weight 1, times the group's size); this peer's own gradients if no round
-        could be made (logged)."""
+        could be made (logged). The round is among the peers the command names (no matchmaking), or, for a
+        command that names none, a group found by hivemind's matchmaking."""
         opt = self.optimizer
         assert opt is not None
         averager = opt.grad_averager
@@ -284,7 +294,7 @@ class Stepper:
             for buffer, grad in zip(buffers, grads, strict=True):
                 buffer.copy_(grad) if grad is not None else buffer.zero_()
         try:
-            group = self._one_round(averager)
+            group = self._one_round(averager, command)
         except Exception as e:
             group = None
             if not _no_partner(e):  # a broken round (shapes, a reducer's failure...), not a missing partner
@@ -300,18 +310,32 @@ class Stepper:
             )
             return grads, 1
         self.averaged_rounds += 1
+        size = group if isinstance(group, int) else len(group)
         with torch.no_grad(), averager.get_tensors() as buffers:
             summed: list[torch.Tensor | None] = [None] * len(grads)
             for i in wanted:
-                summed[i] = buffers[i].detach().clone().mul_(len(group))
-        return summed, len(group)
+                summed[i] = buffers[i].detach().clone().mul_(size)
+        return summed, size
 
-    def _one_round(self, averager: DecentralizedAverager) -> Any:
-        """One all-reduce round of ``averager`` with the stage's peers that step now: the group (``None`` or an
-        exception if none formed). The trainer commands those peers at once, so a group forms within a few
-        matchmaking periods or not at all (a partner that already finished this step, see
+    def _one_round(self, averager: DecentralizedAverager, command: StepCommand) -> Any:
+        """One all-reduce round of ``averager`` with the stage's peers that step now: the group (its size, or its
+        peers; ``None`` or an exception if none formed).
+
+        With the peers named by the command, the round is among exactly them, under an id they all derive from
+        the command (see :func:`..averaging.named_group_id`): a peer that does not join within
+        ``averaging_timeout`` fails it. Otherwise the trainer commands the peers at once, so a group forms within
+        a few matchmaking periods or not at all (a partner that already finished this step, see
         ``SwarmClient.step_stage``): matchmaking is given that long, and the all-reduce ``averaging_timeout``."""
         s = self.settings
+        me = self.peer_id.to_bytes()
+        if len(command.group) > 1 and me in command.group and isinstance(averager, _NamedGroups):
+            peers = [PeerID(p) for p in command.group]
+            group_id = named_group_id(command.uid, command.step_id, command.attempt)
+            try:
+                return averager.sum_in_named_group(group_id, peers, timeout=s.averaging_timeout)
+            except NamedGroupFailed as e:
+                logger.info(f"Stage {self.stage}: the round with the peers the trainer named failed ({e})")
+                return None
         control = DecentralizedAverager.step(averager, weight=1.0, timeout=s.averaging_timeout, wait=False)
         looking = time.monotonic() + 3 * s.matchmaking_time + 2.0
         while not control.done():
