@@ -290,3 +290,26 @@ def test_fit_then_test_and_predict_through_the_swarm_on_the_same_trainer(tmp_pat
         expected_pred = torch.cat([model.mlm_logits(model(b[0])).argmax(-1) for b in batches])
     assert result["test"][0]["test_loss"] == pytest.approx(expected_loss, rel=1e-4)
     assert torch.equal(torch.cat(result["predictions"]), expected_pred)
+
+
+def test_a_trainer_whose_stages_never_come_up_says_which_and_what_to_start(tmp_path):
+    """A trainer of a swarm started beside it waits for the stages' peers before its first batch (not inside it:
+    the first step's time does not include the swarm's start-up); if a stage has none within no_peers_timeout,
+    fit fails at once with the stages that are missing and what to start."""
+    cfg = {
+        "model": "seq",
+        "max_steps": 1,
+        "out": str(tmp_path / "never.pt"),
+        "strategy": {"role": "trainer", "num_stages": 2, "run_id": "lonely", "no_peers_timeout": 2.0},
+    }
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = _zygote.run(
+        [sys.executable, JOB, json.dumps(cfg)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0
+    assert (
+        "no peer of stage(s) [0, 1] of run 'lonely' appeared within no_peers_timeout (2.0 s)" in proc.stderr
+    )
+    assert "start a server for each" in proc.stderr
+    assert not os.path.exists(cfg["out"])

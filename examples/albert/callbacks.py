@@ -101,7 +101,7 @@ class TrainingHistory(Callback):
     """Records the run and writes it as JSON to ``path`` when ``fit`` ends (nothing is written if ``path`` is None).
 
     The JSON holds, per microbatch of this trainer: ``step`` (the optimizer step it belongs to, from 1), ``loss``,
-    ``time`` (s since the start of training) and ``samples`` (so far); every ``progress_every`` microbatches the
+    ``time`` (s since the first batch began) and ``samples`` (so far); every ``progress_every`` microbatches the
     file is also rewritten (``"done": false``) so a launcher can follow the run. At the end: ``eval_loss`` (held-out
     MLM loss of the final model, computed in this process with ``Albert.evaluate``), ``val`` (validation losses
     logged during the run), the swarm's byte and call counters (``swarm``), ``stage_steps`` (optimizer steps of each
@@ -115,10 +115,13 @@ class TrainingHistory(Callback):
     def __init__(self, path: str | None = None, progress_every: int = 10) -> None:
         self.path, self.progress_every = path, progress_every
         self.record: dict[str, Any] = {}
-        self._start = 0.0
+        self._start: float | None = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start = time.monotonic()
+        self._start = (
+            None  # the clock starts with the first batch (after the strategy's start-up, e.g. a swarm
+        )
+        # trainer waiting for the stages' peers to come up)
         self._microbatches = 0
         self.record = {
             "step": [],
@@ -131,6 +134,12 @@ class TrainingHistory(Callback):
             "fp32_boundary_bytes": 0.0,
         }
         self._hooks = [stage.register_forward_hook(self._count_fp32) for stage in _remote_stages(pl_module)]
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._start is None:
+            self._start = time.monotonic()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
