@@ -318,3 +318,62 @@ def test_batching_settings_are_validated_and_batch_norm_is_never_merged() -> Non
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SwarmSettings(**bad)
+
+
+class SlowGatedMLP(GatedMLP):
+    """A :class:`GatedMLP` whose forward takes 20 ms: longer than merging spares (``MERGE_FORWARD_MAX_S``)."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any):
+        time.sleep(0.02)
+        return super().forward(x, *args, **kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_slow_training_forwards_are_not_merged_and_keep_their_activations() -> None:
+    """Training forwards that queue at a stage whose forward is slow run one by one, each keeping its activations:
+    merged, every backward would recompute its forward. (Fast ones still merge, see the tests above.)"""
+    torch.manual_seed(0)
+    things: list = []
+    try:
+        server_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        things.append(server_dht)
+        trainer_dht = hivemind.DHT(
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=server_dht.get_visible_maddrs()
+        )
+        things.append(trainer_dht)
+        module = SlowGatedMLP()
+        settings = SwarmSettings(
+            run_id=RUN_ID, num_stages=1, compression="none", target_batch_size=10**6, max_batch_rows=64
+        )
+        server = HeldStageServer(
+            0,
+            module,
+            dht=server_dht,
+            settings=settings,
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
+            throughput=1.0,
+        )
+        things.append(server.start())
+        client = SwarmClient(trainer_dht, settings.replace(request_timeout=30.0, no_peers_timeout=30.0))
+        things.append(client)
+        client.call_stage(
+            0, torch.randn(2, HIDDEN, requires_grad=True)
+        ).sum().backward()  # measures a forward
+        inputs = [torch.randn(2, HIDDEN, requires_grad=True) for _ in range(4)]
+        groups, largest, hits = server._batcher.groups, server._batcher.largest, server.kept_hits
+
+        def forward(i: int) -> Callable[[], torch.Tensor]:
+            return lambda: client.call_stage(0, inputs[i])
+
+        outputs = _gated(
+            {"server": server, "module": module}, True, forward(0), [forward(i) for i in range(1, 4)]
+        )
+        assert server._batcher.groups - groups == 4 and server._batcher.largest == largest == 1
+        for y in outputs:
+            assert isinstance(y, torch.Tensor), y
+            y.sum().backward()
+        assert server.kept_hits - hits == 4  # no backward recomputed its forward
+        assert all(x.grad is not None for x in inputs)
+    finally:
+        for thing in reversed(things):
+            thing.shutdown()

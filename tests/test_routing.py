@@ -172,3 +172,30 @@ def test_a_newcomer_probed_at_its_first_estimate_is_not_starved_once_it_announce
     assert router.choose(task_size=10, now=0.0) == _peer(1)  # its probe: a lead of 1 s of work over peer 0
     router.update_peers([_info(0, 10.0), _info(1, 0.1)])  # ...which is 100 s at its new figure
     assert [router.choose(task_size=10, now=0.0) for _ in range(20)].count(_peer(1)) == 0
+
+
+def test_calls_queued_at_a_peer_are_charged_its_busy_time_once() -> None:
+    """A fast peer with calls queued behind each other is measured by its samples per busy second, not per call:
+    timed whole, each queued call would include the others' service and make the busiest peer look the slowest.
+    Here the fast peer serves 4 samples a second with three calls in flight, the slow one 2 a second with one."""
+    fast, slow = _peer(0), _peer(1)
+    router = StageRouter(stage=0)
+    router.update_peers([_info(0, 4.0), _info(1, 2.0)])
+    t = 0.0
+    for _ in range(10):
+        for _ in range(3):  # three calls sent at once, served one after the other in 1 s each
+            router.call_started(fast, now=t)
+        router.call_started(slow, now=t)
+        for k in (1, 2, 3):
+            router.report_success(fast, 4, router.call_ended(fast, now=t + k))
+        router.report_success(slow, 4, router.call_ended(slow, now=t + 2))
+        t += 3
+    assert router.measured[fast] == pytest.approx(4.0) and router.measured[slow] == pytest.approx(2.0)
+    assert router.peers[fast] == pytest.approx(2 * router.peers[slow])
+    # calls ending together (merged at the peer): the second is charged nothing, the average stays the rate
+    router.call_started(fast, now=100.0)
+    router.call_started(fast, now=100.0)
+    router.report_success(fast, 4, router.call_ended(fast, now=101.0))
+    router.report_success(fast, 4, router.call_ended(fast, now=101.0))
+    assert 3.0 < router.measured[fast] < 6.0
+    assert router.call_ended(fast, now=102.0) == 0.0  # nothing in flight: nothing to charge

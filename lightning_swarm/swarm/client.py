@@ -463,12 +463,17 @@ class SwarmClient(_StageCommands):
                 failed.clear()  # everyone failed once: after a refresh, allow retrying unbanned peers
                 self._maybe_refresh(stage, block=True, max_wait=min(self.settings.refresh_period, remaining))
                 continue
-            started = time.monotonic()
+            with self._router_lock:
+                router.call_started(peer_id)
             try:
                 result = attempt(peer_id)
             except (KeyboardInterrupt, SystemExit):
+                with self._router_lock:
+                    router.call_ended(peer_id)
                 raise
             except RemoteStageError as e:
+                with self._router_lock:
+                    router.call_ended(peer_id)
                 # the stage's own code failed, or the request was refused for its content: the same on every peer
                 if e.is_caller_error:
                     with self._router_lock:
@@ -476,11 +481,14 @@ class SwarmClient(_StageCommands):
                     raise
                 last_error = e
             except Exception as e:
+                with self._router_lock:
+                    router.call_ended(peer_id)
                 last_error = e
             else:
-                # the call's timing bounds the peer's announced throughput (routing.py)
+                # the peer's busy time this call accounts for bounds its announced throughput (routing.py)
                 with self._router_lock:
-                    router.report_success(peer_id, task_size if timed else 0.0, time.monotonic() - started)
+                    busy = router.call_ended(peer_id)
+                    router.report_success(peer_id, task_size if timed else 0.0, busy)
                 return result
             with self._router_lock:
                 duration = router.ban(peer_id)

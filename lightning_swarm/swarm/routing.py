@@ -9,7 +9,8 @@ least busy peer is re-expressed at the new figure (a newcomer probed at its firs
 Failing peers are banned with exponential backoff.
 
 Announced throughputs are claims. Once the client has timed ``MEASURED_CALLS`` successful calls to a peer
-(:meth:`StageRouter.observe`: samples per second of the whole call, as the client sees it), its measured rate
+(:meth:`StageRouter.observe`: samples per second of the peer's busy time as the client sees it, calls in flight
+to it counted once, see :meth:`StageRouter.call_ended`), its measured rate
 bounds what the router believes: ``believed = min(announced, r * measured)``, where ``r`` is the smallest
 ``announced / measured`` ratio among the stage's measured peers, i.e. the most modest peer calibrates what an
 announced figure is worth in this client's measurements (per-call timings include the network and queueing, so
@@ -86,7 +87,11 @@ class StageRouter:
         self.ban_base_s, self.ban_max_s = ban_base_s, ban_max_s
         self._claimed: dict[PeerID, float] = {}  # announced throughputs (samples/s)
         self._throughput: dict[PeerID, float] = {}  # what the router believes (see the module docstring)
-        self._measured: dict[PeerID, tuple[float, int]] = {}  # peer -> (EMA of timed samples/s, timed calls)
+        # peer -> (EMA of the samples of its timed calls, EMA of the busy seconds they took, timed calls)
+        self._measured: dict[PeerID, tuple[float, float, int]] = {}
+        self._flight: dict[
+            PeerID, list[float]
+        ] = {}  # peer -> [calls in flight, when its busy time was last charged]
         self._busy: dict[PeerID, float] = {}  # peers in the heap (not banned) -> current busy time
         # lazy min-heap of (busy, 0 for a newcomer to probe first on ties else 1, insertion order, peer);
         # stale entries (the peer was charged again, left or was banned) are skipped when popped
@@ -102,7 +107,11 @@ class StageRouter:
     @property
     def measured(self) -> dict[PeerID, float]:
         """Measured samples/s of the peers timed at least ``MEASURED_CALLS`` times."""
-        return {p: rate for p, (rate, n) in self._measured.items() if n >= MEASURED_CALLS}
+        return {
+            p: samples / seconds
+            for p, (samples, seconds, n) in self._measured.items()
+            if n >= MEASURED_CALLS and seconds > 0
+        }
 
     def update_peers(self, peers: Iterable[PeerInfo]) -> None:
         """Replace the known peers with ``peers`` (the latest DHT listing); ban history is kept."""
@@ -116,18 +125,49 @@ class StageRouter:
         for peer_id in list(self._measured):
             if peer_id not in new:
                 del self._measured[peer_id]
+        for peer_id in list(self._flight):
+            if peer_id not in new:
+                del self._flight[peer_id]
         self._claimed = new
         self._believe()
 
+    def call_started(self, peer_id: PeerID, now: float | None = None) -> None:
+        """A call to ``peer_id`` was sent (pair with :meth:`call_ended`)."""
+        now = time.monotonic() if now is None else now
+        flight = self._flight.get(peer_id)
+        if flight is None or flight[0] <= 0:
+            self._flight[peer_id] = [1, now]
+        else:
+            flight[0] += 1
+
+    def call_ended(self, peer_id: PeerID, now: float | None = None) -> float:
+        """A call to ``peer_id`` ended; returns the seconds of the peer's busy time it accounts for: the time
+        since the peer's previous call ended, or since it became busy. Calls in flight to one peer overlap (they
+        queue there): charging each its whole duration would count the queue's wait once per call and make
+        the busiest peer look the slowest; this way the peer's measured rate is its samples per busy second."""
+        now = time.monotonic() if now is None else now
+        flight = self._flight.get(peer_id)
+        if flight is None or flight[0] <= 0:
+            return 0.0
+        seconds = max(0.0, now - flight[1])
+        flight[0] -= 1
+        flight[1] = now
+        return seconds
+
     def observe(self, peer_id: PeerID, samples: float, seconds: float) -> None:
-        """Record a successful call to ``peer_id`` that processed ``samples`` in ``seconds`` (as timed by the
-        client); after ``MEASURED_CALLS`` of them the peer's measured rate bounds its announced throughput."""
-        if not (samples > 0 and seconds > 0 and math.isfinite(samples) and math.isfinite(seconds)):
+        """Record a successful call to ``peer_id`` that processed ``samples`` in ``seconds`` of the peer's busy
+        time (see :meth:`call_ended`; 0 for a call that ended with another); after ``MEASURED_CALLS`` of them
+        the peer's measured rate (the ratio of the two averages) bounds its announced throughput."""
+        if not (samples > 0 and seconds >= 0 and math.isfinite(samples) and math.isfinite(seconds)):
             return
-        rate = samples / seconds
-        old, n = self._measured.get(peer_id, (rate, 0))
-        self._measured[peer_id] = ((1 - _MEASURE_EMA) * old + _MEASURE_EMA * rate if n else rate, n + 1)
-        if n + 1 >= MEASURED_CALLS:
+        old = self._measured.get(peer_id)
+        if old is None:
+            new = (samples, seconds, 1)
+        else:
+            a = _MEASURE_EMA
+            new = ((1 - a) * old[0] + a * samples, (1 - a) * old[1] + a * seconds, old[2] + 1)
+        self._measured[peer_id] = new
+        if new[2] >= MEASURED_CALLS:
             self._believe()
 
     def _believe(self) -> None:
@@ -227,7 +267,7 @@ class StageRouter:
         """Forget the failures of ``peer_id`` (its next ban starts again at ``ban_base_s``); with ``samples`` and
         ``seconds``, also :meth:`observe` the call."""
         self._bans.pop(peer_id, None)
-        if samples and seconds:
+        if samples:
             self.observe(peer_id, samples, seconds)
 
     def num_live(self, now: float | None = None) -> int:

@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 
 _KEPT_MAX_AGE_S = 120.0  # a kept forward whose backward has not come by then is dropped
 
+# a merged forward keeps no activations, so each of its calls' backwards recomputes it: a training forward whose
+# forward takes longer than this (per call, measured) is served alone and keeps its activations (see _merge_key)
+MERGE_FORWARD_MAX_S = 0.002
+_FORWARD_EMA = 0.2  # weight of the newest forward in the measured forward seconds per row
+
 
 class StageBackend:
     """Serving of a :class:`~.server.StageServer` (a mixin: its attributes are the server's): one call or a
@@ -123,7 +128,25 @@ class StageBackend:
         return [self._serve_one(request) for request in requests]
 
     def _merge_key(self, request: StageRequest) -> tuple[Any, int]:
-        return merge_key(request, distinct_seeds=self.draws_rng)
+        """The request's merge key (see :func:`.batching.merge_key`); ``None`` (served alone) for a training forward
+        whose activations would be kept for its backward, once this stage's forward of its size takes longer
+        than ``MERGE_FORWARD_MAX_S`` (measured): a merged forward keeps nothing, and recomputing it for each
+        backward costs more than merging spares. Alone, its reply also leaves as soon as it is computed rather
+        than with a whole group's, so the next stage is not kept waiting."""
+        key, rows = merge_key(request, distinct_seeds=self.draws_rng)
+        per_row = self._forward_s_per_row
+        if (
+            key is not None
+            and request.kind == "forward"
+            and per_row is not None
+            and per_row * rows > MERGE_FORWARD_MAX_S
+            and request.forward_id is not None
+            and request.forward_id == request.request_id
+            and self.settings.keep_activations > 0
+            and self._trained
+        ):
+            return None, rows
+        return key, rows
 
     def _serve_merged(self, requests: list[StageRequest]) -> list[StageReply] | None:
         """Serve ``requests`` (same kind, mode and structure, see :func:`.batching.merge_key`) with one
@@ -181,6 +204,11 @@ class StageBackend:
             outputs = self._run_module(args, kwargs, training, seed)
             version, spent = self._param_version, time.perf_counter() - start
             self.compute_log.append(("forward", began, time.monotonic()))
+        rows = inputs.batch_size()
+        if rows > 0:
+            old = self._forward_s_per_row
+            now = spent / rows
+            self._forward_s_per_row = now if old is None else (1 - _FORWARD_EMA) * old + _FORWARD_EMA * now
         payload = _outputs_payload(outputs)
         check_outputs(payload.tensors, leaves, f"stage {self.stage} output", _NonFinite)
         if not keep:
