@@ -321,10 +321,10 @@ def test_batching_settings_are_validated_and_batch_norm_is_never_merged() -> Non
 
 
 class SlowGatedMLP(GatedMLP):
-    """A :class:`GatedMLP` whose forward takes 20 ms: longer than merging spares (``MERGE_FORWARD_MAX_S``)."""
+    """A :class:`GatedMLP` whose forward takes 100 ms: longer than merging spares (``MERGE_FORWARD_MAX_S``)."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any):
-        time.sleep(0.02)
+        time.sleep(0.1)
         return super().forward(x, *args, **kwargs)
 
 

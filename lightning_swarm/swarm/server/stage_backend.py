@@ -30,8 +30,11 @@ logger = logging.getLogger(__name__)
 _KEPT_MAX_AGE_S = 120.0  # a kept forward whose backward has not come by then is dropped
 
 # a merged forward keeps no activations, so each of its calls' backwards recomputes it: a training forward whose
-# forward takes longer than this (per call, measured) is served alone and keeps its activations (see _merge_key)
-MERGE_FORWARD_MAX_S = 0.002
+# forward takes longer than this (per call, measured) is served alone and keeps its activations (see _merge_key).
+# Measured on the 2-core box: with 12 ms forwards merging still served 1.2x more samples/s than keeping
+# (benchmarks/batched_stage.py --quick: it spares per-call work and runs larger products); with 400 ms forwards
+# it served 3x fewer (benchmarks/swarm_rebalance.py, 12 calls in flight).
+MERGE_FORWARD_MAX_S = 0.05
 _FORWARD_EMA = 0.2  # weight of the newest forward in the measured forward seconds per row
 
 
