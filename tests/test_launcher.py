@@ -236,3 +236,45 @@ def test_a_popen_asking_for_a_new_session_in_a_peers_process_gets_it() -> None:
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip() == "new session", res.stdout
+
+
+_UNCLOSED_STREAM = textwrap.dedent(
+    """
+    import asyncio, gc, sys
+    from lightning_swarm.swarm.lifetime import latch_interrupts
+    latch_interrupts()
+
+    class LostTransport(asyncio.Transport):  # what CPython 3.11 meets once a connection is lost: _loop is None
+        def is_closing(self):
+            return False
+        def close(self):
+            pass
+        def __repr__(self):
+            return repr(None._selector)
+
+    class Broken:
+        def __del__(self):
+            raise ValueError("a real unraisable error")
+
+    loop = asyncio.new_event_loop()
+    writer = asyncio.StreamWriter(LostTransport(), asyncio.Protocol(), None, loop)
+    del writer
+    gc.collect()
+    broken = Broken()
+    del broken
+    gc.collect()
+    print("done", flush=True)
+    """
+)
+
+
+def test_asyncios_failure_to_describe_a_lost_stream_is_not_printed_but_other_unraisables_are() -> None:
+    """A peer whose p2p daemon died once printed a traceback from CPython 3.11's ``StreamWriter.__del__`` (its
+    ResourceWarning reads the lost transport's ``_loop._selector``); a peer's unraisable hook drops exactly that
+    one and prints every other."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNCLOSED_STREAM], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
+    assert "_selector" not in proc.stderr, proc.stderr
+    assert "a real unraisable error" in proc.stderr, proc.stderr

@@ -157,7 +157,12 @@ def interrupt_handled() -> None:
 
 
 class _LatchedInterruptHook:
-    """``sys.unraisablehook`` that does not print a latched ``KeyboardInterrupt``: it will be raised again."""
+    """``sys.unraisablehook`` that does not print a latched ``KeyboardInterrupt``: it will be raised again.
+
+    Nor does it print CPython 3.11's failure to describe an unclosed ``asyncio.StreamWriter`` whose connection was
+    already lost (``StreamWriter.__del__`` formats its ResourceWarning with the transport's ``repr``, which reads
+    ``transport._loop._selector`` after ``_loop`` was set to ``None``): seen once in a peer whose p2p daemon had
+    been killed, as a traceback from hivemind's daemon connection being collected. It is logged at debug level."""
 
     def __init__(self, previous: Any) -> None:
         self.previous = previous
@@ -165,7 +170,22 @@ class _LatchedInterruptHook:
     def __call__(self, unraisable: Any) -> None:
         if _interrupt_pending and isinstance(unraisable.exc_value, KeyboardInterrupt):
             return
+        if _is_unclosed_stream_repr_bug(unraisable):
+            logger.debug(
+                f"Ignored asyncio's failure to describe an unclosed stream: {unraisable.exc_value!r}"
+            )
+            return
         self.previous(unraisable)
+
+
+def _is_unclosed_stream_repr_bug(unraisable: Any) -> bool:
+    import asyncio
+
+    return (
+        isinstance(unraisable.exc_value, AttributeError)
+        and "_selector" in str(unraisable.exc_value)
+        and getattr(unraisable.object, "__qualname__", None) == asyncio.StreamWriter.__del__.__qualname__
+    )
 
 
 def _before_fork() -> None:
