@@ -24,6 +24,7 @@ from lightning_swarm.swarm.payload import Payload
 from lightning_swarm.swarm.protocol import StageReply, StageRequest, stage_uid
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
+from tests._helpers import local_dhts
 
 RUN_ID = "batching"
 HIDDEN = 16
@@ -61,6 +62,21 @@ class HeldStageServer(StageServer):
         return False
 
 
+def _held_server(
+    module: nn.Module, dht: hivemind.DHT, settings: SwarmSettings, **kwargs: Any
+) -> HeldStageServer:
+    """A :class:`HeldStageServer` of stage 0 serving ``module`` (SGD, never stepped), not started."""
+    return HeldStageServer(
+        0,
+        module,
+        dht=dht,
+        settings=settings,
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
+        throughput=1.0,
+        **kwargs,
+    )
+
+
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[dict[str, Any]]:
     torch.manual_seed(0)
@@ -86,15 +102,8 @@ def swarm() -> Iterator[dict[str, Any]]:
             max_batch_rows=64,
             keep_activations=0,  # every backward recomputes its forward (the gate below holds that recomputation)
         )
-        server = HeldStageServer(
-            0,
-            module,
-            dht=server_dht,
-            settings=settings,
-            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
-            throughput=1.0,
-            check_schema=False,  # calls of several structures (e.g. with and without a bias tensor)
-        )
+        # calls of several structures (e.g. with and without a bias tensor): no schema check
+        server = _held_server(module, server_dht, settings, check_schema=False)
         things.append(server.start())
         clients = []
         for dht in trainer_dhts:
@@ -333,26 +342,14 @@ def test_slow_training_forwards_are_not_merged_and_keep_their_activations() -> N
     """Training forwards that queue at a stage whose forward is slow run one by one, each keeping its activations:
     merged, every backward would recompute its forward. (Fast ones still merge, see the tests above.)"""
     torch.manual_seed(0)
-    things: list = []
+    things: list = list(local_dhts(2))
     try:
-        server_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        things.append(server_dht)
-        trainer_dht = hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=server_dht.get_visible_maddrs()
-        )
-        things.append(trainer_dht)
+        server_dht, trainer_dht = things
         module = SlowGatedMLP()
         settings = SwarmSettings(
             run_id=RUN_ID, num_stages=1, compression="none", target_batch_size=10**6, max_batch_rows=64
         )
-        server = HeldStageServer(
-            0,
-            module,
-            dht=server_dht,
-            settings=settings,
-            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
-            throughput=1.0,
-        )
+        server = _held_server(module, server_dht, settings)
         things.append(server.start())
         client = SwarmClient(trainer_dht, settings.replace(request_timeout=30.0, no_peers_timeout=30.0))
         things.append(client)
