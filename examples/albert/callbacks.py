@@ -118,10 +118,9 @@ class TrainingHistory(Callback):
         self._start: float | None = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start = (
-            None  # the clock starts with the first batch (after the strategy's start-up, e.g. a swarm
-        )
-        # trainer waiting for the stages' peers to come up)
+        # the clock starts with the first batch, after the strategy's start-up (a swarm trainer waits for the
+        # stages' peers to come up)
+        self._start = None
         self._microbatches = 0
         self.record = {
             "step": [],

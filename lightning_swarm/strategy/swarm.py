@@ -50,7 +50,6 @@ from lightning_swarm.swarm.lifetime import (
     raise_pending_interrupt,
 )
 from lightning_swarm.swarm.materialize import RngSnapshot
-from lightning_swarm.swarm.routing import NoPeersError
 from lightning_swarm.swarm.stepping import hyper_parameters
 from lightning_swarm.swarm.streamed_checkpoint import resolve_deferred, save_deferred
 
@@ -402,21 +401,8 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             self.peer.serve_until_trainers_finish()
             assert self.lightning_module is not None
             self.lightning_module.trainer.should_stop = True
-        elif self.peer.local_swarm_size is not None:
-            self.peer.wait_for_stages()  # the other local peers may still be starting
-        else:  # a swarm started beside this trainer may still be coming up: its first step need not wait for it
-            settings = self.peer.settings
-            if (
-                not self.peer.wait_for_stages(timeout=settings.no_peers_timeout)
-                and not self.peer.should_stop()
-            ):
-                missing = [k for k in range(settings.num_stages) if not self.peer.client.peers(k)]
-                if missing:
-                    raise NoPeersError(
-                        f"SwarmStrategy: no peer of stage(s) {missing} of run {settings.run_id!r} appeared within "
-                        f"no_peers_timeout ({settings.no_peers_timeout:.1f} s): start a server for each (role="
-                        "'server', stage=k) with the same run_id, num_stages and initial_peers as this trainer."
-                    )
+        else:
+            self.peer.wait_for_stages_at_start()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

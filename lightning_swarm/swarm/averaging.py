@@ -37,9 +37,8 @@ OUTLIER_NORM_RATIO = 100.0
 
 _DRAIN_S = 2.0  # seconds a progress tracker's leftover tasks get to finish once cancelled
 
-_NAMED_GROUP_TAG = (
-    b"lightning-swarm/named:"  # group ids of rounds among peers a trainer named (no matchmaking)
-)
+# group ids of rounds among peers a trainer named (no matchmaking)
+_NAMED_GROUP_TAG = b"lightning-swarm/named:"
 _NAMED_GROUP_POLL_S = 0.002  # how often a part that came before its named round began looks for the round
 
 
@@ -270,16 +269,12 @@ class _NamedGroups:
         self, group_id: bytes, peer_ids: tuple[PeerID, ...], timeout: float, future: MPFuture
     ) -> None:
         try:
-            if self.peer_id not in peer_ids or self.mode != AveragingMode.NODE:  # type: ignore[attr-defined]
-                raise NamedGroupFailed(
-                    f"this peer ({self.mode.name}) is not a full member of the named group"
-                )  # type: ignore[attr-defined]
+            mode = self.mode  # type: ignore[attr-defined]
+            if self.peer_id not in peer_ids or mode != AveragingMode.NODE:  # type: ignore[attr-defined]
+                raise NamedGroupFailed(f"this peer ({mode.name}) is not a full member of the named group")
             kwargs = dict(self.allreduce_kwargs)  # type: ignore[attr-defined]
-            fractions = load_balance_peers(
-                self.total_size,
-                [1.0] * len(peer_ids),
-                kwargs.pop("min_vector_size"),  # type: ignore[attr-defined]
-            )
+            size = self.total_size  # type: ignore[attr-defined]
+            fractions = load_balance_peers(size, [1.0] * len(peer_ids), kwargs.pop("min_vector_size"))
             group = GroupInfo(group_id, peer_ids, tuple(b"" for _ in peer_ids))
 
             async def run() -> None:

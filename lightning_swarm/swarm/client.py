@@ -43,9 +43,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.mpfuture import MPFuture
 
-from ._loop import STOP_POLL_S, replicate_p2p, run_coroutine
+from ._loop import replicate_p2p, run_coroutine
 from .chunking import Unmergeable, chunked_call, split_plan
 from .client_commands import _StageCommands
+from .client_discovery import _StageDiscovery
 from .codec import CodecError, check_encodable
 from .errors import ProtocolError, RemoteStageError, remote_exception
 from .guards import check_outputs
@@ -85,7 +86,7 @@ RECENT_CALLS = 32
 _OUTPUT_SHAPES = 256  # input shapes per stage whose output shapes a client remembers
 
 
-class SwarmClient(_StageCommands):
+class SwarmClient(_StageCommands, _StageDiscovery):
     """Runs pipeline stages on the peers of a swarm, with routing, retries and traffic counters.
 
     Args:
@@ -466,14 +467,14 @@ class SwarmClient(_StageCommands):
             with self._router_lock:
                 router.call_started(peer_id)
             try:
-                result = attempt(peer_id)
+                try:
+                    result = attempt(peer_id)
+                finally:
+                    with self._router_lock:
+                        busy = router.call_ended(peer_id)
             except (KeyboardInterrupt, SystemExit):
-                with self._router_lock:
-                    router.call_ended(peer_id)
                 raise
             except RemoteStageError as e:
-                with self._router_lock:
-                    router.call_ended(peer_id)
                 # the stage's own code failed, or the request was refused for its content: the same on every peer
                 if e.is_caller_error:
                     with self._router_lock:
@@ -481,13 +482,10 @@ class SwarmClient(_StageCommands):
                     raise
                 last_error = e
             except Exception as e:
-                with self._router_lock:
-                    router.call_ended(peer_id)
                 last_error = e
             else:
                 # the peer's busy time this call accounts for bounds its announced throughput (routing.py)
                 with self._router_lock:
-                    busy = router.call_ended(peer_id)
                     router.report_success(peer_id, task_size if timed else 0.0, busy)
                 return result
             with self._router_lock:
@@ -526,51 +524,6 @@ class SwarmClient(_StageCommands):
     def _run(self, coro: Any) -> Any:
         timeout = self.settings.request_timeout
         return run_coroutine(asyncio.wait_for(coro, timeout), timeout=timeout + 5)
-
-    # ---- peer discovery ----
-
-    def _maybe_refresh(self, stage: int, block: bool = False, max_wait: float = 0.0) -> None:
-        """Start a DHT lookup when the listing is stale and apply finished ones.
-
-        With ``block``, always look up, wait for the answer, and if the stage still has no live peer, sleep out
-        the rest of ``max_wait`` seconds (this paces the polling while waiting for peers).
-        """
-        start = time.monotonic()
-        pending = self._pending[stage]
-        if pending is None and (block or start - self._last_refresh[stage] >= self.settings.refresh_period):
-            pending = self._pending[stage] = self.dht.get(
-                stage_key(self.run_id, stage), latest=True, return_future=True
-            )
-            self._last_refresh[stage] = start
-        if pending is not None and block:
-            self._wait_polling(start + max(max_wait, 0.01), pending)
-        if pending is not None and pending.done():
-            self._pending[stage] = None
-            try:
-                peers = parse_stage_peers(pending.result(), stage)
-                with self._router_lock:
-                    self.routers[stage].update_peers(peers)
-            except Exception as e:
-                logger.debug(f"DHT lookup of stage {stage} failed: {e!r}")
-        if block and self.routers[stage].num_live() == 0:
-            self._wait_polling(start + max_wait)
-
-    def _wait_polling(self, deadline: float, future: Any = None) -> None:
-        """Wait until ``deadline`` (or until ``future`` is done), polling ``should_stop`` meanwhile: a peer that is
-        stopping raises :class:`~.routing.PeerStopping`, one that learnt of another peer's failure raises it."""
-        while future is None or not future.done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            if future is None:
-                time.sleep(min(left, STOP_POLL_S))
-            else:
-                try:
-                    future.result(timeout=min(left, STOP_POLL_S))
-                except Exception:
-                    pass  # the caller reads the outcome
-            if self.should_stop():
-                raise PeerStopping("a wait for a stage's peers was abandoned: this peer is stopping")
 
     # ---- counters ----
 

@@ -179,8 +179,6 @@ class _LatchedInterruptHook:
 
 
 def _is_unclosed_stream_repr_bug(unraisable: Any) -> bool:
-    import asyncio
-
     return (
         isinstance(unraisable.exc_value, AttributeError)
         and "_selector" in str(unraisable.exc_value)

@@ -12,6 +12,7 @@ import torch
 from .client import SwarmClient
 from .presence import APPEAR_TIMEOUT
 from .records import get_stage_peers
+from .routing import NoPeersError
 from .server import StageServer
 from .states import ONLINE
 
@@ -123,6 +124,25 @@ class _StageStates:
                     f"SwarmStrategy: no peer of stage {stage} is online to restore its optimizer state from the "
                     "checkpoint; start the stage's servers before resuming."
                 )
+
+    def wait_for_stages_at_start(self) -> None:
+        """A trainer's wait before its first batch, so that its first step's time is not the swarm's start-up: a
+        local swarm's peers start together (see :meth:`wait_for_stages`); a swarm started beside this trainer may
+        still be coming up: at most ``no_peers_timeout``, then ``NoPeersError`` names the stages still missing."""
+        if self.local_swarm_size is not None:
+            self.wait_for_stages()
+            return
+        s = self.settings
+        if self.wait_for_stages(timeout=s.no_peers_timeout) or self.should_stop():
+            return
+        assert self.client is not None
+        missing = [k for k in range(s.num_stages) if not self.client.peers(k)]
+        if missing:
+            raise NoPeersError(
+                f"SwarmStrategy: no peer of stage(s) {missing} of run {s.run_id!r} appeared within "
+                f"no_peers_timeout ({s.no_peers_timeout:.1f} s): start a server for each (role='server', stage=k) "
+                "with the same run_id, num_stages and initial_peers as this trainer."
+            )
 
     def wait_for_stages(self, timeout: float = APPEAR_TIMEOUT) -> bool:
         """Wait until every stage has its announced servers, at most ``timeout`` seconds (a local swarm's peers

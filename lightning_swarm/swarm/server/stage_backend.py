@@ -143,8 +143,7 @@ class StageBackend:
             and request.kind == "forward"
             and per_row is not None
             and per_row * rows > MERGE_FORWARD_MAX_S
-            and request.forward_id is not None
-            and request.forward_id == request.request_id
+            and request.forward_id == request.request_id  # a training forward whose backward will come
             and self.settings.keep_activations > 0
             and self._trained
         ):

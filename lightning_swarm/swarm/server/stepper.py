@@ -310,16 +310,15 @@ class Stepper:
             )
             return grads, 1
         self.averaged_rounds += 1
-        size = group if isinstance(group, int) else len(group)
         with torch.no_grad(), averager.get_tensors() as buffers:
             summed: list[torch.Tensor | None] = [None] * len(grads)
             for i in wanted:
-                summed[i] = buffers[i].detach().clone().mul_(size)
-        return summed, size
+                summed[i] = buffers[i].detach().clone().mul_(group)
+        return summed, group
 
-    def _one_round(self, averager: DecentralizedAverager, command: StepCommand) -> Any:
-        """One all-reduce round of ``averager`` with the stage's peers that step now: the group (its size, or its
-        peers; ``None`` or an exception if none formed).
+    def _one_round(self, averager: DecentralizedAverager, command: StepCommand) -> int | None:
+        """One all-reduce round of ``averager`` with the stage's peers that step now: the group's size (``None`` or
+        an exception if none formed).
 
         With the peers named by the command, the round is among exactly them, under an id they all derive from
         the command (see :func:`..averaging.named_group_id`): a peer that does not join within
@@ -343,10 +342,11 @@ class Stepper:
                 control.cancel()
                 return None
             try:
-                return control.result(timeout=0.05)
+                control.result(timeout=0.05)
             except TimeoutError:  # concurrent.futures.TimeoutError is TimeoutError
                 continue
-        return control.result()
+        gathered = control.result()  # the group's peers (and what each gathered)
+        return len(gathered) if gathered else None
 
     def _apply(self, command: StepCommand, grads: list[torch.Tensor | None], facts: dict[str, Any]) -> None:
         """Clip ``grads`` as commanded, take the trainer's hyper-parameters and step; then serve the new
