@@ -10,8 +10,9 @@ same number of samples at the same global batch, split into the same microbatche
 - ``swarm``: ``SwarmStrategy(num_stages=2, compression="8bit", microbatches=M)``, 2 peers: peer A (namespace 0) is
   the trainer (embeddings, head, loss) and serves stage 0 (blocks 0-3); peer B (namespace 1) serves stage 1 (blocks
   4-7). One trainer step is one global batch, cut into the same M microbatches as GPipe's, which flow through the
-  two stages at once (stage 1 on microbatch i while stage 0 on i + 1, forward and backward); the stages step once
-  per global batch;
+  two stages at once (stage 1 on microbatch i while stage 0 on i + 1, forward and backward); the stages step when
+  the trainer's optimizer steps (``stage_steps="trainer"``: the step of one process, as GPipe's), each as soon as
+  its own backwards of the batch are done (early stage steps, as each GPipe rank steps after its own backwards);
 - ``gpipe``: ``torch.distributed.pipelining`` with ``ScheduleGPipe`` over gloo, rank 0 = embeddings + blocks 0-3,
   rank 1 = blocks 4-7 + head + loss, same microbatches, fp32 boundaries; ``gpipe_fp16``: the same with the
   boundary cast to fp16 inside the model (the pipelining API has no codec: the stage's output is cast to fp16 and
@@ -216,6 +217,9 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
         "averaging_timeout": 10.0,
         "rebalance_period": 0.0,
         "linger_timeout": 120.0,
+        # one trainer: the stages step when its optimizer steps (the step of one process, as GPipe's); the peers of
+        # the namespace variant are started apart, so "auto" cannot know there is only one trainer
+        "stage_steps": "trainer",
         # the global batch per trainer step, cut into the same microbatches as GPipe's, which flow through the
         # stages at once (lightning_swarm/swarm/pipelining.py)
         "microbatches": m,
@@ -805,11 +809,14 @@ def main() -> None:
     summary["global_batch"] = cfg["microbatch"] * cfg["microbatches"]
     summary["samples_per_run"] = summary["global_batch"] * cfg["global_steps"]
     summary["timed_samples_per_run"] = summary["global_batch"] * (cfg["global_steps"] - cfg["warmup_steps"])
-    summary["targets"] = {
-        "speedup_vs_gpipe_100mbit>=2": (summary["per_link"].get("100mbit", {}).get("speedup_vs_gpipe") or 0)
-        >= 2,
-        "speedup_vs_ddp_100mbit>=3": (summary["per_link"].get("100mbit", {}).get("speedup_vs_ddp") or 0) >= 3,
-        "efficiency_single_box>=0.5": (summary["efficiency_single_box"] or 0) >= 0.5,
+    per_link = summary["per_link"]
+    summary["targets"] = {  # issue 25's
+        **{
+            f"speedup_vs_gpipe_{name}>=1": (per_link.get(name, {}).get("speedup_vs_gpipe") or 0) >= 1
+            for name in per_link
+        },
+        "speedup_vs_ddp_100mbit>=3": (per_link.get("100mbit", {}).get("speedup_vs_ddp") or 0) >= 3,
+        "efficiency_single_box>=0.85": (summary["efficiency_single_box"] or 0) >= 0.85,
     }
     summary["calibration"] = cal
     summary["runs"] = {

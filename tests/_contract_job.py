@@ -201,6 +201,7 @@ def main() -> None:
     val = loader if cfg.get("scheduler") == "plateau" else None
     trainer.fit(model, loader, val, ckpt_path=cfg.get("resume"))
     stage_steps = dict(trainer.strategy.stage_steps) if swarm else {}
+    early = trainer.strategy.early_stage_steps if swarm else 0
     configs = trainer.lr_scheduler_configs
     schedule_steps = int(configs[0].scheduler.last_epoch) if configs else None
     if trainer.global_rank == 0:
@@ -210,6 +211,7 @@ def main() -> None:
                 "losses": record.losses,
                 "lrs": record.lrs,
                 "stage_steps": stage_steps,
+                "early_stage_steps": early,
                 "global_step": trainer.global_step,
                 "schedule_steps": schedule_steps,
             },

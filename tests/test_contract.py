@@ -96,7 +96,17 @@ CASES = {
     "fp16_mixed_scaler_clipnorm": {"fp16_scaler": 2.0**10, "clip": [0.3, "norm"], "steps": 8},
     # a model converted to bf16 by Lightning ("bf16-true"): the stages are converted too
     "bf16_true": {"precision": "bf16-true", "steps": 6},
+    # LR warm-up by step and accumulation without clipping: the stages step as soon as their backwards of the
+    # step are done (early steps), with the LR of that step, and only on the batch that steps
+    "warmup_accumulate_adamw_early": {
+        "scheduler": "warmup",
+        "accumulate": 2,
+        "optimizer": "adamw",
+        "steps": 8,
+    },
 }
+# the cases where nothing between the backward and the step can change the stages' step: they step early
+EARLY = {"plateau", "step_epoch", "bf16_true", "warmup_accumulate_adamw_early"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -106,6 +116,10 @@ def test_a_swarm_step_is_the_single_process_step(case, tmp_path):
     assert swarm["global_step"] == single["global_step"] == cfg["steps"]
     # every stage stepped exactly as often as the trainer's optimizers did
     assert swarm["stage_steps"] == {0: cfg["steps"], 1: cfg["steps"]}, swarm["stage_steps"]
+    # every stage step of the early cases was taken early; none of the others (clipping, scaler, manual)
+    assert swarm["early_stage_steps"] == (2 * cfg["steps"] if case in EARLY else 0), swarm[
+        "early_stage_steps"
+    ]
     assert swarm["lrs"] == pytest.approx(single["lrs"])
     moved = max(float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"])
     tolerance = 1e-2 if "bf16" in case else TOLERANCE  # bf16: one rounding step of 2^-8 relative

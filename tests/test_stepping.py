@@ -261,3 +261,35 @@ def test_the_peers_a_trainer_names_sum_without_matchmaking(dhts, cleanup):
     started = time.monotonic()
     reply = server.step_command(StepCommand(uid, 43, phase="norm", peers=2, group=group))
     assert reply["group"] == 1 and time.monotonic() - started < settings.averaging_timeout + 10
+
+
+def test_a_stage_steps_early_only_once_every_call_of_the_step_had_its_backward():
+    """The bookkeeping behind early stage steps (swarm/early_steps.py): a stage fires once its open calls all
+    returned while armed, once per step; a call without a backward (its output unused, or a chunk sent ahead)
+    keeps its stage from firing; calls that returned before the arming (outside the step's backward) never fire;
+    a second backward of a call (retain_graph) does not count."""
+    from lightning_swarm.swarm.early_steps import OpenGradCalls
+
+    fired: list[int] = []
+    calls = OpenGradCalls()
+    calls.opened(0)
+    calls.closed(0)  # before the backward of the step: not armed
+    calls.reset()
+    for stage in (0, 0, 1, 1, 2):
+        calls.opened(stage)
+    calls.arm(fired.append)
+    calls.closed(1)
+    assert fired == []  # one call of stage 1 still waits for its backward
+    calls.closed(1)
+    calls.closed(0)
+    calls.closed(0)
+    calls.closed(0)  # a second backward of a call: no second step
+    assert fired == [1, 0]  # stage 2's call never had a backward: it steps after the trainer's backward
+    calls.disarm()
+    calls.closed(2)
+    assert fired == [1, 0]
+    calls.reset()
+    calls.arm(fired.append)
+    calls.opened(2)
+    calls.closed(2)
+    assert fired == [1, 0, 2]  # a new step

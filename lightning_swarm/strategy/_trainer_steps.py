@@ -6,9 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_swarm.strategy._refusals import _scaler
+from lightning_swarm.swarm.stepping import hyper_parameters
 
 
 class _TrainerDrivenSteps:
@@ -108,6 +111,47 @@ class _TrainerDrivenSteps:
             for g in grads:
                 g.mul_(coef)
         self._clip = ("norm", coef)
+
+    def _early_steps_allowed(self) -> bool:
+        """Whether the stages may step as soon as their backwards of the step are done (see
+        :mod:`lightning_swarm.swarm.early_steps`): only where nothing between the backward and the optimizer's
+        step can change what the stages must apply. One optimizer under automatic optimization; no gradient
+        clipping (it needs the whole model's norm) and no loss scaling (a step may be skipped); and no
+        ``optimizer_step``, ``on_before_optimizer_step`` or ``configure_gradient_clipping`` of the module's own,
+        nor a callback's ``on_before_optimizer_step`` (any of them may change the step's gradients,
+        hyper-parameters or whether it happens)."""
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if trainer is None or not module.automatic_optimization or len(self.optimizers) != 1:
+            return False
+        if _scaler(self.precision_plugin) is not None or trainer.gradient_clip_val:
+            return False
+        hooks = ("optimizer_step", "on_before_optimizer_step", "configure_gradient_clipping")
+        if any(is_overridden(hook, module) for hook in hooks):
+            return False
+        return not any(is_overridden("on_before_optimizer_step", cb, Callback) for cb in trainer.callbacks)
+
+    def _begin_driven_step(self, optimizer: Any) -> None:
+        """Before a trainer-driven step's closure (forward and backward): forget the stage calls so far and, where
+        allowed, prepare the early steps that :meth:`backward` arms."""
+        self.peer.begin_step()
+        self._early_step = None
+        if not self._early_steps_allowed():
+            return
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        self._early_step = (
+            self._current_step_id(),
+            self._optimizer_index(raw),
+            lambda: {g: hyper_parameters(group) for g, group in enumerate(raw.param_groups)},
+        )
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's backward; in a step that allows early stage steps, a stage steps as soon as its part of
+        this backward is done."""
+        early = getattr(self, "_early_step", None)
+        if early is not None:
+            self.peer.arm_early_steps(*early)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _check_target_batch_size(self, batch_size: int) -> None:
         """With trainer-driven steps, a step is ``batch_size x accumulate_grad_batches`` samples; a

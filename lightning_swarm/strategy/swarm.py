@@ -222,6 +222,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             None  # how the step in progress clipped: ("norm", coef)/("value", v)
         )
         self._batch_checked = False
+        self._early_step: tuple | None = None  # (step id, optimizer, its hyper-parameters) while allowed
         self._meta_build: RngSnapshot | None = None  # generators' states when a meta build began (see below)
         self._meta_recorder: InitRecorder | None = (
             None  # what the meta build did (see swarm/deferred_init.py)
@@ -229,6 +230,9 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         self.stage_steps: dict[
             int, int
         ] = {}  # optimizer steps each stage took in the last run, as it replied
+        self.early_stage_steps = (
+            0  # of those, commanded before the trainer's backward ended (swarm/early_steps.py)
+        )
 
     @property
     @override
@@ -441,7 +445,11 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         scaler = _scaler(self.precision_plugin)
         scale = float(scaler.get_scale()) if scaler is not None else None
         self._clip = None
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._begin_driven_step(optimizer)
+        try:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self._early_step = None
         skipped = scaler is not None and scale is not None and float(scaler.get_scale()) < scale
         step_id, clip = self._current_step_id(), self._clip
         self._step_id, self._clip = None, None
@@ -567,6 +575,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         failed, self._failed = self._failed, False
         if peer is not None:
             self.stage_steps = dict(peer.stage_steps)
+            self.early_stage_steps = peer.early_stage_steps
             peer.leave(
                 failed=failed
             )  # may raise another peer's failure, which arrived while this one lingered

@@ -48,6 +48,7 @@ from .chunking import Unmergeable, chunked_call, split_plan
 from .client_commands import _StageCommands
 from .client_discovery import _StageDiscovery
 from .codec import CodecError, check_encodable
+from .early_steps import OpenGradCalls
 from .errors import ProtocolError, RemoteStageError, remote_exception
 from .guards import check_outputs
 from .payload import EncodedPayload, Payload
@@ -149,6 +150,8 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         # the calls of the thread that opened it; threads sharing a client must not close each other's runs)
         self._runs = threading.local()
         self.nonfinite_backwards = 0
+        # the differentiable calls of the training step whose backward has not returned (see .early_steps)
+        self.grad_calls = OpenGradCalls()
         warm_up_codec(settings.compression)  # the first call's timeout must not pay for loading the kernels
 
     # ---- public API ----

@@ -32,6 +32,7 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import hivemind
@@ -114,6 +115,8 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         self._samples_since_step = 0
         self._step_ids = itertools.count(secrets.randbits(62))
         self._stage_epochs: dict[int, int] = {}  # the epoch each stage replied with at the last step
+        self._early_steps: dict[int, Future] = {}  # stage -> its early step's replies (see .early_steps)
+        self.early_stage_steps = 0  # stage steps taken early, before the trainer's backward ended
         # per stage: optimizer steps taken (the most of any peer) and averaging rounds with other peers
         self.stage_steps: dict[int, int] = {}
         self.stage_rounds: dict[int, int] = {}

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .early_steps import run_in_thread
 from .lifetime import sigint_kept
 from .optim import HivemindOptimizer, initialize_optimizer_state
 from .protocol import stage_uid
@@ -78,13 +79,18 @@ class _TrainerSteps:
         """The id of this trainer's next optimizer step (see :mod:`.stepping`)."""
         return next(self._step_ids)
 
-    def _command_stages(self, make: Callable[[int], StepCommand]) -> dict[int, list[dict[str, Any]]]:
-        """Send ``make(stage)`` to every stage at once (each to all its live peers); returns the replies."""
+    def _command_stages(
+        self, make: Callable[[int], StepCommand], skip: set[int] | None = None
+    ) -> dict[int, list[dict[str, Any]]]:
+        """Send ``make(stage)`` to every stage but those in ``skip`` at once (each to all its live peers); returns
+        the replies."""
         assert self.client is not None
         client = self.client
-        stages = range(self.settings.num_stages)
+        stages = [k for k in range(self.settings.num_stages) if not skip or k not in skip]
+        if not stages:
+            return {}
         if len(stages) == 1:
-            return {0: client.step_stage(0, make(0))}
+            return {stages[0]: client.step_stage(stages[0], make(stages[0]))}
         with ThreadPoolExecutor(max_workers=len(stages), thread_name_prefix="swarm-step") as pool:
             futures = {k: pool.submit(client.step_stage, k, make(k)) for k in stages}
             return {k: f.result() for k, f in futures.items()}
@@ -147,6 +153,37 @@ class _TrainerSteps:
             )
         )
 
+    def begin_step(self) -> None:
+        """A trainer-driven training step begins (before its forwards): forget the stage calls so far and any early
+        step not waited for."""
+        assert self.client is not None
+        self.client.grad_calls.reset()
+        self._early_steps = {}
+
+    def arm_early_steps(
+        self, step_id: int, optimizer: int, read_groups: Callable[[], dict[int, dict[str, Any]]]
+    ) -> None:
+        """The step's backward begins: from now on, a stage whose calls of this step have all had their backward
+        steps at once (see :mod:`.early_steps`), with ``step_id`` and the hyper-parameters ``read_groups()``
+        returns then; :meth:`step_stages` waits for its reply."""
+        assert self.client is not None
+        client = self.client
+
+        def fire(stage: int) -> None:
+            command = StepCommand(
+                stage_uid(self.settings.run_id, stage),
+                step_id,
+                phase="apply",
+                optimizer=optimizer,
+                groups=read_groups(),
+                epoch=self._stage_epochs.get(stage, 0),
+            )
+            self._early_steps[stage] = run_in_thread(
+                lambda: client.step_stage(stage, command), f"swarm-early-step-{stage}"
+            )
+
+        client.grad_calls.arm(fire)
+
     def step_stages(
         self,
         step_id: int,
@@ -158,7 +195,18 @@ class _TrainerSteps:
         skip: bool = False,
     ) -> None:
         """Step every stage as this trainer's optimizer ``optimizer`` just stepped (see :mod:`.stepping`), and
-        wait until each stage serves its new parameters."""
+        wait until each stage serves its new parameters. A stage that stepped early (see :meth:`arm_early_steps`)
+        is not commanded again unless that failed."""
+        assert self.client is not None
+        self.client.grad_calls.disarm()
+        early, self._early_steps = self._early_steps, {}
+        done: dict[int, list[dict[str, Any]]] = {}
+        for k, future in early.items():
+            try:
+                done[k] = future.result()
+                self.early_stage_steps += 1
+            except Exception as e:  # sent again below (the command is idempotent per step_id)
+                logger.debug(f"Stage {k}: its early step failed ({e!r}); commanding it again")
         replies = self._command_stages(
             lambda k: StepCommand(
                 stage_uid(self.settings.run_id, k),
@@ -171,8 +219,10 @@ class _TrainerSteps:
                 clip_value=clip_value,
                 skip=skip,
                 epoch=self._stage_epochs.get(k, 0),
-            )
+            ),
+            skip=set(done),
         )
+        replies.update(done)
         for k, stage_replies in replies.items():
             self._stage_epochs[k] = max(int(r["epoch"]) for r in stage_replies)
             self.stage_steps[k] = max(int(r.get("steps", 0)) for r in stage_replies)

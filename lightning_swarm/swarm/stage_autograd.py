@@ -55,6 +55,7 @@ class _StageCall:
         )
         self.forward_id, self.forward_peer = request.forward_id, (served[-1] if served else None)
         self.output_skeleton = Payload(outputs.skeleton, [])
+        self.client.grad_calls.opened(self.stage)
         return [_moved(t, self.device) for t in outputs.tensors]
 
     def backward(
@@ -80,6 +81,7 @@ class _StageCall:
         grads_in = list(reply.rebuild())
         if client.loss_scaled and not all(all_finite(t) for t in grads_in):
             client.nonfinite_backwards += 1  # the stage's own backward overflowed: skip the step
+        client.grad_calls.closed(self.stage)  # the stage committed this call's gradients
         return grads_in
 
 
