@@ -102,19 +102,31 @@ BENCHMARKS: dict[str, Claim] = {
         root=True,
     ),
     "swarm_faults": Claim(
-        "throughput under repeated kills of one stage-1 server, swarm of 2 stages x 2 peers, one peer in four down a "
-        "quarter of the time (no comparison: the old 'fixed pipeline' is removed, the GPipe one is not built)",
-        "`retained` >= 0.75",
+        "swarm (2 stages x 2 peers, one trainer) vs torch GPipe (2 ranks) restarted from checkpoints every N steps "
+        "(Young's N), same MLP, microbatches, optimizer and 2 cores, over loopback: one last-stage process SIGKILLed "
+        "every kill period (swarm: a replacement started at once; GPipe: both ranks restarted), and, without kills, "
+        "one last-stage process at half a core (swarm: plus a normal peer on that stage)",
+        "`speedup_vs_gpipe_faults` >= 1.5, `speedup_vs_gpipe_hetero` >= 1.3 (issue 25)",
         (
+            "speedup_vs_gpipe_faults",
+            "speedup_vs_gpipe_hetero",
+            "speedup_vs_gpipe_healthy",
+            "throughput_faults_swarm",
+            "throughput_faults_gpipe",
+            "throughput_hetero_swarm",
+            "throughput_hetero_gpipe",
+            "throughput_healthy_swarm",
+            "throughput_healthy_gpipe",
             "retained",
-            "throughput_no_faults",
-            "throughput_with_faults",
+            "retained_gpipe",
+            "gpipe_checkpoint_every_steps",
+            "gpipe_restart_s",
             "kills",
-            "down_fraction",
             "downtime_s",
-            "retries",
-            "failed_microbatches",
+            "width",
+            "blocks",
         ),
+        root=True,
     ),
     "fuzz_rpc": Claim(
         "a stage server under hostile requests (garbage, truncated, wrong dtype/sizes, huge sizes, 8-bit bombs, an "
