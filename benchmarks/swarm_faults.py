@@ -552,6 +552,7 @@ def _r(x: float | None, nd: int = 2) -> float | None:
 
 
 def main() -> None:
+    global WIDTH, BLOCKS  # the model of both jobs (set from the arguments, read where they are built)
     parser = _harness.parser(
         "swarm_faults",
         __doc__.splitlines()[0],
@@ -561,7 +562,6 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=WIDTH, help="hidden size of the MLP blocks")
     parser.add_argument("--blocks", type=int, default=BLOCKS, help="blocks per stage")
     args = parser.parse_args()
-    global WIDTH, BLOCKS  # the model of both jobs (read where they are built)
     WIDTH, BLOCKS = args.width, args.blocks
     _harness.exit_on_sigterm()
     report = _harness.Report("swarm_faults", args.out)
