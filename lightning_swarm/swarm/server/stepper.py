@@ -157,8 +157,9 @@ class Stepper:
     # ---- trainer-driven steps (see .stepping) ----
 
     def step_command(self, command: StepCommand) -> dict[str, Any]:
-        """Run one phase of a trainer's step command (see :mod:`.stepping`); returns the reply
-        (``epoch``, and ``sq_norm``/``finite`` of the step's gradients). Never applies a ``step_id`` twice."""
+        """Run one phase of a trainer's step command (see :mod:`.stepping`); returns the reply (``epoch``,
+        ``finite`` of the step's gradients and, in phase ``"norm"``, their ``sq_norm``). Never applies a
+        ``step_id`` twice."""
         opt = self.optimizer
         if opt is None or not self._trained:
             return {"epoch": 0, "sq_norm": 0.0, "finite": True, "steps": self.steps}
@@ -200,7 +201,9 @@ class Stepper:
                     # unscaled in place below: the own gradients stay as taken, for another attempt (without a
                     # loss scale nothing changes them before the step, which is the last use: no copy)
                     grads = [g.clone() if g is not None else None for g in own]
-                summed = (grads, self._unscale(grads, command.grad_scale, group))
+                # the squared norm only where it is asked for: clipping by norm, or the peers' check of their sum
+                norm = command.phase == "norm"
+                summed = (grads, self._unscale(grads, command.grad_scale, group, norm))
                 self._prepared = (command.step_id, own, wanted, summed, command.attempt)
             grads, facts = summed
             if command.phase == "norm":
@@ -247,8 +250,12 @@ class Stepper:
         self._refresh_parameters()
 
     @staticmethod
-    def _unscale(grads: list[torch.Tensor | None], grad_scale: float, group: int) -> dict[str, Any]:
-        """Unscale the step's gradients in place; returns their facts (squared norm, finiteness, group size)."""
+    def _unscale(
+        grads: list[torch.Tensor | None], grad_scale: float, group: int, norm: bool = True
+    ) -> dict[str, Any]:
+        """Unscale the step's gradients in place; returns their facts: finiteness and group size, and with
+        ``norm`` their squared norm (a squared copy of every gradient: a pass over the stage's size more than the
+        finiteness check's one sum per tensor, on the step's critical path)."""
         sq_norm, finite = 0.0, True
         with torch.no_grad():
             for g in grads:
@@ -256,10 +263,17 @@ class Stepper:
                     continue
                 if grad_scale != 1.0:
                     g.mul_(grad_scale)
-                value = float(g.detach().float().pow(2).sum())
+                if norm:
+                    value = float(g.detach().float().pow(2).sum())
+                else:  # NaN or infinite when any element is (or when the sum overflows: refused as well)
+                    value = float(g.detach().sum(dtype=torch.float32))
                 finite = finite and math.isfinite(value)
-                sq_norm += value
-        return {"sq_norm": sq_norm if finite else 0.0, "finite": finite, "group": group}
+                if norm:
+                    sq_norm += value
+        facts: dict[str, Any] = {"finite": finite, "group": group}
+        if norm:
+            facts["sq_norm"] = sq_norm if finite else 0.0
+        return facts
 
     def _take_pending(self, optimizer: int) -> tuple[list[torch.Tensor | None], list[int]]:
         """Remove from the pending gradients those of the parameters in the trainer's optimizer ``optimizer``;
