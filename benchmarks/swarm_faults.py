@@ -60,9 +60,11 @@ Needs root for the cgroup (the heterogeneous part is skipped, with a note, witho
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -72,6 +74,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import _harness
@@ -82,6 +85,8 @@ from examples.stage_peer import stage_module
 from lightning_swarm.swarm import SwarmClient, SwarmSettings
 from lightning_swarm.swarm.lifetime import die_with_parent
 from lightning_swarm.swarm.logs import quiet_routine_logs
+from lightning_swarm.swarm.protocol import stage_uid
+from lightning_swarm.swarm.stepping import StepCommand
 
 ROOT = _harness.ROOT
 PEER = ROOT / "examples" / "stage_peer.py"
@@ -162,24 +167,61 @@ class Peer:
 
 
 class Trainer:
-    """``concurrency`` threads, each running forward + backward microbatches through both stages."""
+    """``concurrency`` threads, each running forward + backward microbatches through both stages. ``driven``: the
+    trainer commands the stages' steps (``stage_steps="trainer"``, the library's default with one trainer): every
+    ``TARGET_BATCH`` samples the threads finish their microbatches and both stages step (each stage's peers sum
+    their gradients first), as GPipe's ranks step after their accumulated microbatches; else the stages step on
+    their own every ``TARGET_BATCH`` samples (``stage_steps="swarm"``, hivemind's averaging rounds)."""
 
-    def __init__(self, client: SwarmClient, concurrency: int) -> None:
-        self.client, self.concurrency = client, concurrency
+    def __init__(self, client: SwarmClient, concurrency: int, driven: bool = False) -> None:
+        self.client, self.concurrency, self.driven = client, concurrency, driven
         self.done: list[float] = []  # completion time of every microbatch
         self.errors = 0
+        self.steps = 0
+        self.step_errors = 0
+        self._epochs: dict[int, int] = {}
+        self._step_ids = itertools.count(secrets.randbits(62))
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(concurrency)]
+        if driven:
+            self._threads = [threading.Thread(target=self._drive, daemon=True)]
+        else:
+            self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(concurrency)]
+
+    def _one(self) -> None:
+        x = torch.randn(BATCH, WIDTH, requires_grad=True)
+        try:
+            self.client.call_stage(1, self.client.call_stage(0, x)).pow(2).mean().backward()
+            self.done.append(time.monotonic())
+        except Exception:
+            self.errors += 1
 
     def _work(self) -> None:
         torch.set_num_threads(1)
         while not self._stop.is_set():
-            x = torch.randn(BATCH, WIDTH, requires_grad=True)
-            try:
-                self.client.call_stage(1, self.client.call_stage(0, x)).pow(2).mean().backward()
-                self.done.append(time.monotonic())
-            except Exception:
-                self.errors += 1
+            self._one()
+
+    def _drive(self) -> None:
+        torch.set_num_threads(1)
+        per_step = TARGET_BATCH // BATCH
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="microbatch") as pool:
+            while not self._stop.is_set():
+                for future in [pool.submit(self._one) for _ in range(per_step)]:
+                    future.result()
+                if self._stop.is_set():
+                    return
+                step_id = next(self._step_ids)
+                run_id = self.client.settings.run_id
+                commands = {
+                    k: StepCommand(stage_uid(run_id, k), step_id, phase="apply", epoch=self._epochs.get(k, 0))
+                    for k in range(2)
+                }
+                steps = {k: pool.submit(self.client.step_stage, k, c) for k, c in commands.items()}
+                try:
+                    for k, future in steps.items():
+                        self._epochs[k] = max(int(r["epoch"]) for r in future.result())
+                    self.steps += 1
+                except Exception:
+                    self.step_errors += 1
 
     def start(self) -> None:
         for t in self._threads:
@@ -210,6 +252,7 @@ class Swarm:
             "lr": LR,
             "target_batch_size": TARGET_BATCH,
             "initial_peers": [str(a) for a in dht.get_visible_maddrs()],
+            "stage_steps": args.swarm_steps,
             **TIMEOUTS,
         }
         self.peers: dict[tuple[int, int], Peer] = {}
@@ -223,10 +266,15 @@ class Swarm:
             for peer in self.peers.values():
                 peer.wait_ready()
             settings = SwarmSettings(
-                run_id=run_id, num_stages=2, compression="8bit", no_peers_timeout=120.0, **TIMEOUTS
+                run_id=run_id,
+                num_stages=2,
+                compression="8bit",
+                no_peers_timeout=120.0,
+                stage_steps=args.swarm_steps,
+                **TIMEOUTS,
             )
             self.client = SwarmClient(dht, settings)
-            self.trainer = Trainer(self.client, args.concurrency)
+            self.trainer = Trainer(self.client, args.concurrency, driven=args.swarm_steps == "trainer")
             self.trainer.start()
             deadline = time.monotonic() + 180  # connections open, first steps done (slow on a busy box)
             while len(self.trainer.done) < 4 * args.concurrency and time.monotonic() < deadline:
@@ -298,6 +346,8 @@ def run_swarm(args: argparse.Namespace, dht: hivemind.DHT) -> dict:
         "downtime_s": [round(b - a, 2) for a, b in downs],
         "retries": stats.get("swarm/retries", 0),
         "failed_microbatches": trainer.errors,
+        "steps": trainer.steps,
+        "step_errors": trainer.step_errors,
         "series": [(t - t1, trainer.rate(t, t + args.bin)) for t in _frange(t1, t2 - args.bin, args.bin)],
         "kills_at": [a - t1 for a, _ in downs],
         "downs": [(a - t1, b - t1) for a, b in downs],
@@ -561,6 +611,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=2, help="microbatches in flight")
     parser.add_argument("--width", type=int, default=WIDTH, help="hidden size of the MLP blocks")
     parser.add_argument("--blocks", type=int, default=BLOCKS, help="blocks per stage")
+    parser.add_argument(
+        "--swarm-steps",
+        choices=("trainer", "swarm"),
+        default="trainer",
+        help="the stages step when the trainer commands it (one trainer's default) or on their own",
+    )
     args = parser.parse_args()
     WIDTH, BLOCKS = args.width, args.blocks
     _harness.exit_on_sigterm()
@@ -660,6 +716,9 @@ def main() -> None:
         "microbatch": BATCH,
         "width": WIDTH,
         "blocks": BLOCKS,
+        "swarm_steps": args.swarm_steps,
+        "swarm_optimizer_steps": s["steps"],
+        "swarm_failed_steps": s["step_errors"],
         "quick": args.quick,
         "plot": str(report.png),
     }

@@ -97,6 +97,7 @@ def main() -> None:
         request_timeout=cfg.get("request_timeout", 5.0),
         announce_period=cfg.get("announce_period", 1.0),
         expiration=cfg.get("expiration", 4.0),
+        stage_steps=cfg.get("stage_steps", "auto"),  # "trainer": steps only when a trainer commands them
     )
     module = stage_module(cfg["stage"], cfg["width"], cfg["blocks"])
     when = cfg.get("kill")
