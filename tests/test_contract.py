@@ -198,6 +198,8 @@ def test_two_peers_per_stage_sum_their_gradients_and_end_identical(tmp_path):
         # refresh later, and that peer then catches up by downloading the stage's state)
         assert a["info"]["averaged_rounds"] >= 1 and b["info"]["averaged_rounds"] >= 1
         assert a["info"]["epoch"] == b["info"]["epoch"] == cfg["steps"]
+    # no clipping, no scaler: every stage step was commanded early, the peers' sum included
+    assert swarm["early_stage_steps"] == 2 * cfg["steps"], swarm["early_stage_steps"]
     moved = max(float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"])
     assert moved <= 1e-5
 
