@@ -199,3 +199,36 @@ def test_calls_queued_at_a_peer_are_charged_its_busy_time_once() -> None:
     router.report_success(fast, 4, router.call_ended(fast, now=101.0))
     assert 3.0 < router.measured[fast] < 6.0
     assert router.call_ended(fast, now=102.0) == 0.0  # nothing in flight: nothing to charge
+
+
+def test_a_task_goes_to_an_idle_peer_rather_than_queue_where_it_would_finish_later() -> None:
+    """Weighted round robin gives a peer twice as fast two tasks in a row; if the first is still in flight, the
+    second goes to the idle peer, which finishes it no later (the chunks of one batch do not queue at one peer
+    while another waits). A peer ten times as fast keeps it: its queue still ends first. With nothing in flight
+    the shares are weighted round robin's."""
+    fast, slow = _peer(0), _peer(1)
+
+    def router_after_7_picks(speed: float) -> StageRouter:
+        router = StageRouter(stage=0)
+        router.update_peers([_info(0, speed), _info(1, 1.0)])
+        for _ in range(7):
+            router.choose(task_size=1, now=0.0)
+        return router
+
+    alone = router_after_7_picks(
+        2.0
+    )  # nothing in flight: round robin's next two tasks both go to the fast peer
+    assert [alone.choose(task_size=1, now=0.0) for _ in range(2)] == [fast, fast]
+    router = router_after_7_picks(2.0)
+    assert router.choose(task_size=1, now=0.0) == fast
+    router.call_started(fast, now=0.0)
+    assert (
+        router.choose(task_size=1, now=0.0) == slow
+    )  # 1 s on the idle peer against 0.5 + 0.5 s in the queue
+    router.call_started(slow, now=0.0)
+    assert router.choose(task_size=1, now=0.0) == fast  # everyone busy: the fair share again
+
+    router = router_after_7_picks(10.0)
+    chosen = router.choose(task_size=1, now=0.0)
+    router.call_started(chosen, now=0.0)
+    assert router.choose(task_size=1, now=0.0) == fast  # 0.1 + 0.1 s in the queue against 1 s on the idle one

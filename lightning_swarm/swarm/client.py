@@ -455,8 +455,11 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 raise PeerStopping(f"stage {stage} call abandoned: this peer is stopping")
             self._maybe_refresh(stage)
             try:
-                with self._router_lock:
+                with (
+                    self._router_lock
+                ):  # chosen and counted in flight at once: the next choice sees this call
                     peer_id = router.choose(task_size, exclude=failed, prefer=prefer)
+                    router.call_started(peer_id)
             except NoPeersError as e:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -467,8 +470,6 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 failed.clear()  # everyone failed once: after a refresh, allow retrying unbanned peers
                 self._maybe_refresh(stage, block=True, max_wait=min(self.settings.refresh_period, remaining))
                 continue
-            with self._router_lock:
-                router.call_started(peer_id)
             try:
                 try:
                     result = attempt(peer_id)

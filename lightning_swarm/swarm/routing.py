@@ -243,12 +243,33 @@ class StageRouter:
                 continue
             chosen = peer_id
             break
+        if chosen is not None and self._in_flight(chosen) > 0:
+            # the fair share's peer is still serving: a peer of the stage that is idle takes the task instead if
+            # it would finish it no later (its time for the task against the chosen one's queue plus the task),
+            # so that the chunks of one batch do not queue at one peer while another waits
+            queue = self._in_flight(chosen) + 1
+            idle = [
+                p
+                for p in self._busy
+                if p != chosen
+                and p not in exclude
+                and self._in_flight(p) == 0
+                and not self.is_banned(p, now)
+                and self._throughput[p] * queue >= self._throughput[chosen]
+            ]
+            if idle:
+                skipped.append(entry)
+                chosen = min(idle, key=lambda p: self._busy[p])
         for entry in skipped:
             heapq.heappush(self._heap, entry)
         if chosen is None:
             raise NoPeersError(self._no_peers_message(now, exclude))
         self._set_busy(chosen, self._busy[chosen] + max(task_size, 0.0) / self._throughput[chosen])
         return chosen
+
+    def _in_flight(self, peer_id: PeerID) -> int:
+        flight = self._flight.get(peer_id)
+        return flight[0] if flight is not None and flight[0] > 0 else 0
 
     def ban(self, peer_id: PeerID, now: float | None = None) -> float:
         """Ban ``peer_id`` after a failed call; returns the ban duration in seconds.
