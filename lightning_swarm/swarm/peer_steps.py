@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -80,13 +80,13 @@ class _TrainerSteps:
         return next(self._step_ids)
 
     def _command_stages(
-        self, make: Callable[[int], StepCommand], skip: set[int] | None = None
+        self, make: Callable[[int], StepCommand], done: Collection[int] = ()
     ) -> dict[int, list[dict[str, Any]]]:
-        """Send ``make(stage)`` to every stage but those in ``skip`` at once (each to all its live peers); returns
-        the replies."""
+        """Send ``make(stage)`` to every stage but those ``done`` already, at once (each to all its live peers);
+        returns the replies."""
         assert self.client is not None
         client = self.client
-        stages = [k for k in range(self.settings.num_stages) if not skip or k not in skip]
+        stages = [k for k in range(self.settings.num_stages) if k not in done]
         if not stages:
             return {}
         if len(stages) == 1:
@@ -220,7 +220,7 @@ class _TrainerSteps:
                 skip=skip,
                 epoch=self._stage_epochs.get(k, 0),
             ),
-            skip=set(done),
+            done=set(done),
         )
         replies.update(done)
         for k, stage_replies in replies.items():
