@@ -329,6 +329,22 @@ def _serve(path: str, parent: int) -> int | None:
     return None
 
 
+def _own_hivemind_locks() -> None:
+    """Give this job hivemind's process-shared locks of its own, as a fresh process has. hivemind makes them when it
+    is imported (``MPFuture``'s update and initialization locks, ``SharedBytes``', the process-wide executor's), here
+    in the zygote, so every job forked from it would share them with every other job: one SIGKILLed while one of its
+    processes held a lock (the chaos tests kill peers mid-call) blocked every other job's next ``MPFuture`` update
+    for good (seen once: a peer's DHT process stuck in ``MPFuture._send_update``, the next peer's DHT never ready)."""
+    import multiprocessing
+
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()  # hivemind's own reset: fresh locks, no backend yet in this process
+    aio = sys.modules.get("hivemind.utils.asyncio")
+    if aio is not None:
+        aio._AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
+
+
 def _become(request: dict, fds: list[int]) -> int:
     """In the forked child: take the job's streams, directory, environment and arguments, and run its script."""
     import io
@@ -357,6 +373,7 @@ def _become(request: dict, fds: list[int]) -> int:
     import numpy
 
     numpy.random.seed()  # a fresh process draws its own seed (Python's `random` reseeds itself after a fork)
+    _own_hivemind_locks()
     argv = request["argv"]
     module = argv[2] if argv[1] == "-m" else None
     extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

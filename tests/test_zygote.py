@@ -130,3 +130,33 @@ def test_the_ranks_of_a_forked_job_are_forked_too_and_end_with_the_job(tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+LOCK_JOB = """
+import sys, time
+from hivemind.utils.asyncio import _AsyncContextWrapper
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
+locks = [MPFuture._update_lock, MPFuture._initialization_lock, SharedBytes._lock, _AsyncContextWrapper.EXECUTOR_LOCK]
+if sys.argv[1] == "hold":
+    for lock in locks:
+        lock.acquire()
+    print("held", flush=True)
+    time.sleep(60)
+else:
+    print(all(lock.acquire(timeout=5) for lock in locks), flush=True)
+"""
+
+
+def test_a_job_killed_while_holding_hivemind_locks_blocks_no_other_job(tmp_path) -> None:
+    """hivemind makes its process-shared locks (``MPFuture``'s, ``SharedBytes``', the process-wide executor's) when
+    it is imported, in the zygote: every forked job gets locks of its own, as a fresh process does, so one
+    SIGKILLed while holding them (a peer killed mid-call) does not block the next job's futures for good."""
+    script = tmp_path / "locks.py"
+    script.write_text(LOCK_JOB)
+    holder = _zygote.Popen([sys.executable, str(script), "hold"], stdout=subprocess.PIPE, text=True)
+    assert holder._zygote_conn is not None
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()
+    holder.wait(timeout=30)
+    other = _zygote.run([sys.executable, str(script), "take"], capture_output=True, text=True, timeout=60)
+    assert other.returncode == 0 and other.stdout.strip() == "True", (other.stdout, other.stderr[-2000:])
