@@ -4,6 +4,7 @@ whole model's norm, and the target_batch_size check."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
@@ -131,19 +132,37 @@ class _TrainerDrivenSteps:
             return False
         return not any(is_overridden("on_before_optimizer_step", cb, Callback) for cb in trainer.callbacks)
 
-    def _begin_driven_step(self, optimizer: Any) -> None:
-        """Before a trainer-driven step's closure (forward and backward): forget the stage calls so far and, where
-        allowed, prepare the early steps that :meth:`backward` arms."""
-        self.peer.begin_step()
-        self._early_step = None
-        if not self._early_steps_allowed():
-            return
+    def _driven_optimizer_step(
+        self, step: Callable[..., Any], optimizer: Any, closure: Any, model: Any, **kwargs: Any
+    ) -> Any:
+        """The trainer's step (``step``: Lightning's), then every stage's step with the same optimizer's
+        hyper-parameters, clipping and loss scale (the stages serve the new parameters before this returns). Where
+        allowed, a stage steps already during the backward (see :meth:`backward`)."""
         raw = getattr(optimizer, "_optimizer", optimizer)
-        self._early_step = (
-            self._current_step_id(),
-            self._optimizer_index(raw),
-            lambda: {g: hyper_parameters(group) for g, group in enumerate(raw.param_groups)},
+        index = self._optimizer_index(raw)
+        scaler = _scaler(self.precision_plugin)
+        scale = float(scaler.get_scale()) if scaler is not None else None
+        self._clip = None
+        self.peer.begin_step()  # forget the stage calls so far
+        if self._early_steps_allowed():
+            self._early_step = (self._current_step_id(), index, lambda: _groups_hyper(raw))
+        try:
+            output = step(optimizer, closure, model, **kwargs)
+        finally:
+            self._early_step = None
+        skipped = scaler is not None and scale is not None and float(scaler.get_scale()) < scale
+        step_id, clip = self._current_step_id(), self._clip
+        self._step_id, self._clip = None, None
+        self.peer.step_stages(
+            step_id,
+            index,
+            _groups_hyper(raw),
+            grad_scale=1.0 / scale if scale else 1.0,
+            clip_coef=clip[1] if clip is not None and clip[0] == "norm" else None,
+            clip_value=clip[1] if clip is not None and clip[0] == "value" else None,
+            skip=skipped,
         )
+        return output
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's backward; in a step that allows early stage steps, a stage steps as soon as its part of
@@ -168,3 +187,8 @@ class _TrainerDrivenSteps:
                 " and with one trainer the stages step with it: drop target_batch_size, or set the batch size or "
                 "accumulate_grad_batches to match."
             )
+
+
+def _groups_hyper(optimizer: Any) -> dict[int, dict[str, Any]]:
+    """The hyper-parameters of each of ``optimizer``'s parameter groups, as a step command carries them."""
+    return {g: hyper_parameters(group) for g, group in enumerate(optimizer.param_groups)}

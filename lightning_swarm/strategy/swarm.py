@@ -39,7 +39,7 @@ from lightning_swarm.strategy._refusals import (
     _scaler,
 )
 from lightning_swarm.strategy._schedules import follow_swarm_epochs
-from lightning_swarm.strategy._trainer_steps import _TrainerDrivenSteps
+from lightning_swarm.strategy._trainer_steps import _groups_hyper, _TrainerDrivenSteps
 from lightning_swarm.strategy.launcher import _SwarmLauncher
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
 from lightning_swarm.swarm.deferred_init import InitRecorder
@@ -50,7 +50,6 @@ from lightning_swarm.swarm.lifetime import (
     raise_pending_interrupt,
 )
 from lightning_swarm.swarm.materialize import RngSnapshot
-from lightning_swarm.swarm.stepping import hyper_parameters
 from lightning_swarm.swarm.streamed_checkpoint import resolve_deferred, save_deferred
 
 log = logging.getLogger(__name__)
@@ -230,9 +229,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         self.stage_steps: dict[
             int, int
         ] = {}  # optimizer steps each stage took in the last run, as it replied
-        self.early_stage_steps = (
-            0  # of those, commanded before the trainer's backward ended (swarm/early_steps.py)
-        )
+        self.early_stage_steps = 0  # of those, commanded before the trainer's backward ended
 
     @property
     @override
@@ -431,38 +428,13 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         """The trainer's step; with ``stage_steps="trainer"``, then every stage's step with the same optimizer's
         hyper-parameters, clipping and loss scale (the stages serve the new parameters before this returns)."""
         peer = self.peer
-        if not peer.drives_stages:
-            output = super().optimizer_step(
-                optimizer, closure, model, **peer.optimizer_step_kwargs(), **kwargs
-            )
-            raw = getattr(optimizer, "_optimizer", optimizer)
-            raw = getattr(raw, "opt", raw)  # the trainers' hivemind optimizer wraps the torch one
-            index = 0 if len(self.optimizers) == 1 else self._optimizer_index(optimizer)
-            peer.send_stage_hyper(
-                index, {g: hyper_parameters(group) for g, group in enumerate(raw.param_groups)}
-            )
-            return output
-        scaler = _scaler(self.precision_plugin)
-        scale = float(scaler.get_scale()) if scaler is not None else None
-        self._clip = None
-        self._begin_driven_step(optimizer)
-        try:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        finally:
-            self._early_step = None
-        skipped = scaler is not None and scale is not None and float(scaler.get_scale()) < scale
-        step_id, clip = self._current_step_id(), self._clip
-        self._step_id, self._clip = None, None
+        if peer.drives_stages:
+            return self._driven_optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
+        output = super().optimizer_step(optimizer, closure, model, **peer.optimizer_step_kwargs(), **kwargs)
         raw = getattr(optimizer, "_optimizer", optimizer)
-        peer.step_stages(
-            step_id,
-            self._optimizer_index(raw),
-            {g: hyper_parameters(group) for g, group in enumerate(raw.param_groups)},
-            grad_scale=1.0 / scale if scale else 1.0,
-            clip_coef=clip[1] if clip is not None and clip[0] == "norm" else None,
-            clip_value=clip[1] if clip is not None and clip[0] == "value" else None,
-            skip=skipped,
-        )
+        raw = getattr(raw, "opt", raw)  # the trainers' hivemind optimizer wraps the torch one
+        index = 0 if len(self.optimizers) == 1 else self._optimizer_index(optimizer)
+        peer.send_stage_hyper(index, _groups_hyper(raw))
         return output
 
     @override

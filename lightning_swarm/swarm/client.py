@@ -455,9 +455,8 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 raise PeerStopping(f"stage {stage} call abandoned: this peer is stopping")
             self._maybe_refresh(stage)
             try:
-                with (
-                    self._router_lock
-                ):  # chosen and counted in flight at once: the next choice sees this call
+                # chosen and counted in flight at once: the next choice sees this call
+                with self._router_lock:
                     peer_id = router.choose(task_size, exclude=failed, prefer=prefer)
                     router.call_started(peer_id)
             except NoPeersError as e:

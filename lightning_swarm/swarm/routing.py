@@ -243,11 +243,11 @@ class StageRouter:
                 continue
             chosen = peer_id
             break
-        if chosen is not None and self._in_flight(chosen) > 0:
+        queue = self._in_flight(chosen) + 1 if chosen is not None else 1
+        if queue > 1:
             # the fair share's peer is still serving: a peer of the stage that is idle takes the task instead if
             # it would finish it no later (its time for the task against the chosen one's queue plus the task),
             # so that the chunks of one batch do not queue at one peer while another waits
-            queue = self._in_flight(chosen) + 1
             idle = [
                 p
                 for p in self._busy

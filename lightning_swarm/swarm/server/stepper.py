@@ -265,11 +265,10 @@ class Stepper:
                     g.mul_(grad_scale)
                 if norm:
                     value = float(g.detach().float().pow(2).sum())
+                    sq_norm += value
                 else:  # NaN or infinite when any element is (or when the sum overflows: refused as well)
                     value = float(g.detach().sum(dtype=torch.float32))
                 finite = finite and math.isfinite(value)
-                if norm:
-                    sq_norm += value
         facts: dict[str, Any] = {"finite": finite, "group": group}
         if norm:
             facts["sq_norm"] = sq_norm if finite else 0.0
