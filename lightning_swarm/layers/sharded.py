@@ -15,10 +15,11 @@ the shard's active neurons, one column per label owned by another shard (holding
 sent by its owner) and one "rest" column holding the rest of the other shards' softmax mass; these extra
 columns are constants (detached). :func:`~lightning_swarm.layers.active_set_loss` on these columns then
 computes, on every rank, the value of the single-process loss (same logsumexp, same label logits), while its
-gradient reaches only the shard's own logits, each getting exactly its single-process ``p - t``. The LSH queries are split too: each
-rank hashes its slice of the batch's rows and one all-gather of the int32 codes gives every rank all of them
-(:meth:`ShardedSparseLSHLinear.query_codes`); each rank then looks them up in its own tables. Summed over
-ranks (the all-reduce of the hidden gradient) this is the single-process gradient.
+gradient reaches only the shard's own logits, each getting exactly its single-process ``p - t``. Summed over
+ranks (the all-reduce of the hidden gradient) this is the single-process gradient. The LSH queries of a batch
+are hashed whole on every rank while that is cheaper than a collective; above that each rank hashes its slice of
+the rows and one all-gather of the int32 codes gives every rank all of them
+(:meth:`ShardedSparseLSHLinear.query_codes`). Each rank then looks them up in its own tables.
 
 Free of Lightning.
 """
@@ -216,6 +217,11 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         shard_group: the ranks sharing the layer.
     """
 
+    split_hashing_min_macs: int = 1 << 27
+    """Below this many multiply-adds a batch's LSH queries are hashed whole on every rank (see
+    :meth:`query_codes`). ``1 << 27`` is about 4 ms of one core: split, each of 2 ranks saves about 2 ms, more
+    than the all-gather costs."""
+
     def __init__(self, full: SparseLSHLinear, shard_group: ShardGroup) -> None:
         born = getattr(full, "born_sharded", False)
         if not born and (full.row_offset != 0 or full.total_out != full.out_features):
@@ -374,15 +380,20 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
 
     @torch.no_grad()
     def query_codes(self, x: Tensor) -> Tensor:
-        """Bucket codes ``[B, L]`` of the batch: this rank hashes only its slice of the rows (``shard_range`` of
-        the batch) and one all-gather of the int32 codes gives every rank all of them.
+        """Bucket codes ``[B, L]`` of the batch, the same on every rank.
 
-        Every shard uses the same hash functions (they depend on ``(seed, reseed count)`` only), so without this
-        every rank would hash the whole batch. A batch smaller than the group is hashed whole on every rank.
+        Every shard uses the same hash functions (they depend on ``(seed, reseed count)`` only) and gets the same
+        ``x``. A batch whose hashing costs fewer than :attr:`split_hashing_min_macs` multiply-adds is hashed whole
+        on every rank: a collective is a synchronisation point, and on Ethernet (or a busy box) it costs a
+        millisecond or more, while the reference network's batch (256 rows of 128 features, 8 tables of 14 bits:
+        3.7M multiply-adds) hashes in about 0.1 ms. Above it, this rank hashes only its slice of the rows
+        (``shard_range`` of the batch) and one all-gather of the int32 codes gives every rank all of them. A
+        batch smaller than the group is always hashed whole.
         """
         assert self._hash is not None
         group, batch = self.shard_group, x.size(0)
-        if group.world_size == 1 or batch < group.world_size:
+        work = batch * self.in_features * self.num_tables * self.num_bits  # SimHash's projections; DWTA's fewer
+        if group.world_size == 1 or batch < group.world_size or work < self.split_hashing_min_macs:
             return super().query_codes(x)
         lo, hi = shard_range(batch, group.rank, group.world_size)
         mine = self._hash.codes(x[lo:hi].detach().float()).int()  # codes < 2**num_bits fit in int32

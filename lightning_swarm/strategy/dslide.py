@@ -5,7 +5,8 @@ input features, ``SparseLSHLinear`` by output neurons) are replaced by sharded v
 contiguous range of input features, resp. output neurons with its own hash tables
 (``lightning_swarm.layers.sharded``). Per step the ranks exchange only small per-batch tensors: the partial
 hidden activations (all-reduce ``[B, H]``: each rank sums the batch's pairs of its own features), the LSH query
-codes (all-gather ``[B, L]`` int32: each rank hashes its slice of the batch), the active-set priorities (all-gather ``[1, k]`` float64 per rank, so that the active set is exactly the single-process one),
+codes (all-gather ``[B, L]`` int32, each rank hashing its slice of the batch, only where hashing the whole batch
+would cost more than the collective), the active-set priorities (all-gather ``[1, k]`` float64 per rank, so that the active set is exactly the single-process one),
 each shard's per-sample softmax max and sum of exponentials packed with the logits of the labels it owns
 (all-gather ``[B, 2 + Ymax]`` per rank), and the gradient with respect to the hidden activations (all-reduce
 ``[B, H]``).
