@@ -392,9 +392,8 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         """
         assert self._hash is not None
         group, batch = self.shard_group, x.size(0)
-        work = (
-            batch * self.in_features * self.num_tables * self.num_bits
-        )  # SimHash's projections; DWTA's fewer
+        # SimHash's projections (DWTA's are fewer)
+        work = batch * self.in_features * self.num_tables * self.num_bits
         if group.world_size == 1 or batch < group.world_size or work < self.split_hashing_min_macs:
             return super().query_codes(x)
         lo, hi = shard_range(batch, group.rank, group.world_size)
