@@ -6,7 +6,8 @@ this script again, exactly as a user's ``train.py`` would be. Rank 0 writes what
 ``--repeat N`` runs the two-rank training ``N`` times as two "nodes" (``num_nodes=2``, ``NODE_RANK``), each rank a
 child forked from this process after the imports (so a run costs the training, not 10 s of imports), each child
 leaving through the normal interpreter exit like a user's script. The exit status of every rank is written to
-``--out``/repeat.json; ``--fail-rank R`` makes rank ``R`` raise in its second training step.
+``--out``/repeat.json; ``--fail-rank R`` makes rank ``R`` raise in its second training step, and ``--sigterm-rank R``
+adds a run in which rank ``R`` receives SIGTERM in its second training step (of 8).
 
 ``--suite`` runs, from one import, the runs that tests/test_dslide.py compares (each in a child forked after the
 imports, results in ``--out``/<run>/result.json): ``plain`` (one process, 6 steps) side by side with ``dslide2``
@@ -115,18 +116,23 @@ def predictions(model: XCModel) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class FailingXCModel(XCModel):
-    """Raises in the second training step on one rank (the other ranks are then waiting in a collective)."""
+    """Raises in the second training step on one rank (the other ranks are then waiting in a collective), or
+    sends itself SIGTERM there."""
 
     fail_rank = -1
+    sigterm_rank = -1
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if batch_idx == 1 and self.global_rank == self.fail_rank:
             raise ValueError(f"deliberate failure on rank {self.global_rank}")
+        if batch_idx == 1 and self.global_rank == self.sigterm_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
         return super().training_step(batch, batch_idx)
 
 
-def repeated_rank(rank: int, port: int, out: Path, fail_rank: int) -> None:
-    """One rank of a two-node run: train 2 steps, gather a checkpoint, predict with the sharded top-k."""
+def repeated_rank(rank: int, port: int, out: Path, fail_rank: int, sigterm_rank: int = -1) -> None:
+    """One rank of a two-node run: train 2 steps, gather a checkpoint, predict with the sharded top-k (with
+    ``sigterm_rank``: train up to 8 steps, and write the step at which the rank stopped)."""
     torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0"
@@ -135,13 +141,14 @@ def repeated_rank(rank: int, port: int, out: Path, fail_rank: int) -> None:
     atexit.register(_record_group_state_at_exit, out / f"rank{rank}.exit.json")
     seed_everything(0, verbose=False)
     FailingXCModel.fail_rank = fail_rank
+    FailingXCModel.sigterm_rank = sigterm_rank
     model = FailingXCModel(**MODEL)
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
         num_nodes=2,
         strategy="dslide",
-        max_steps=2,
+        max_steps=2 if sigterm_rank < 0 else 8,
         logger=CSVLogger(out, name="logs", version=0),  # rank 0 writes: dslide/bytes_per_step at every step
         log_every_n_steps=1,
         enable_checkpointing=False,
@@ -150,7 +157,11 @@ def repeated_rank(rank: int, port: int, out: Path, fail_rank: int) -> None:
         limit_val_batches=0,
         num_sanity_val_steps=0,
     )
-    trainer.fit(model, data_module())
+    try:
+        trainer.fit(model, data_module())
+    except SystemExit:  # Lightning's SIGTERMException: record where this rank stopped, then leave as it would
+        (out / f"rank{rank}.stopped.json").write_text(json.dumps({"global_step": trainer.global_step}))
+        raise
     trainer.save_checkpoint(out / "model.ckpt")  # collective: gathers the shards
     predictions(model)  # collective: the sharded top-k
 
@@ -171,16 +182,20 @@ def _freeze_imports() -> None:
     gc.freeze()
 
 
-def repeat(times: int, out: Path, fail_rank: int, timeout: float = 120.0) -> None:
-    """Run the two-node training ``times`` times, then once more with a failure on ``fail_rank`` (if >= 0).
+def repeat(times: int, out: Path, fail_rank: int, sigterm_rank: int = -1, timeout: float = 120.0) -> None:
+    """Run the two-node training ``times`` times, then once more with a failure on ``fail_rank`` (if >= 0), then
+    once more with SIGTERM to ``sigterm_rank`` (if >= 0).
 
     Records every rank's exit status (negative: killed by that signal; ``None``: hung and killed).
     """
     runs, seconds, started = [], [], time.monotonic()
     _freeze_imports()
-    for run in range(times + (fail_rank >= 0)):
+    extra = ["fail"] * (fail_rank >= 0) + ["sigterm"] * (sigterm_rank >= 0)
+    for run in range(times + len(extra)):
         run_started = time.monotonic()
-        failing = fail_rank if run == times else -1
+        kind = extra[run - times] if run >= times else ""
+        failing = fail_rank if kind == "fail" else -1
+        terminated = sigterm_rank if kind == "sigterm" else -1
         run_dir = out / f"run{run}"
         run_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
@@ -191,7 +206,7 @@ def repeat(times: int, out: Path, fail_rank: int, timeout: float = 120.0) -> Non
                 log = os.open(run_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(log, 1)
                 os.dup2(log, 2)
-                repeated_rank(rank, port, run_dir, failing)
+                repeated_rank(rank, port, run_dir, failing, terminated)
                 sys.exit(0)
             pids.append(pid)
         statuses: dict[int, int] = {}
@@ -337,10 +352,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--repeat", type=int, default=0)
     parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--sigterm-rank", type=int, default=-1)
     parser.add_argument("--suite", action="store_true")
     args = parser.parse_args()
     if args.repeat:
-        repeat(args.repeat, Path(args.out), args.fail_rank)
+        repeat(args.repeat, Path(args.out), args.fail_rank, args.sigterm_rank)
         return
     if args.suite:
         suite(Path(args.out))

@@ -408,7 +408,7 @@ def test_trainer_two_ranks_match_plain_run(two_rank_run: tuple[Path, dict, dict,
     b, h, k = 16, 16, 48
     for step_bytes, ymax in zip(sharded["bytes"][1:], sharded["label_widths"], strict=False):
         assert step_bytes == {
-            "lockstep_all_reduce": 3 * 8,
+            "lockstep_all_reduce": 4 * 8,
             "hidden_all_reduce": b * h * 4,
             "hidden_grad_all_reduce": b * h * 4,
             "softmax_all_gather": 2 * b * (2 + ymax) * 4,
@@ -421,9 +421,12 @@ def test_trainer_two_ranks_match_plain_run(two_rank_run: tuple[Path, dict, dict,
 def test_two_rank_runs_exit_cleanly_every_time_and_a_failure_ends_both_ranks(tmp_path: Path) -> None:
     """Ten two-rank Trainer runs (fit, checkpoint gather, sharded top-k after fit) each exit 0 through the normal
     interpreter exit with the process group destroyed; then a run whose rank 1 raises mid-training ends both
-    ranks with an error (no abort, no hang). The ranks are forked after the imports so a run costs ~2 s."""
+    ranks with an error (no abort, no hang); then a run whose rank 1 receives SIGTERM mid-training stops both
+    ranks at the same step, as Lightning's SIGTERM handling does (before, both ranks hung). The ranks are forked
+    after the imports so a run costs ~2 s."""
     proc = subprocess.run(
-        [sys.executable, str(WORKER), "--repeat", "10", "--fail-rank", "1", "--out", str(tmp_path)],
+        [sys.executable, str(WORKER), "--repeat", "10", "--fail-rank", "1", "--sigterm-rank", "1"]
+        + ["--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=680,
@@ -433,13 +436,16 @@ def test_two_rank_runs_exit_cleanly_every_time_and_a_failure_ends_both_ranks(tmp
     runs = json.loads((tmp_path / "repeat.json").read_text())
     assert runs[:10] == [[0, 0]] * 10, runs
     assert runs[10] == [1, 1], "both ranks end with an error (negative: a signal such as SIGABRT; None: hung)"
-    for run in range(11):
+    assert runs[11] == [0, 0], "SIGTERM: both ranks leave through Lightning's SIGTERMException (None: hung)"
+    stopped = [json.loads((tmp_path / "run11" / f"rank{r}.stopped.json").read_text()) for r in range(2)]
+    assert stopped[0] == stopped[1] and 2 <= stopped[0]["global_step"] < 8, stopped
+    for run in range(12):
         for rank in range(2):
             log = (tmp_path / f"run{run}" / f"rank{rank}.log").read_text()
             assert "terminate called" not in log
             exit_state = json.loads((tmp_path / f"run{run}" / f"rank{rank}.exit.json").read_text())
             assert exit_state == {"process_group_alive": False}, f"run {run} rank {rank}"
-            if run < 10:
+            if run != 10:
                 assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
     # the strategy logs the bytes each rank sent per step (log_bytes, on by default) at the steps the logger writes
     with open(tmp_path / "run0" / "logs" / "version_0" / "metrics.csv") as f:
@@ -454,6 +460,7 @@ def test_two_rank_runs_exit_cleanly_every_time_and_a_failure_ends_both_ranks(tmp
     assert "timed out" not in failed[0].lower() and "read timeout" not in failed[0].lower(), failed[0][-3000:]
     seconds = json.loads((tmp_path / "seconds.json").read_text())
     assert seconds[10] < 60, f"the failing run took {seconds[10]} s: a rank waited for a timeout"
+    assert seconds[11] < 60, f"the SIGTERM run took {seconds[11]} s"
 
 
 @pytest.mark.timeout(900)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,19 +197,25 @@ def _is_row_state(value: Any, param_shape: torch.Size | tuple[int, ...], dim: in
 class LockStepLoader:
     """Wraps a data loader so that all ranks take the same number of batches, and checks they are the same.
 
-    Before each batch is handed out, the ranks all-reduce three integers (have-a-batch, and the min and max of a
-    fingerprint of the batch; started asynchronously when the batch is fetched, one batch ahead). When any rank
-    runs out, every rank stops; if the fingerprints differ the ranks were given different batches, which D-SLIDE
-    cannot train on, and the loader raises.
+    Before each batch is handed out, the ranks all-reduce four integers (have-a-batch, the min and max of a
+    fingerprint of the batch, and whether any rank asks to stop; started asynchronously when the batch is
+    fetched, one batch ahead). When any rank runs out, every rank stops; if the fingerprints differ the ranks were
+    given different batches, which D-SLIDE cannot train on, and the loader raises. When any rank's
+    ``stop_requested`` said yes, :attr:`stop_agreed` becomes true on every rank at the same batch.
 
     Args:
         dataloader: the loader Lightning prepared (already without a ``DistributedSampler`` split).
         shard_group: the group of the ranks.
+        stop_requested: asked as each batch is fetched (e.g. "did this process receive SIGTERM").
     """
 
-    def __init__(self, dataloader: Any, shard_group: ShardGroup) -> None:
+    def __init__(
+        self, dataloader: Any, shard_group: ShardGroup, stop_requested: Callable[[], bool] | None = None
+    ) -> None:
         self.dataloader = dataloader
         self.shard_group = shard_group
+        self.stop_requested = stop_requested
+        self.stop_agreed = False
         self._warned = False
 
     def __len__(self) -> int:
@@ -235,6 +241,8 @@ class LockStepLoader:
             batch, flags, work = pending
             if work is not None:
                 work.wait()
+            if int(flags[3]) < 0:
+                self.stop_agreed = True
             if int(flags[0]) == 0:
                 if batch is not None and not self._warned:
                     self._warned = True
@@ -255,13 +263,14 @@ class LockStepLoader:
 
     def _fetch(self, iterator: Iterator[Any]) -> tuple[Any, Tensor, Any]:
         """The next batch (``None`` at the end), its check flags, and the started all-reduce (MIN) of them."""
+        stop = -int(self.stop_requested is not None and bool(self.stop_requested()))
         try:
             batch = next(iterator)
             fingerprint = batch_fingerprint(batch)
-            flags = torch.tensor([1, fingerprint, -fingerprint], dtype=torch.int64)
+            flags = torch.tensor([1, fingerprint, -fingerprint, stop], dtype=torch.int64)
         except StopIteration:
             batch = None
-            flags = torch.tensor([0, 0, 0], dtype=torch.int64)
+            flags = torch.tensor([0, 0, 0, stop], dtype=torch.int64)
         work = self.shard_group.all_reduce_async(flags, "lockstep_all_reduce", op=dist.ReduceOp.MIN)
         return batch, flags, work
 

@@ -49,7 +49,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import signal
 import subprocess
+import threading
+import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -66,6 +69,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
@@ -140,6 +144,8 @@ class DSlideStrategy(DDPStrategy):
         self._shard_group = ShardGroup()
         self._plan: ShardPlan | None = None
         self._last_step_bytes: dict[str, int] = {}
+        self._loaders: weakref.WeakSet[LockStepLoader] = weakref.WeakSet()
+        self._sigterm_received = False
 
     @property
     @override
@@ -221,7 +227,60 @@ class DSlideStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return LockStepLoader(dataloader, self._shard_group)
+        loader = LockStepLoader(dataloader, self._shard_group, stop_requested=lambda: self._sigterm_received)
+        self._loaders.add(loader)
+        return loader
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        if self.world_size < 2 or not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            return
+        # Lightning's SIGTERM protocol is a broadcast from rank 0 at the start of every training step (matched, on
+        # a rank that receives the signal, by a broadcast inside the signal handler). For D-SLIDE that is one
+        # more synchronisation point per step, and a rank other than 0 receiving the signal would issue a
+        # collective the others do not. The lock-step check of each batch carries the request instead: the rank
+        # that received SIGTERM says so when it fetches its next batch, and every rank raises Lightning's
+        # SIGTERMException at the same step, a step or two later.
+        self._sigterm_received = False
+        epoch_loop._broadcast_sigterm_tensor = self._raise_if_sigterm_agreed
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    @override
+    def on_train_end(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        if epoch_loop is not None and "_broadcast_sigterm_tensor" in vars(epoch_loop):
+            del epoch_loop._broadcast_sigterm_tensor
+        super().on_train_end()
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """This process received SIGTERM: the next lock-step check asks every rank to stop (Lightning restores
+        its handlers after ``fit``)."""
+        log.info(
+            "DSlideStrategy: rank %d received SIGTERM; every rank stops at the same step.", self.global_rank
+        )
+        if not self._sigterm_received and self.launcher is not None:
+            self.launcher.kill(
+                signum
+            )  # the ranks Lightning's launcher started, as Lightning's own handler does
+        self._sigterm_received = True
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        connector = getattr(trainer, "_signal_connector", None)
+        original = getattr(connector, "_original_handlers", {}).get(signal.SIGTERM)
+        if callable(original):
+            original(signum, frame)  # a handler the user installed before fit, as Lightning's chain calls it
+
+    def _raise_if_sigterm_agreed(self) -> None:
+        if any(loader.stop_agreed for loader in self._loaders):
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            connector = getattr(trainer, "_signal_connector", None)
+            if connector is not None:
+                connector.received_sigterm = True  # Lightning's later checks (end of batch, epoch) agree
+            raise SIGTERMException()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
