@@ -270,6 +270,7 @@ def train(
             "ids": ids.tolist(),
             "global_step": trainer.global_step,
             "world_size": trainer.world_size,
+            "early_updates": getattr(trainer.strategy, "early_updates", 0),
         }
         (out / "result.json").write_text(json.dumps(result))
 

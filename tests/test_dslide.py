@@ -392,6 +392,9 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, 
 def test_trainer_two_ranks_match_plain_run(two_rank_run: tuple[Path, dict, dict, dict]) -> None:
     root, plain, sharded, _ = two_rank_run
     assert sharded["world_size"] == 2 and sharded["global_step"] == plain["global_step"] == 6
+    # the output layer's weight and bias were updated while the hidden gradient's all-reduce was in flight, at
+    # every step (overlap_updates), and the run still equals the plain one
+    assert sharded["early_updates"] == 2 * sharded["global_step"]
     assert sharded["losses"] == pytest.approx(plain["losses"], rel=1e-5)
     assert sharded["ids"] == plain["ids"]
     plain_state = torch.load(root / "plain" / "model.ckpt", weights_only=False)["state_dict"]

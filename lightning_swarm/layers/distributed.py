@@ -17,6 +17,7 @@ The engine does not import Lightning.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,9 @@ class ShardGroup:
 
     group: Any = None
     stats: CommStats = field(default_factory=CommStats)
+    overlap: Callable[[], None] | None = None
+    """Work to run on this rank while the hidden-gradient all-reduce of the backward is in flight (the
+    strategy's early optimizer update of the output layers); ``None``: none."""
 
     @property
     def rank(self) -> int:
@@ -189,7 +193,13 @@ class _SumOverRanksPlusBias(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, None]:
         # Every rank's loss depends on every hidden value: the total gradient is the sum of the ranks' partial
         # gradients. The bias gets it too, so its gradient is the network's on every rank (no further reduce).
-        total = ctx.shard_group.all_reduce_(grad.contiguous().clone(), "hidden_grad_all_reduce")
+        group: ShardGroup = ctx.shard_group
+        total = grad.contiguous().clone()
+        work = group.all_reduce_async(total, "hidden_grad_all_reduce")
+        if group.overlap is not None:
+            group.overlap()  # while the sum travels
+        if work is not None:
+            work.wait()
         return total, (total.sum(dim=0) if ctx.has_bias else None), None
 
 

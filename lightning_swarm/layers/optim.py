@@ -44,36 +44,82 @@ class LazyAdam(Optimizer):
         if eps < 0.0:
             raise ValueError(f"LazyAdam: eps must be >= 0, got {eps}.")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+        self._in_closure = False
+        self._stepped_early: set[int] = set()
+        self.early_updates = 0  # parameters updated by step_early, in total
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimization step."""
+        """Perform one optimization step (parameters already updated by :meth:`step_early` during ``closure``
+        are not updated again)."""
         loss = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                bias1 = 1.0 - beta1 ** state["step"]
-                bias2_sqrt = (1.0 - beta2 ** state["step"]) ** 0.5
-                if p.grad.is_sparse:
-                    self._sparse_update(p, state, lr / bias1, beta1, beta2, eps, bias2_sqrt)
-                else:
-                    m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
-                    m.lerp_(g, 1.0 - beta1)
-                    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-                    denom = (v.sqrt() / bias2_sqrt).add_(eps)
-                    p.addcdiv_(m, denom, value=-lr / bias1)
+            self._in_closure = True
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            finally:
+                self._in_closure = False
+        try:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and id(p) not in self._stepped_early:
+                        self._update(p, group)
+        finally:
+            self._stepped_early.clear()
         return loss
+
+    @torch.no_grad()
+    def step_early(self, params: Iterable[Tensor]) -> int:
+        """Update ``params`` now, while this optimizer's ``step(closure)`` is running its closure, and leave them
+        out of that step's update: the update they get is the one the step would give them, provided nothing
+        changes their gradients between this call and the step's (clipping, another backward). Outside a closure
+        (e.g. the backward of a microbatch that only accumulates) it does nothing.
+
+        Returns:
+            how many parameters were updated.
+        """
+        if not self._in_closure:
+            return 0
+        wanted = {id(p) for p in params}
+        done = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in wanted and p.grad is not None and id(p) not in self._stepped_early:
+                    self._update(p, group)
+                    self._stepped_early.add(id(p))
+                    done += 1
+        self.early_updates += done
+        return done
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_in_closure", False)
+        self.__dict__.setdefault("_stepped_early", set())
+        self.__dict__.setdefault("early_updates", 0)
+
+    def stepped_early(self, param: Tensor) -> bool:
+        """Whether ``param`` was updated by :meth:`step_early` in the step now running."""
+        return id(param) in self._stepped_early
+
+    def _update(self, p: Tensor, group: dict[str, Any]) -> None:
+        lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        bias1 = 1.0 - beta1 ** state["step"]
+        bias2_sqrt = (1.0 - beta2 ** state["step"]) ** 0.5
+        if p.grad.is_sparse:
+            self._sparse_update(p, state, lr / bias1, beta1, beta2, eps, bias2_sqrt)
+        else:
+            m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+            m.lerp_(g, 1.0 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            denom = (v.sqrt() / bias2_sqrt).add_(eps)
+            p.addcdiv_(m, denom, value=-lr / bias1)
 
     @staticmethod
     def _sparse_update(

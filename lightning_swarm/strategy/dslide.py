@@ -70,6 +70,7 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
@@ -79,6 +80,7 @@ from typing_extensions import override
 from lightning_swarm.layers.checkpoint import save_streamed
 from lightning_swarm.layers.distributed import CommStats, ShardGroup
 from lightning_swarm.layers.init import sharded_init
+from lightning_swarm.layers.optim import LazyAdam
 from lightning_swarm.layers.shard_plan import (
     LockStepLoader,
     ShardPlan,
@@ -86,6 +88,7 @@ from lightning_swarm.layers.shard_plan import (
     shard_optimizer_state,
     streamed_optimizer_state,
 )
+from lightning_swarm.layers.sparse_linear import SparseLSHLinear
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +115,13 @@ class DSlideStrategy(DDPStrategy):
             steps whose logs the logger writes (every ``log_every_n_steps``).
         child_exit_timeout: seconds rank 0 waits at exit for the processes Lightning's launcher started (then it
             kills them).
+        overlap_updates: update the sharded output layers' parameters while the backward's hidden-gradient
+            all-reduce is in flight (their part of the step's ``LazyAdam`` update, the same update), instead of
+            after the backward. Used only where nothing between backward and step can change their gradients: one
+            ``LazyAdam``, automatic optimization, 32-bit precision, no gradient clipping, no
+            ``on_after_backward``, ``on_before_optimizer_step``, ``optimizer_step`` or
+            ``configure_gradient_clipping`` of the module's own or ``on_after_backward`` /
+            ``on_before_optimizer_step`` of a callback; elsewhere the step is as before.
     """
 
     strategy_name = "dslide"
@@ -128,6 +138,7 @@ class DSlideStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         log_bytes: bool = True,
         child_exit_timeout: float = 120.0,
+        overlap_updates: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -146,6 +157,8 @@ class DSlideStrategy(DDPStrategy):
         self._last_step_bytes: dict[str, int] = {}
         self._loaders: weakref.WeakSet[LockStepLoader] = weakref.WeakSet()
         self._sigterm_received = False
+        self._overlap_updates = overlap_updates
+        self._early = _EarlyUpdates()
 
     @property
     @override
@@ -234,6 +247,7 @@ class DSlideStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._early.start(self)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         if self.world_size < 2 or not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
@@ -251,6 +265,7 @@ class DSlideStrategy(DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
+        self._early.stop(self)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         if epoch_loop is not None and "_broadcast_sigterm_tensor" in vars(epoch_loop):
@@ -315,9 +330,20 @@ class DSlideStrategy(DDPStrategy):
         return bool(getattr(connector, "should_update_logs", True))
 
     @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
+        self._early.arrived.clear()
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         assert self._plan is not None
+        self._early.check()
         self._plan.all_reduce_replicated_grads()
+
+    @property
+    def early_updates(self) -> int:
+        """Parameter updates done while the hidden-gradient all-reduce was in flight (see ``overlap_updates``)."""
+        return self._early.updates
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -376,6 +402,91 @@ class DSlideStrategy(DDPStrategy):
             cls,
             description="D-SLIDE: sparse layers sharded across CPU processes (gloo)",
         )
+
+
+class _EarlyUpdates:
+    """The sharded output layers' share of the step, done while the hidden-gradient all-reduce is in flight.
+
+    The parameters of the ``SparseLSHLinear`` shards get their gradients before the backward reaches the input
+    layer's all-reduce (their nodes come later in the forward). A hook counts each parameter's gradient arrivals
+    in this backward; the all-reduce's backward starts the sum, asks the ``LazyAdam`` to update the parameters
+    whose gradient has arrived (only inside its ``step(closure)``: not in a microbatch that only accumulates),
+    then waits. A gradient that arrives after its parameter was updated (the parameter used again below the input
+    layer) stops the run with an error rather than train on a partial gradient.
+    """
+
+    def __init__(self) -> None:
+        self.optimizer: LazyAdam | None = None
+        self.params: dict[int, tuple[str, Tensor]] = {}
+        self.arrived: set[int] = set()
+        self.late: str | None = None
+        self.updates = 0
+        self._hooks: list[Any] = []
+
+    def start(self, strategy: DSlideStrategy) -> None:
+        self.stop(strategy)
+        optimizer = _early_update_optimizer(strategy)
+        if optimizer is None or strategy._plan is None:
+            return
+        self.optimizer = optimizer
+        for layer_name, layer in strategy._plan.sharded.items():
+            if isinstance(layer, SparseLSHLinear):
+                for name, param in layer.named_parameters():
+                    self.params[id(param)] = (f"{layer_name}.{name}", param)
+                    self._hooks.append(param.register_post_accumulate_grad_hook(self._arrive))
+        if self.params:
+            strategy._shard_group.overlap = self.run
+
+    def stop(self, strategy: DSlideStrategy) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.params.clear()
+        self.arrived.clear()
+        self.optimizer, self.late = None, None
+        strategy._shard_group.overlap = None
+
+    def _arrive(self, param: Tensor) -> None:
+        if self.optimizer is not None and self.optimizer.stepped_early(param):
+            self.late = self.params[id(param)][0]
+        self.arrived.add(id(param))
+
+    def run(self) -> None:
+        if self.optimizer is not None:
+            self.updates += self.optimizer.step_early(self.params[i][1] for i in self.arrived if i in self.params)
+
+    def check(self) -> None:
+        if self.late is not None:
+            name, self.late = self.late, None
+            raise RuntimeError(
+                f"DSlideStrategy: {name} got more gradient after the strategy had updated it (while the hidden "
+                "gradient's all-reduce was in flight): the model uses it again below the input layer. Pass "
+                "`DSlideStrategy(overlap_updates=False)`."
+            )
+
+
+def _early_update_optimizer(strategy: DSlideStrategy) -> LazyAdam | None:
+    """The ``LazyAdam`` whose output-layer update may run during the backward, or ``None`` where something
+    between backward and step could change the gradients (see ``overlap_updates``)."""
+    module = strategy.lightning_module
+    trainer = module.trainer if module is not None else None
+    if not strategy._overlap_updates or trainer is None or strategy.world_size < 2:
+        return None
+    if len(strategy.optimizers) != 1 or not isinstance(strategy.optimizers[0], LazyAdam):
+        return None
+    if not module.automatic_optimization or trainer.gradient_clip_val:
+        return None
+    if type(strategy.precision_plugin) is not Precision:
+        return None
+    own = ("on_after_backward", "on_before_optimizer_step", "optimizer_step", "configure_gradient_clipping")
+    if any(is_overridden(name, module, pl.LightningModule) for name in own):
+        return None
+    for callback in trainer.callbacks:
+        if any(
+            is_overridden(n, callback, pl.Callback) for n in ("on_after_backward", "on_before_optimizer_step")
+        ):
+            return None
+    return strategy.optimizers[0]
 
 
 def _destroy_process_group() -> None:
