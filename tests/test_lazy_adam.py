@@ -100,36 +100,36 @@ def test_bad_arguments() -> None:
         LazyAdam(p, eps=-1e-8)
 
 
+def _run_steps(early: bool, w0: torch.Tensor, b0: torch.Tensor, grads: list) -> tuple:
+    w, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(b0.clone())
+    opt = LazyAdam([w, b], lr=0.1, betas=(0.8, 0.9))
+    assert opt.step_early([w]) == 0  # not inside step(closure)
+    for gw, gb in grads:
+
+        def closure(gw: torch.Tensor = gw, gb: torch.Tensor = gb) -> float:
+            w.grad, b.grad = gw.clone(), gb.clone()
+            if early:
+                assert opt.step_early([w]) == 1
+                assert opt.step_early([w]) == 0  # once per step
+                assert opt.stepped_early(w) and not opt.stepped_early(b)
+            return 0.0
+
+        opt.step(closure)
+        assert not opt.stepped_early(w)
+    return w.detach().clone(), b.detach().clone(), opt.state[w]["step"], opt.early_updates
+
+
 def test_step_early_inside_the_closure_gives_the_update_of_the_step_and_only_once() -> None:
     """What D-SLIDE's overlap does: during ``step(closure)``'s closure, some parameters are updated early; the
     step then updates only the others. Outside a closure (a microbatch that only accumulates) it does nothing."""
     torch.manual_seed(2)
     w0, b0 = torch.randn(8, 3, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
     grads = [
-        (_sparse([0, 5], torch.randn(2, 3, dtype=torch.float64), (8, 3)), torch.randn(5, dtype=torch.float64))
+        (_sparse(rows, torch.randn(2, 3, dtype=torch.float64), (8, 3)), torch.randn(5, dtype=torch.float64))
+        for rows in ([0, 5], [5, 6])
     ]
-    grads.append(
-        (_sparse([5, 6], torch.randn(2, 3, dtype=torch.float64), (8, 3)), torch.randn(5, dtype=torch.float64))
-    )
-    results = []
-    for early in (False, True):
-        w, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(b0.clone())
-        opt = LazyAdam([w, b], lr=0.1, betas=(0.8, 0.9))
-        assert opt.step_early([w]) == 0  # not inside step(closure)
-        for gw, gb in grads:
-
-            def closure(gw: torch.Tensor = gw, gb: torch.Tensor = gb) -> float:
-                w.grad, b.grad = gw.clone(), gb.clone()
-                if early:
-                    assert opt.step_early([w]) == 1
-                    assert opt.step_early([w]) == 0  # once per step
-                    assert opt.stepped_early(w) and not opt.stepped_early(b)
-                return 0.0
-
-            opt.step(closure)
-            assert not opt.stepped_early(w)
-        results.append((w.detach().clone(), b.detach().clone(), opt.state[w]["step"], opt.early_updates))
-    (w_late, b_late, steps_late, _), (w_early, b_early, steps_early, early_updates) = results
+    w_late, b_late, steps_late, _ = _run_steps(False, w0, b0, grads)
+    w_early, b_early, steps_early, early_updates = _run_steps(True, w0, b0, grads)
     assert torch.equal(w_early, w_late) and torch.equal(b_early, b_late)
     assert steps_early == steps_late == 2 and early_updates == 2
     assert not torch.equal(w_early, w0)
