@@ -453,7 +453,9 @@ class _EarlyUpdates:
 
     def run(self) -> None:
         if self.optimizer is not None:
-            self.updates += self.optimizer.step_early(self.params[i][1] for i in self.arrived if i in self.params)
+            self.updates += self.optimizer.step_early(
+                self.params[i][1] for i in self.arrived if i in self.params
+            )
 
     def check(self) -> None:
         if self.late is not None:
