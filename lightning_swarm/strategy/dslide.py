@@ -89,6 +89,7 @@ from lightning_swarm.layers.shard_plan import (
     streamed_optimizer_state,
 )
 from lightning_swarm.layers.sparse_linear import SparseLSHLinear
+from lightning_swarm.strategy._logging import logs_written_this_step
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +315,7 @@ class DSlideStrategy(DDPStrategy):
             self._log_bytes
             and self._last_step_bytes
             and self.lightning_module is not None
-            and self._logs_written_this_step()
+            and logs_written_this_step(self.lightning_module)
         ):
             self.lightning_module.log(
                 "dslide/bytes_per_step",
@@ -323,11 +324,6 @@ class DSlideStrategy(DDPStrategy):
                 batch_size=1,
             )
         return output
-
-    def _logs_written_this_step(self) -> bool:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        connector = getattr(trainer, "_logger_connector", None)
-        return bool(getattr(connector, "should_update_logs", True))
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:

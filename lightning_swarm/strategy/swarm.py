@@ -32,6 +32,7 @@ from lightning_swarm.strategy._checkpointing import (
     local_state_dict,
     optimizer_state_bytes,
 )
+from lightning_swarm.strategy._logging import logs_written_this_step
 from lightning_swarm.strategy._refusals import (
     _refuse_before_launch,
     _refuse_for_swarm_steps,
@@ -415,6 +416,8 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
                 self._check_target_batch_size(batch_size)
         output = super().training_step(*args, **kwargs)
         assert self.lightning_module is not None
+        if not logs_written_this_step(self.lightning_module):
+            return output  # ~30 counters: logged at every step they cost the trainer ~3 ms per step
         for name, value in self.peer.stats().items():
             # the stages' averaging rounds show on the progress bar: averaging that never happens is visible
             bar = name.endswith("/rounds")
