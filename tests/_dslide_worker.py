@@ -12,7 +12,8 @@ adds a run in which rank ``R`` receives SIGTERM in its second training step (of 
 ``--suite`` runs, from one import, the runs that tests/test_dslide.py compares (each in a child forked after the
 imports, results in ``--out``/<run>/result.json): ``plain`` (one process, 6 steps) side by side with ``dslide2``
 (``devices=2``: Lightning's own launcher starts rank 1 by running this command again, as a user's ``train.py``);
-then, from ``dslide2``'s checkpoint, ``dslide3`` (3 ranks started as 3 nodes) side by side with ``plain_resumed``.
+then, from ``dslide2``'s checkpoint, ``dslide3`` (3 ranks started as 3 nodes) side by side with ``plain_resumed``, both
+with a model whose output bias gets a second (zero) gradient (``ZeroRegularisedXCModel``).
 
 Every process trains with one torch thread (the ranks of a 2-core box share it; more threads only add OpenMP
 spinning when the box is busy).
@@ -130,6 +131,16 @@ class FailingXCModel(XCModel):
         return super().training_step(batch, batch_idx)
 
 
+class ZeroRegularisedXCModel(XCModel):
+    """Adds ``0 * output_layer.bias.sum()``, built before the forward: the bias then gets a second gradient,
+    which reaches it after the input layer's all-reduce (its node is older). The loss and the training are the
+    plain model's; D-SLIDE must leave the bias's update to the step (one gradient is not all of it)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        zero = 0.0 * self.output_layer.bias.sum()
+        return super().training_step(batch, batch_idx) + zero
+
+
 def repeated_rank(rank: int, port: int, out: Path, fail_rank: int, sigterm_rank: int = -1) -> None:
     """One rank of a two-node run: train 2 steps, gather a checkpoint, predict with the sharded top-k (with
     ``sigterm_rank``: train up to 8 steps, and write the step at which the rank stopped)."""
@@ -237,11 +248,12 @@ def train(
     steps: int = 6,
     resume: str | None = None,
     num_nodes: int = 1,
+    model_cls: type[XCModel] = XCModel,
 ) -> None:
     """One Trainer run of the small model; rank 0 writes what it saw to ``out``/result.json."""
     torch.set_num_threads(1)
     seed_everything(0)
-    model = XCModel(**MODEL)
+    model = model_cls(**MODEL)
     recorder = Recorder()
     trainer = Trainer(
         accelerator="cpu",
@@ -330,7 +342,7 @@ def suite(out: Path) -> None:
                 out / f"dslide3_rank{rank}.log",
                 {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(rank), "WORLD_SIZE": "3",
                  "LOCAL_RANK": "0"},
-                train, out=out / "dslide3", steps=10, resume=ckpt, num_nodes=3,
+                train, out=out / "dslide3", steps=10, resume=ckpt, num_nodes=3, model_cls=ZeroRegularisedXCModel,
             ),
             out / f"dslide3_rank{rank}.log",
         )
@@ -338,7 +350,16 @@ def suite(out: Path) -> None:
     }  # fmt: skip
     log = out / "plain_resumed.log"
     children["plain_resumed"] = (
-        _fork(log, {}, train, out=out / "plain_resumed", strategy="auto", steps=10, resume=ckpt),
+        _fork(
+            log,
+            {},
+            train,
+            out=out / "plain_resumed",
+            strategy="auto",
+            steps=10,
+            resume=ckpt,
+            model_cls=ZeroRegularisedXCModel,
+        ),
         log,
     )
     _wait(children)

@@ -403,12 +403,14 @@ class DSlideStrategy(DDPStrategy):
 class _EarlyUpdates:
     """The sharded output layers' share of the step, done while the hidden-gradient all-reduce is in flight.
 
-    The parameters of the ``SparseLSHLinear`` shards get their gradients before the backward reaches the input
-    layer's all-reduce (their nodes come later in the forward). A hook counts each parameter's gradient arrivals
-    in this backward; the all-reduce's backward starts the sum, asks the ``LazyAdam`` to update the parameters
-    whose gradient has arrived (only inside its ``step(closure)``: not in a microbatch that only accumulates),
-    then waits. A gradient that arrives after its parameter was updated (the parameter used again below the input
-    layer) stops the run with an error rather than train on a partial gradient.
+    The parameters of the ``SparseLSHLinear`` shards usually get their gradients before the backward reaches the
+    input layer's all-reduce (their nodes come later in the forward). A post-accumulate-grad hook marks each when
+    its gradient has arrived: autograd runs a parameter's accumulation once per backward, with every
+    contribution summed, so a parameter also used elsewhere (a regulariser built before the forward, say) is
+    marked only once all of it is there. The all-reduce's backward starts the sum, asks the ``LazyAdam`` to
+    update the marked parameters (only inside its ``step(closure)``: not in a microbatch that only accumulates),
+    then waits. A gradient that arrives after its parameter's update (a second backward in one closure) stops
+    the run with an error rather than train on a partial gradient.
     """
 
     def __init__(self) -> None:
@@ -458,7 +460,7 @@ class _EarlyUpdates:
             name, self.late = self.late, None
             raise RuntimeError(
                 f"DSlideStrategy: {name} got more gradient after the strategy had updated it (while the hidden "
-                "gradient's all-reduce was in flight): the model uses it again below the input layer. Pass "
+                "gradient's all-reduce was in flight): a second backward in one optimizer step? Pass "
                 "`DSlideStrategy(overlap_updates=False)`."
             )
 
