@@ -249,6 +249,7 @@ BENCHMARKS: dict[str, Claim] = {
             "throughput_initial",
             "throughput_rebalanced",
             "throughput_optimal",
+            "throughput_before_first_move",
             "first_move_s",
             "settled_s",
             "final_placement",
