@@ -38,7 +38,8 @@ the best speedups these two cores allow (``bound_*``: an ideal swarm whose two s
 each other and the wire, no framework time). Where a swarm's own time goes: ``cpu_s_per_sample`` (CPU seconds per
 sample in the timed window of every process of the run, by kind: peer/rank main processes, hivemind helper processes,
 p2p daemons), ``main_process_thread_cpu_s_per_sample`` (the trainer process's Python threads) and
-``call_ms_per_microbatch`` (wall time of the trainer's stage calls; ``trainer_rest_ms_per_microbatch`` the rest).
+``call_ms_per_microbatch`` (wall time of the trainer's stage calls, summed over concurrent ones;
+``trainer_rest_ms_per_microbatch`` the time no stage call was in flight).
 The machine is shared: the JSON records the load average; CPU seconds move less with the load than wall times.
 
 The last stdout line is one JSON object; ``swarm_vs_alternatives.json`` and ``swarm_vs_alternatives.png`` (bar
@@ -285,9 +286,14 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
             per.setdefault(f"stage{stage}_{kind}", []).append(1e3 * (b - a))
         n = result["timed_steps"]
         result["call_ms_per_microbatch"] = {k: round(sum(v) / n, 1) for k, v in sorted(per.items())}
-        result["trainer_rest_ms_per_microbatch"] = round(
-            1e3 * result["elapsed_s"] / n - sum(sum(v) for v in per.values()) / n, 1
-        )
+        # the time no stage call was in flight (chunks run concurrently: a sum of their call times can exceed
+        # the wall time, which made this negative before)
+        in_flight, reach = 0.0, float("-inf")
+        for a, b in sorted((a, b) for _, _, a, b in timed):
+            if b > reach:
+                in_flight += b - max(a, reach)
+                reach = b
+        result["trainer_rest_ms_per_microbatch"] = round(1e3 * (result["elapsed_s"] - in_flight) / n, 1)
     if variant.startswith("swarm"):
         stats = clock.stats
         result["swarm_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
