@@ -196,10 +196,12 @@ class _SumOverRanksPlusBias(torch.autograd.Function):
         group: ShardGroup = ctx.shard_group
         total = grad.contiguous().clone()
         work = group.all_reduce_async(total, "hidden_grad_all_reduce")
-        if group.overlap is not None:
-            group.overlap()  # while the sum travels
-        if work is not None:
-            work.wait()
+        try:
+            if group.overlap is not None:
+                group.overlap()  # while the sum travels
+        finally:
+            if work is not None:
+                work.wait()
         return total, (total.sum(dim=0) if ctx.has_bias else None), None
 
 

@@ -280,9 +280,8 @@ class DSlideStrategy(DDPStrategy):
             "DSlideStrategy: rank %d received SIGTERM; every rank stops at the same step.", self.global_rank
         )
         if not self._sigterm_received and self.launcher is not None:
-            self.launcher.kill(
-                signum
-            )  # the ranks Lightning's launcher started, as Lightning's own handler does
+            # the ranks Lightning's launcher started get it too, as Lightning's own handler does
+            self.launcher.kill(signum)
         self._sigterm_received = True
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         connector = getattr(trainer, "_signal_connector", None)
