@@ -90,8 +90,8 @@ def test_a_modulelist_pipeline_with_masks_in_chunks_trains_as_in_one_process(dht
 def test_the_chunks_of_one_call_spread_over_the_peers_of_a_stage(dhts, cleanup) -> None:
     """Two peers serve the one stage; with microbatches="auto" a call becomes 2 chunks, one per peer, sent at once:
     each peer computes half of the rows of every call, even where weighted round robin would have sent both to the
-    same peer to even out its share (the first call, before the client knows the stage's outputs, goes whole to
-    one peer: round robin alone then queued both chunks of the next call at the other)."""
+    same peer to even out its share (when the first call goes whole to one peer because the client has found only
+    one so far, round robin alone then queued both chunks of the next call at the other)."""
     torch.manual_seed(0)
     run_id = _run_id("spread")
     block = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
@@ -104,7 +104,9 @@ def test_the_chunks_of_one_call_spread_over_the_peers_of_a_stage(dhts, cleanup) 
     for _ in range(3):
         client.call_stage(0, x).sum().backward()
         served.append([s.samples_processed for s in servers])
-    assert sorted(served[0]) == [0, 32], served  # whole
+    # the first call is cut by the peers the client has found by then: one (whole) or both (on a busy box the
+    # second announcement may already be in)
+    assert sorted(served[0]) in ([0, 32], [16, 16]), served
     for before, after in zip(served, served[1:], strict=False):
         assert [b - a for a, b in zip(before, after, strict=True)] == [16, 16], served
     torch.testing.assert_close(x.grad, 3 * torch.autograd.grad(block(x).sum(), x)[0], atol=1e-5, rtol=0)
