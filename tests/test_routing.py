@@ -215,16 +215,14 @@ def test_a_task_goes_to_an_idle_peer_rather_than_queue_where_it_would_finish_lat
             router.choose(task_size=1, now=0.0)
         return router
 
-    alone = router_after_7_picks(
-        2.0
-    )  # nothing in flight: round robin's next two tasks both go to the fast peer
+    # nothing in flight: round robin's next two tasks both go to the fast peer
+    alone = router_after_7_picks(2.0)
     assert [alone.choose(task_size=1, now=0.0) for _ in range(2)] == [fast, fast]
     router = router_after_7_picks(2.0)
     assert router.choose(task_size=1, now=0.0) == fast
     router.call_started(fast, now=0.0)
-    assert (
-        router.choose(task_size=1, now=0.0) == slow
-    )  # 1 s on the idle peer against 0.5 + 0.5 s in the queue
+    # 1 s on the idle peer against 0.5 + 0.5 s in the queue
+    assert router.choose(task_size=1, now=0.0) == slow
     router.call_started(slow, now=0.0)
     assert router.choose(task_size=1, now=0.0) == fast  # everyone busy: the fair share again
 

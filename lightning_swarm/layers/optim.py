@@ -46,7 +46,6 @@ class LazyAdam(Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
         self._in_closure = False
         self._stepped_early: set[int] = set()
-        self.early_updates = 0  # parameters updated by step_early, in total
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -89,14 +88,12 @@ class LazyAdam(Optimizer):
                     self._update(p, group)
                     self._stepped_early.add(id(p))
                     done += 1
-        self.early_updates += done
         return done
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_in_closure", False)
         self.__dict__.setdefault("_stepped_early", set())
-        self.__dict__.setdefault("early_updates", 0)
 
     def stepped_early(self, param: Tensor) -> bool:
         """Whether ``param`` was updated by :meth:`step_early` in the step now running."""

@@ -7,10 +7,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_swarm.strategy._loop_state import gradients_fixed_after_backward
 from lightning_swarm.strategy._refusals import _scaler
 from lightning_swarm.swarm.stepping import hyper_parameters
 
@@ -113,25 +112,6 @@ class _TrainerDrivenSteps:
                 g.mul_(coef)
         self._clip = ("norm", coef)
 
-    def _early_steps_allowed(self) -> bool:
-        """Whether the stages may step as soon as their backwards of the step are done (see
-        :mod:`lightning_swarm.swarm.early_steps`): only where nothing between the backward and the optimizer's
-        step can change what the stages must apply. One optimizer under automatic optimization; no gradient
-        clipping (it needs the whole model's norm) and no loss scaling (a step may be skipped); and no
-        ``optimizer_step``, ``on_before_optimizer_step`` or ``configure_gradient_clipping`` of the module's own,
-        nor a callback's ``on_before_optimizer_step`` (any of them may change the step's gradients,
-        hyper-parameters or whether it happens)."""
-        module = self.lightning_module
-        trainer = module.trainer if module is not None else None
-        if trainer is None or not module.automatic_optimization or len(self.optimizers) != 1:
-            return False
-        if _scaler(self.precision_plugin) is not None or trainer.gradient_clip_val:
-            return False
-        hooks = ("optimizer_step", "on_before_optimizer_step", "configure_gradient_clipping")
-        if any(is_overridden(hook, module) for hook in hooks):
-            return False
-        return not any(is_overridden("on_before_optimizer_step", cb, Callback) for cb in trainer.callbacks)
-
     def _driven_optimizer_step(
         self, step: Callable[..., Any], optimizer: Any, closure: Any, model: Any, **kwargs: Any
     ) -> Any:
@@ -144,7 +124,7 @@ class _TrainerDrivenSteps:
         scale = float(scaler.get_scale()) if scaler is not None else None
         self._clip = None
         self.peer.begin_step()  # forget the stage calls so far
-        if self._early_steps_allowed():
+        if gradients_fixed_after_backward(self):  # the stages may step as soon as their backwards are done
             self._early_step = (self._current_step_id(), index, lambda: _groups_hyper(raw))
         try:
             output = step(optimizer, closure, model, **kwargs)

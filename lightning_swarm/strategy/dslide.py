@@ -70,7 +70,6 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
@@ -89,7 +88,7 @@ from lightning_swarm.layers.shard_plan import (
     streamed_optimizer_state,
 )
 from lightning_swarm.layers.sparse_linear import SparseLSHLinear
-from lightning_swarm.strategy._logging import logs_written_this_step
+from lightning_swarm.strategy._loop_state import gradients_fixed_after_backward, logs_written_this_step
 
 log = logging.getLogger(__name__)
 
@@ -245,12 +244,14 @@ class DSlideStrategy(DDPStrategy):
         self._loaders.add(loader)
         return loader
 
+    def _trainer(self) -> pl.Trainer | None:
+        return self.lightning_module.trainer if self.lightning_module is not None else None
+
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         self._early.start(self)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        epoch_loop = getattr(getattr(self._trainer(), "fit_loop", None), "epoch_loop", None)
         if self.world_size < 2 or not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
             return
         # Lightning's SIGTERM protocol is a broadcast from rank 0 at the start of every training step (matched, on
@@ -267,8 +268,7 @@ class DSlideStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self._early.stop(self)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        epoch_loop = getattr(getattr(self._trainer(), "fit_loop", None), "epoch_loop", None)
         if epoch_loop is not None and "_broadcast_sigterm_tensor" in vars(epoch_loop):
             del epoch_loop._broadcast_sigterm_tensor
         super().on_train_end()
@@ -283,16 +283,14 @@ class DSlideStrategy(DDPStrategy):
             # the ranks Lightning's launcher started get it too, as Lightning's own handler does
             self.launcher.kill(signum)
         self._sigterm_received = True
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        connector = getattr(trainer, "_signal_connector", None)
+        connector = getattr(self._trainer(), "_signal_connector", None)
         original = getattr(connector, "_original_handlers", {}).get(signal.SIGTERM)
         if callable(original):
             original(signum, frame)  # a handler the user installed before fit, as Lightning's chain calls it
 
     def _raise_if_sigterm_agreed(self) -> None:
         if any(loader.stop_agreed for loader in self._loaders):
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            connector = getattr(trainer, "_signal_connector", None)
+            connector = getattr(self._trainer(), "_signal_connector", None)
             if connector is not None:
                 connector.received_sigterm = True  # Lightning's later checks (end of batch, epoch) agree
             raise SIGTERMException()
@@ -450,9 +448,7 @@ class _EarlyUpdates:
 
     def run(self) -> None:
         if self.optimizer is not None:
-            self.updates += self.optimizer.step_early(
-                self.params[i][1] for i in self.arrived if i in self.params
-            )
+            self.updates += self.optimizer.step_early(self.params[i][1] for i in self.arrived)
 
     def check(self) -> None:
         if self.late is not None:
@@ -466,26 +462,18 @@ class _EarlyUpdates:
 
 def _early_update_optimizer(strategy: DSlideStrategy) -> LazyAdam | None:
     """The ``LazyAdam`` whose output-layer update may run during the backward, or ``None`` where something
-    between backward and step could change the gradients (see ``overlap_updates``)."""
-    module = strategy.lightning_module
-    trainer = module.trainer if module is not None else None
-    if not strategy._overlap_updates or trainer is None or strategy.world_size < 2:
+    between backward and step could change the gradients (see ``overlap_updates``). ``on_after_backward`` is
+    refused too: it runs after the backward, when the update has been done."""
+    if (
+        not strategy._overlap_updates
+        or strategy.world_size < 2
+        or type(strategy.precision_plugin) is not Precision
+    ):
         return None
-    if len(strategy.optimizers) != 1 or not isinstance(strategy.optimizers[0], LazyAdam):
+    if not gradients_fixed_after_backward(strategy, also=("on_after_backward",)):
         return None
-    if not module.automatic_optimization or trainer.gradient_clip_val:
-        return None
-    if type(strategy.precision_plugin) is not Precision:
-        return None
-    own = ("on_after_backward", "on_before_optimizer_step", "optimizer_step", "configure_gradient_clipping")
-    if any(is_overridden(name, module, pl.LightningModule) for name in own):
-        return None
-    for callback in trainer.callbacks:
-        if any(
-            is_overridden(n, callback, pl.Callback) for n in ("on_after_backward", "on_before_optimizer_step")
-        ):
-            return None
-    return strategy.optimizers[0]
+    optimizer = strategy.optimizers[0]
+    return optimizer if isinstance(optimizer, LazyAdam) else None
 
 
 def _destroy_process_group() -> None:

@@ -32,7 +32,7 @@ from lightning_swarm.strategy._checkpointing import (
     local_state_dict,
     optimizer_state_bytes,
 )
-from lightning_swarm.strategy._logging import logs_written_this_step
+from lightning_swarm.strategy._loop_state import logs_written_this_step
 from lightning_swarm.strategy._refusals import (
     _refuse_before_launch,
     _refuse_for_swarm_steps,

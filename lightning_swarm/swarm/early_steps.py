@@ -3,9 +3,9 @@
 With trainer-driven steps (see :mod:`.stepping`) a trainer commands the stages' steps after its whole backward,
 so the last stage, whose backwards end first, waits for the first stage's last backward before stepping. GPipe's
 ranks do not wait: each steps once its own backwards are done. Here, when the trainer's step cannot change
-between its backward and its optimizer step (see ``SwarmStrategy._early_steps_allowed``: one optimizer, automatic
-optimization, no gradient clipping, no loss scaling, no ``optimizer_step`` or ``on_before_optimizer_step``
-override), the trainer sends a stage its ``"apply"`` command as soon as every differentiable call of that stage
+between its backward and its optimizer step (see ``strategy._loop_state.gradients_fixed_after_backward``: one
+optimizer, automatic optimization, no gradient clipping, no loss scaling, no ``optimizer_step`` or
+``on_before_optimizer_step`` override), the trainer sends a stage its ``"apply"`` command as soon as every differentiable call of that stage
 made in the step has had its backward answered: the stage then holds all of the step's gradients. The command is
 the one the trainer would send after its backward (same ``step_id``, the optimizer's hyper-parameters as they
 are then), and it is idempotent per ``step_id``: the step after the backward waits for its reply instead of

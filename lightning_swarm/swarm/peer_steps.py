@@ -220,7 +220,7 @@ class _TrainerSteps:
                 skip=skip,
                 epoch=self._stage_epochs.get(k, 0),
             ),
-            done=set(done),
+            done=done,
         )
         replies.update(done)
         for k, stage_replies in replies.items():
