@@ -80,6 +80,8 @@ def worker(args: argparse.Namespace) -> None:
     from examples.amazon670k.model import XCModel
     from lightning_swarm.strategy.dslide import DSlideStrategy
 
+    if args.cores:  # this rank's share of the box, as a machine of its own would have
+        os.sched_setaffinity(0, [int(c) for c in args.cores.split(",")])
     torch.set_num_threads(args.threads)
     rss_after_imports = _peak_rss_mb()
 
@@ -228,8 +230,12 @@ def run_one(
     per_rank_batch = batch // ranks if strategy.startswith("ddp") else batch
     cmd += ["--batch", str(per_rank_batch), "--data-dir", str(data_dir), "--rank-dir", str(out)]
     port = str(_free_port())
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // ranks if strategy != "single" else 0
     with _harness.Launcher(out, what=f"{strategy} with {ranks} ranks: ") as launcher:
         for rank in range(ranks):
+            # ranks simulate separate machines: each gets its share of the cores, where there are enough
+            own = ["--cores", ",".join(str(c) for c in cores[rank * per : (rank + 1) * per])] if per else []
             env = {
                 **_harness.rank_env(rank, ranks, net.address(0), port),
                 "OMP_NUM_THREADS": str(threads),
@@ -237,7 +243,7 @@ def run_one(
             }
             if strategy == "single":
                 env = {"OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
-            launcher.start(f"rank{rank}", cmd, env, net=net, rank=rank, cwd=REPO)
+            launcher.start(f"rank{rank}", cmd + own, env, net=net, rank=rank, cwd=REPO)
         launcher.wait(900)
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
     tx = [r["tx_bytes_per_step"] for r in per_rank]
@@ -273,6 +279,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--rank-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--cores", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)

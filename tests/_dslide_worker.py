@@ -271,6 +271,10 @@ def train(
     )
     trainer.fit(model, data_module(), ckpt_path=resume)
     trainer.save_checkpoint(out / "model.ckpt")
+    group = getattr(trainer.strategy, "_shard_group", None)
+    if group is not None:  # where this rank ran and how it waited for collectives
+        placement = {"cores": sorted(os.sched_getaffinity(0)), "spin_s": group.spin_s}
+        (out / f"rank{trainer.global_rank}.placement.json").write_text(json.dumps(placement))
     scores, ids = predictions(model)
     if trainer.global_rank == 0:
         result = {

@@ -353,6 +353,8 @@ def test_register_strategies_and_defaults() -> None:
     assert isinstance(strategy, DSlideStrategy)
     assert strategy.is_distributed
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+    with pytest.raises(ValueError, match=r"spin_wait=-1.*seconds >= 0"):
+        DSlideStrategy(spin_wait=-1)
 
 
 def test_module_without_sparse_output_layer_is_refused() -> None:
@@ -401,6 +403,17 @@ def test_trainer_two_ranks_match_plain_run(two_rank_run: tuple[Path, dict, dict,
     sharded_ckpt = torch.load(root / "dslide2" / "model.ckpt", weights_only=False)
     for name, tensor in plain_state.items():
         torch.testing.assert_close(sharded_ckpt["state_dict"][name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+    # Two ranks on one machine: each runs on its own share of the cores when there is one core each, and then
+    # (one torch thread per rank) waits for collectives spinning; with fewer cores nothing is pinned or burnt.
+    cores = sorted(os.sched_getaffinity(0))
+    placed = [json.loads((root / "dslide2" / f"rank{r}.placement.json").read_text()) for r in range(2)]
+    if len(cores) >= 2:
+        per = len(cores) // 2
+        assert [p["cores"] for p in placed] == [cores[:per], cores[per : 2 * per]]
+        assert [p["spin_s"] for p in placed] == [0.2, 0.2]
+    else:
+        assert [p["cores"] for p in placed] == [cores, cores] and [p["spin_s"] for p in placed] == [0.0, 0.0]
 
     # The model logs the loss of the whole network on every rank (no extra collective needed).
     assert sharded["logged_loss"] == pytest.approx(plain["logged_loss"], rel=1e-5)

@@ -16,6 +16,8 @@ The engine does not import Lightning.
 
 from __future__ import annotations
 
+import os
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,6 +79,9 @@ class ShardGroup:
     overlap: Callable[[], None] | None = None
     """Work to run on this rank while the hidden-gradient all-reduce of the backward is in flight (the
     strategy's early optimizer update of the output layers); ``None``: none."""
+    spin_s: float = 0.0
+    """How long a wait for a collective keeps this rank's core busy before it blocks (see
+    ``DSlideStrategy(spin_wait=...)``); 0: it blocks at once."""
 
     @property
     def rank(self) -> int:
@@ -92,14 +97,14 @@ class ShardGroup:
         """In-place all-reduce of ``tensor`` (counted under ``kind``); returns ``tensor``."""
         if self.world_size > 1:
             self.stats.add(kind, tensor)
-            dist.all_reduce(tensor, op=op, group=self.group)
+            self.wait(dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
         return tensor
 
     def all_reduce_async(
         self, tensor: Tensor, kind: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
     ) -> Any:
         """Start an in-place all-reduce of ``tensor`` (counted under ``kind``) and return its work handle
-        (``None`` alone): the caller calls ``wait()`` on it before reading ``tensor``."""
+        (``None`` alone): the caller passes it to :meth:`wait` before reading ``tensor``."""
         if self.world_size == 1:
             return None
         self.stats.add(kind, tensor)
@@ -127,12 +132,23 @@ class ShardGroup:
             pad_shape[dim] = widest - tensor.shape[dim]
             tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
         parts = [torch.empty_like(tensor) for _ in sizes]
-        dist.all_gather(parts, tensor, group=self.group)
+        self.wait(dist.all_gather(parts, tensor, group=self.group, async_op=True))
         for part in parts:
             self.stats.add(kind, part)
         return torch.cat(
             [part.narrow(dim, 0, size) for part, size in zip(parts, sizes, strict=True)], dim=dim
         )
+
+    def wait(self, work: Any) -> None:
+        """Wait for a collective started with ``async_op=True`` (``None``: nothing to wait for), spinning on
+        its completion for up to :attr:`spin_s` first; its errors and timeout are the process group's."""
+        if work is None:
+            return
+        if self.spin_s > 0 and not work.is_completed():
+            deadline = time.perf_counter() + self.spin_s
+            while not work.is_completed() and time.perf_counter() < deadline:
+                os.sched_yield()  # releases the GIL; runs any other thread ready on this core
+        work.wait()
 
 
 def shard_range(total: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -200,8 +216,7 @@ class _SumOverRanksPlusBias(torch.autograd.Function):
             if group.overlap is not None:
                 group.overlap()  # while the sum travels
         finally:
-            if work is not None:
-                work.wait()
+            group.wait(work)
         return total, (total.sum(dim=0) if ctx.has_bias else None), None
 
 

@@ -239,8 +239,7 @@ class LockStepLoader:
         pending = self._fetch(iterator)
         while True:
             batch, flags, work = pending
-            if work is not None:
-                work.wait()
+            self.shard_group.wait(work)
             if int(flags[3]) < 0:
                 self.stop_agreed = True
             if int(flags[0]) == 0:

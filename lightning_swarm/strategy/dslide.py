@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import signal
 import subprocess
 import threading
@@ -122,6 +123,16 @@ class DSlideStrategy(DDPStrategy):
             ``on_after_backward``, ``on_before_optimizer_step``, ``optimizer_step`` or
             ``configure_gradient_clipping`` of the module's own or ``on_after_backward`` /
             ``on_before_optimizer_step`` of a callback; elsewhere the step is as before.
+        pin_cores: with several ranks on this machine (``devices=N``), give each rank its own share of the cores
+            it may run on (CPU affinity, set before the process group starts, so gloo's threads share it), as
+            separate machines would have: a rank's threads then stay on its cores, next to the data it works on.
+            Nothing is pinned with one rank per machine, or with fewer cores than ranks.
+        spin_wait: seconds a rank waiting for a collective keeps its core busy (yielding it to any other thread
+            ready to run) before it blocks. A blocked rank lets its core go idle, and waking an idle core when
+            the other ranks' data arrives can cost milliseconds (a virtual machine's halted vCPU, a deep C-state;
+            on this project's 2-core VM a 128 KB all-reduce after 5 ms of compute took 2.1 ms blocking and 0.9 ms
+            spinning); MPI libraries poll the same way. ``None`` (default): 0.2 where this rank has a core for
+            each of its torch threads, else 0 (cores shared with other ranks are not burnt).
     """
 
     strategy_name = "dslide"
@@ -139,6 +150,8 @@ class DSlideStrategy(DDPStrategy):
         log_bytes: bool = True,
         child_exit_timeout: float = 120.0,
         overlap_updates: bool = True,
+        pin_cores: bool = True,
+        spin_wait: float | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -159,6 +172,12 @@ class DSlideStrategy(DDPStrategy):
         self._sigterm_received = False
         self._overlap_updates = overlap_updates
         self._early = _EarlyUpdates()
+        if spin_wait is not None and spin_wait < 0:
+            raise ValueError(
+                f"DSlideStrategy(spin_wait={spin_wait}): give seconds >= 0, or None (automatic)."
+            )
+        self._pin_cores = pin_cores
+        self._spin_wait = spin_wait
 
     @property
     @override
@@ -198,6 +217,10 @@ class DSlideStrategy(DDPStrategy):
                 f"The DSlideStrategy supports the 'gloo' backend only, got {self._process_group_backend!r}. "
                 "Use `DSlideStrategy(process_group_backend='gloo')`."
             )
+        cores = _own_cores(self.local_rank, self.num_processes) if self._pin_cores else None
+        if cores:  # before the process group: the threads gloo starts inherit this rank's cores
+            _pin_process(cores)
+        self._shard_group.spin_s = _spin_seconds(self._spin_wait, self.num_processes if not cores else 1)
         super().setup_environment()
         _EXIT.watch(self)
 
@@ -474,6 +497,37 @@ def _early_update_optimizer(strategy: DSlideStrategy) -> LazyAdam | None:
         return None
     optimizer = strategy.optimizers[0]
     return optimizer if isinstance(optimizer, LazyAdam) else None
+
+
+def _own_cores(local_rank: int, local_ranks: int) -> list[int] | None:
+    """This rank's equal share of the cores the process may run on, when several ranks share this machine and
+    there is at least one core each; else ``None``."""
+    if local_ranks < 2 or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < local_ranks:
+        return None
+    per = len(cores) // local_ranks
+    return cores[local_rank * per : (local_rank + 1) * per]
+
+
+def _pin_process(cores: list[int]) -> None:
+    """Restrict every thread of this process (and those it starts later) to ``cores``."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    log.debug(f"DSlideStrategy: this rank runs on cores {cores}")
+
+
+def _spin_seconds(spin_wait: float | None, sharing: int) -> float:
+    """How long a collective's wait spins: ``spin_wait`` if given, else 0.2 s where the ``sharing`` ranks on
+    this rank's cores have a core for each torch thread, else 0."""
+    if spin_wait is not None:
+        return spin_wait
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 0.2 if sharing * torch.get_num_threads() <= cores else 0.0
 
 
 def _destroy_process_group() -> None:
