@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -355,6 +356,29 @@ def test_register_strategies_and_defaults() -> None:
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
     with pytest.raises(ValueError, match=r"spin_wait=-1.*seconds >= 0"):
         DSlideStrategy(spin_wait=-1)
+
+
+def test_a_rank_sharing_its_core_with_a_busy_process_stops_spinning_in_its_waits() -> None:
+    """``ShardGroup.cpu_contended`` reads the thread's time waiting for a CPU: with a busy process pinned to the
+    same core the thread waits about half of the time, so waits block instead of spinning (a spinning rank would
+    take the CPU from the ranks it waits for)."""
+    core = sorted(os.sched_getaffinity(0))[0]
+    before = os.sched_getaffinity(0)
+    busy = subprocess.Popen(
+        [sys.executable, "-c", f"import os; os.sched_setaffinity(0, [{core}])\nwhile True: pass"]
+    )
+    try:
+        os.sched_setaffinity(0, [core])  # this (the calling) thread only
+        group = ShardGroup(spin_s=0.2)
+        verdicts = []
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and not (verdicts and verdicts[-1]):
+            verdicts.append(group.cpu_contended())  # renewed every CONTENTION_WINDOW_S of busy work
+        assert verdicts[-1], "a thread sharing its core with a busy process was not seen as contended"
+    finally:
+        os.sched_setaffinity(0, before)
+        busy.kill()
+        busy.wait()
 
 
 def test_module_without_sparse_output_layer_is_refused() -> None:

@@ -81,7 +81,12 @@ class ShardGroup:
     strategy's early optimizer update of the output layers); ``None``: none."""
     spin_s: float = 0.0
     """How long a wait for a collective keeps this rank's core busy before it blocks (see
-    ``DSlideStrategy(spin_wait=...)``); 0: it blocks at once."""
+    ``DSlideStrategy(spin_wait=...)``); 0: it blocks at once. Never while the rank's thread has been kept
+    waiting for a CPU for more than :data:`CONTENDED_FRACTION` of the last :data:`CONTENTION_WINDOW_S`: a rank
+    that shares its cores with other busy processes (more ranks than cores, say) blocks, or its spinning would
+    take the CPU from the ranks (and the kernel's network work) it waits for."""
+    _probe: tuple[float, int] | None = field(default=None, init=False, repr=False, compare=False)
+    _contended: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def rank(self) -> int:
@@ -144,11 +149,43 @@ class ShardGroup:
         its completion for up to :attr:`spin_s` first; its errors and timeout are the process group's."""
         if work is None:
             return
-        if self.spin_s > 0 and not work.is_completed():
+        if self.spin_s > 0 and not work.is_completed() and not self.cpu_contended():
             deadline = time.perf_counter() + self.spin_s
             while not work.is_completed() and time.perf_counter() < deadline:
                 os.sched_yield()  # releases the GIL; runs any other thread ready on this core
         work.wait()
+
+    def cpu_contended(self) -> bool:
+        """Whether the calling thread waited for a CPU (runnable, not running: ``/proc/thread-self/schedstat``)
+        for more than :data:`CONTENDED_FRACTION` of the last full :data:`CONTENTION_WINDOW_S`; ``True`` where
+        the kernel does not say."""
+        now = time.perf_counter()
+        queued = _runqueue_wait_ns()
+        if queued is None:
+            return True
+        if self._probe is None:
+            self._probe = (now, queued)
+        elif now - self._probe[0] >= CONTENTION_WINDOW_S:
+            since, before = self._probe
+            self._contended = (queued - before) / 1e9 > CONTENDED_FRACTION * (now - since)
+            self._probe = (now, queued)
+        return self._contended
+
+
+CONTENTION_WINDOW_S = 0.5
+"""How often :meth:`ShardGroup.cpu_contended` renews its verdict (seconds)."""
+CONTENDED_FRACTION = 0.3
+"""The share of the time a rank's thread may wait for a CPU and still spin in its waits: 0.11 for 2 ranks pinned
+to a core each of this project's 2-core VM (gloo's thread preempting it), 0.56-0.6 for 4 ranks on its 2 cores."""
+
+
+def _runqueue_wait_ns() -> int | None:
+    """Nanoseconds the calling thread has spent runnable but not running, or ``None`` where unknown."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def shard_range(total: int, rank: int, world_size: int) -> tuple[int, int]:
