@@ -132,7 +132,8 @@ class DSlideStrategy(DDPStrategy):
             the other ranks' data arrives can cost milliseconds (a virtual machine's halted vCPU, a deep C-state;
             on this project's 2-core VM a 128 KB all-reduce after 5 ms of compute took 2.1 ms blocking and 0.9 ms
             spinning); MPI libraries poll the same way. ``None`` (default): 0.2 where this rank has a core for
-            each of its torch threads, else 0 (cores shared with other ranks are not burnt).
+            each of its torch threads, else 0. Whatever the value, a rank whose thread keeps waiting for a CPU
+            (cores shared with other busy processes, such as more ranks than cores) blocks instead.
     """
 
     strategy_name = "dslide"
