@@ -86,7 +86,7 @@ class ShardGroup:
     that shares its cores with other busy processes (more ranks than cores, say) blocks, or its spinning would
     take the CPU from the ranks (and the kernel's network work) it waits for."""
     _probe: tuple[float, int] | None = field(default=None, init=False, repr=False, compare=False)
-    _contended: bool = field(default=False, init=False, repr=False, compare=False)
+    _blocked_until: float = field(default=0.0, init=False, repr=False, compare=False)
 
     @property
     def rank(self) -> int:
@@ -156,27 +156,37 @@ class ShardGroup:
         work.wait()
 
     def cpu_contended(self) -> bool:
-        """Whether the calling thread waited for a CPU (runnable, not running: ``/proc/thread-self/schedstat``)
-        for more than :data:`CONTENDED_FRACTION` of the last full :data:`CONTENTION_WINDOW_S`; ``True`` where
-        the kernel does not say."""
+        """Whether this rank should block in its waits because its thread competes for a CPU: its time waiting
+        for one (runnable, not running: ``/proc/thread-self/schedstat``) was more than
+        :data:`CONTENDED_FRACTION` of a :data:`CONTENTION_WINDOW_S` window while it spun, within the last
+        :data:`CONTENTION_BACKOFF_S`; ``True`` where the kernel does not say. (Measured only while spinning: a
+        blocking rank competes less, so its own share would say it may spin again.)"""
         now = time.perf_counter()
+        if now < self._blocked_until:
+            return True
         queued = _runqueue_wait_ns()
         if queued is None:
             return True
-        if self._probe is None:
-            self._probe = (now, queued)
+        if self._probe is None or now - self._probe[0] > 2 * CONTENTION_WINDOW_S + self.spin_s:
+            self._probe = (now, queued)  # a fresh window (the last one ended long ago, or while blocked)
         elif now - self._probe[0] >= CONTENTION_WINDOW_S:
             since, before = self._probe
-            self._contended = (queued - before) / 1e9 > CONTENDED_FRACTION * (now - since)
+            self._probe = None
+            if (queued - before) / 1e9 > CONTENDED_FRACTION * (now - since):
+                self._blocked_until = now + CONTENTION_BACKOFF_S
+                return True
             self._probe = (now, queued)
-        return self._contended
+        return False
 
 
 CONTENTION_WINDOW_S = 0.5
-"""How often :meth:`ShardGroup.cpu_contended` renews its verdict (seconds)."""
+"""The window over which :meth:`ShardGroup.cpu_contended` measures a spinning rank's wait for a CPU (seconds)."""
+CONTENTION_BACKOFF_S = 30.0
+"""How long a rank found contended blocks in its waits before it tries spinning again (seconds)."""
 CONTENDED_FRACTION = 0.3
 """The share of the time a rank's thread may wait for a CPU and still spin in its waits: 0.11 for 2 ranks pinned
-to a core each of this project's 2-core VM (gloo's thread preempting it), 0.56-0.6 for 4 ranks on its 2 cores."""
+to a core each of this project's 2-core VM (gloo's thread preempting it), 0.4-0.6 for 4 ranks on its 2 cores
+spinning."""
 
 
 def _runqueue_wait_ns() -> int | None:
