@@ -149,9 +149,14 @@ def worker(args: argparse.Namespace) -> None:
         )
     data = XCDataModule(data_dir=args.data_dir, batch_size=args.batch)
     clock = _harness.lightning_clock(tx=_tx_bytes)
-    strategy: Any = {"single": "auto", "dslide": DSlideStrategy(spin_wait=float(os.environ["DSLIDE_SPIN_WAIT"]) if os.environ.get("DSLIDE_SPIN_WAIT") else None), "ddp": "ddp", "ddp_sparse": "ddp"}[
-        args.strategy
-    ]
+    strategy: Any = {
+        "single": "auto",
+        "dslide": DSlideStrategy(
+            spin_wait=float(os.environ["DSLIDE_SPIN_WAIT"]) if os.environ.get("DSLIDE_SPIN_WAIT") else None
+        ),
+        "ddp": "ddp",
+        "ddp_sparse": "ddp",
+    }[args.strategy]
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
