@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .mesh import SocketMesh, _Collective
+
 
 @dataclass
 class CommStats:
@@ -86,6 +88,9 @@ class ShardGroup:
     that shares its cores with other busy processes (more ranks than cores, say) blocks, or its spinning would
     take the CPU from the ranks (and the kernel's network work) it waits for."""
     _probe: tuple[float, int] | None = field(default=None, init=False, repr=False, compare=False)
+    mesh: SocketMesh | None = None
+    """Direct connections between the ranks that carry the collectives instead of gloo (``None``: gloo); see
+    :mod:`.mesh`."""
     _blocked_until: float = field(default=0.0, init=False, repr=False, compare=False)
 
     @property
@@ -101,8 +106,7 @@ class ShardGroup:
     ) -> Tensor:
         """In-place all-reduce of ``tensor`` (counted under ``kind``); returns ``tensor``."""
         if self.world_size > 1:
-            self.stats.add(kind, tensor)
-            self.wait(dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
+            self.wait(self.all_reduce_async(tensor, kind, op))
         return tensor
 
     def all_reduce_async(
@@ -113,6 +117,8 @@ class ShardGroup:
         if self.world_size == 1:
             return None
         self.stats.add(kind, tensor)
+        if self.mesh is not None:
+            return self.mesh.start_all_reduce(tensor, _REDUCERS[op])
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
 
     def all_gather_cat(
@@ -136,8 +142,13 @@ class ShardGroup:
             pad_shape = list(tensor.shape)
             pad_shape[dim] = widest - tensor.shape[dim]
             tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
-        parts = [torch.empty_like(tensor) for _ in sizes]
-        self.wait(dist.all_gather(parts, tensor, group=self.group, async_op=True))
+        if self.mesh is not None:
+            gathered = self.mesh.start_all_gather(tensor)
+            self.wait(gathered)
+            parts = gathered.parts
+        else:
+            parts = [torch.empty_like(tensor) for _ in sizes]
+            self.wait(dist.all_gather(parts, tensor, group=self.group, async_op=True))
         for part in parts:
             self.stats.add(kind, part)
         return torch.cat(
@@ -149,11 +160,18 @@ class ShardGroup:
         its completion for up to :attr:`spin_s` first; its errors and timeout are the process group's."""
         if work is None:
             return
+        if isinstance(work, _Collective):  # the mesh's own wait spins (see spin_now) or blocks in select
+            work.wait()
+            return
         if self.spin_s > 0 and not work.is_completed() and not self.cpu_contended():
             deadline = time.perf_counter() + self.spin_s
             while not work.is_completed() and time.perf_counter() < deadline:
                 os.sched_yield()  # releases the GIL; runs any other thread ready on this core
         work.wait()
+
+    def spin_now(self) -> float:
+        """How long the next wait may spin: :attr:`spin_s`, or 0 while this rank competes for a CPU."""
+        return 0.0 if self.spin_s <= 0 or self.cpu_contended() else self.spin_s
 
     def cpu_contended(self) -> bool:
         """Whether this rank should block in its waits because its thread competes for a CPU: its time waiting
@@ -187,6 +205,13 @@ CONTENDED_FRACTION = 0.3
 """The share of the time a rank's thread may wait for a CPU and still spin in its waits: 0.11 for 2 ranks pinned
 to a core each of this project's 2-core VM (gloo's thread preempting it), 0.4-0.6 for 4 ranks on its 2 cores
 spinning."""
+
+
+_REDUCERS = {
+    dist.ReduceOp.SUM: lambda acc, part: acc.add_(part),
+    dist.ReduceOp.MIN: lambda acc, part: torch.minimum(acc, part, out=acc),
+    dist.ReduceOp.MAX: lambda acc, part: torch.maximum(acc, part, out=acc),
+}
 
 
 def _runqueue_wait_ns() -> int | None:
