@@ -99,8 +99,9 @@ class DSlideStrategy(DDPStrategy):
     """D-SLIDE: shard the wide sparse layers across CPU processes, exchange only per-batch tensors.
 
     Processes are started like DDP's (Lightning's launchers; ``devices``, ``num_nodes``, ``MASTER_ADDR`` /
-    ``MASTER_PORT`` or ``torchrun``), and talk over ``torch.distributed`` with gloo. Bytes moved per training
-    step are counted and logged as ``dslide/bytes_per_step``.
+    ``MASTER_PORT`` or ``torchrun``) and set up over ``torch.distributed`` (gloo); a step's collectives travel
+    over direct sockets between the ranks (``collectives``). Bytes moved per training step are counted and logged
+    as ``dslide/bytes_per_step``.
 
     Args:
         accelerator: the accelerator; D-SLIDE is meant for CPUs.
