@@ -314,6 +314,13 @@ BENCHMARKS: dict[str, Claim] = {
         ),
         root=True,
     ),
+    "collective_latency": Claim(
+        "one D-SLIDE collective (all-reduce of 128 KB between 2 ranks pinned to a core each, after 5 ms of "
+        "compute): gloo blocking, gloo spinning, the socket mesh",
+        NONE,
+        ("mesh_speedup_vs_gloo_block", "ms", "ms_rounds"),
+        beside="dslide_vs_ddp",
+    ),
     "dslide_scale": Claim(
         "D-SLIDE at the paper's scale: 135,909 -> `hidden` -> 670,091, 4 ranks x 1 thread, batch 256, LazyAdam "
         "(`--quick`: hidden 256)",

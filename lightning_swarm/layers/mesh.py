@@ -105,12 +105,13 @@ class SocketMesh:
         self._expected = itertools.count()
         self.conns: dict[int, socket.socket] = {}
         prefix = f"lightning_swarm/dslide_mesh/{next(_GENERATIONS)}"
-        listener = socket.create_server((address, 0), backlog=max(world_size, 1))
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        listener = socket.create_server((address, 0), family=family, backlog=max(world_size, 1))
         listener.settimeout(timeout_s)
         try:
-            store.set(f"{prefix}/{rank}", f"{address} {listener.getsockname()[1]}")
+            store.set(f"{prefix}/{rank}", f"{address} {listener.getsockname()[1]}")  # split on the last space
             for peer in range(rank):  # connect to the ranks below, accept the ranks above
-                host, port = store.get(f"{prefix}/{peer}").decode().split()
+                host, port = store.get(f"{prefix}/{peer}").decode().rsplit(" ", 1)
                 conn = socket.create_connection((host, int(port)), timeout=timeout_s)
                 conn.sendall(_HELLO.pack(rank))
                 self.conns[peer] = conn
@@ -276,7 +277,8 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 def reachable_address(master_addr: str, master_port: int) -> str:
     """The local address this host uses to reach ``master_addr`` (where the other ranks can reach it too; no
-    packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((master_addr, master_port))
+    packet is sent). IPv4 or IPv6, as ``master_addr`` resolves."""
+    family, _, _, _, target = socket.getaddrinfo(master_addr, master_port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(target)
         return probe.getsockname()[0]
