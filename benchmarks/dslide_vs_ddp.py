@@ -28,6 +28,9 @@ on its veth. ``peak_rss_mb_per_rank``: the largest peak RSS (``VmHWM``) over the
 ``model_rss_ratio_4_ranks`` the 4-rank / single ratio of what the run adds above that floor. ``step_ms``: the
 single process and the 2-rank D-SLIDE runs are repeated ``--rounds`` times, interleaved, and the run of median step
 time is kept (``step_ms_rounds`` lists them all); ``cpu_ms_per_step_per_rank`` is the process CPU time per step.
+Each rank of a multi-rank variant (a simulated machine) runs on its own share of the box's cores where there are
+at least as many cores as ranks; ``DSLIDE_SPIN_WAIT=<seconds>`` in the environment sets D-SLIDE's ``spin_wait``
+(default: automatic), for side-by-side runs of its waits.
 
 Headline: ``comm_reduction`` (1 - D-SLIDE / DDP-dense bytes sent on the veths, 1 Gbit/s, at 4 ranks; 2 with
 ``--quick``) and ``parallel_efficiency``: ``single`` step time / 2-rank D-SLIDE step time on the shaped link, taken

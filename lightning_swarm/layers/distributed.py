@@ -87,10 +87,10 @@ class ShardGroup:
     waiting for a CPU for more than :data:`CONTENDED_FRACTION` of the last :data:`CONTENTION_WINDOW_S`: a rank
     that shares its cores with other busy processes (more ranks than cores, say) blocks, or its spinning would
     take the CPU from the ranks (and the kernel's network work) it waits for."""
-    _probe: tuple[float, int] | None = field(default=None, init=False, repr=False, compare=False)
     mesh: SocketMesh | None = None
     """Direct connections between the ranks that carry the collectives instead of gloo (``None``: gloo); see
     :mod:`.mesh`."""
+    _probe: tuple[float, int] | None = field(default=None, init=False, repr=False, compare=False)
     _blocked_until: float = field(default=0.0, init=False, repr=False, compare=False)
 
     @property
@@ -163,9 +163,9 @@ class ShardGroup:
         if isinstance(work, _Collective):  # the mesh's own wait spins (see spin_now) or blocks in select
             work.wait()
             return
-        if self.spin_s > 0 and not work.is_completed() and not self.cpu_contended():
-            deadline = time.perf_counter() + self.spin_s
-            while not work.is_completed() and time.perf_counter() < deadline:
+        if not work.is_completed():
+            deadline = time.perf_counter() + self.spin_now()
+            while time.perf_counter() < deadline and not work.is_completed():
                 os.sched_yield()  # releases the GIL; runs any other thread ready on this core
         work.wait()
 
@@ -182,18 +182,18 @@ class ShardGroup:
         now = time.perf_counter()
         if now < self._blocked_until:
             return True
+        probe = self._probe
+        if probe is not None and now - probe[0] < CONTENTION_WINDOW_S:
+            return False  # inside a window: nothing to read yet (a wait's hot path)
         queued = _runqueue_wait_ns()
         if queued is None:
             return True
-        if self._probe is None or now - self._probe[0] > 2 * CONTENTION_WINDOW_S + self.spin_s:
-            self._probe = (now, queued)  # a fresh window (the last one ended long ago, or while blocked)
-        elif now - self._probe[0] >= CONTENTION_WINDOW_S:
-            since, before = self._probe
-            self._probe = None
-            if (queued - before) / 1e9 > CONTENDED_FRACTION * (now - since):
-                self._blocked_until = now + CONTENTION_BACKOFF_S
-                return True
-            self._probe = (now, queued)
+        fresh = probe is not None and now - probe[0] <= 2 * CONTENTION_WINDOW_S + self.spin_s
+        if fresh and (queued - probe[1]) / 1e9 > CONTENDED_FRACTION * (now - probe[0]):
+            self._probe, self._blocked_until = None, now + CONTENTION_BACKOFF_S
+            return True
+        # a new window: after a full one that was not contended, the first, or one that ended long ago
+        self._probe = (now, queued)
         return False
 
 

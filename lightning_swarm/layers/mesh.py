@@ -11,7 +11,7 @@ Every rank keeps one connection to every other rank. A collective sends this ran
 and receives theirs; an all-reduce reduces the gathered parts in rank order, so every rank gets the same bits. A
 rank sends ``(world_size - 1)`` times its part (gloo's ring all-reduce: about twice the part): the right trade for
 the few ranks and small tensors of D-SLIDE's step. Several collectives may be in flight (started with
-:meth:`SocketMesh.start`); every rank starts them in the same order, and each message carries a header with its
+:meth:`SocketMesh.start_all_reduce` or :meth:`SocketMesh.start_all_gather`); every rank starts them in the same order, and each message carries a header with its
 collective's sequence number and size, so that a rank that got out of step fails with an error instead of mixing
 tensors.
 
@@ -66,6 +66,8 @@ class _Collective:
         for peer in mesh.peers:
             mesh._sends[peer].append([memoryview(message), 0])
             mesh._recvs[peer].append(self)
+        if self.pending == 0:  # a mesh of one rank: nothing to receive
+            mesh._complete(self)
         mesh._progress()
 
     def is_completed(self) -> bool:
@@ -86,8 +88,8 @@ class SocketMesh:
         store: a ``torch.distributed`` store every rank shares (``dist.distributed_c10d._get_default_store()``).
         address: the address other ranks reach this rank at.
         timeout_s: how long a collective (and setting up the mesh) may wait for another rank.
-        spin_s: how long a wait spins on the sockets before it blocks in ``select``; ``None``: a function that
-            returns it (asked at each wait).
+        spin_s: how long a wait spins on the sockets before it blocks in ``select``, or a function that returns
+            it (asked at each wait).
     """
 
     def __init__(
@@ -102,7 +104,6 @@ class SocketMesh:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self._spin = spin_s if callable(spin_s) else (lambda: spin_s)
         self._sequence = itertools.count()
-        self._expected = itertools.count()
         self.conns: dict[int, socket.socket] = {}
         prefix = f"lightning_swarm/dslide_mesh/{next(_GENERATIONS)}"
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -133,9 +134,8 @@ class SocketMesh:
         self.peers = sorted(self.conns)
         self._sends: dict[int, deque[list[Any]]] = {p: deque() for p in self.peers}
         self._recvs: dict[int, deque[_Collective]] = {p: deque() for p in self.peers}
-        self._rx: dict[int, list[Any]] = {
-            p: [bytearray(_HEADER.size), 0, 0] for p in self.peers
-        }  # header, got
+        # per peer: the header being read, its bytes read, the payload bytes read
+        self._rx: dict[int, list[Any]] = {p: [bytearray(_HEADER.size), 0, 0] for p in self.peers}
 
     # ----------------------------------------------------------------------------------------- collectives
     def start_all_gather(self, tensor: Tensor) -> _Collective:
@@ -223,8 +223,6 @@ class SocketMesh:
             collective.finish(collective.parts)
 
     def _wait_for(self, collective: _Collective) -> None:
-        if collective.pending == 0 and not collective.done:  # alone: nothing to receive
-            self._complete(collective)
         deadline = time.monotonic() + self.timeout_s
         spin_until = time.perf_counter() + self._spin()
         while not collective.done:

@@ -132,8 +132,8 @@ class DSlideStrategy(DDPStrategy):
         spin_wait: seconds a rank waiting for a collective keeps its core busy (yielding it to any other thread
             ready to run) before it blocks. A blocked rank lets its core go idle, and waking an idle core when
             the other ranks' data arrives can cost milliseconds (a virtual machine's halted vCPU, a deep C-state;
-            on this project's 2-core VM a 128 KB all-reduce after 5 ms of compute took 2.1 ms blocking and 0.9 ms
-            spinning); MPI libraries poll the same way. ``None`` (default): 0.2 where this rank has a core for
+            on this project's 2-core VM a 128 KB gloo all-reduce after 5 ms of compute took 1.8 ms blocking and
+            0.85 ms spinning, ``benchmarks/collective_latency.py``); MPI libraries poll the same way. ``None`` (default): 0.2 where this rank has a core for
             each of its torch threads, else 0. Whatever the value, a rank whose thread keeps waiting for a CPU
             (cores shared with other busy processes, such as more ranks than cores) blocks instead.
         collectives: ``"socket"`` (default): the step's collectives travel over direct TCP connections between
