@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -245,3 +247,35 @@ def test_main_job_launcher_survives_a_killed_peer_and_summarizes(tmp_path):
     assert summary["eval_loss_swarm"] > 0 and summary["eval_loss_single"] > 0
     assert "held-out MLM loss" in proc.stdout and "single process" in proc.stdout
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_main_job_peers_end_with_a_killed_launcher(tmp_path):
+    """A peer that the launcher starts (in its own session, out of reach of the launcher's Ctrl-C) still ends when
+    the launcher is SIGKILLed: nothing is left running."""
+    script = (
+        "import os, sys, time\n"
+        "from examples.albert.run_swarm import Peer\n"
+        "peer = Peer('p', [sys.executable, '-c', 'import time; time.sleep(120)'], dict(os.environ), None)\n"
+        "print(peer.proc.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(launcher.stdout.readline())
+        os.kill(child, 0)  # running
+        launcher.kill()
+        launcher.wait(30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.1)
+        assert not _alive(child), "the peer outlived its launcher"
+    finally:
+        launcher.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -27,6 +27,8 @@ import time
 import warnings
 from pathlib import Path
 
+from lightning_swarm.swarm.lifetime import dies_with_this_process
+
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch.jit deprecation notes from dependencies
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,6 +101,7 @@ class Peer:
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
+            preexec_fn=dies_with_this_process(),  # gone with the launcher, even when it is SIGKILLed
         )
 
     def poll(self) -> int | None:
@@ -332,7 +335,9 @@ def run_baseline(args: argparse.Namespace, extra: list[str], steps: int) -> dict
     # the swarm has finished: the single process gets every core (the fair baseline for samples/s)
     env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
     started = time.monotonic()
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, preexec_fn=dies_with_this_process()
+    )
     result = read_json(history)
     if not result or not result.get("done"):
         raise RuntimeError("The single-process baseline did not write its results.")
@@ -410,12 +415,24 @@ def summarize(args: argparse.Namespace, swarm: dict, baseline: dict | None) -> d
 
 def main(argv: list[str] | None = None) -> None:
     args, extra = parse_args(argv)
+    global _LAUNCHER_PID
+    _LAUNCHER_PID = os.getpid()
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the peers as Ctrl-C does
     try:
         run(args, extra)
     except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as e:
         raise SystemExit(f"run_swarm: {e}") from None
     except KeyboardInterrupt:
         raise SystemExit("run_swarm: interrupted; every peer was stopped.") from None
+
+
+_LAUNCHER_PID = 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    if os.getpid() != _LAUNCHER_PID:  # a child forked by the launcher (its bootstrap DHT): end quietly
+        os._exit(128 + signum)
+    raise KeyboardInterrupt
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> None:

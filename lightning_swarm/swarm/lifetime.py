@@ -57,6 +57,7 @@ __all__ = [
     "bounded",
     "describe_exit",
     "die_with_parent",
+    "dies_with_this_process",
     "exec_children",
     "interrupt_handled",
     "latch_interrupts",
@@ -272,6 +273,14 @@ def _keep_new_sessions() -> None:
 
 
 _libc: Any = None
+
+
+def dies_with_this_process() -> Callable[[], None]:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets SIGKILL when this process dies, however it dies
+    (SIGKILL included). For children that ask for their own session, which the fork hook leaves alone."""
+    global _libc
+    _libc = _libc or ctypes.CDLL(None, use_errno=True)
+    return functools.partial(_death_signal_in_child, os.getpid())
 
 
 def _death_signal_in_child(parent_pid: int) -> None:
