@@ -59,6 +59,9 @@ class _TrainerSteps:
                 # step locally every batch and average parameters in the background every `target_batch_size`
                 # samples: a trainer never blocks on the others' averaging rounds
                 use_local_updates=True,
+                # a state download that hangs is retried (hivemind retries forever, each try waiting this long;
+                # its default, 600 s, once held a trainer for the rest of a run)
+                load_state_timeout=max(60.0, 4 * self.settings.request_timeout),
                 matchmaking_time=self.settings.matchmaking_time,
                 averaging_timeout=self.settings.averaging_timeout,
                 verbose=False,
