@@ -18,10 +18,11 @@ from torch import nn
 
 from lightning_swarm.swarm._loop import run_coroutine
 from lightning_swarm.swarm.client import SwarmClient
+from lightning_swarm.swarm.client_commands import _tensors_agree
 from lightning_swarm.swarm.protocol import stage_uid
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
-from lightning_swarm.swarm.stepping import StepCommand, hyper_parameters, parse_command
+from lightning_swarm.swarm.stepping import StepCommand, hyper_parameters, parse_command, parse_step_reply
 from tests._helpers import local_dhts
 
 _ids = itertools.count()
@@ -233,6 +234,7 @@ def test_two_peers_of_a_stage_redo_a_sum_they_disagree_on_and_step_as_one(dhts, 
     started = time.monotonic()
     alone = servers[0].step_command(StepCommand(uid, 42, phase="norm", peers=2))
     assert alone["group"] == 1 and time.monotonic() - started < 3 * settings.matchmaking_time + 6
+    assert len(alone["sq_norms"]) > 1 and sum(alone["sq_norms"]) == pytest.approx(alone["sq_norm"])
     replies = client.step_stage(0, StepCommand(uid, 42, groups={0: {"lr": 0.1}}))
     assert len(replies) == 2 and {r["group"] for r in replies} == {2}
     _assert_stepped_as_one(servers, reference)
@@ -293,3 +295,21 @@ def test_a_stage_steps_early_only_once_every_call_of_the_step_had_its_backward()
     calls.opened(2)
     calls.closed(2)
     assert fired == [1, 0, 2]  # a new step
+
+
+def test_peers_sums_must_agree_tensor_by_tensor():
+    """The trainer's check of a stage's peers' sums: the whole squared norm can agree to 1e-5 while a small tensor
+    differs (a part of the sum that one peer missed in the round and replaced by its own values); the peers then
+    sum again. Rounding differences agree; a malformed report disagrees; peers that report none are not compared."""
+    big, small = 1e6, 1e-3
+    assert _tensors_agree([[big, small], [big * (1 + 1e-7), small * (1 + 1e-7)]])
+    assert not _tensors_agree([[big, small], [big, small * 2]])  # the whole norms agree to 1e-9
+    assert not _tensors_agree([[big, small], [big]])
+    assert not _tensors_agree([[big, small], ["x", small]])
+    assert not _tensors_agree([[big, float("nan")], [big, small]])
+    assert _tensors_agree([None, [big, small]]) and _tensors_agree([])
+    ok = {"epoch": 1, "sq_norm": 2.0, "sq_norms": [1.0, 1.0]}
+    assert parse_step_reply(msgpack.packb(ok))["sq_norms"] == [1.0, 1.0]
+    for bad in ({"sq_norms": "1"}, {"sq_norms": [1.0, True]}, {"sq_norms": [[1.0]]}):
+        with pytest.raises(ValueError, match="sq_norms"):
+            parse_step_reply(msgpack.packb({"epoch": 1, **bad}))

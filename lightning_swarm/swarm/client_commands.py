@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import secrets
 import time
 from typing import Any
@@ -93,6 +94,7 @@ class _StageCommands:
             # hivemind hands each peer the average as its own values plus a delta (x + (avg - x)): the peers' sums
             # agree to float rounding, not bit for bit; a half-failed round differs by far more
             agree = not norms or max(norms) - min(norms) <= SUM_AGREEMENT * max(abs(n) for n in norms)
+            agree = agree and _tensors_agree([r.get("sq_norms") for r in got if r.get("finite", True)])
             if groups == {len(answered)} and agree and len(answered) == len(peers):
                 return answered, got
             logger.info(
@@ -227,3 +229,23 @@ class _StageCommands:
         if fields["op"] == "get" and not isinstance(reply.get("state"), bytes):
             raise ProtocolError(f"Peer {peer_id} sent a malformed optimizer state of stage {stage}")
         return reply
+
+
+def _tensors_agree(per_peer: list[Any]) -> bool:
+    """Whether the peers' squared norms of each tensor of their sums agree (to ``SUM_AGREEMENT``): the whole
+    norm can agree while a small tensor differs (a part of it that a peer missed in the round). Peers that do not
+    report them (``None``) are not compared; a malformed report disagrees."""
+    reported = [p for p in per_peer if p is not None]
+    if len(reported) < 2:
+        return True
+    try:
+        rows = [[float(v) for v in p] for p in reported]
+    except (TypeError, ValueError):
+        return False
+    if any(len(row) != len(rows[0]) for row in rows):
+        return False
+    for values in zip(*rows, strict=True):
+        top = max(abs(v) for v in values)
+        if not all(math.isfinite(v) for v in values) or max(values) - min(values) > SUM_AGREEMENT * top:
+            return False
+    return True

@@ -216,6 +216,12 @@ def parse_step_reply(data: bytes) -> dict[str, Any]:
     norm = reply.get("sq_norm")
     if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float))):
         raise ValueError("malformed step reply: sq_norm must be a number")
+    norms = reply.get("sq_norms")
+    if norms is not None and (
+        not isinstance(norms, list)
+        or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in norms)
+    ):
+        raise ValueError("malformed step reply: sq_norms must be a list of numbers")
     return reply
 
 

@@ -256,7 +256,7 @@ class Stepper:
         """Unscale the step's gradients in place; returns their facts: finiteness and group size, and with
         ``norm`` their squared norm (a squared copy of every gradient: a pass over the stage's size more than the
         finiteness check's one sum per tensor, on the step's critical path)."""
-        sq_norm, finite = 0.0, True
+        sq_norm, finite, per_tensor = 0.0, True, []
         with torch.no_grad():
             for g in grads:
                 if g is None:
@@ -266,12 +266,16 @@ class Stepper:
                 if norm:
                     value = float(g.detach().float().pow(2).sum())
                     sq_norm += value
+                    per_tensor.append(value)
                 else:  # NaN or infinite when any element is (or when the sum overflows: refused as well)
                     value = float(g.detach().sum(dtype=torch.float32))
                 finite = finite and math.isfinite(value)
         facts: dict[str, Any] = {"finite": finite, "group": group}
         if norm:
             facts["sq_norm"] = sq_norm if finite else 0.0
+            # each tensor's too: a part of a small tensor that one peer missed in the round changes the whole
+            # norm by less than the peers' check allows (see SwarmClient._agree_on_sum)
+            facts["sq_norms"] = per_tensor if finite else []
         return facts
 
     def _take_pending(self, optimizer: int) -> tuple[list[torch.Tensor | None], list[int]]:
