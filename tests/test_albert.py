@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -260,6 +261,7 @@ def test_main_job_peers_end_with_a_killed_launcher(tmp_path):
         "time.sleep(120)\n"
     )
     launcher = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = None
     try:
         child = int(launcher.stdout.readline())
         os.kill(child, 0)  # running
@@ -271,6 +273,8 @@ def test_main_job_peers_end_with_a_killed_launcher(tmp_path):
         assert not _alive(child), "the peer outlived its launcher"
     finally:
         launcher.kill()
+        if child is not None and _alive(child):  # the test failed: no sleeper left behind
+            os.kill(child, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:

@@ -18,6 +18,7 @@ with both loss curves and ``summary.json`` to ``--out``. Peer logs are in ``--ou
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -415,9 +416,8 @@ def summarize(args: argparse.Namespace, swarm: dict, baseline: dict | None) -> d
 
 def main(argv: list[str] | None = None) -> None:
     args, extra = parse_args(argv)
-    global _LAUNCHER_PID
-    _LAUNCHER_PID = os.getpid()
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the peers as Ctrl-C does
+    # `kill` stops the peers as Ctrl-C does
+    signal.signal(signal.SIGTERM, functools.partial(_interrupt, os.getpid()))
     try:
         run(args, extra)
     except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as e:
@@ -426,11 +426,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("run_swarm: interrupted; every peer was stopped.") from None
 
 
-_LAUNCHER_PID = 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    if os.getpid() != _LAUNCHER_PID:  # a child forked by the launcher (its bootstrap DHT): end quietly
+def _interrupt(launcher_pid: int, signum: int, frame: object) -> None:
+    if os.getpid() != launcher_pid:  # a child forked by the launcher (its bootstrap DHT): end quietly
         os._exit(128 + signum)
     raise KeyboardInterrupt
 

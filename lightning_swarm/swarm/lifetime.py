@@ -242,7 +242,7 @@ def _wrap_subprocess_exec() -> None:
     @functools.wraps(original)
     async def create_subprocess_exec(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("preexec_fn") is None:
-            kwargs["preexec_fn"] = functools.partial(_death_signal_in_child, os.getpid())
+            kwargs["preexec_fn"] = dies_with_this_process()
         if args:
             kwargs["env"] = p2pd_env(args[0], kwargs.get("env"))
         return await original(*args, **kwargs)
