@@ -346,6 +346,7 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(dhts, cl
                     "forward_id",
                     "training",
                     "seed",
+                    "epoch",
                 ],
                 header,
                 strict=True,
@@ -374,6 +375,8 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(dhts, cl
             with_header(training=1),  # the mode is a bool
             with_header(seed=-1),  # the seed is a 63-bit non-negative integer
             with_header(seed=1 << 63),
+            with_header(epoch=-1),  # the stage's epoch as the trainer saw it: a non-negative integer or None
+            with_header(epoch="3"),
         ],
         "compute": [_request_message(run_id, Payload.call((torch.randn(2, 5),), {}))],  # wrong width
     }

@@ -265,6 +265,38 @@ def test_the_peers_a_trainer_names_sum_without_matchmaking(dhts, cleanup):
     assert reply["group"] == 1 and time.monotonic() - started < settings.averaging_timeout + 10
 
 
+def test_a_peer_that_missed_a_step_catches_up_before_it_serves(dhts, cleanup):
+    """A stage's second peer is not in a step (the trainer did not know it yet, or had banned it): the first peer
+    steps alone. A call the trainer then routes to the second carries the stage's epoch as the trainer saw it
+    after the step; the second peer is behind it, so it loads the stage's state from the first before serving,
+    and serves the stepped parameters, not the ones from before the step (a stale peer's outputs and gradients
+    would train a different model than one process does)."""
+    servers, client, reference, settings, run_id = _two_peer_stage(
+        dhts, cleanup, matchmaking_time=1.0, averaging_timeout=5.0
+    )
+    first, second = servers
+    router = client.routers[0]
+    with client._router_lock:
+        router.ban(second.peer_id)
+    x = torch.randn(8, 4)
+    reference(x).pow(2).sum().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    client.call_stage(0, x.clone().requires_grad_()).pow(2).sum().backward()
+    assert first._pending_backwards == 1 and second._pending_backwards == 0
+    replies = client.step_stage(0, StepCommand(stage_uid(run_id, 0), 42, groups={0: {"lr": 0.1}}))
+    assert [r["epoch"] for r in replies] == [1] and second.optimizer.local_epoch == 0
+    client.stage_epochs[0] = 1  # what a trainer peer records from its step's replies (SwarmPeer.step_stages)
+    with client._router_lock:
+        router.report_success(second.peer_id)
+        router.ban(first.peer_id)
+    y = torch.randn(8, 4)
+    served = client.call_stage(0, y.clone().requires_grad_())
+    assert second.optimizer.local_epoch == 1
+    torch.testing.assert_close(served, reference(y), atol=1e-6, rtol=0)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(second.state_dict_local()[key], value, atol=1e-6, rtol=0)
+
+
 def test_a_stage_steps_early_only_once_every_call_of_the_step_had_its_backward():
     """The bookkeeping behind early stage steps (swarm/early_steps.py): a stage fires once its open calls all
     returned while armed, once per step; a call without a backward (its output unused, or a chunk sent ahead)

@@ -126,6 +126,9 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         self._p2p: P2P | None = None
         # unique across trainers: a server remembers the ids of the backwards it applied
         self._request_ids = itertools.count(secrets.randbits(62))
+        # each stage's optimizer epoch as its peers replied to this trainer's last step command (trainer-driven steps;
+        # the peer fills it): every call carries it, and a peer behind it catches up before serving
+        self.stage_epochs: dict[int, int] = {}
         # per-forward seeds of the stages' random number generators, from a generator of its own (drawing them
         # must not move the trainer's torch generators) seeded from torch's: a run under seed_everything(s)
         # draws the same dropout masks each time; trainers of a local swarm differ by their rank
@@ -362,6 +365,8 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         answered.
         """
         request.request_id = next(self._request_ids)
+        if request.epoch is None:
+            request.epoch = self.stage_epochs.get(stage)
         if keep:
             request.forward_id = request.request_id
         encoded: list[Any] = [None]

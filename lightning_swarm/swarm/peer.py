@@ -371,6 +371,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         release_free_memory()  # the optimizers' set-up drew and freed zero gradients
         self.client = SwarmClient(self.dht, s, local_servers=local_servers, should_stop=self.should_stop)
         self.client.chunking = mixer is None  # see .chunking: batch statistics need whole batches
+        self.client.stage_epochs = self._stage_epochs  # the stages' epochs at this trainer's last step
         self.partition.install_proxy(self.client.call_stage)
         self.joined = True
         if self.server is not None and self.server.optimizer is not None and s.rebalance_period > 0:

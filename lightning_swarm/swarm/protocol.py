@@ -87,7 +87,7 @@ __all__ = [
     "warm_up_codec",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: requests carry the stage's epoch as the trainer last saw it
 SEED_BITS = 63  # a request's seed is in [0, 2**SEED_BITS)
 KINDS = ("forward", "backward")
 _CATEGORIES = (COMPUTE, REQUEST, UNAVAILABLE)
@@ -146,6 +146,9 @@ class StageRequest:
             with its running statistics).
         seed: seeds the stage's random number generators for this call (a backward repeats its forward's, so a
             recomputed forward draws the same dropout masks); ``None``: the server's own generators, unseeded.
+        epoch: training calls of a trainer that commands the stages' steps: the stage's optimizer epoch as its
+            peers replied to the trainer's last step. A peer behind it missed steps (it joined or came back
+            meanwhile) and loads the stage's state from its peers before serving; ``None``: no expectation.
     """
 
     kind: str
@@ -157,6 +160,7 @@ class StageRequest:
     forward_id: int | None = None
     training: bool = True
     seed: int | None = None
+    epoch: int | None = None
 
     def payloads(self) -> list[Payload]:
         return [self.inputs] if self.grad_outputs is None else [self.inputs, self.grad_outputs]
@@ -190,6 +194,7 @@ def encode_request_header(
             request.forward_id,
             bool(request.training),
             request.seed,
+            request.epoch,
         ],
         use_bin_type=True,
     )
@@ -210,12 +215,16 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
         raise Misrouted(
             f"Request uses protocol version {str(fields[0])[:20]}; this peer speaks {PROTOCOL_VERSION}"
         )
-    if not isinstance(fields, list) or len(fields) != 10:
+    if not isinstance(fields, list) or len(fields) != 11:
         raise BadRequest(
             "Malformed request header: expected [version, kind, id, uid, inputs, grads, commit_by, forward_id, "
-            "training, seed]"
+            "training, seed, epoch]"
         )
-    version, kind, request_id, uid, inputs_meta, grads_meta, commit_by, forward_id, training, seed = fields
+    version, kind, request_id, uid, inputs_meta, grads_meta, commit_by, forward_id, training, seed, epoch = (
+        fields
+    )
+    if epoch is not None and (type(epoch) is not int or not 0 <= epoch < 1 << 62):
+        raise BadRequest("Malformed request header: epoch must be an integer in [0, 2**62) or None")
     if type(training) is not bool:
         raise BadRequest("Malformed request header: training must be true or false")
     if seed is not None and (type(seed) is not int or not 0 <= seed < 1 << SEED_BITS):
@@ -258,7 +267,7 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
     if grads is not None:
         check_finite(grads.tensors, "output gradient", BadRequest)
     commit_by = None if commit_by is None else float(commit_by)
-    return StageRequest(kind, uid, inputs, grads, request_id, commit_by, forward_id, training, seed)
+    return StageRequest(kind, uid, inputs, grads, request_id, commit_by, forward_id, training, seed, epoch)
 
 
 def encode_reply_header(reply: StageReply, outputs: EncodedPayload | None) -> bytes:

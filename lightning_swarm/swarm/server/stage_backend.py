@@ -60,6 +60,7 @@ class StageBackend:
         except BadRequest as e:
             logger.debug(f"Stage {self.stage}: rejected a request: {e}")
             return _error(request.request_id, REQUEST, e)
+        self.catch_up_for_call(request.epoch)  # type: ignore[attr-defined]  # (see Stepper)
         with self._grads_lock:  # handle runs in several threads
             self.requests_served += 1
         batcher = self._batcher

@@ -222,6 +222,23 @@ class Stepper:
                 self._steps_applied.popitem(last=False)
             return reply
 
+    def catch_up_for_call(self, epoch: int | None) -> None:
+        """Before serving a call made at the stage's epoch ``epoch`` (as the trainer last saw it, see
+        :class:`..protocol.StageRequest`): a trainer-driven peer behind it missed steps (it joined, or was not in
+        the trainer's last step) and would serve stale parameters, so it loads the stage's state from its peers
+        first. Tried once per epoch: a stage whose peers are all behind the trainer (they restarted) serves what
+        it has, and the next step command sets the trainer's epoch right."""
+        opt = self.optimizer
+        if epoch is None or opt is None or not self.driven or epoch <= self._caught_up_to:
+            return
+        if opt.local_epoch >= epoch:
+            return
+        with self._step_lock:
+            if opt.local_epoch >= epoch or epoch <= self._caught_up_to:
+                return  # another call's catch-up or a step got here first
+            self._caught_up_to = epoch
+            self._catch_up(epoch)
+
     def _set_hyper(self, command: StepCommand) -> None:
         """Give each of the stage optimizer's groups the trainer's hyper-parameters of the group it mirrors."""
         opt = self.optimizer
