@@ -229,15 +229,16 @@ class Stepper:
         first. Tried once per epoch: a stage whose peers are all behind the trainer (they restarted) serves what
         it has, and the next step command sets the trainer's epoch right."""
         opt = self.optimizer
-        if epoch is None or opt is None or not self.driven or epoch <= self._caught_up_to:
+        if epoch is None or opt is None or not self.driven or opt.local_epoch >= epoch:
             return
-        if opt.local_epoch >= epoch:
-            return
+        # calls arriving during a catch-up wait for it: they must not serve stale values
         with self._step_lock:
             if opt.local_epoch >= epoch or epoch <= self._caught_up_to:
-                return  # another call's catch-up or a step got here first
-            self._caught_up_to = epoch
-            self._catch_up(epoch)
+                return  # another call's catch-up or a step got here first, or this epoch was tried
+            try:
+                self._catch_up(epoch)
+            finally:
+                self._caught_up_to = epoch
 
     def _set_hyper(self, command: StepCommand) -> None:
         """Give each of the stage optimizer's groups the trainer's hyper-parameters of the group it mirrors."""
