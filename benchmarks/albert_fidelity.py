@@ -3,7 +3,8 @@ model, data, seed, global batch and number of optimizer steps, trained (a) in on
 (b) in a local swarm whose stage boundaries are compressed, side by side; both evaluated with the same held-out
 masked-LM loss.
 
-The swarm: 2 server peers (one per stage, each in its own process) and 1 trainer peer, started by
+The swarm: 2 server peers (one per stage, each in its own process; ``--peers-per-stage 2``: two per stage, as in
+the main job, whose peers sum their gradients at every step) and 1 trainer peer, started by
 ``examples/albert/run_swarm.py``; the global batch is 4 microbatches of 32, the trainer accumulates them
 (``accumulate_grad_batches=4``) and ``target_batch_size`` is 128, so every optimizer step of the stages and of the
 trainer uses the samples of one single-process step (the single process accumulates the same 4 microbatches; the
@@ -19,6 +20,7 @@ module's validation windows (from the last 5% of the text, never trained on), co
 the final, whole model (boundary layers included, unquantized).
 
     python benchmarks/albert_fidelity.py [--quick] [--boundary {none,maxout,bottleneck}] [--compression 8bit]
+        [--peers-per-stage 2]
     python benchmarks/albert_fidelity.py --matrix [--link-mbit 100] [--quick]
 
 ``--matrix`` trains four swarms in turn (``none``: uncompressed; ``8bit``; ``maxout`` and ``bottleneck``: factor
@@ -261,6 +263,12 @@ def main() -> None:
         default=None,
         help="run the swarms on one shared loopback of this rate (root)",
     )
+    p.add_argument(
+        "--peers-per-stage",
+        type=int,
+        default=1,
+        help="server peers of each stage (2: the main job's layout, the stages' peers summing their gradients)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one swarm run may take")
     p.add_argument("--swarm-part", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -273,6 +281,8 @@ def main() -> None:
         name += f"_{args.boundary}"
     if args.link_mbit is not None:
         name += f"_{args.link_mbit:g}mbit"
+    if args.peers_per_stage != 1:
+        name += f"_{args.peers_per_stage}peers"
     report = _harness.Report(name, args.out)
     steps = args.steps or (30 if args.quick else 90)
     target_step = max(1, round(steps / STEPS_FACTOR))
@@ -294,7 +304,7 @@ def main() -> None:
             "--stages",
             "2",
             "--peers-per-stage",
-            "1",
+            str(args.peers_per_stage),
             "--trainers",
             "1",
             "--steps",
@@ -360,6 +370,7 @@ def main() -> None:
         "smooth_steps": window,
         "global_batch": b * args.accumulate,
         "microbatch": b,
+        "peers_per_stage": args.peers_per_stage,
         "boundary_factor": args.boundary_factor,
         "link_mbit": args.link_mbit,
         "link": "one shared loopback (all peers)" if link is not None else "loopback, unshaped",

@@ -54,6 +54,22 @@ BENCHMARKS: dict[str, Claim] = {
             "fp32_boundary_bytes",
         ),
     ),
+    "albert_fidelity_2peers": Claim(
+        "ALBERT fidelity with 2 server peers per stage (the main job's layout: each stage's peers sum their "
+        "gradients at every step), 8-bit boundaries, vs plain Lightning, same seed, data, global batch and "
+        "optimizer steps",
+        "`relative_gap` <= 0.03",
+        (
+            "relative_gap",
+            "meets_target",
+            "loss_swarm",
+            "loss_single",
+            "steps",
+            "stage_steps",
+            "peers_per_stage",
+        ),
+        beside="albert_fidelity",
+    ),
     "albert_fidelity_matrix_100mbit": Claim(
         "ALBERT fidelity beyond 8 bit: 1 trainer + 2 stage servers, uncompressed / 8-bit / maxout and bottleneck "
         "boundaries (factor 4) on top of 8-bit, vs one plain-model process, same seed, data, global batch and steps; "
