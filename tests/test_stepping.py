@@ -288,6 +288,13 @@ def test_a_peer_that_missed_a_step_catches_up_before_it_serves(dhts, cleanup):
     client.stage_epochs[0] = 1  # what a trainer peer records from its step's replies (SwarmPeer.step_stages)
     with client._router_lock:
         router.report_success(second.peer_id)
+    # a stage's state (a checkpoint, the final model) comes from the peer with the newest epoch, not the stale one
+    for _ in range(4):
+        fetched = client.fetch_stage_state(0)
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(fetched[key], value, atol=1e-6, rtol=0)
+    assert second.optimizer.local_epoch == 0
+    with client._router_lock:
         router.ban(first.peer_id)
     y = torch.randn(8, 4)
     served = client.call_stage(0, y.clone().requires_grad_())

@@ -263,7 +263,8 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         return peers
 
     def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
-        """The current ``state_dict`` of stage ``stage``, from any live peer of it (or the local server)."""
+        """The current ``state_dict`` of stage ``stage``, from a live peer of it (or the local server): with
+        trainer-driven steps the one with the newest epoch, if it answers."""
         self._check_stage(stage)
 
         def attempt(peer_id: PeerID) -> dict[str, torch.Tensor]:
@@ -282,7 +283,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 raise CodecError(f"Peer {peer_id} sent a malformed state of stage {stage}")
             return state
 
-        return self._with_retries(stage, 1.0, attempt, timed=False)
+        return self._with_retries(stage, 1.0, attempt, timed=False, prefer=self._most_current_peer(stage))
 
     def _live_peers(self, stage: int) -> list[PeerID]:
         self._maybe_refresh(stage)
@@ -292,22 +293,37 @@ class SwarmClient(_StageCommands, _StageDiscovery):
 
     def stage_info(self, stage: int) -> list[dict[str, Any]]:
         """``rpc_info`` of every live peer of ``stage`` (peers that fail to answer are skipped)."""
+        return [info for _, info in self._stage_infos(stage)]
+
+    def _stage_infos(self, stage: int) -> list[tuple[PeerID, dict[str, Any]]]:
+        """(peer, ``rpc_info``) of every live peer of ``stage`` that answered with a well-formed reply."""
         infos = []
-        for info in self.peers(stage):
-            if info.peer_id == self.peer_id and stage in self.local_servers:
-                infos.append(self.local_servers[stage].info())
+        for peer in self.peers(stage):
+            peer_id = peer.peer_id
+            if peer_id == self.peer_id and stage in self.local_servers:
+                infos.append((peer_id, self.local_servers[stage].info()))
                 continue
             try:
                 request = runtime_pb2.ExpertUID(uid=stage_uid(self.run_id, stage))
-                stub = self._transport(info.peer_id, stage).stub
+                stub = self._transport(peer_id, stage).stub
                 reply = self._run(stub.rpc_info(request, timeout=self.settings.request_timeout))
                 info = msgpack.unpackb(reply.serialized_info)
                 if not isinstance(info, dict) or info.get("stage") != stage:
                     raise ProtocolError(f"malformed rpc_info reply {str(info)[:100]}")
-                infos.append(info)
+                infos.append((peer_id, info))
             except Exception as e:
-                logger.debug(f"Peer {info.peer_id} of stage {stage} did not answer rpc_info: {e!r}")
+                logger.debug(f"Peer {peer_id} of stage {stage} did not answer rpc_info: {e!r}")
         return infos
+
+    def _most_current_peer(self, stage: int) -> PeerID | None:
+        """With trainer-driven steps: the live peer of ``stage`` with the newest optimizer epoch. A peer that missed
+        the trainer's last step holds the values from before it until a call makes it catch up (see
+        ``StageServer.catch_up_for_call``), so a state is fetched from the newest peer first."""
+        if stage not in self.stage_epochs:
+            return None
+        epochs = [(info.get("epoch"), peer_id) for peer_id, info in self._stage_infos(stage)]
+        epochs = [(epoch, peer_id) for epoch, peer_id in epochs if type(epoch) is int]
+        return max(epochs, key=lambda pair: pair[0])[1] if epochs else None
 
     def set_local_server(self, stage: int, server: Any | None) -> None:
         """Serve ``stage`` from ``server`` in this process, or no longer (``None``): for a peer that migrates."""
