@@ -4,6 +4,7 @@ applied once, malformed commands are refused without harm, and a server that ste
 
 from __future__ import annotations
 
+import io
 import itertools
 import time
 from collections.abc import Iterator
@@ -293,6 +294,8 @@ def test_a_peer_that_missed_a_step_catches_up_before_it_serves(dhts, cleanup):
         fetched = client.fetch_stage_state(0)
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(fetched[key], value, atol=1e-6, rtol=0)
+        optimizer = torch.load(io.BytesIO(client.fetch_optimizer_state(0)), weights_only=False)
+        assert optimizer["epoch"] == 1
     assert second.optimizer.local_epoch == 0
     with client._router_lock:
         router.ban(first.peer_id)

@@ -166,7 +166,8 @@ class _StageCommands:
         return replies
 
     def fetch_optimizer_state(self, stage: int) -> bytes:
-        """The optimizer state of stage ``stage`` (see ``StageServer.optimizer_state``), from any live peer."""
+        """The optimizer state of stage ``stage`` (see ``StageServer.optimizer_state``), from a live peer: with
+        trainer-driven steps the one with the newest epoch, if it answers."""
         self._check_stage(stage)
 
         def attempt(peer_id: PeerID) -> bytes:
@@ -186,7 +187,9 @@ class _StageCommands:
                 parts.append(reply["state"])
             return b"".join(parts)
 
-        return self._with_retries(stage, 1.0, attempt, timed=False)
+        # the newest peer first, as for the parameters (see SwarmClient.fetch_stage_state)
+        prefer = self._most_current_peer(stage)
+        return self._with_retries(stage, 1.0, attempt, timed=False, prefer=prefer)
 
     def load_optimizer_state(self, stage: int, data: bytes) -> int:
         """Restore the optimizer state of stage ``stage`` on every live peer of it; returns how many took it.
