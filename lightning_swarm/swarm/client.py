@@ -295,18 +295,23 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         """``rpc_info`` of every live peer of ``stage`` (peers that fail to answer are skipped)."""
         return [info for _, info in self._stage_infos(stage)]
 
-    def _stage_infos(self, stage: int) -> list[tuple[PeerID, dict[str, Any]]]:
-        """(peer, ``rpc_info``) of every live peer of ``stage`` that answered with a well-formed reply."""
+    def _stage_infos(
+        self, stage: int, peer_ids: list[PeerID] | None = None, timeout: float | None = None
+    ) -> list[tuple[PeerID, dict[str, Any]]]:
+        """(peer, ``rpc_info``) of every peer of ``stage`` in its records (or of ``peer_ids``) that answered with a
+        well-formed reply within ``timeout`` (default ``request_timeout``)."""
+        if peer_ids is None:
+            peer_ids = [peer.peer_id for peer in self.peers(stage)]
+        timeout = self.settings.request_timeout if timeout is None else timeout
         infos = []
-        for peer in self.peers(stage):
-            peer_id = peer.peer_id
+        for peer_id in peer_ids:
             if peer_id == self.peer_id and stage in self.local_servers:
                 infos.append((peer_id, self.local_servers[stage].info()))
                 continue
             try:
                 request = runtime_pb2.ExpertUID(uid=stage_uid(self.run_id, stage))
                 stub = self._transport(peer_id, stage).stub
-                reply = self._run(stub.rpc_info(request, timeout=self.settings.request_timeout))
+                reply = self._run(stub.rpc_info(request, timeout=timeout))
                 info = msgpack.unpackb(reply.serialized_info)
                 if not isinstance(info, dict) or info.get("stage") != stage:
                     raise ProtocolError(f"malformed rpc_info reply {str(info)[:100]}")
@@ -321,7 +326,9 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         ``StageServer.catch_up_for_call``), so a state is fetched from the newest peer first."""
         if stage not in self.stage_epochs:
             return None
-        epochs = [(info.get("epoch"), peer_id) for peer_id, info in self._stage_infos(stage)]
+        # the live peers only, each given a few seconds: a peer that does not answer is not asked for the state first
+        infos = self._stage_infos(stage, self._live_peers(stage), min(5.0, self.settings.request_timeout))
+        epochs = [(info.get("epoch"), peer_id) for peer_id, info in infos]
         epochs = [(epoch, peer_id) for epoch, peer_id in epochs if type(epoch) is int]
         return max(epochs, key=lambda pair: pair[0])[1] if epochs else None
 
