@@ -328,8 +328,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
             return None
         # the live peers only, each given a few seconds: a peer that does not answer is not asked for the state first
         infos = self._stage_infos(stage, self._live_peers(stage), min(5.0, self.settings.request_timeout))
-        epochs = [(info.get("epoch"), peer_id) for peer_id, info in infos]
-        epochs = [(epoch, peer_id) for epoch, peer_id in epochs if type(epoch) is int]
+        epochs = [(info["epoch"], peer_id) for peer_id, info in infos if type(info.get("epoch")) is int]
         return max(epochs, key=lambda pair: pair[0])[1] if epochs else None
 
     def set_local_server(self, stage: int, server: Any | None) -> None:

@@ -146,8 +146,8 @@ class StageRequest:
             with its running statistics).
         seed: seeds the stage's random number generators for this call (a backward repeats its forward's, so a
             recomputed forward draws the same dropout masks); ``None``: the server's own generators, unseeded.
-        epoch: training calls of a trainer that commands the stages' steps: the stage's optimizer epoch as its
-            peers replied to the trainer's last step. A peer behind it missed steps (it joined or came back
+        epoch: calls of a trainer that commands the stages' steps: the stage's optimizer epoch as its peers
+            replied to the trainer's last step. A peer behind it missed steps (it joined or came back
             meanwhile) and loads the stage's state from its peers before serving; ``None``: no expectation.
     """
 

@@ -212,9 +212,8 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         self._prepared: tuple[int, list[torch.Tensor | None], list[int], Any, int] | None = None
         self._steps_applied: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.steps = 0  # optimizer steps this server took (trainer-driven or swarm-driven)
-        self._caught_up_to = (
-            0  # the last trainer epoch a call made this peer catch up to (see catch_up_for_call)
-        )
+        # the last trainer epoch a call made this peer catch up to (see Stepper.catch_up_for_call)
+        self._caught_up_to = 0
         self.averaged_rounds = 0  # steps whose gradients were summed with other peers of the stage
         # the modes the module was built with (a train call runs in them; an eval call in eval), the mode it is in
         self._built_modes = [(m, m.training) for m in module.modules()]
