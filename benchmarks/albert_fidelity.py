@@ -340,6 +340,8 @@ def main() -> None:
         for cname, (compression, boundary) in configs.items():
             print(f"\n[albert_fidelity] swarm: {cname} ({compression}, boundary {boundary})", flush=True)
             swarm_only = [f"--trainer.strategy.init_args.compression={compression}"]
+            if link is not None:  # every call crosses the shaped link, none the same-host socket
+                swarm_only.append("--trainer.strategy.init_args.same_host=false")
             if boundary != "none":
                 swarm_only += [
                     f"--model.boundary={boundary}",

@@ -13,6 +13,9 @@ fp32 echo):
   each way; payloads over 2 MB travel in block-aligned parts, with encoding, transfer and decoding overlapped);
 - ``raw_stream_echo``: the same 1 MiB as a raw fp32 buffer through one long-lived echo stream, one message each
   way: the transport the swarm's channels use, and the baseline of the headline ``ratio_vs_stream_echo``;
+- ``hop_8bit_same_host`` (loopback only): the 8-bit hop through the server's same-host Unix socket
+  (``lightning_swarm/swarm/same_host.py``) instead of the two p2p daemons, which the other hops cross
+  (``same_host=False``); reported as ``hop_ms_same_host`` and ``ratio_same_host_vs_p2p``;
 - ``raw_echo``: the same through a unary echo handler (the plain way to call a hivemind peer; reported as
   ``overhead_ratio``, which mixes the codec's gain with the stream's).
 
@@ -136,8 +139,12 @@ def measure(host: str, server_info: dict, reps: int, order: str = "blocks", warm
     clients: dict[str, SwarmClient] = {}
     stream_echo: StreamEcho | None = None
     try:
-        settings = SwarmSettings(run_id=RUN_ID, num_stages=len(COMPRESSIONS))
+        # the hops go over P2P, as the echoes do; on loopback one more client takes the same-host socket
+        settings = SwarmSettings(run_id=RUN_ID, num_stages=len(COMPRESSIONS), same_host=False)
         clients = {c: SwarmClient(dht, settings.replace(compression=c)) for c in COMPRESSIONS}
+        same_host = host == "127.0.0.1"
+        if same_host:
+            clients["same_host"] = SwarmClient(dht, settings.replace(compression="8bit", same_host=True))
         echo_stub = Echo.get_stub(clients["none"]._transport(server_peer, 0).stub._p2p, server_peer)
 
         torch.manual_seed(0)
@@ -163,6 +170,8 @@ def measure(host: str, server_info: dict, reps: int, order: str = "blocks", warm
         variants = {"raw_echo": raw_echo, "raw_stream_echo": raw_stream_echo}
         for stage, compression in enumerate(COMPRESSIONS):
             variants[f"hop_{compression}"] = lambda s=stage, c=compression: hop(s, c)
+        if same_host:
+            variants["hop_8bit_same_host"] = lambda: hop(COMPRESSIONS.index("8bit"), "same_host")
         errors = {}
         for name, fn in variants.items():
             out = fn()  # also discovers the peers
@@ -186,7 +195,15 @@ def measure(host: str, server_info: dict, reps: int, order: str = "blocks", warm
         bytes_on_wire = {c: nbytes([encode_tensor(x, c)]) for c in COMPRESSIONS}
         for name in variants:
             print(f"{name:>15}: median {medians[name]:7.2f} ms, rel. error {errors[name]:.4f}", flush=True)
+        if same_host:  # the 8-bit hop to a peer of this machine through its socket, not the p2p daemons
+            same_host_figures = {
+                "hop_ms_same_host": round(medians["hop_8bit_same_host"], 3),
+                "ratio_same_host_vs_p2p": round(medians["hop_8bit_same_host"] / medians["hop_8bit"], 3),
+            }
+        else:
+            same_host_figures = {}
         return {
+            **same_host_figures,
             "hop_ms": round(medians["hop_8bit"], 3),
             "raw_echo_ms": round(medians["raw_echo"], 3),
             "overhead_ratio": round(medians["hop_8bit"] / medians["raw_echo"], 3),

@@ -27,6 +27,7 @@ from lightning_swarm.swarm.errors import RemoteStageError
 from lightning_swarm.swarm.payload import Payload
 from lightning_swarm.swarm.protocol import StageRequest, parse_reply, stage_uid
 from lightning_swarm.swarm.routing import NoPeersError
+from lightning_swarm.swarm.same_host import SameHostStub
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
 
@@ -95,8 +96,9 @@ class MixedStage(nn.Module):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("where", ["remote", "local"])
+@pytest.mark.parametrize("where", ["remote", "p2p", "local"])
 def test_forward_backward_match_local_autograd(dhts, cleanup, where: str) -> None:
+    """``remote``: another peer of this machine (its same-host socket); ``p2p``: the same over the p2p daemons."""
     torch.manual_seed(0)
     run_id = _run_id("exact")
     simple = nn.Sequential(nn.Linear(16, 32), nn.GELU())
@@ -104,10 +106,12 @@ def test_forward_backward_match_local_autograd(dhts, cleanup, where: str) -> Non
     reference = [nn.Sequential(nn.Linear(16, 32), nn.GELU()), MixedStage()]
     reference[0].load_state_dict(simple.state_dict())
     reference[1].load_state_dict(mixed.state_dict())
-    host = dhts["server1"] if where == "remote" else dhts["trainer"]
+    host = dhts["trainer"] if where == "local" else dhts["server1"]
     servers = [_serve(cleanup, host, run_id, simple, stage=0), _serve(cleanup, host, run_id, mixed, stage=1)]
     local = {0: servers[0], 1: servers[1]} if where == "local" else None
-    client = _client(cleanup, dhts["trainer"], run_id, num_stages=2, local_servers=local)
+    client = _client(
+        cleanup, dhts["trainer"], run_id, num_stages=2, local_servers=local, same_host=where != "p2p"
+    )
 
     x = torch.randn(4, 16, requires_grad=True)
     h = torch.randn(4, 8, requires_grad=True)
@@ -131,7 +135,9 @@ def test_forward_backward_match_local_autograd(dhts, cleanup, where: str) -> Non
     # parameter gradients were accumulated on the servers (and consumed by the hivemind optimizer)
     assert servers[1].samples_processed == 4 and servers[0].samples_processed == 4
     stats = client.stats()
-    if where == "remote":
+    if where != "local":
+        accepted = sum(server._same_host.accepted for server in servers)
+        assert accepted == (0 if where == "p2p" else 2)  # a channel to each stage's server
         assert stats["swarm/stage1/forward_bytes_sent"] > 0 and stats["swarm/stage1/backward_bytes_recv"] > 0
         assert stats["swarm/bytes_sent"] == sum(
             v for k, v in stats.items() if k.endswith("/bytes_sent") and "/stage" in k
@@ -317,7 +323,10 @@ def _request_message(run_id: str, inputs: Payload, kind: str = "forward", uid: s
 
 
 @pytest.mark.timeout(120)
-def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(dhts, cleanup) -> None:
+@pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "p2p"])
+def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(
+    dhts, cleanup, same_host: bool
+) -> None:
     import msgpack
 
     from lightning_swarm.swarm.transport import _Channel
@@ -325,9 +334,10 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(dhts, cl
     run_id = _run_id("channel")
     module = nn.Linear(3, 3)
     server = _serve(cleanup, dhts["server1"], run_id, module)
-    client = _client(cleanup, dhts["trainer"], run_id)
+    client = _client(cleanup, dhts["trainer"], run_id, same_host=same_host)
     client.peers(0)
     channel = _Channel(client._transport(server.peer_id, 0).stub)
+    assert server._same_host is not None and isinstance(channel.stub, SameHostStub) is same_host
     x0 = torch.randn(2, 3)
     good = _request_message(run_id, Payload.call((x0,), {}))
     header = msgpack.unpackb(good.metadata)

@@ -135,6 +135,10 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             the stage has online peers; 1: one call per batch). The result is the one of the same chunks sent one
             after another. A pipeline with batch normalisation (whose output for a row depends on the other rows)
             is not chunked: refused when set above 1.
+        same_host: stage calls between peers on one machine (same user, same network namespace) go over a Unix
+            socket instead of through hivemind's p2p daemons, which saves their CPU; calls to other machines, and
+            every call of a private swarm (``secret``/``allowed_peers``), go over P2P. Turn it off to send every
+            call through the network (a benchmark that shapes loopback, for example).
     """
 
     strategy_name = "swarm"
@@ -168,6 +172,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         keep_activations: int = _DEFAULTS.keep_activations,
         microbatches: int | str = _DEFAULTS.microbatches,
         stage_steps: StageSteps = "auto",
+        same_host: bool = _DEFAULTS.same_host,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -208,6 +213,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             keep_activations=keep_activations,
             microbatches=microbatches,
             stage_steps=stage_steps,
+            same_host=same_host,
         )
         self._target_batch_size = target_batch_size  # as given: checked against the trainer's step
         if restart_peers < 0:

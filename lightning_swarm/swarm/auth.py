@@ -34,7 +34,15 @@ from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto.p2pd_pb2 import RPCError
 
-__all__ = ["AUTH_PROTOCOL", "SECRET_ENV", "AccessPolicy", "PrivateSwarmError", "protect", "unprotect"]
+__all__ = [
+    "AUTH_PROTOCOL",
+    "SECRET_ENV",
+    "AccessPolicy",
+    "PrivateSwarmError",
+    "is_protected",
+    "protect",
+    "unprotect",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +105,11 @@ def unprotect(peer_id: PeerID) -> None:
     _POLICIES.pop(peer_id, None)
     for key in [k for k in list(_ADMITTED) if k[0] == peer_id]:
         _ADMITTED.discard(key)
+
+
+def is_protected(peer_id: PeerID) -> bool:
+    """Whether ``peer_id``'s daemon is gated in this process (a private swarm's peer)."""
+    return peer_id in _POLICIES
 
 
 def proof(secret: bytes, nonce: bytes, prover: PeerID, verifier: PeerID) -> bytes:

@@ -18,13 +18,14 @@ Every call carries the trainer's mode (``swarm_training``, which the proxies of 
 their ``.training``) and a random seed drawn per forward and repeated by its backward, so that a backward
 recomputed on any peer replays the forward's dropout masks (see :mod:`.protocol`).
 
-Requests go through a transport (:mod:`.transport`): the in-process server for a stage this peer hosts, P2P
-channels for the others.
+Requests go through a transport (:mod:`.transport`): the in-process server for a stage this peer hosts,
+channels over a Unix socket to a peer on this machine (:mod:`.same_host`), P2P channels for the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -63,6 +64,7 @@ from .protocol import (
 )
 from .records import PeerInfo, parse_stage_peers
 from .routing import NoPeersError, PeerStopping, StageRouter
+from .same_host import SameHostStub, socket_path
 from .settings import SwarmSettings
 from .stage_autograd import _DUMMY, _moved, _StageCall, _StageFunction
 from .transport import LocalTransport, P2PTransport, decode_payload_stream, encode_request
@@ -528,7 +530,8 @@ class SwarmClient(_StageCommands, _StageDiscovery):
             )
 
     def _transport(self, peer_id: PeerID, stage: int) -> Any:
-        """How to reach ``stage`` on ``peer_id``: the in-process server if it is this peer, else P2P channels."""
+        """How to reach ``stage`` on ``peer_id``: the in-process server if it is this peer, channels over its
+        same-host socket if it listens on one here, else P2P channels."""
         key = (peer_id, stage)
         transport = self._transports.get(key)
         if transport is None:
@@ -538,13 +541,18 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                     if peer_id == self.peer_id and stage in self.local_servers:
                         transport = LocalTransport(self.local_servers[stage])
                     else:
+                        uid = stage_uid(self.run_id, stage)
+                        path = socket_path(peer_id, uid) if self.settings.same_host else None
+                        stub: Any = StageService.get_stub
+                        if path is not None and os.path.exists(path):  # the peer is on this machine
+                            stub = functools.partial(SameHostStub.factory, path, self.peer_id)
                         if self._p2p is None:
                             self._p2p = run_coroutine(replicate_p2p(self.dht), timeout=60)
                         transport = P2PTransport(
                             self._p2p,
                             peer_id,
-                            stage_uid(self.run_id, stage),
-                            StageService.get_stub,
+                            uid,
+                            stub,
                             self.settings.request_timeout,
                             stop=self.should_stop,
                         )

@@ -40,6 +40,8 @@ class SwarmSettings:
         allowed_peers: private swarm: base58 ids of the only peers that may talk to this peer (empty: any).
         autocast: the dtype (``"bfloat16"``/``"float16"``) stage servers compute in under ``torch.autocast``, as
             the trainer does with Lightning's mixed precision; ``None``: no autocast.
+        same_host: stage calls between peers of one machine (and network namespace) go over a Unix socket
+            instead of through the p2p daemons (see :mod:`.same_host`); off for a private swarm's servers.
         identity_path: file holding this peer's private key (created if missing), for a peer id that stays the
             same across restarts (needed to be on other peers' ``allowed_peers``); ``None``: a new key per run.
     """
@@ -75,6 +77,7 @@ class SwarmSettings:
     microbatches: int | str = "auto"
     stage_steps: str = "auto"
     autocast: str | None = None
+    same_host: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
@@ -98,6 +101,8 @@ class SwarmSettings:
             raise ValueError(
                 f"{name}: autocast must be None, 'bfloat16' or 'float16', got {self.autocast!r}."
             )
+        if not isinstance(self.same_host, bool):
+            raise ValueError(f"{name}(same_host={self.same_host!r}) must be True or False.")
         if self.compression not in COMPRESSIONS:
             raise ValueError(
                 f"{name}(compression={self.compression!r}) is not supported; use one of {COMPRESSIONS}."

@@ -74,18 +74,21 @@ from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from .._loop import replicate_p2p, run_coroutine
+from ..auth import is_protected
 from ..averaging import _GradientAverager, _StateAverager
 from ..batching import RequestBatcher, mixes_rows
 from ..footprint import before_fork, release_free_memory, zero_grad_view
 from ..guards import BadPeers, StageSchemas
 from ..optim import OptimizerFactory, _make_initialized, _StageOptimizer
 from ..protocol import (
+    MAX_MESSAGE_BYTES,
     MAX_REQUEST_BYTES,
     StageService,
     stage_uid,
     warm_up_codec,
 )
 from ..records import declare_stage_peer
+from ..same_host import SameHostListener, socket_path
 from ..settings import SwarmSettings
 from ..states import JOINING, LEAVING, ONLINE, STATES
 from ..throughput import Throughput
@@ -161,6 +164,7 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         self.samples_processed = 0
         self.optimizer: hivemind.Optimizer | None = None
         self.p2p: P2P | None = None
+        self._same_host: SameHostListener | None = None  # see ..same_host
         self._dht_gone_reported = False
         self._lock = threading.Lock()  # the parameters lock: compute reads them, refreshes write them
         self._executor: ThreadPoolExecutor | None = None
@@ -338,6 +342,17 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
     async def _start_p2p(self) -> P2P:
         p2p = await replicate_p2p(self.dht)
         await self.add_p2p_handlers(p2p, namespace=self.uid)
+        if self.settings.same_host and not is_protected(self.peer_id):
+            path = socket_path(self.peer_id, self.uid)
+            if path is not None:
+                listener = SameHostListener(
+                    path, self.rpc_channel, max(MAX_MESSAGE_BYTES, self.max_request_bytes + (1 << 20))
+                )
+                try:
+                    await listener.start()
+                    self._same_host = listener
+                except OSError as e:  # callers on this machine use P2P, as callers elsewhere do
+                    logger.info(f"Stage {self.stage}: no same-host socket ({e!r}); calls go over P2P")
         return p2p
 
     def shutdown(self, abort: bool = False) -> None:
@@ -398,6 +413,9 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
             release_free_memory()
 
     async def _stop_p2p(self, p2p: P2P) -> None:
+        listener, self._same_host = self._same_host, None
+        if listener is not None:
+            await listener.stop()
         try:
             await self.remove_p2p_handlers(p2p, namespace=self.uid)
         finally:
