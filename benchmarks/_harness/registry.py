@@ -233,9 +233,19 @@ BENCHMARKS: dict[str, Claim] = {
         root=True,
     ),
     "swarm_hop": Claim(
-        "one stage hop (1 MiB fp32, 8-bit) vs an echo over the same long-lived stream, on loopback (no shaping)",
+        "one stage hop (1 MiB fp32, 8-bit) vs an echo over the same long-lived stream, on loopback (no shaping); "
+        "the same hop through the same-host socket instead of the p2p daemons",
         NONE,
-        ("ratio_vs_stream_echo", "hop_ms", "raw_stream_echo_ms", "hop_ms_fp16", "hop_ms_none", "raw_echo_ms"),
+        (
+            "ratio_vs_stream_echo",
+            "hop_ms",
+            "raw_stream_echo_ms",
+            "hop_ms_fp16",
+            "hop_ms_none",
+            "raw_echo_ms",
+            "hop_ms_same_host",
+            "ratio_same_host_vs_p2p",
+        ),
     ),
     "swarm_rebalance": Claim(
         "adaptive rebalancing: 4 peers of speeds 2,1,1 on stage 0 and 2 on stage 1 (sleep-simulated), rebalancing on",
