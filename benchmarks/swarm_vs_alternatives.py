@@ -235,7 +235,12 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
     elif variant == "swarm_local":  # the library's own local swarm: 2 peers, peer 0 trains and serves stage 0
         # same batch as the single-process baseline it is compared with: the whole global batch per trainer step,
         # sent whole ("auto": one peer per stage); on one box the stages share the cores, and chunks add calls
-        local = {**settings, "microbatches": cfg.get("local_microbatches", "auto")}
+        # ``--model '{"same_host": false}'``: stage 1's calls through the p2p daemons instead of the Unix socket
+        local = {
+            **settings,
+            "microbatches": cfg.get("local_microbatches", "auto"),
+            "same_host": cfg.get("same_host", True),
+        }
         strategy = lightning_swarm.SwarmStrategy(num_trainers=1, **local)
         devices = 2
         local_mb = cfg.get("local_microbatch") or global_batch  # rows per trainer step (target: global_batch)
