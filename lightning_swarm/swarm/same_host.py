@@ -23,6 +23,7 @@ A frame over the size limit, a malformed frame or a foreign uid closes the conne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -151,6 +152,26 @@ async def _replies(
         writer.close()
 
 
+def _sweep(directory: str) -> None:
+    """Remove the sockets that killed peers left in ``directory``: nobody listens on them (the connection is
+    refused at once; a live server's backlog accepts it, however busy the server is)."""
+    try:
+        names = [n for n in os.listdir(directory) if n.endswith(".sock")]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.setblocking(False)
+            try:
+                probe.connect(path)
+            except ConnectionRefusedError:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            except OSError:
+                pass  # in progress (a full backlog: alive), gone already, or not a socket: leave it
+
+
 class SameHostListener:
     """The server's side: accepts same-host callers and serves each connection with ``handler`` (the stage
     server's ``rpc_channel``). Start and stop it on the swarm event loop."""
@@ -163,6 +184,7 @@ class SameHostListener:
         self.accepted = 0  # connections that passed the hello (callers served here rather than over P2P)
 
     async def start(self) -> None:
+        _sweep(os.path.dirname(self.path))
         if os.path.exists(self.path):  # left by a process of this peer id that was killed
             os.unlink(self.path)
         self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=_STREAM_LIMIT)
