@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import socket
+import stat
 import struct
 import tempfile
 from collections.abc import AsyncIterator
@@ -65,7 +66,7 @@ def _namespace_dir() -> str | None:
         for d in (top, path):
             os.makedirs(d, mode=0o700, exist_ok=True)
             st = os.lstat(d)
-            if st.st_uid != uid or st.st_mode & 0o077 or not os.path.isdir(d) or os.path.islink(d):
+            if st.st_uid != uid or st.st_mode & 0o077 or not stat.S_ISDIR(st.st_mode):  # lstat: a link is not
                 logger.debug(f"Same-host path off: {d} is not a private directory of uid {uid}")
                 return None
     except OSError as e:

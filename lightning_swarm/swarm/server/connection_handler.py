@@ -123,11 +123,16 @@ class ConnectionHandler:
             if self._calls_by_peer.get(peer, 1) <= 0:
                 self._calls_by_peer.pop(peer, None)
 
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest request message this server accepts (over P2P or the same-host socket)."""
+        return max(MAX_MESSAGE_BYTES, self.max_request_bytes + (1 << 20))
+
     def _receiver(self) -> MessageReceiver:
         return MessageReceiver(
             max_bytes=self.max_request_bytes,
             max_tensors=MAX_REQUEST_TENSORS,
-            max_message_bytes=max(MAX_MESSAGE_BYTES, self.max_request_bytes + (1 << 20)),
+            max_message_bytes=self.max_message_bytes,
             max_messages=MAX_REQUEST_MESSAGES,
         )
 

@@ -81,7 +81,6 @@ from ..footprint import before_fork, release_free_memory, zero_grad_view
 from ..guards import BadPeers, StageSchemas
 from ..optim import OptimizerFactory, _make_initialized, _StageOptimizer
 from ..protocol import (
-    MAX_MESSAGE_BYTES,
     MAX_REQUEST_BYTES,
     StageService,
     stage_uid,
@@ -345,9 +344,7 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         if self.settings.same_host and not is_protected(self.peer_id):
             path = socket_path(self.peer_id, self.uid)
             if path is not None:
-                listener = SameHostListener(
-                    path, self.rpc_channel, max(MAX_MESSAGE_BYTES, self.max_request_bytes + (1 << 20))
-                )
+                listener = SameHostListener(path, self.rpc_channel, self.max_message_bytes)
                 try:
                     await listener.start()
                     self._same_host = listener
