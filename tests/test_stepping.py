@@ -156,9 +156,10 @@ def test_with_several_trainers_the_stages_take_the_trainers_schedule_for_their_n
     assert server.steps == 0  # a hyper-parameter update is no step
 
 
-def _two_peer_stage(dhts, cleanup, matchmaking_time: float, averaging_timeout: float):
+def _two_peer_stage(dhts, cleanup, matchmaking_time: float, averaging_timeout: float, same_host: bool = True):
     """Two server peers of one stage (on the module's server DHT and a third DHT), a client, the modules' common
-    initial weights in a reference module, and the run id."""
+    initial weights in a reference module, and the run id. ``same_host``: the peers sum named rounds through
+    shared memory (``swarm/same_host_sum.py``), else through hivemind's all-reduce."""
     trainer_dht, server_dht = dhts
     third = hivemind.DHT(
         start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=trainer_dht.get_visible_maddrs()
@@ -174,6 +175,7 @@ def _two_peer_stage(dhts, cleanup, matchmaking_time: float, averaging_timeout: f
         no_peers_timeout=20.0,
         matchmaking_time=matchmaking_time,
         averaging_timeout=averaging_timeout,
+        same_host=same_host,
     )
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
@@ -221,14 +223,16 @@ def _assert_stepped_as_one(servers, reference) -> None:
         assert server.steps == 1 and server.averaged_rounds >= 1
 
 
-def test_two_peers_of_a_stage_redo_a_sum_they_disagree_on_and_step_as_one(dhts, cleanup):
+@pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "hivemind"])
+def test_a_peer_that_summed_alone_sums_again_with_the_peers_a_trainer_names(dhts, cleanup, same_host):
     """Two peers of one stage; the first is commanded alone once, by a command that names no peers (as from a
     trainer that does not name them, when its partner missed the round): it looks for a group by matchmaking and
-    finds nobody within a few matchmaking periods, not ``averaging_timeout``. The trainer's step then sees the
-    two peers' sums disagree (group 1 each), has them sum again from their own gradients, and both step with the
-    sum of every backward: the parameters of one SGD step over the whole batch, identical on both peers."""
+    finds nobody within a few matchmaking periods, not ``averaging_timeout``. The trainer's step then names both:
+    the first peer's sum was made with another group, so it sums again from its own gradients (its partner would
+    otherwise wait for it in vain), and both step with the sum of every backward: the parameters of one SGD step
+    over the whole batch, identical on both peers."""
     servers, client, reference, settings, run_id = _two_peer_stage(
-        dhts, cleanup, matchmaking_time=1.0, averaging_timeout=60.0
+        dhts, cleanup, matchmaking_time=1.0, averaging_timeout=60.0, same_host=same_host
     )
     _backwards_on_both(client, servers, reference)
     uid = stage_uid(run_id, 0)
@@ -241,13 +245,36 @@ def test_two_peers_of_a_stage_redo_a_sum_they_disagree_on_and_step_as_one(dhts, 
     _assert_stepped_as_one(servers, reference)
 
 
-def test_the_peers_a_trainer_names_sum_without_matchmaking(dhts, cleanup):
+@pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "hivemind"])
+def test_two_peers_of_a_stage_redo_a_sum_they_disagree_on_and_step_as_one(dhts, cleanup, same_host):
+    """The first peer of a stage is commanded alone with the step's named group, and its partner does not come: it
+    keeps its own gradients (group 1) for that attempt. The trainer's step, naming both for the same attempt,
+    gets that reply again from it while the partner waits for it in vain: the sums disagree, the trainer has both
+    sum again (the next attempt), and both step as one."""
+    servers, client, reference, settings, run_id = _two_peer_stage(
+        dhts, cleanup, matchmaking_time=60.0, averaging_timeout=3.0, same_host=same_host
+    )
+    _backwards_on_both(client, servers, reference)
+    uid = stage_uid(run_id, 0)
+    group = [p.to_bytes() for p in client._live_peers(0)]
+    assert len(group) == 2
+    first = next(s for s in servers if s.peer_id.to_bytes() == group[0])
+    alone = first.step_command(StepCommand(uid, 42, phase="norm", peers=2, group=group))
+    assert alone["group"] == 1
+    replies = client.step_stage(0, StepCommand(uid, 42, groups={0: {"lr": 0.1}}))
+    assert len(replies) == 2 and {r["group"] for r in replies} == {2}
+    _assert_stepped_as_one(servers, reference)
+    assert sum(s.same_host_rounds for s in servers) == (2 if same_host else 0)
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "hivemind"])
+def test_the_peers_a_trainer_names_sum_without_matchmaking(dhts, cleanup, same_host):
     """The trainer names a stage's peers in its step command: they sum their gradients among exactly them, under
     an id they derive from the command, without hivemind's matchmaking (which would wait ``matchmaking_time``,
     here longer than the whole step is given). A named peer that never joins fails the round within
     ``averaging_timeout``, and the other steps with its own gradients after the trainer drops it."""
     servers, client, reference, settings, run_id = _two_peer_stage(
-        dhts, cleanup, matchmaking_time=60.0, averaging_timeout=5.0
+        dhts, cleanup, matchmaking_time=60.0, averaging_timeout=5.0, same_host=same_host
     )
     _backwards_on_both(client, servers, reference)
     uid = stage_uid(run_id, 0)
@@ -256,6 +283,7 @@ def test_the_peers_a_trainer_names_sum_without_matchmaking(dhts, cleanup):
     assert time.monotonic() - started < settings.matchmaking_time / 2
     assert len(replies) == 2 and {r["group"] for r in replies} == {2}
     _assert_stepped_as_one(servers, reference)
+    assert [s.same_host_rounds for s in servers] == ([1, 1] if same_host else [0, 0])
     # a named partner that never comes: the round fails within averaging_timeout, not matchmaking_time
     absent = PeerID.from_base58("QmUF1j7CVgoe7s3PsFxon3eEQFGBBgRWDkB4sq2UMgCEYA")
     client.call_stage(0, torch.randn(8, 4, requires_grad=True)).sum().backward()

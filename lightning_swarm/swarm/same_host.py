@@ -40,7 +40,7 @@ from hivemind.proto import runtime_pb2
 
 from .protocol import MAX_MESSAGE_BYTES, MAX_REPLY_BYTES, StageService
 
-__all__ = ["HELLO", "SameHostListener", "SameHostStub", "socket_path"]
+__all__ = ["HELLO", "SameHostListener", "SameHostStub", "private_directory", "socket_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +51,16 @@ _REPLY_FRAME_LIMIT = min(MAX_REPLY_BYTES + (1 << 20), 0xFFFFFFFF)  # a frame's l
 _STREAM_LIMIT = 1 << 20  # asyncio's read buffer (a frame is read with readexactly, whatever its size)
 
 
-def _namespace_dir() -> str | None:
-    """This user's socket directory for this network namespace (created ``0700``), or ``None`` if it is not
-    safe to use (owned by someone else, open to others) or there is none (no ``/proc``: then no same-host path)."""
+def private_directory(base: str | None = None) -> str | None:
+    """This user's directory for this network namespace under ``base`` (default: ``$XDG_RUNTIME_DIR``, else the
+    temp directory), created ``0700``; ``None`` if it is not safe to use (owned by someone else, open to others) or
+    there is none (no ``/proc``: then no same-host path)."""
     try:
         netns = os.stat("/proc/self/ns/net").st_ino
         uid = os.getuid()
     except (OSError, AttributeError):
         return None
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    base = base or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     top = os.path.join(base, f"lightning-swarm-{uid}")
     path = os.path.join(top, f"net-{netns}")
     try:
@@ -77,7 +78,7 @@ def _namespace_dir() -> str | None:
 
 def socket_path(peer_id: PeerID, namespace: str) -> str | None:
     """Where the server of stage ``namespace`` on ``peer_id`` listens if it is on this machine and namespace."""
-    directory = _namespace_dir()
+    directory = private_directory()
     if directory is None:
         return None
     name = hashlib.sha256(peer_id.to_bytes() + b"/" + namespace.encode()).hexdigest()[:24]

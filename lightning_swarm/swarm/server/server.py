@@ -212,12 +212,13 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
             tuple[int, int]
         ] = []  # (trainer optimizer, group) per stage optimizer group
         # the step in progress: (step id, own gradients, their indices, (summed gradients, facts) or None)
-        self._prepared: tuple[int, list[torch.Tensor | None], list[int], Any, int] | None = None
+        self._prepared: tuple[int, list[torch.Tensor | None], list[int], Any, Any] | None = None
         self._steps_applied: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.steps = 0  # optimizer steps this server took (trainer-driven or swarm-driven)
         # the last trainer epoch a call made this peer catch up to (see Stepper.catch_up_for_call)
         self._caught_up_to = 0
         self.averaged_rounds = 0  # steps whose gradients were summed with other peers of the stage
+        self.same_host_rounds = 0  # of which through shared memory (see ..same_host_sum)
         # the modes the module was built with (a train call runs in them; an eval call in eval), the mode it is in
         self._built_modes = [(m, m.training) for m in module.modules()]
         self._training = True

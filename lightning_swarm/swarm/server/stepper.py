@@ -25,6 +25,7 @@ from ..averaging import (
     _StateAverager,
     named_group_id,
 )
+from ..same_host_sum import SameHostSumFailed, on_one_host, sum_on_host
 from ..stepping import StepCommand
 
 logger = logging.getLogger(__name__)
@@ -185,11 +186,12 @@ class Stepper:
             state = self._prepared
             if state is None or state[0] != command.step_id:
                 own, wanted = self._take_pending(command.optimizer)
-                state = self._prepared = (command.step_id, own, wanted, None, -1)
-            _, own, wanted, summed, attempt = state
-            if summed is None or (command.phase == "norm" and command.attempt != attempt):
+                state = self._prepared = (command.step_id, own, wanted, None, None)
+            _, own, wanted, summed, made = state
+            if summed is None or (command.phase == "norm" and (command.attempt, command.group) != made):
                 # a new "norm" attempt redoes the sum from this peer's own gradients: the trainer found the
-                # peers' sums of the last attempt inconsistent (see SwarmClient.step_stage)
+                # peers' sums of the last attempt inconsistent (see SwarmClient.step_stage); so does one that
+                # names other peers than the sum was made with (they would wait for this peer in vain)
                 grads, group = own, 1
                 if command.peers > 1:
                     grads, group = self._sum_with_peers(own, wanted, command)
@@ -204,7 +206,7 @@ class Stepper:
                 # the squared norm only where it is asked for: clipping by norm, or the peers' check of their sum
                 norm = command.phase == "norm"
                 summed = (grads, self._unscale(grads, command.grad_scale, group, norm))
-                self._prepared = (command.step_id, own, wanted, summed, command.attempt)
+                self._prepared = (command.step_id, own, wanted, summed, (command.attempt, command.group))
             grads, facts = summed
             if command.phase == "norm":
                 return {"epoch": int(opt.local_epoch), **facts}
@@ -321,9 +323,32 @@ class Stepper:
         """The sum of ``grads`` over the stage's peers stepping now (one all-reduce round of the stage's gradient
         averager, every peer with weight 1, times the group's size); this peer's own gradients if no round
         could be made (logged). The round is among the peers the command names (no matchmaking), or, for a
-        command that names none, a group found by hivemind's matchmaking."""
+        command that names none, a group found by hivemind's matchmaking. Named peers that all serve the stage on
+        this machine sum through shared memory instead (:mod:`..same_host_sum`)."""
         opt = self.optimizer
         assert opt is not None
+        me = self.peer_id.to_bytes()
+        if self._same_host is not None and me in command.group and on_one_host(command.group, self.uid):
+            try:  # every named peer serves this stage on this machine: through shared memory (see ..same_host_sum)
+                round_id = named_group_id(command.uid, command.step_id, command.attempt)
+                templates = [self._master[i] for i in wanted]
+                sums = sum_on_host(
+                    [grads[i] for i in wanted],
+                    templates,
+                    round_id,
+                    command.group,
+                    me,
+                    self.settings.averaging_timeout,
+                )
+            except SameHostSumFailed as e:
+                logger.warning(f"Stage {self.stage}: {e}; stepping with this peer's own gradients")
+                return grads, 1
+            self.averaged_rounds += 1
+            self.same_host_rounds += 1
+            summed: list[torch.Tensor | None] = [None] * len(grads)
+            for i, total in zip(wanted, sums, strict=True):
+                summed[i] = total
+            return summed, len(command.group)
         averager = opt.grad_averager
         with torch.no_grad(), averager.get_tensors() as buffers:
             for buffer, grad in zip(buffers, grads, strict=True):
@@ -346,7 +371,7 @@ class Stepper:
             return grads, 1
         self.averaged_rounds += 1
         with torch.no_grad(), averager.get_tensors() as buffers:
-            summed: list[torch.Tensor | None] = [None] * len(grads)
+            summed = [None] * len(grads)
             for i in wanted:
                 summed[i] = buffers[i].detach().clone().mul_(group)
         return summed, group
