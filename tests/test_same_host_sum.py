@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from lightning_swarm.swarm import same_host_sum
 from lightning_swarm.swarm.same_host import socket_path
-from lightning_swarm.swarm.same_host_sum import SameHostSumFailed, _directory, on_one_host, sum_on_host
+from lightning_swarm.swarm.same_host_sum import SameHostSumFailed, _directories, on_one_host, sum_on_host
 
 PEERS = [b"peer-a", b"peer-b", b"peer-c"]
 
@@ -28,7 +29,7 @@ def _leftovers(round_id: bytes) -> list[str]:
     import hashlib
 
     tag = hashlib.sha256(round_id).hexdigest()[:32]
-    return [n for n in os.listdir(_directory()) if tag in n]
+    return [n for d in _directories() for n in os.listdir(d) if tag in n]
 
 
 def _sum_all(grads: list[list[torch.Tensor | None]], round_id: bytes, timeout: float = 10.0):
@@ -55,6 +56,35 @@ def test_every_peer_gets_the_same_bits_of_the_sum(n: int) -> None:
             torch.testing.assert_close(result[k].float(), expected, rtol=1e-6, atol=1e-6)
             assert torch.equal(result[k], results[0][k])  # bit for bit on every peer
     assert _leftovers(round_id) == []  # every file was consumed
+
+
+def test_peers_that_publish_in_different_directories_still_meet(monkeypatch) -> None:
+    """One peer found ``/dev/shm`` too full (a container's 64 MB) and published in the sockets' directory."""
+    directories = _directories()
+    if os.path.isdir("/dev/shm"):
+        assert len(directories) == 2 and directories[0].startswith("/dev/shm/")
+
+    def choose(candidates: list[str], nbytes: int) -> str:
+        return candidates[-1] if threading.current_thread().name == "second" else candidates[0]
+
+    monkeypatch.setattr(same_host_sum, "_with_room", choose)
+    round_id, results = os.urandom(16), {}
+    grads = [[torch.full((3, 4), 1.0), None, None], [torch.full((3, 4), 2.0), None, torch.ones(2, 2)]]
+
+    def one(i: int) -> None:
+        results[i] = sum_on_host(grads[i], _templates(), round_id, PEERS[:2], PEERS[i], 10.0)
+
+    threads = [
+        threading.Thread(target=one, args=(i,), name=name) for i, name in enumerate(["first", "second"])
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(results[0][0], torch.full((3, 4), 3.0)) and torch.equal(
+        results[1][2], torch.ones(2, 2)
+    )
+    assert _leftovers(round_id) == []
 
 
 def test_a_partner_that_never_comes_fails_the_round_in_time_and_leaves_nothing() -> None:

@@ -15,9 +15,11 @@ they exchange the gradients as files in a private shared-memory directory instea
 3. a peer that does not publish within the timeout fails the round (:class:`SameHostSumFailed`): the caller
    steps as after a failed hivemind round, and the links it left for others are removed.
 
-The files live in ``/dev/shm`` (else ``$XDG_RUNTIME_DIR``, else the temp directory) ``/lightning-swarm-<uid>/
-net-<inode>/``: ``0700``, the same trust as the same-host sockets. A private swarm's servers do not listen there,
-so their groups sum over hivemind's authenticated P2P.
+The files live in ``/dev/shm`` (else, or when it lacks room, as in a container's default 64 MB, in
+``$XDG_RUNTIME_DIR`` or the temp directory) ``/lightning-swarm-<uid>/net-<inode>/``: ``0700``, the same trust as
+the same-host sockets. A private swarm's servers do not listen there, so their groups sum over hivemind's
+authenticated P2P. Only a step's first attempt goes through here (see ``Stepper._sum_with_peers``): a redo goes
+through hivemind, so that peers that cannot meet here (a full disk, a partner that cannot write) still sum.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import hashlib
 import os
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from hivemind.p2p import PeerID
@@ -44,9 +47,23 @@ class SameHostSumFailed(Exception):
     """A same-host sum did not complete (a partner did not publish in time, or its gradients do not match)."""
 
 
-def _directory() -> str | None:
-    base = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK | os.X_OK) else None
-    return private_directory(base)
+def _directories() -> list[str]:
+    """Where a peer may publish, best first: under ``/dev/shm`` (memory), else under the same-host sockets' base.
+    Readers look in every one, so peers that chose differently (one found ``/dev/shm`` too full) still meet."""
+    shm = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK | os.X_OK) else None
+    found = [private_directory(shm) if shm else None, private_directory()]
+    return list(dict.fromkeys(d for d in found if d is not None))
+
+
+def _with_room(directories: list[str], nbytes: int) -> str | None:
+    for directory in directories:
+        try:
+            st = os.statvfs(directory)
+        except OSError:
+            continue
+        if st.f_bavail * st.f_frsize >= 2 * nbytes:  # room for this peer's file and a partner's
+            return directory
+    return None
 
 
 def on_one_host(peers: Sequence[bytes], uid: str) -> bool:
@@ -74,16 +91,25 @@ def _sweep(directory: str) -> None:
                         os.unlink(entry.path)
 
 
-def _read(path: str, size: int, deadline: float) -> torch.Tensor | None:
-    """The values at ``path`` once it appears (unlinked once open), or ``None`` past ``deadline``."""
-    while True:
+def _open_first(paths: list[str]) -> tuple[Any, str] | None:
+    for path in paths:
         try:
-            f = open(path, "rb")  # noqa: SIM115 (closed below)
+            return open(path, "rb"), path  # noqa: SIM115 (the caller closes it)
         except FileNotFoundError:
+            continue
+    return None
+
+
+def _read(paths: list[str], size: int, deadline: float) -> torch.Tensor | None:
+    """The values at the first of ``paths`` to appear (unlinked once open), or ``None`` past ``deadline``."""
+    while True:
+        opened = _open_first(paths)
+        if opened is None:
             if time.monotonic() > deadline:
                 return None
             time.sleep(_POLL_S)
             continue
+        f, path = opened
         with f:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -113,10 +139,9 @@ def sum_on_host(
     """The sum over ``peers`` (this peer is ``me``) of each peer's ``tensors`` (``None``: zeros shaped as the
     matching ``templates`` entry), exchanged through shared memory under ``round_id``; every peer gets the same
     bits. Raises :class:`SameHostSumFailed` if a partner's values do not arrive within ``timeout`` seconds."""
-    directory = _directory()
-    if directory is None:
-        raise SameHostSumFailed("no private shared-memory directory")
-    _sweep(directory)
+    directories = _directories()
+    for d in directories:
+        _sweep(d)
     index = list(peers).index(me)
     tag = hashlib.sha256(round_id).hexdigest()[:32]
     with torch.no_grad():
@@ -127,6 +152,9 @@ def sum_on_host(
     size = sum(t.numel() for t in own)
     if not own:
         return []  # nothing to sum (every peer of the stage has the same tensors: none waits for this one)
+    directory = _with_room(directories, 4 * size)
+    if directory is None:
+        raise SameHostSumFailed(f"no private directory with room for {4 * size} bytes of gradients")
     written = os.path.join(directory, f"sum-{tag}-{index}.part")
     links = [os.path.join(directory, f"sum-{tag}-{index}-to-{j}") for j in range(len(peers)) if j != index]
     try:
@@ -145,7 +173,9 @@ def sum_on_host(
         parts: dict[int, torch.Tensor] = {}
         for j in range(len(peers)):
             if j != index:
-                values = _read(os.path.join(directory, f"sum-{tag}-{j}-to-{index}"), size, deadline)
+                values = _read(
+                    [os.path.join(d, f"sum-{tag}-{j}-to-{index}") for d in directories], size, deadline
+                )
                 if values is None:
                     raise SameHostSumFailed(
                         f"peer {j} of the group did not publish its gradients in {timeout:.0f} s"

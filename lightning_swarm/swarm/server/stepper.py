@@ -324,11 +324,17 @@ class Stepper:
         averager, every peer with weight 1, times the group's size); this peer's own gradients if no round
         could be made (logged). The round is among the peers the command names (no matchmaking), or, for a
         command that names none, a group found by hivemind's matchmaking. Named peers that all serve the stage on
-        this machine sum through shared memory instead (:mod:`..same_host_sum`)."""
+        this machine sum a step's first attempt through shared memory instead (:mod:`..same_host_sum`)."""
         opt = self.optimizer
         assert opt is not None
         me = self.peer_id.to_bytes()
-        if self._same_host is not None and me in command.group and on_one_host(command.group, self.uid):
+        if (
+            command.attempt
+            == 0  # a redo goes through hivemind: it works wherever the peers failed to meet here
+            and self._same_host is not None
+            and me in command.group
+            and on_one_host(command.group, self.uid)
+        ):
             try:  # every named peer serves this stage on this machine: through shared memory (see ..same_host_sum)
                 round_id = named_group_id(command.uid, command.step_id, command.attempt)
                 templates = [self._master[i] for i in wanted]
