@@ -142,3 +142,21 @@ def test_a_group_is_on_one_host_only_if_every_peer_serves_the_stage_here() -> No
                 os.unlink(socket_path(peer, uid))
     assert not on_one_host([], uid) and not on_one_host([ids[0]], uid)
     assert not on_one_host([ids[0], b"not a peer id"], uid)
+
+
+def test_a_partner_file_this_peer_cannot_read_fails_the_round_not_the_peer() -> None:
+    """Whatever a partner leaves at its name (here a directory), the round fails with SameHostSumFailed, which the
+    stepper turns into a redo through hivemind; no other error reaches the step command."""
+    import hashlib
+
+    round_id = os.urandom(16)
+    bad = os.path.join(_directories()[0], f"sum-{hashlib.sha256(round_id).hexdigest()[:32]}-1-to-0")
+    os.mkdir(bad)
+    try:
+        with pytest.raises(SameHostSumFailed, match="cannot read peer 1"):
+            sum_on_host(
+                [torch.ones(3, 4), None, None], _templates(), round_id, PEERS[:2], PEERS[0], timeout=2.0
+            )
+    finally:
+        os.rmdir(bad)
+    assert _leftovers(round_id) == []

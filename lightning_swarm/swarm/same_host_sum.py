@@ -173,9 +173,11 @@ def sum_on_host(
         parts: dict[int, torch.Tensor] = {}
         for j in range(len(peers)):
             if j != index:
-                values = _read(
-                    [os.path.join(d, f"sum-{tag}-{j}-to-{index}") for d in directories], size, deadline
-                )
+                paths = [os.path.join(d, f"sum-{tag}-{j}-to-{index}") for d in directories]
+                try:
+                    values = _read(paths, size, deadline)
+                except OSError as e:  # a file this peer cannot read: the round fails, the step goes on
+                    raise SameHostSumFailed(f"cannot read peer {j}'s gradients: {e!r}") from None
                 if values is None:
                     raise SameHostSumFailed(
                         f"peer {j} of the group did not publish its gradients in {timeout:.0f} s"
