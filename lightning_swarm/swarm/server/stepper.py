@@ -328,14 +328,16 @@ class Stepper:
         opt = self.optimizer
         assert opt is not None
         me = self.peer_id.to_bytes()
+        # every named peer serves this stage on this machine: through shared memory (see ..same_host_sum); only
+        # a step's first attempt, so that a redo goes through hivemind, which works wherever they failed to meet
+        first = command.attempt == 0
         if (
-            command.attempt
-            == 0  # a redo goes through hivemind: it works wherever the peers failed to meet here
+            first
             and self._same_host is not None
             and me in command.group
             and on_one_host(command.group, self.uid)
         ):
-            try:  # every named peer serves this stage on this machine: through shared memory (see ..same_host_sum)
+            try:
                 round_id = named_group_id(command.uid, command.step_id, command.attempt)
                 templates = [self._master[i] for i in wanted]
                 sums = sum_on_host(
@@ -347,7 +349,10 @@ class Stepper:
                     self.settings.averaging_timeout,
                 )
             except SameHostSumFailed as e:
-                logger.warning(f"Stage {self.stage}: {e}; stepping with this peer's own gradients")
+                logger.warning(
+                    f"Stage {self.stage}: the same-host sum of step {command.step_id} failed ({e}); the trainer has "
+                    "the peers sum again, through hivemind"
+                )
                 return grads, 1
             self.averaged_rounds += 1
             self.same_host_rounds += 1
