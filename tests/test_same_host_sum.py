@@ -16,7 +16,13 @@ import torch
 
 from lightning_swarm.swarm import same_host_sum
 from lightning_swarm.swarm.same_host import socket_path
-from lightning_swarm.swarm.same_host_sum import SameHostSumFailed, _directories, on_one_host, sum_on_host
+from lightning_swarm.swarm.same_host_sum import (
+    SameHostSumFailed,
+    _directories,
+    _tag,
+    on_one_host,
+    sum_on_host,
+)
 
 PEERS = [b"peer-a", b"peer-b", b"peer-c"]
 
@@ -26,9 +32,7 @@ def _templates() -> list[torch.Tensor]:
 
 
 def _leftovers(round_id: bytes) -> list[str]:
-    import hashlib
-
-    tag = hashlib.sha256(round_id).hexdigest()[:32]
+    tag = _tag(round_id)
     return [n for d in _directories() for n in os.listdir(d) if tag in n]
 
 
@@ -147,10 +151,8 @@ def test_a_group_is_on_one_host_only_if_every_peer_serves_the_stage_here() -> No
 def test_a_partner_file_this_peer_cannot_read_fails_the_round_not_the_peer() -> None:
     """Whatever a partner leaves at its name (here a directory), the round fails with SameHostSumFailed, which the
     stepper turns into a redo through hivemind; no other error reaches the step command."""
-    import hashlib
-
     round_id = os.urandom(16)
-    bad = os.path.join(_directories()[0], f"sum-{hashlib.sha256(round_id).hexdigest()[:32]}-1-to-0")
+    bad = os.path.join(_directories()[0], f"sum-{_tag(round_id)}-1-to-0")
     os.mkdir(bad)
     try:
         with pytest.raises(SameHostSumFailed, match="cannot read peer 1"):

@@ -81,6 +81,11 @@ def on_one_host(peers: Sequence[bytes], uid: str) -> bool:
     return True
 
 
+def _tag(round_id: bytes) -> str:
+    """The part of a round's file names that names the round."""
+    return hashlib.sha256(round_id).hexdigest()[:32]
+
+
 def _sweep(directory: str) -> None:
     now = time.time()
     with contextlib.suppress(OSError), os.scandir(directory) as entries:
@@ -143,7 +148,7 @@ def sum_on_host(
     for d in directories:
         _sweep(d)
     index = list(peers).index(me)
-    tag = hashlib.sha256(round_id).hexdigest()[:32]
+    tag = _tag(round_id)
     with torch.no_grad():
         own = [
             (t if t is not None else torch.zeros_like(s)).detach().reshape(-1).to(torch.float32).contiguous()

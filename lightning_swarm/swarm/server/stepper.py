@@ -320,46 +320,55 @@ class Stepper:
     def _sum_with_peers(
         self, grads: list[torch.Tensor | None], wanted: list[int], command: StepCommand
     ) -> tuple[list[torch.Tensor | None], int]:
-        """The sum of ``grads`` over the stage's peers stepping now (one all-reduce round of the stage's gradient
-        averager, every peer with weight 1, times the group's size); this peer's own gradients if no round
-        could be made (logged). The round is among the peers the command names (no matchmaking), or, for a
-        command that names none, a group found by hivemind's matchmaking. Named peers that all serve the stage on
-        this machine sum a step's first attempt through shared memory instead (:mod:`..same_host_sum`)."""
+        """The sum of ``grads`` over the stage's peers stepping now, and the group's size; this peer's own gradients
+        and 1 if no round could be made (logged). Named peers that all serve the stage on this machine sum a step's
+        first attempt through shared memory (:mod:`..same_host_sum`); otherwise, and for every redo (which thus
+        works wherever they failed to meet there), through the stage's gradient averager (hivemind)."""
+        me = self.peer_id.to_bytes()
+        here = command.attempt == 0 and self._same_host is not None and me in command.group
+        if here and on_one_host(command.group, self.uid):
+            sums, group = self._sum_on_host(grads, wanted, command, me)
+        else:
+            sums, group = self._sum_through_averager(grads, wanted, command)
+        if sums is None:
+            return grads, 1
+        self.averaged_rounds += 1
+        summed: list[torch.Tensor | None] = [None] * len(grads)
+        for i, total in zip(wanted, sums, strict=True):
+            summed[i] = total
+        return summed, group
+
+    def _sum_on_host(
+        self, grads: list[torch.Tensor | None], wanted: list[int], command: StepCommand, me: bytes
+    ) -> tuple[list[torch.Tensor] | None, int]:
+        """The sums of the ``wanted`` gradients through shared memory, and the group's size (``None`` if failed)."""
+        try:
+            sums = sum_on_host(
+                [grads[i] for i in wanted],
+                [self._master[i] for i in wanted],
+                named_group_id(command.uid, command.step_id, command.attempt),
+                command.group,
+                me,
+                self.settings.averaging_timeout,
+            )
+        except SameHostSumFailed as e:
+            logger.warning(
+                f"Stage {self.stage}: the same-host sum of step {command.step_id} failed ({e}); the trainer has "
+                "the peers sum again, through hivemind"
+            )
+            return None, 1
+        self.same_host_rounds += 1
+        return sums, len(command.group)
+
+    def _sum_through_averager(
+        self, grads: list[torch.Tensor | None], wanted: list[int], command: StepCommand
+    ) -> tuple[list[torch.Tensor] | None, int]:
+        """The sums of the ``wanted`` gradients in one all-reduce round of the stage's gradient averager (every peer
+        with weight 1, times the group's size), and the group's size (``None`` if no round was made). The round
+        is among the peers the command names (no matchmaking), or, for a command that names none, a group found by
+        hivemind's matchmaking."""
         opt = self.optimizer
         assert opt is not None
-        me = self.peer_id.to_bytes()
-        # every named peer serves this stage on this machine: through shared memory (see ..same_host_sum); only
-        # a step's first attempt, so that a redo goes through hivemind, which works wherever they failed to meet
-        first = command.attempt == 0
-        if (
-            first
-            and self._same_host is not None
-            and me in command.group
-            and on_one_host(command.group, self.uid)
-        ):
-            try:
-                round_id = named_group_id(command.uid, command.step_id, command.attempt)
-                templates = [self._master[i] for i in wanted]
-                sums = sum_on_host(
-                    [grads[i] for i in wanted],
-                    templates,
-                    round_id,
-                    command.group,
-                    me,
-                    self.settings.averaging_timeout,
-                )
-            except SameHostSumFailed as e:
-                logger.warning(
-                    f"Stage {self.stage}: the same-host sum of step {command.step_id} failed ({e}); the trainer has "
-                    "the peers sum again, through hivemind"
-                )
-                return grads, 1
-            self.averaged_rounds += 1
-            self.same_host_rounds += 1
-            summed: list[torch.Tensor | None] = [None] * len(grads)
-            for i, total in zip(wanted, sums, strict=True):
-                summed[i] = total
-            return summed, len(command.group)
         averager = opt.grad_averager
         with torch.no_grad(), averager.get_tensors() as buffers:
             for buffer, grad in zip(buffers, grads, strict=True):
@@ -373,19 +382,15 @@ class Stepper:
                     f"Stage {self.stage}: summing the step's gradients with the stage's peers failed: {e!r}; "
                     "stepping with this peer's own gradients"
                 )
-                return grads, 1
+                return None, 1
         if not group:
             logger.warning(
                 f"Stage {self.stage}: found no peer of the stage to sum this step's gradients with; stepping with "
                 "this peer's own gradients"
             )
-            return grads, 1
-        self.averaged_rounds += 1
+            return None, 1
         with torch.no_grad(), averager.get_tensors() as buffers:
-            summed = [None] * len(grads)
-            for i in wanted:
-                summed[i] = buffers[i].detach().clone().mul_(group)
-        return summed, group
+            return [buffers[i].detach().clone().mul_(group) for i in wanted], group
 
     def _one_round(self, averager: DecentralizedAverager, command: StepCommand) -> int | None:
         """One all-reduce round of ``averager`` with the stage's peers that step now: the group's size (``None`` or
