@@ -4,7 +4,8 @@ plain process or in a local swarm (one trainer, 2 stages, compression "none").
 ``python tests/_contract_job.py '<json>'``; peer 0 saves ``{"state", "losses", "stage_steps", "lrs"}`` to ``out``.
 Config keys: ``swarm`` (bool), ``steps``, ``scheduler`` (None, "warmup", "decay", "step_epoch", "onecycle", "plateau"),
 ``clip`` (None or [value, "norm"|"value"]), ``precision``, ``accumulate``, ``manual`` (two optimizers, manual
-optimization), ``optimizer`` ("sgd"|"adamw"), ``fp16_scaler`` ("16-mixed" with a CPU loss scaler), ``batchnorm`` (BatchNorm1d in every block), ``dropout`` (float), ``out``.
+optimization), ``optimizer`` ("sgd"|"adamw"), ``fp16_scaler`` ("16-mixed" with a CPU loss scaler), ``residual`` (the input layer's output added to the
+pipeline's), ``batchnorm`` (BatchNorm1d in every block), ``dropout`` (float), ``out``.
 """
 
 import json
@@ -37,7 +38,9 @@ class Net(LightningModule):
         self.cfg_step_s = float(cfg.get("step_s", 0.0))
 
     def forward(self, x):
-        return self.out(self.layers(self.inp(x)))
+        h = self.inp(x)
+        z = self.layers(h)
+        return self.out(z + h if self.cfg.get("residual") else z)
 
     def training_step(self, batch, batch_idx):
         if self.cfg_step_s:  # a step that takes this long at least (see test_contract's schedule test)
@@ -202,6 +205,7 @@ def main() -> None:
     trainer.fit(model, loader, val, ckpt_path=cfg.get("resume"))
     stage_steps = dict(trainer.strategy.stage_steps) if swarm else {}
     early = trainer.strategy.early_stage_steps if swarm else 0
+    deferred = trainer.strategy.deferred_backwards if swarm else 0
     configs = trainer.lr_scheduler_configs
     schedule_steps = int(configs[0].scheduler.last_epoch) if configs else None
     if trainer.global_rank == 0:
@@ -212,6 +216,7 @@ def main() -> None:
                 "lrs": record.lrs,
                 "stage_steps": stage_steps,
                 "early_stage_steps": early,
+                "deferred_backwards": deferred,
                 "global_step": trainer.global_step,
                 "schedule_steps": schedule_steps,
             },

@@ -353,31 +353,33 @@ def test_a_stage_steps_early_only_once_every_call_of_the_step_had_its_backward()
     """The bookkeeping behind early stage steps (swarm/early_steps.py): a stage fires once its open calls all
     returned while armed, once per step; a call without a backward (its output unused, or a chunk sent ahead)
     keeps its stage from firing; calls that returned before the arming (outside the step's backward) never fire;
-    a second backward of a call (retain_graph) does not count."""
+    a second backward of a call (retain_graph) does not count, nor does the backward of a call opened before the
+    step began (deferred from the accumulation window, see swarm/deferred_grads.py)."""
     from lightning_swarm.swarm.early_steps import OpenGradCalls
 
     fired: list[int] = []
     calls = OpenGradCalls()
-    calls.opened(0)
-    calls.closed(0)  # before the backward of the step: not armed
+    before = calls.opened(0)
+    calls.closed(0, before)  # before the backward of the step: not armed
+    earlier = calls.opened(1)  # its backward is deferred past the step's start
     calls.reset()
-    for stage in (0, 0, 1, 1, 2):
-        calls.opened(stage)
+    now = [calls.opened(stage) for stage in (0, 0, 1, 1, 2)]
+    assert set(now) == {earlier + 1}
     calls.arm(fired.append)
-    calls.closed(1)
+    calls.closed(1, earlier)  # the earlier step's call: stage 1's two calls of this step still wait
+    calls.closed(1, now[2])
     assert fired == []  # one call of stage 1 still waits for its backward
-    calls.closed(1)
-    calls.closed(0)
-    calls.closed(0)
-    calls.closed(0)  # a second backward of a call: no second step
+    calls.closed(1, now[3])
+    calls.closed(0, now[0])
+    calls.closed(0, now[1])
+    calls.closed(0, now[1])  # a second backward of a call: no second step
     assert fired == [1, 0]  # stage 2's call never had a backward: it steps after the trainer's backward
     calls.disarm()
-    calls.closed(2)
+    calls.closed(2, now[4])
     assert fired == [1, 0]
     calls.reset()
     calls.arm(fired.append)
-    calls.opened(2)
-    calls.closed(2)
+    calls.closed(2, calls.opened(2))
     assert fired == [1, 0, 2]  # a new step
 
 

@@ -7,7 +7,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_swarm.strategy._loop_state import gradients_fixed_after_backward
 from lightning_swarm.strategy._refusals import _scaler
@@ -145,12 +147,68 @@ class _TrainerDrivenSteps:
         return output
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's backward; in a step that allows early stage steps, a stage steps as soon as its part of
-        this backward is done."""
+        """Lightning's backward. Inside an accumulation window (automatic optimization, a backward outside the
+        optimizer step) the stage calls' input gradients may come later: the next microbatch starts while the
+        stages compute them (see :mod:`lightning_swarm.swarm.deferred_grads`). In a step that allows early stage
+        steps, a stage steps as soon as its part of this backward is done."""
+        deferred = self._deferred_grads()
+        if deferred is not None and self._may_defer(kwargs):
+            deferred.begin()
+            try:
+                output = super().backward(closure_loss, optimizer, *args, **{**kwargs, "retain_graph": True})
+            finally:
+                deferred.end()
+            deferred.flush(keep=1)  # the previous microbatch's: its stage backwards ran during this one
+            return output
+        if deferred is not None:
+            deferred.flush()  # before the early steps are armed: a stage must have all of the step's gradients
         early = getattr(self, "_early_step", None)
         if early is not None:
             self.peer.arm_early_steps(*early)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step, whose closure ends with every deferred input gradient in (see :meth:`backward`), so
+        that ``on_before_optimizer_step``, clipping and the optimizer see the whole gradient."""
+        deferred = self._deferred_grads()
+
+        def closure_then_flush() -> Any:
+            result = closure()
+            if deferred is not None:
+                deferred.flush()
+            return result
+
+        self._in_optimizer_step = True
+        try:
+            return super().optimizer_step(optimizer, closure_then_flush, model, **kwargs)
+        finally:
+            self._in_optimizer_step = False
+
+    def on_train_end(self) -> None:
+        """Training stopped between two optimizer steps (``trainer.should_stop``): the stage backwards still in
+        flight finish before the peer leaves."""
+        deferred = self._deferred_grads()
+        if deferred is not None:
+            deferred.flush()
+        super().on_train_end()
+
+    def _deferred_grads(self) -> Any:
+        peer = getattr(self, "_peer", None)
+        client = peer.client if peer is not None and peer.is_trainer else None
+        return client.deferred_grads if client is not None else None
+
+    def _may_defer(self, kwargs: dict[str, Any]) -> bool:
+        """Whether this backward may leave the stage calls' input gradients for later: a backward of automatic
+        optimization between two optimizer steps, through Lightning's own ``LightningModule.backward`` (which
+        passes ``retain_graph`` on), not told ``retain_graph=False``."""
+        module = self.lightning_module
+        return (
+            not getattr(self, "_in_optimizer_step", False)
+            and module is not None
+            and module.automatic_optimization
+            and kwargs.get("retain_graph", True) is not False
+            and not is_overridden("backward", module, LightningModule)
+        )
 
     def _check_target_batch_size(self, batch_size: int) -> None:
         """With trainer-driven steps, a step is ``batch_size x accumulate_grad_batches`` samples; a

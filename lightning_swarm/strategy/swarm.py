@@ -237,6 +237,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             int, int
         ] = {}  # optimizer steps each stage took in the last run, as it replied
         self.early_stage_steps = 0  # of those, commanded before the trainer's backward ended
+        self.deferred_backwards = 0  # stage-call backwards whose input gradients came after the next forward
 
     @property
     @override
@@ -557,6 +558,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         if peer is not None:
             self.stage_steps = dict(peer.stage_steps)
             self.early_stage_steps = peer.early_stage_steps
+            self.deferred_backwards = peer.client.deferred_grads.count if peer.client is not None else 0
             peer.leave(
                 failed=failed
             )  # may raise another peer's failure, which arrived while this one lingered

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .deferred_grads import client_pool as _pool
+from .deferred_grads import finish_backward
 from .payload import Payload
 from .stage_autograd import _DUMMY, _moved, _remote_outputs, _StageCall
 
@@ -123,13 +125,6 @@ def _merge_outputs(stage: int, outputs: list[list[torch.Tensor]], bounds: list[i
     return merged
 
 
-def _pool(client: Any) -> ThreadPoolExecutor:
-    pool = getattr(client, "_chunk_pool", None)
-    if pool is None:
-        pool = client._chunk_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="swarm-chunk")
-    return pool
-
-
 def chunked_call(
     client: Any,
     stage: int,
@@ -199,9 +194,13 @@ class _ChunkedStageFunction(torch.autograd.Function):
             ]
             return state.calls[i].backward(grads, expected)
 
-        futures = [state.pool.submit(chunk_backward, i) for i in range(len(state.calls))]
-        per_chunk = [f.result() for f in futures]
-        return (None, None, *join_input_grads(ctx.input_meta, state.diff_plan, per_chunk, bounds))
+        def backward() -> list[torch.Tensor]:
+            futures = [state.pool.submit(chunk_backward, i) for i in range(len(state.calls))]
+            per_chunk = [f.result() for f in futures]
+            return join_input_grads(ctx.input_meta, state.diff_plan, per_chunk, bounds)
+
+        client = state.calls[0].client
+        return (None, None, *finish_backward(client, backward, ctx.diff_inputs))
 
 
 def join_input_grads(

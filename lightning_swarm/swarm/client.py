@@ -49,6 +49,7 @@ from .chunking import Unmergeable, chunked_call, split_plan
 from .client_commands import _StageCommands
 from .client_discovery import _StageDiscovery
 from .codec import CodecError, check_encodable
+from .deferred_grads import DeferredGrads
 from .early_steps import OpenGradCalls
 from .errors import ProtocolError, RemoteStageError, remote_exception
 from .guards import check_outputs
@@ -157,6 +158,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         self.nonfinite_backwards = 0
         # the differentiable calls of the training step whose backward has not returned (see .early_steps)
         self.grad_calls = OpenGradCalls()
+        self.deferred_grads = DeferredGrads()  # set active by the strategy (see .deferred_grads)
         warm_up_codec(settings.compression)  # the first call's timeout must not pay for loading the kernels
 
     # ---- public API ----

@@ -34,6 +34,7 @@ class OpenGradCalls:
         self._open: dict[int, int] = {}
         self._on_complete: Callable[[int], None] | None = None
         self._fired: set[int] = set()
+        self._generation = 0  # advanced by every reset: a call counts in the step it was opened in
 
     def reset(self) -> None:
         """A new training step: forget the calls so far and disarm."""
@@ -41,6 +42,7 @@ class OpenGradCalls:
             self._open.clear()
             self._fired.clear()
             self._on_complete = None
+            self._generation += 1
 
     def arm(self, on_complete: Callable[[int], None]) -> None:
         """From now on, call ``on_complete(stage)`` once per stage whose open calls all return. A stage whose
@@ -53,12 +55,18 @@ class OpenGradCalls:
         with self._lock:
             self._on_complete = None
 
-    def opened(self, stage: int) -> None:
+    def opened(self, stage: int) -> int:
+        """A differentiable call of ``stage`` was made; returns the step it counts in, for :meth:`closed`."""
         with self._lock:
             self._open[stage] = self._open.get(stage, 0) + 1
+            return self._generation
 
-    def closed(self, stage: int) -> None:
+    def closed(self, stage: int, generation: int) -> None:
+        """The backward of a call that :meth:`opened` counted in ``generation`` returned. A call of an earlier step
+        (a deferred backward of the accumulation window, see ``.deferred_grads``) does not count in this one."""
         with self._lock:
+            if generation != self._generation:
+                return
             left = self._open.get(stage, 0) - 1
             if left < 0:  # a second backward of the same call (retain_graph): not this step's calls
                 return

@@ -11,6 +11,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from .codec import all_finite, remember_wire_format
+from .deferred_grads import finish_backward
 from .errors import ProtocolError
 from .guards import check_finite
 from .payload import EncodedPayload, Payload
@@ -44,6 +45,7 @@ class _StageCall:
         self.output_skeleton: Payload = Payload(None, [])
         self.forward_id: int | None = None  # the forward's request id and peer: its backward goes there first
         self.forward_peer: PeerID | None = None
+        self.grad_generation = 0  # the step its backward counts in (see .early_steps)
 
     def forward(self) -> list[torch.Tensor]:
         uid = stage_uid(self.client.run_id, self.stage)
@@ -55,7 +57,7 @@ class _StageCall:
         )
         self.forward_id, self.forward_peer = request.forward_id, (served[-1] if served else None)
         self.output_skeleton = Payload(outputs.skeleton, [])
-        self.client.grad_calls.opened(self.stage)
+        self.grad_generation = self.client.grad_calls.opened(self.stage)
         return [_moved(t, self.device) for t in outputs.tensors]
 
     def backward(
@@ -81,7 +83,9 @@ class _StageCall:
         grads_in = list(reply.rebuild())
         if client.loss_scaled and not all(all_finite(t) for t in grads_in):
             client.nonfinite_backwards += 1  # the stage's own backward overflowed: skip the step
-        client.grad_calls.closed(self.stage)  # the stage committed this call's gradients
+        client.grad_calls.closed(
+            self.stage, self.grad_generation
+        )  # the stage committed this call's gradients
         return grads_in
 
 
@@ -90,6 +94,7 @@ def _remote_outputs(ctx: Any, diff_inputs: tuple, outputs: list[torch.Tensor]) -
     materialised for unused outputs, and integer/boolean outputs marked non-differentiable."""
     ctx.set_materialize_grads(False)
     ctx.input_meta = [(t.device, t.dtype, t.shape) for t in diff_inputs]
+    ctx.diff_inputs = diff_inputs  # where a deferred backward goes on (see .deferred_grads)
     non_diff = [t for t in outputs if not t.is_floating_point()]
     if non_diff:
         ctx.mark_non_differentiable(*non_diff)
@@ -105,19 +110,18 @@ class _StageFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple:
         call: _StageCall = ctx.call
-        grads_in: list[torch.Tensor | None]
         if all(g is None for g in grad_outputs):
-            grads_in = [None] * len(ctx.input_meta)
-        else:
-            grads = call.backward(
-                [None if g is None else g.detach() for g in grad_outputs],
-                [(m[2], m[1]) for m in ctx.input_meta],
-            )
-            grads_in = [
+            return (None, None, *([None] * len(ctx.input_meta)))
+        grads_out = [None if g is None else g.detach() for g in grad_outputs]
+
+        def backward() -> list[torch.Tensor]:
+            grads = call.backward(grads_out, [(m[2], m[1]) for m in ctx.input_meta])
+            return [
                 grad.to(device=device, dtype=dtype)
                 for grad, (device, dtype, _) in zip(grads, ctx.input_meta, strict=True)
             ]
-        return (None, None, *grads_in)
+
+        return (None, None, *finish_backward(call.client, backward, ctx.diff_inputs))
 
 
 def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:

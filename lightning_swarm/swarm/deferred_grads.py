@@ -1,0 +1,115 @@
+"""Deferred input gradients: a trainer's next microbatch starts while the stages still run the last one's backward.
+
+Under gradient accumulation a trainer's backward of one microbatch would wait for every stage's backward, down to
+the first stage, before its next microbatch could start; the stages would then idle while the trainer computes its
+loss, and the trainer while they compute the backward (1F1B's overlap lost between microbatches). The gradients
+of the trainer's own parameters below the first stage (an embedding, say) are not needed before the optimizer
+step, so the strategy lets a stage call's backward return at once during such a backward (:attr:`DeferredGrads.active`):
+the call sends its backward and hands back no input gradient; the next microbatch's forward goes out while the
+stages compute it.
+
+The strategy runs that backward with ``retain_graph=True``, so that the graph below the stage calls (their inputs'
+own autograd history) is still there when the gradients arrive. :meth:`DeferredGrads.flush` waits for them and
+runs the rest of the backward from the calls' inputs (one ``torch.autograd.backward`` per deferred backward,
+which also frees that graph). Gradients add up as they would have in one backward: a residual path around a stage
+delivered its part during the backward, the stage's part is added by the flush (float summation order aside).
+
+The strategy flushes a microbatch's deferred gradients at the end of the next microbatch's backward, before a
+backward that may step the stages early (see :mod:`.early_steps`), and after the optimizer step's closure, so
+that every hook from ``on_before_optimizer_step`` on, gradient clipping and the optimizer see the whole gradient.
+Only ``on_after_backward`` of a microbatch inside an accumulation window sees the trainer's gradients below the
+first stage without that microbatch's part.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+__all__ = ["DeferredGrads", "client_pool", "finish_backward"]
+
+
+class _Deferred:
+    """One stage call's backward, sent: the future of its inputs' gradients, and those inputs."""
+
+    def __init__(self, future: Future, inputs: Sequence[torch.Tensor]) -> None:
+        self.future, self.inputs = future, list(inputs)
+
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        grads = self.future.result()
+        return [(t, g) for t, g in zip(self.inputs, grads, strict=True) if g is not None and t.requires_grad]
+
+
+class DeferredGrads:
+    """The stage calls' backwards that returned before their input gradients arrived, by the backward that sent
+    them (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[list[_Deferred]] = []  # one list per deferred backward, oldest first
+        self.active = False  # set by the strategy during a backward whose input gradients may come later
+        self.count = 0  # stage-call backwards deferred so far
+
+    def begin(self) -> None:
+        """A backward whose stage calls defer their input gradients begins (:meth:`end` when it returns)."""
+        with self._lock:
+            self._pending.append([])
+        self.active = True
+
+    def end(self) -> None:
+        self.active = False
+
+    def pending(self) -> int:
+        """How many backwards have input gradients to come."""
+        with self._lock:
+            return len(self._pending)
+
+    def add(self, deferred: _Deferred) -> None:
+        with self._lock:
+            self.count += 1
+            if not self._pending:
+                self._pending.append([])
+            self._pending[-1].append(deferred)
+
+    def flush(self, keep: int = 0) -> None:
+        """Wait for the input gradients of every deferred backward but the newest ``keep`` and finish those
+        backwards (a stage call's error is raised here)."""
+        while True:
+            with self._lock:
+                if len(self._pending) <= keep:
+                    return
+                batch = self._pending.pop(0)
+            pairs = [pair for deferred in batch for pair in deferred.pairs()]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+    def discard(self) -> None:
+        """Forget what is pending (the run failed or ends): its stage calls finish on their own."""
+        with self._lock:
+            self._pending.clear()
+        self.active = False
+
+
+def client_pool(client: Any) -> ThreadPoolExecutor:
+    """The client's threads for chunk calls and deferred backwards."""
+    pool = getattr(client, "_chunk_pool", None)
+    if pool is None:
+        pool = client._chunk_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="swarm-chunk")
+    return pool
+
+
+def finish_backward(
+    client: Any, backward: Callable[[], Sequence[torch.Tensor | None]], inputs: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """The gradients of a stage call's differentiable ``inputs``, which ``backward()`` computes: now, or, during a
+    backward that defers them (see :class:`DeferredGrads`), ``None`` for each while the client's threads compute
+    them."""
+    deferred: DeferredGrads | None = getattr(client, "deferred_grads", None)
+    if deferred is not None and deferred.active:
+        deferred.add(_Deferred(client_pool(client).submit(backward), inputs))
+        return [None] * len(inputs)
+    return list(backward())
