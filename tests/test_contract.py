@@ -94,6 +94,13 @@ CASES = {
     # "16-mixed" with a loss scaler (a CPU GradScaler: Lightning would pick bf16 on the CPU), clipping by norm:
     # the stages unscale their gradients and clip by the whole model's norm
     "fp16_mixed_scaler_clipnorm": {"fp16_scaler": 2.0**10, "clip": [0.3, "norm"], "steps": 8},
+    # the same with accumulation: the deferred input gradients are scaled ones, added before the unscale
+    "fp16_mixed_scaler_accumulate": {
+        "fp16_scaler": 2.0**10,
+        "clip": [0.3, "norm"],
+        "accumulate": 2,
+        "steps": 6,
+    },
     # a model converted to bf16 by Lightning ("bf16-true"): the stages are converted too
     "bf16_true": {"precision": "bf16-true", "steps": 6},
     # LR warm-up by step and accumulation without clipping: the stages step as soon as their backwards of the
