@@ -558,7 +558,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         if peer is not None:
             self.stage_steps = dict(peer.stage_steps)
             self.early_stage_steps = peer.early_stage_steps
-            self.deferred_backwards = peer.client.deferred_grads.count if peer.client is not None else 0
+            self.deferred_backwards = peer.client.deferred_grads.backwards if peer.client is not None else 0
             peer.leave(
                 failed=failed
             )  # may raise another peer's failure, which arrived while this one lingered

@@ -6,7 +6,9 @@ loss, and the trainer while they compute the backward (1F1B's overlap lost betwe
 of the trainer's own parameters below the first stage (an embedding, say) are not needed before the optimizer
 step, so the strategy lets a stage call's backward return at once during such a backward (:attr:`DeferredGrads.active`):
 the call sends its backward and hands back no input gradient; the next microbatch's forward goes out while the
-stages compute it.
+stages compute it. A whole stage call whose input is the previous stage's whole call's output takes the
+gradient on through that call at once, in the client's threads (``stage_autograd._through_earlier_calls``), so
+every stage's backward overlaps the trainer's next microbatch; a run of chained chunks spans its stages anyway.
 
 The strategy runs that backward with ``retain_graph=True``, so that the graph below the stage calls (their inputs'
 own autograd history) is still there when the gradients arrive. :meth:`DeferredGrads.flush` waits for them and
@@ -33,15 +35,22 @@ import torch
 __all__ = ["DeferredGrads", "client_pool", "finish_backward"]
 
 
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _pairs(inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> Pairs:
+    return [(t, g) for t, g in zip(inputs, grads, strict=True) if g is not None]
+
+
 class _Deferred:
-    """One stage call's backward, sent: the future of its inputs' gradients, and those inputs."""
+    """One stage call's backward, sent: the future of (tensor, gradient) pairs that the flush's backward starts
+    from."""
 
-    def __init__(self, future: Future, inputs: Sequence[torch.Tensor]) -> None:
-        self.future, self.inputs = future, list(inputs)
+    def __init__(self, future: Future) -> None:
+        self.future = future
 
-    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        grads = self.future.result()
-        return [(t, g) for t, g in zip(self.inputs, grads, strict=True) if g is not None and t.requires_grad]
+    def pairs(self) -> Pairs:
+        return [(t, g) for t, g in self.future.result() if t.requires_grad]
 
 
 class DeferredGrads:
@@ -53,6 +62,7 @@ class DeferredGrads:
         self._pending: list[list[_Deferred]] = []  # one list per deferred backward, oldest first
         self.active = False  # set by the strategy during a backward whose input gradients may come later
         self.count = 0  # stage-call backwards deferred so far
+        self.followed = 0  # earlier whole stage calls that deferred backwards went on through at once
 
     def begin(self) -> None:
         """A backward whose stage calls defer their input gradients begins (:meth:`end` when it returns)."""
@@ -68,9 +78,19 @@ class DeferredGrads:
         with self._lock:
             return len(self._pending)
 
+    @property
+    def backwards(self) -> int:
+        """Stage-call backwards run deferred so far: those deferred, and the earlier calls they went on through."""
+        with self._lock:
+            return self.count + self.followed
+
+    def note_followed(self) -> None:
+        with self._lock:
+            self.followed += 1
+
     def add(self, deferred: _Deferred) -> None:
         with self._lock:
-            self.count += 1
+            self.count += 1  # (earlier stage calls a deferred backward went on through count in ``followed``)
             if not self._pending:
                 self._pending.append([])
             self._pending[-1].append(deferred)
@@ -103,13 +123,17 @@ def client_pool(client: Any) -> ThreadPoolExecutor:
 
 
 def finish_backward(
-    client: Any, backward: Callable[[], Sequence[torch.Tensor | None]], inputs: Sequence[torch.Tensor]
+    client: Any,
+    backward: Callable[[], Sequence[torch.Tensor | None]],
+    inputs: Sequence[torch.Tensor],
+    follow: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor | None]], Pairs] = _pairs,
 ) -> list[torch.Tensor | None]:
     """The gradients of a stage call's differentiable ``inputs``, which ``backward()`` computes: now, or, during a
     backward that defers them (see :class:`DeferredGrads`), ``None`` for each while the client's threads compute
-    them."""
+    them and ``follow(inputs, gradients)`` makes the pairs the flush starts from (it may take them on through
+    earlier stage calls at once)."""
     deferred: DeferredGrads | None = getattr(client, "deferred_grads", None)
     if deferred is not None and deferred.active:
-        deferred.add(_Deferred(client_pool(client).submit(backward), inputs))
+        deferred.add(_Deferred(client_pool(client).submit(lambda: follow(inputs, backward()))))
         return [None] * len(inputs)
     return list(backward())

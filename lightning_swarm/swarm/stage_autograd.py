@@ -5,6 +5,7 @@ checked (one finite gradient of each differentiable input's shape and dtype)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,6 +96,7 @@ def _remote_outputs(ctx: Any, diff_inputs: tuple, outputs: list[torch.Tensor]) -
     ctx.set_materialize_grads(False)
     ctx.input_meta = [(t.device, t.dtype, t.shape) for t in diff_inputs]
     ctx.diff_inputs = diff_inputs  # where a deferred backward goes on (see .deferred_grads)
+    ctx.num_outputs = len(outputs)
     non_diff = [t for t in outputs if not t.is_floating_point()]
     if non_diff:
         ctx.mark_non_differentiable(*non_diff)
@@ -109,19 +111,49 @@ class _StageFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple:
-        call: _StageCall = ctx.call
         if all(g is None for g in grad_outputs):
             return (None, None, *([None] * len(ctx.input_meta)))
         grads_out = [None if g is None else g.detach() for g in grad_outputs]
+        grads = finish_backward(
+            ctx.call.client, lambda: _input_grads(ctx, grads_out), ctx.diff_inputs, _through_earlier_calls
+        )
+        return (None, None, *grads)
 
-        def backward() -> list[torch.Tensor]:
-            grads = call.backward(grads_out, [(m[2], m[1]) for m in ctx.input_meta])
-            return [
-                grad.to(device=device, dtype=dtype)
-                for grad, (device, dtype, _) in zip(grads, ctx.input_meta, strict=True)
-            ]
 
-        return (None, None, *finish_backward(call.client, backward, ctx.diff_inputs))
+def _input_grads(ctx: Any, grads_out: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """A whole stage call's backward: its inputs' gradients from its outputs' (on the inputs' device and dtype)."""
+    grads = ctx.call.backward(grads_out, [(m[2], m[1]) for m in ctx.input_meta])
+    return [
+        grad.to(device=device, dtype=dtype)
+        for grad, (device, dtype, _) in zip(grads, ctx.input_meta, strict=True)
+    ]
+
+
+def _through_earlier_calls(
+    inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A deferred backward's (tensor, gradient) pairs for the flush: where a tensor is an output of an earlier
+    whole stage call (a Sequential pipeline's previous stage), that call's backward runs now, in this thread, so
+    that the stages' backwards go on down while the trainer goes on; the flush starts from that call's inputs.
+
+    The earlier call's node got no gradient from this one during the trainer's backward (only from other uses of
+    its output, such as a residual path, which it sent itself), and it gets none at the flush: each part of the
+    gradient reaches the stage once, and the stage adds them up."""
+    pairs = []
+    for t, g in zip(inputs, grads, strict=True):
+        node = t.grad_fn
+        if g is None:
+            continue
+        if isinstance(getattr(node, "call", None), _StageCall) and hasattr(node, "num_outputs"):
+            grads_out: list[torch.Tensor | None] = [None] * node.num_outputs
+            grads_out[t.output_nr] = g
+            deferred = getattr(node.call.client, "deferred_grads", None)
+            if deferred is not None:
+                deferred.note_followed()
+            pairs.extend(_through_earlier_calls(node.diff_inputs, _input_grads(node, grads_out)))
+        else:
+            pairs.append((t, g))
+    return pairs
 
 
 def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
