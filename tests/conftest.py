@@ -26,6 +26,7 @@ from tests._helpers import local_dhts
 UNIT_MODULES = {
     "test_boundary",
     "test_codec",
+    "test_deferred_grads",
     "test_deferred_init",
     "test_fuzz_codec",
     "test_hashing",
