@@ -64,7 +64,7 @@ def test_deferred_input_gradients_add_up_to_the_synchronous_ones(residual):
     assert not any(name.startswith("swarm-chunk") for name in client.threads)
     deferred = _grads(client, deferred=True, residual=residual)
     assert any(name.startswith("swarm-chunk") for name in client.threads)  # computed by the client's threads
-    assert client.deferred_grads.count == 3 and client.deferred_grads.pending() == 0
+    assert client.deferred_grads.backwards == 3 and client.deferred_grads.pending() == 0
     for a, b in zip(synchronous, deferred, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 

@@ -24,6 +24,7 @@ A call whose first argument is a tensor goes further: its chunks flow on through
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -39,7 +40,7 @@ __all__ = [
     "Unmergeable",
     "check_chunkable",
     "chunk_bounds",
-    "join_input_grads",
+    "joined_backward",
     "rows_mixing_module",
     "split_plan",
 ]
@@ -194,13 +195,25 @@ class _ChunkedStageFunction(torch.autograd.Function):
             ]
             return state.calls[i].backward(grads, expected)
 
-        def backward() -> list[torch.Tensor]:
-            futures = [state.pool.submit(chunk_backward, i) for i in range(len(state.calls))]
-            per_chunk = [f.result() for f in futures]
-            return join_input_grads(ctx.input_meta, state.diff_plan, per_chunk, bounds)
+        backward = joined_backward(state.pool, chunk_backward, ctx.input_meta, state.diff_plan, bounds)
+        return (None, None, *finish_backward(state.calls[0].client, backward, ctx.diff_inputs))
 
-        client = state.calls[0].client
-        return (None, None, *finish_backward(client, backward, ctx.diff_inputs))
+
+def joined_backward(
+    pool: ThreadPoolExecutor,
+    chunk_backward: Callable[[int], list[torch.Tensor | None]],
+    input_meta: list[tuple[torch.device, torch.dtype, torch.Size]],
+    diff_plan: list[bool],
+    bounds: list[int],
+) -> Callable[[], list[torch.Tensor]]:
+    """The backward of a call cut into chunks: every chunk's ``chunk_backward(i)`` at once in ``pool``, their
+    input gradients joined (see :func:`join_input_grads`)."""
+
+    def backward() -> list[torch.Tensor]:
+        futures = [pool.submit(chunk_backward, i) for i in range(len(bounds) - 1)]
+        return join_input_grads(input_meta, diff_plan, [f.result() for f in futures], bounds)
+
+    return backward
 
 
 def join_input_grads(

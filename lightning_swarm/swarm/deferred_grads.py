@@ -42,27 +42,17 @@ def _pairs(inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None])
     return [(t, g) for t, g in zip(inputs, grads, strict=True) if g is not None]
 
 
-class _Deferred:
-    """One stage call's backward, sent: the future of (tensor, gradient) pairs that the flush's backward starts
-    from."""
-
-    def __init__(self, future: Future) -> None:
-        self.future = future
-
-    def pairs(self) -> Pairs:
-        return [(t, g) for t, g in self.future.result() if t.requires_grad]
-
-
 class DeferredGrads:
     """The stage calls' backwards that returned before their input gradients arrived, by the backward that sent
-    them (see the module docstring)."""
+    them (see the module docstring): per backward, the futures of the (tensor, gradient) pairs its flush starts
+    from."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: list[list[_Deferred]] = []  # one list per deferred backward, oldest first
+        self._pending: list[list[Future]] = []  # one list per deferred backward, oldest first
         self.active = False  # set by the strategy during a backward whose input gradients may come later
-        self.count = 0  # stage-call backwards deferred so far
-        self.followed = 0  # earlier whole stage calls that deferred backwards went on through at once
+        # stage-call backwards run deferred so far: those deferred, and the earlier calls they went on through
+        self.backwards = 0
 
     def begin(self) -> None:
         """A backward whose stage calls defer their input gradients begins (:meth:`end` when it returns)."""
@@ -78,22 +68,16 @@ class DeferredGrads:
         with self._lock:
             return len(self._pending)
 
-    @property
-    def backwards(self) -> int:
-        """Stage-call backwards run deferred so far: those deferred, and the earlier calls they went on through."""
-        with self._lock:
-            return self.count + self.followed
-
     def note_followed(self) -> None:
+        """A deferred backward went on through an earlier stage call."""
         with self._lock:
-            self.followed += 1
+            self.backwards += 1
 
-    def add(self, deferred: _Deferred) -> None:
+    def add(self, future: Future) -> None:
+        """A stage call of the current backward deferred its input gradients: ``future`` gives its pairs."""
         with self._lock:
-            self.count += 1  # (earlier stage calls a deferred backward went on through count in ``followed``)
-            if not self._pending:
-                self._pending.append([])
-            self._pending[-1].append(deferred)
+            self.backwards += 1
+            self._pending[-1].append(future)
 
     def flush(self, keep: int = 0) -> None:
         """Wait for the input gradients of every deferred backward but the newest ``keep`` and finish those
@@ -102,16 +86,10 @@ class DeferredGrads:
             with self._lock:
                 if len(self._pending) <= keep:
                     return
-                batch = self._pending.pop(0)
-            pairs = [pair for deferred in batch for pair in deferred.pairs()]
+                futures = self._pending.pop(0)
+            pairs = [(t, g) for future in futures for t, g in future.result() if t.requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-
-    def discard(self) -> None:
-        """Forget what is pending (the run failed or ends): its stage calls finish on their own."""
-        with self._lock:
-            self._pending.clear()
-        self.active = False
 
 
 def client_pool(client: Any) -> ThreadPoolExecutor:
@@ -132,8 +110,8 @@ def finish_backward(
     backward that defers them (see :class:`DeferredGrads`), ``None`` for each while the client's threads compute
     them and ``follow(inputs, gradients)`` makes the pairs the flush starts from (it may take them on through
     earlier stage calls at once)."""
-    deferred: DeferredGrads | None = getattr(client, "deferred_grads", None)
-    if deferred is not None and deferred.active:
-        deferred.add(_Deferred(client_pool(client).submit(lambda: follow(inputs, backward()))))
+    deferred: DeferredGrads = client.deferred_grads
+    if deferred.active:
+        deferred.add(client_pool(client).submit(lambda: follow(inputs, backward())))
         return [None] * len(inputs)
     return list(backward())

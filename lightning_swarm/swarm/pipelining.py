@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .chunking import _chunk_payload, _merge_outputs, _pool, chunk_bounds, join_input_grads
+from .chunking import _chunk_payload, _merge_outputs, _pool, chunk_bounds, joined_backward
 from .deferred_grads import finish_backward
 from .payload import Payload
 from .stage_autograd import _DUMMY, _moved, _remote_outputs, _StageCall
@@ -266,9 +266,5 @@ class _RunFunction(torch.autograd.Function):
             grads = [None if g is None else g.detach()[lo:hi] for g in grad_outputs]
             return run.chains[i].backward(state.index, grads)
 
-        def backward() -> list[torch.Tensor]:
-            futures = [run.pool.submit(chunk_backward, i) for i in range(len(run.chains))]
-            per_chunk = [f.result() for f in futures]
-            return join_input_grads(ctx.input_meta, run.diff_plan, per_chunk, bounds)
-
+        backward = joined_backward(run.pool, chunk_backward, ctx.input_meta, run.diff_plan, bounds)
         return (None, None, *finish_backward(run.client, backward, ctx.diff_inputs))

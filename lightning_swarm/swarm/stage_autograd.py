@@ -84,9 +84,8 @@ class _StageCall:
         grads_in = list(reply.rebuild())
         if client.loss_scaled and not all(all_finite(t) for t in grads_in):
             client.nonfinite_backwards += 1  # the stage's own backward overflowed: skip the step
-        client.grad_calls.closed(
-            self.stage, self.grad_generation
-        )  # the stage committed this call's gradients
+        # the stage committed this call's gradients
+        client.grad_calls.closed(self.stage, self.grad_generation)
         return grads_in
 
 
@@ -141,15 +140,13 @@ def _through_earlier_calls(
     gradient reaches the stage once, and the stage adds them up."""
     pairs = []
     for t, g in zip(inputs, grads, strict=True):
-        node = t.grad_fn
         if g is None:
             continue
-        if isinstance(getattr(node, "call", None), _StageCall) and hasattr(node, "num_outputs"):
+        node = t.grad_fn
+        if isinstance(getattr(node, "call", None), _StageCall):
             grads_out: list[torch.Tensor | None] = [None] * node.num_outputs
             grads_out[t.output_nr] = g
-            deferred = getattr(node.call.client, "deferred_grads", None)
-            if deferred is not None:
-                deferred.note_followed()
+            node.call.client.deferred_grads.note_followed()
             pairs.extend(_through_earlier_calls(node.diff_inputs, _input_grads(node, grads_out)))
         else:
             pairs.append((t, g))
