@@ -109,11 +109,13 @@ BENCHMARKS: dict[str, Claim] = {
         (
             "speedup_vs_gpipe_faults",
             "speedup_vs_gpipe_hetero",
+            "speedup_vs_gpipe_hetero_no_checkpoints",
             "speedup_vs_gpipe_healthy",
             "throughput_faults_swarm",
             "throughput_faults_gpipe",
             "throughput_hetero_swarm",
             "throughput_hetero_gpipe",
+            "throughput_hetero_gpipe_no_checkpoints",
             "throughput_healthy_swarm",
             "throughput_healthy_gpipe",
             "retained",
