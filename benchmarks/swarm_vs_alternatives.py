@@ -23,7 +23,8 @@ Each variant's two processes run in two network namespaces joined by a veth pair
 to 100 Mbit/s and to 1 Gbit/s; each side is pinned to one core (``taskset``, with all its helper processes: the
 hivemind DHT and p2p daemon of a swarm peer) and computes on one torch thread: two one-core machines. On loopback in
 one namespace: ``swarm_local`` is ``Trainer(strategy=SwarmStrategy(num_trainers=1), devices=2)`` (the library's
-own local launcher: 2 peers, one trainer, one peer per stage, 1 thread each, both cores; the trainer feeds the
+own local launcher: 2 peers, one trainer, one peer per stage, both cores, each peer's torch threads as the
+launcher sets them: its peers take turns, so each gets the 2 cores' threads; the trainer feeds the
 whole global batch per step, as the baseline does, unless ``--model '{"local_microbatch": N}'`` asks for N rows)
 against plain one-process Lightning on the same 2 cores with the whole global batch per step, with 2 threads (``single``) and with 1 thread
 (``single_1thread``: faster on a busy box): ``efficiency_single_box`` = samples/s of ``swarm_local`` / samples/s of
@@ -155,7 +156,8 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
 
     import lightning_swarm
 
-    torch.set_num_threads(args.threads)
+    if args.threads > 0:  # 0: the library's choice (swarm_local: its launcher's thread policy)
+        torch.set_num_threads(args.threads)
     mb, m, steps = cfg["microbatch"], cfg["microbatches"], cfg["global_steps"]
     global_batch = mb * m
 
@@ -529,7 +531,13 @@ def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: 
                 start("single_1thread", [*this, "--threads", "1"], base_env)
             elif variant == "swarm_local":
                 port = str(29400 + os.getpid() % 500)
-                start("swarm_local", [*this, "--threads", "1"], {**base_env, "MASTER_PORT": port})
+                # each local peer's torch threads: the library's launcher chooses (its peers take turns here: all
+                # the cores each), unless ``--model '{"local_threads": N}'`` sets N
+                threads = cfg.get("local_threads")
+                env = {k: v for k, v in base_env.items() if k != "OMP_NUM_THREADS"}
+                if threads:
+                    env["OMP_NUM_THREADS"] = str(threads)
+                start("swarm_local", [*this, "--threads", str(threads or 0)], {**env, "MASTER_PORT": port})
             else:  # calibrate: one core, one thread
                 start("calibrate", ["taskset", "-c", "0", *this, "--threads", "1"], base_env)
             procs.wait(1800)

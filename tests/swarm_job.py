@@ -149,6 +149,9 @@ def main() -> None:
         trainer.fit(model, data)
     else:
         trainer.fit(model, datamodule=data)
+    if cfg.get("threads_dir"):  # every peer: the torch threads it computed with
+        with open(os.path.join(cfg["threads_dir"], f"peer{trainer.global_rank}.json"), "w") as f:
+            json.dump({"threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}, f)
     result = {"losses": record.losses, "initial": initial}
     launcher = getattr(trainer.strategy, "_launcher", None)
     result["deaths"] = list(getattr(launcher, "deaths", []))

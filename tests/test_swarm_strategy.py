@@ -111,6 +111,7 @@ def test_one_step_through_a_two_stage_swarm_equals_plain_lightning(tmp_path, mod
         "devices": 2,
         "max_steps": 1,
         "out": str(tmp_path / "out.pt"),
+        "threads_dir": str(tmp_path),
         "strategy": {
             "pipeline": "layers",
             "num_stages": 2,
@@ -129,6 +130,20 @@ def test_one_step_through_a_two_stage_swarm_equals_plain_lightning(tmp_path, mod
         torch.testing.assert_close(swarm[key], value, atol=1e-5, rtol=0, msg=f"{key} differs")
         changed += int(not torch.equal(value, initial[key]))
     assert changed == len(expected)  # every parameter moved, in the swarm as in the reference
+    # one trainer, one peer per stage, whole calls: the peers take turns, so each computes on all the cores
+    assert peer_threads(tmp_path, 2) == [expected_threads(1)] * 2
+
+
+def expected_threads(computing_at_once: int) -> int:
+    """The torch threads of each peer of a local swarm in which ``computing_at_once`` peers compute at once."""
+    from lightning.fabric.utilities.distributed import _suggested_max_num_threads
+
+    omp = os.environ.get("OMP_NUM_THREADS")
+    return int(omp) if omp else _suggested_max_num_threads(computing_at_once)
+
+
+def peer_threads(directory, peers: int) -> list[int]:
+    return [json.loads((directory / f"peer{r}.json").read_text())["threads"] for r in range(peers)]
 
 
 def swarm_initial_state(model_kind: str) -> dict:
@@ -145,6 +160,7 @@ def lm_job(tmp_path, compression: str) -> dict:
         "devices": 4,
         "max_steps": 30,
         "out": str(tmp_path / f"lm_{compression}.pt"),
+        "threads_dir": str(tmp_path),
         # 4 unshared blocks (4 groups of 1 layer), 2 per stage
         "model_args": {
             **ALBERT_SMALL,
@@ -185,6 +201,8 @@ def test_four_peers_train_a_transformer_lm_and_8bit_matches_uncompressed(tmp_pat
         # masked-LM loss (measured: 8.21 -> 6.19 / 6.20 in 30 steps at lr 5e-3, without / with 8-bit boundaries)
         assert last < 0.8 * first, f"{compression}: loss went from {first:.3f} to {last:.3f}"
         finals[compression] = last
+        # 4 trainers compute at once: the cores are divided among the peers, every peer alike
+        assert peer_threads(tmp_path, 4) == [expected_threads(4)] * 4
         # the gathered model is whole again: every block of the pipeline came back from the swarm
         assert sum(k.startswith("layers.") for k in result["state"]) == 4 * 12
         # ... and trained: every block's weights moved from their initialisation (a loss that falls through the

@@ -60,6 +60,9 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         poll_interval: seconds between two checks of the children's health.
         precheck: called with the model (``fit``'s first argument) before the children start: the user's errors
             found there come before any other peer runs.
+        computing_at_once: how many of the peers compute at the same time, which sets each peer's torch threads
+            (the machine's cores divided by it; ``OMP_NUM_THREADS``, when set, wins): ``num_processes`` unless the
+            peers take turns (see ``SwarmStrategy``).
     """
 
     def __init__(
@@ -71,8 +74,10 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         exit_timeout: float = 330.0,
         poll_interval: float = 1.0,
         precheck: Callable[[Any], None] | None = None,
+        computing_at_once: int | None = None,
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
+        self.computing_at_once = computing_at_once or num_processes
         self.restart_peers = restart_peers
         self.exit_timeout = exit_timeout
         self.poll_interval = poll_interval
@@ -91,6 +96,8 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        # before the children start, so that they inherit it (``OMP_NUM_THREADS``: a value already set wins)
+        _set_num_threads_if_needed(num_processes=self.computing_at_once)
         if not self.cluster_environment.creates_processes_externally:
             if self.precheck is not None and args:
                 self.precheck(args[0])
@@ -98,7 +105,6 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
             self._observer = threading.Thread(target=self._observe, daemon=True, name="swarm-launcher")
             self._observer.start()
             atexit.register(self.close)
-        _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
     @override
