@@ -105,8 +105,8 @@ class _Zygote:
             return False
         for key in set(wanted) | set(self.env):
             if key.startswith(_IMPORT_TIME_PREFIXES) and wanted.get(key) != self.env.get(key):
-                if key in ("PYTHONUNBUFFERED", "PYTHONPATH"):  # the child sets up its streams and path again
-                    continue
+                if key in ("PYTHONUNBUFFERED", "PYTHONPATH", "OMP_NUM_THREADS"):
+                    continue  # the child sets up its streams, path and torch threads again
                 return False
         return True
 
@@ -361,6 +361,12 @@ def _become(request: dict, fds: list[int]) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    # read when torch was imported: the job's value, not the zygote's
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
     if request.get("watch_pid"):
         _watch(int(request["watch_pid"]))
     if os.environ.get(_RANKS_ENV):

@@ -75,10 +75,15 @@ def test_what_the_zygote_cannot_reproduce_starts_as_a_plain_process(tmp_path) ->
     proc = _zygote.Popen([sys.executable, "-c", "print(1)"], stdout=subprocess.PIPE, text=True)
     assert proc._zygote_conn is None and proc.communicate(timeout=60)[0] == "1\n"
     script = tmp_path / "omp.py"
-    script.write_text("import os; print(os.environ['OMP_NUM_THREADS'])")
-    env = {**os.environ, "OMP_NUM_THREADS": "7"}  # read when torch is imported: the zygote's would differ
+    script.write_text("import os; print(os.environ['OMP_DYNAMIC'])")
+    env = {**os.environ, "OMP_DYNAMIC": "true"}  # read when torch is imported: the zygote's would differ
     proc = _zygote.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
-    assert proc._zygote_conn is None and proc.communicate(timeout=60)[0] == "7\n"
+    assert proc._zygote_conn is None and proc.communicate(timeout=60)[0] == "true\n"
+    # a job's OMP_NUM_THREADS is applied in the forked child (a local swarm's launcher sets it for its peers)
+    script.write_text("import os, torch; print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads())")
+    env = {**os.environ, "OMP_NUM_THREADS": "3"}
+    proc = _zygote.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc._zygote_conn is not None and proc.communicate(timeout=60)[0] == "3 3\n"
     assert _zygote._ZYGOTE.usable_for([sys.executable, str(script)], {**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
