@@ -222,7 +222,7 @@ def test_single_process_config_trains_a_few_steps(tmp_path):
 
 
 def test_main_job_launcher_survives_a_killed_peer_and_summarizes(tmp_path):
-    """run_swarm.py end to end: 2 stages x 2 server peers and a trainer (separate processes); a server of the last
+    """run_swarm.py end to end: 2 stages x 2 peers, the first of which also trains; a server-only peer of the last
     stage is killed (SIGKILL) at half of the steps and replaced, and the run still ends with the single-process
     baseline, the summary and the plot; no tracebacks or ERROR lines in its output."""
     out = tmp_path / "run"

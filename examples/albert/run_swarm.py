@@ -1,12 +1,14 @@
 """The main job: start a local swarm that trains ALBERT, follow it, and compare it with one plain process.
 
-    python examples/albert/run_swarm.py                       # 2 stages x 2 server peers + 1 trainer
+    python examples/albert/run_swarm.py                       # 2 stages x 2 peers; the first also trains
     python examples/albert/run_swarm.py --kill-peer-halfway   # kill one server peer halfway, start a replacement
     python examples/albert/run_swarm.py -- --trainer.max_steps=30   # after `--`: LightningCLI arguments for every peer
 
 Every peer is its own process running ``train.py fit --config configs/peer.yaml`` (what a peer on another machine
-runs), joined through a small bootstrap DHT node that this launcher holds: ``stages x peers_per_stage`` server-only
-peers (each serves one stage) and ``trainers`` trainer peers (feed data; the first one's progress bar is shown).
+runs), joined through a small bootstrap DHT node that this launcher holds: ``stages x peers_per_stage`` server peers
+(each serves one stage), of which the first ``trainers`` also feed data (role ``both``; the first one's progress bar
+is shown). With ``--separate-trainers`` the trainers are peers of their own (role ``trainer``) instead: one more
+process each on the same cores (20 steps, pairs at `52b6200`: 170.3 / 161.9 samples/s against 197.1 / 193.1).
 Because the launcher owns each peer's process, one can die without taking the others down.
 
 When the trainers are done, the same model, data, seed, global batch and number of optimizer steps are trained in
@@ -54,10 +56,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--peers-per-stage", type=int, default=2, help="server peers started for each stage")
     p.add_argument("--trainers", type=int, default=1, help="how many peers feed data")
     p.add_argument(
-        "--trainers-serve",
-        action="store_true",
-        help="the trainers are the first server peers (role both) instead of peers of their own (role trainer)",
+        "--separate-trainers",
+        dest="trainers_serve",
+        action="store_false",
+        help="run the trainers as peers of their own (role trainer) instead of as the first server peers (role "
+        "both, the default: one process fewer per trainer on the same cores, and its calls to its own stage stay "
+        "in the process)",
     )
+    p.add_argument("--trainers-serve", dest="trainers_serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
         "--steps", type=int, default=None, help="optimizer steps (default: the config's max_steps)"
     )
