@@ -142,8 +142,10 @@ def test_forward_backward_match_local_autograd(dhts, cleanup, where: str) -> Non
         assert stats["swarm/bytes_sent"] == sum(
             v for k, v in stats.items() if k.endswith("/bytes_sent") and "/stage" in k
         )
-    else:
-        assert stats.get("swarm/bytes_sent", 0) == 0  # short-circuited, nothing serialised
+        # the calls' float tensors as fp32: at least x and h sent, x's and h's gradients received
+        assert stats["swarm/fp32_bytes"] >= 4 * 2 * (x.numel() + h.numel())
+    else:  # short-circuited, nothing serialised (nor counted as fp32: no boundary was crossed)
+        assert stats.get("swarm/bytes_sent", 0) == 0 and stats.get("swarm/fp32_bytes", 0) == 0
 
     with torch.no_grad():  # eval path: no autograd function, same numbers
         torch.testing.assert_close(client.call_stage(0, x), y_ref, atol=1e-5, rtol=0)

@@ -17,11 +17,9 @@ import os
 import time
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from lightning_swarm.swarm.partition import RemoteStage
 from lightning_swarm.swarm.records import get_stage_peers
 
 
@@ -105,7 +103,7 @@ class TrainingHistory(Callback):
     file is also rewritten (``"done": false``) so a launcher can follow the run. At the end: ``eval_loss`` (held-out
     MLM loss of the final model, computed in this process with ``Albert.evaluate``), ``val`` (validation losses
     logged during the run), the swarm's byte and call counters (``swarm``), ``stage_steps`` (optimizer steps of each
-    stage) and ``fp32_boundary_bytes`` (what the stage calls would have moved as fp32).
+    stage) and ``fp32_boundary_bytes`` (what this trainer's remote stage calls would have moved as fp32).
 
     Args:
         path: where to write the JSON.
@@ -130,9 +128,7 @@ class TrainingHistory(Callback):
             "val": [],
             "done": False,
             "max_steps": trainer.max_steps,
-            "fp32_boundary_bytes": 0.0,
         }
-        self._hooks = [stage.register_forward_hook(self._count_fp32) for stage in _remote_stages(pl_module)]
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -162,11 +158,10 @@ class TrainingHistory(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         peer = swarm_peer(trainer)
-        for hook in getattr(self, "_hooks", []):
-            hook.remove()
-        self._hooks = []
         if peer is not None and self.record:
             self.record["swarm"] = dict(peer.stats())
+            # what this trainer's remote stage calls would have moved as fp32 (its in-process calls move nothing)
+            self.record["fp32_boundary_bytes"] = self.record["swarm"].get("swarm/fp32_bytes", 0.0)
             self.record["num_stages"] = peer.settings.num_stages
             self.record["compression"] = peer.settings.compression
             try:  # optimizer steps the stages took (their hivemind epoch), from every live peer of each stage
@@ -176,14 +171,6 @@ class TrainingHistory(Callback):
                 ]
             except Exception:  # a diagnostic only: a stage that does not answer right now is left out
                 pass
-
-    def _count_fp32(self, module: Any, args: tuple, output: Any) -> None:
-        # what this stage call would move as fp32: the forward's inputs and outputs, and for training calls
-        # the backward's inputs, output gradients and input gradients too
-        n_in = sum(t.numel() for t in args if isinstance(t, torch.Tensor) and t.is_floating_point())
-        n_out = sum(t.numel() for t in _tensors(output) if t.is_floating_point())
-        values = 3 * n_in + 2 * n_out if torch.is_grad_enabled() else n_in + n_out
-        self.record["fp32_boundary_bytes"] += 4.0 * values
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # after the strategy's teardown: the pipeline is whole again, with the stages' final parameters
@@ -203,15 +190,3 @@ class TrainingHistory(Callback):
         with open(tmp, "w") as f:
             json.dump(self.record, f)
         os.replace(tmp, self.path)
-
-
-def _remote_stages(module: LightningModule) -> list[RemoteStage]:
-    return [m for m in module.modules() if isinstance(m, RemoteStage)]
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors(item)]
-    return []

@@ -60,6 +60,7 @@ from .protocol import (
     StageRequest,
     StageService,
     encode_request_header,
+    fp32_bytes,
     stage_uid,
     warm_up_codec,
 )
@@ -116,7 +117,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         should_stop: Callable[[], bool] | None = None,
     ):
         self.dht, self.settings = dht, settings
-        self.should_stop = should_stop or _never
+        self.should_stop = should_stop or (lambda: False)
         self.run_id, self.num_stages = settings.run_id, settings.num_stages
         self.local_servers = dict(local_servers or {})
         self.peer_id: PeerID = dht.peer_id
@@ -415,7 +416,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
             if remote and reply.error is None:
                 self._recent[stage, request.kind].append(time.monotonic() - started)
             if sent or recv:
-                self._count(stage, request.kind, sent, recv)
+                self._count(stage, request.kind, sent, recv, fp32_bytes(request, reply))
             if reply.error is not None:
                 raise remote_exception(reply.error, stage, peer_id)
             assert reply.outputs is not None
@@ -567,9 +568,10 @@ class SwarmClient(_StageCommands, _StageDiscovery):
 
     # ---- counters ----
 
-    def _count(self, stage: int, kind: str, sent: int, recv: int) -> None:
+    def _count(self, stage: int, kind: str, sent: int, recv: int, fp32: int = 0) -> None:
         with self._lock:
             c = self._counters
+            c["swarm/fp32_bytes"] += fp32
             c["swarm/bytes_sent"] += sent
             c["swarm/bytes_recv"] += recv
             c[f"swarm/stage{stage}/bytes_sent"] += sent
@@ -587,10 +589,6 @@ class SwarmClient(_StageCommands, _StageDiscovery):
     def _check_stage(self, stage: int) -> None:
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"SwarmClient: stage must be in [0, {self.num_stages}), got {stage}")
-
-
-def _never() -> bool:
-    return False
 
 
 def _describe(shapes: tuple) -> str:

@@ -81,6 +81,7 @@ __all__ = [
     "check_run_id",
     "encode_reply_header",
     "encode_request_header",
+    "fp32_bytes",
     "parse_reply",
     "parse_request",
     "stage_uid",
@@ -173,6 +174,13 @@ class StageReply:
     request_id: int
     outputs: Payload | None = None
     error: ErrorReply | None = None
+
+
+def fp32_bytes(request: StageRequest, reply: StageReply) -> int:
+    """What a call's floating-point tensors (the request's inputs and output gradients, the reply's outputs) take
+    as float32: the bytes its boundaries would move without compression."""
+    payloads = (request.inputs, request.grad_outputs, reply.outputs)
+    return 4 * sum(t.numel() for p in payloads if p is not None for t in p.tensors if t.is_floating_point())
 
 
 # ---- the wire form of headers ----
