@@ -47,6 +47,14 @@ FAILED_CHILD_GRACE_S = 6.0
 FAILED_EXIT_TIMEOUT_S = 15.0  # after the swarm failed, seconds this process waits for its children to stop
 
 
+def computing_at_once(peers: int, trainers: int, settings: Any) -> int:
+    """How many of a local swarm's ``peers`` compute at the same time: 1 when they take turns (one trainer, one peer
+    per stage, whole stage calls: a chunked batch keeps several stages busy at once), so that each gets all the
+    cores' threads; otherwise all of them, and the cores are divided among them (Lightning's rule for DDP ranks)."""
+    takes_turns = trainers == 1 and peers <= settings.num_stages and settings.microbatches in ("auto", 1)
+    return 1 if takes_turns else peers
+
+
 class _SwarmLauncher(_SubprocessScriptLauncher):
     """Starts the N - 1 other peers of a local swarm as copies of this script; survives their deaths.
 
@@ -61,8 +69,7 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         precheck: called with the model (``fit``'s first argument) before the children start: the user's errors
             found there come before any other peer runs.
         computing_at_once: how many of the peers compute at the same time, which sets each peer's torch threads
-            (the machine's cores divided by it; ``OMP_NUM_THREADS``, when set, wins): ``num_processes`` unless the
-            peers take turns (see ``SwarmStrategy``).
+            (the machine's cores divided by it; ``OMP_NUM_THREADS``, when set, wins): see :func:`computing_at_once`.
     """
 
     def __init__(

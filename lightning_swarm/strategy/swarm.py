@@ -41,7 +41,7 @@ from lightning_swarm.strategy._refusals import (
 )
 from lightning_swarm.strategy._schedules import follow_swarm_epochs
 from lightning_swarm.strategy._trainer_steps import _groups_hyper, _TrainerDrivenSteps
-from lightning_swarm.strategy.launcher import _SwarmLauncher
+from lightning_swarm.strategy.launcher import _SwarmLauncher, computing_at_once
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
 from lightning_swarm.swarm.deferred_init import InitRecorder
 from lightning_swarm.swarm.lifetime import (
@@ -289,18 +289,8 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
                 restart_peers=self.restart_peers,
                 exit_timeout=self.settings.linger_timeout + 30.0,
                 precheck=lambda model: _refuse_before_launch(model, self.settings),
-                computing_at_once=1 if self._peers_take_turns else self.num_processes,
+                computing_at_once=computing_at_once(self.num_processes, self._local_trainers, self.settings),
             )
-
-    @property
-    def _peers_take_turns(self) -> bool:
-        """Whether the peers of this local swarm compute one after another: one trainer, one peer per stage, and
-        whole stage calls (a chunked batch keeps several stages busy at once). Then every peer gets all the cores'
-        threads; otherwise the cores are divided among the peers (Lightning's rule for DDP ranks)."""
-        s = self.settings
-        return (
-            self._local_trainers == 1 and self.num_processes <= s.num_stages and s.microbatches in ("auto", 1)
-        )
 
     @override
     def setup_environment(self) -> None:
