@@ -91,10 +91,14 @@ def test_the_chunks_of_one_call_spread_over_the_peers_of_a_stage(dhts, cleanup) 
     """Two peers serve the one stage; with microbatches="auto" a call becomes 2 chunks, one per peer, sent at once:
     each peer computes half of the rows of every call, even where weighted round robin would have sent both to the
     same peer to even out its share (when the first call goes whole to one peer because the client has found only
-    one so far, round robin alone then queued both chunks of the next call at the other)."""
+    one so far, round robin alone then queued both chunks of the next call at the other).
+
+    The block takes 0.2 s a call (sleeping): the rule that sends a chunk to an idle peer applies while the other
+    chunk is in flight, and a chunk that took a millisecond could end before a busy box's thread pool had picked
+    the next one's peer (round robin then rightly sends both to the peer it owes work: seen once in CI)."""
     torch.manual_seed(0)
     run_id = _run_id("spread")
-    block = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    block = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16), Slow(16, 0.2))
     servers = [
         _serve(cleanup, dhts[name], run_id, copy.deepcopy(block), stage=0) for name in ("server1", "server2")
     ]
