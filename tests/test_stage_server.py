@@ -562,6 +562,33 @@ def test_backwards_that_pile_up_between_steps_count_once_each(dhts, cleanup) -> 
     assert server.info()["epoch"] == 1
 
 
+def test_the_served_parameters_follow_in_place_writes_and_unchanged_ones_are_not_compared(
+    dhts, cleanup, monkeypatch
+) -> None:
+    """A swarm-driven stage serves copies of its optimizer's parameters, refreshed after every backward. The refresh
+    compares the two only when an in-place write (the optimizer's step, hivemind's averaging ``copy_``) bumped a
+    parameter's version counter: comparing every element cost two reads of the stage's parameters a backward."""
+    server = _serve(cleanup, dhts["server1"], _run_id("versions"), nn.Linear(8, 8), stage_steps="swarm")
+    assert not server._shared_master  # swarm-driven: the served parameters are copies
+    compared = []
+    real_equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(1) or real_equal(a, b))
+
+    def refresh() -> int:
+        compared.clear()
+        with server._step_lock:
+            server._refresh_parameters()
+        return len(compared)
+
+    refresh()  # the first refresh compares (nothing known yet)
+    assert refresh() == 0
+    with torch.no_grad():
+        server._master[0].copy_(torch.full_like(server._master[0], 0.5))  # as an averaging round writes them
+    assert refresh() == 2  # both parameters compared, the changed one copied
+    torch.testing.assert_close(server.module.weight.detach(), torch.full((8, 8), 0.5))
+    assert refresh() == 0
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("where", ["remote", "local"])
 def test_a_backward_reuses_its_kept_forward_unless_the_parameters_changed(dhts, cleanup, where: str) -> None:

@@ -199,6 +199,7 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         self.kept_hits = 0  # backwards that reused a kept forward
         self._forward_s_per_row: float | None = None  # measured (see StageBackend._merge_key)
         self._refresh_pending_since: float | None = None  # new parameters wait for kept forwards' backwards
+        self._master_versions: tuple[int, ...] | None = None  # see Stepper._refresh_parameters
         self._kept_in_use = 0  # kept forwards taken by a backward that has not finished yet
         # runs of the stage module for them (a merged group runs it once); counted under the parameters lock
         self.computations = 0

@@ -111,12 +111,20 @@ class Stepper:
         backward, up to ``_REFRESH_DEFER_S`` (the stepper retries, see :meth:`_step_loop`)."""
         if self._shared_master:
             return  # written in place (see _writing_served)
+        # every write of the optimizer's parameters is in place (its step; hivemind's averaging and state loads
+        # copy_ into them), which bumps their version counters: unchanged counters skip comparing every element
+        # (two reads of the stage's parameters, after every backward of a swarm-driven stage)
+        versions = tuple(master._version for master in self._master)
+        if versions == self._master_versions:
+            self._refresh_pending_since = None
+            return
         with self._lock, torch.no_grad():
             changed = [
                 not torch.equal(served, master)
                 for served, master in zip(self._trained, self._master, strict=True)
             ]
             if not any(changed):
+                self._master_versions = versions
                 self._refresh_pending_since = None
                 return
             now = time.monotonic()
@@ -131,6 +139,7 @@ class Stepper:
             for served, master, differs in zip(self._trained, self._master, changed, strict=True):
                 if differs:
                     served.copy_(master)
+            self._master_versions = versions
             self._param_version += 1  # kept forwards saw the old values: their backwards recompute
             self._refresh_pending_since = None
 
