@@ -279,6 +279,10 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
     split = cpu_split(clock.snapshots[warm], clock.snapshots[-1], mains)
     result["cpu_s_per_sample"] = {k: round(v / result["timed_samples"], 4) for k, v in sorted(split.items())}
     result["cpu_s_per_sample_total"] = round(sum(split.values()) / result["timed_samples"], 4)
+    faults = cpu_split(clock.snapshots[warm], clock.snapshots[-1], mains, field=2)
+    result["minor_faults_per_sample"] = {
+        k: round(v / result["timed_samples"]) for k, v in sorted(faults.items())
+    }
     t_a, t_b = clock.threads[warm], clock.threads[-1]
     result["main_process_thread_cpu_s_per_sample"] = {
         name: round((cpu - t_a.get(name, 0.0)) / result["timed_samples"], 4)
@@ -377,6 +381,10 @@ def gpipe_worker(args: argparse.Namespace, cfg: dict) -> None:
             k: round(v / result["timed_samples"], 4) for k, v in sorted(split.items())
         }
         result["cpu_s_per_sample_total"] = round(sum(split.values()) / result["timed_samples"], 4)
+        faults = cpu_split(snapshots[cfg["warmup_steps"]], snapshots[-1], mains, field=2)
+        result["minor_faults_per_sample"] = {
+            k: round(v / result["timed_samples"]) for k, v in sorted(faults.items())
+        }
         (Path(args.out) / "result.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -665,6 +673,11 @@ def summarize(runs: dict, cal: dict, cfg: dict, links: list[float]) -> dict:
             entry["swarm_trainer_rest_ms_per_microbatch"] = sw.get("trainer_rest_ms_per_microbatch")
         entry["cpu_s_per_sample"] = {
             name: r.get("cpu_s_per_sample") for name, r in (("swarm", sw), ("gpipe", gp), ("ddp", dd)) if r
+        }
+        entry["minor_faults_per_sample"] = {
+            name: r.get("minor_faults_per_sample")
+            for name, r in (("swarm", sw), ("gpipe", gp), ("ddp", dd))
+            if r
         }
         per_link[key] = entry
     single, single1, local = (runs.get(f"{v}_loopback") for v in ("single", "single_1thread", "swarm_local"))

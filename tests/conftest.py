@@ -16,14 +16,22 @@ runs in its own session); ``LIGHTNING_SWARM_TEST_ZYGOTE=0`` starts them all as p
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import hivemind
 import pytest
 
+from lightning_swarm.swarm.allocator import allocator_env
 from tests._helpers import local_dhts
 
+# the allocator settings SwarmStrategy's launcher gives its peers (see lightning_swarm/swarm/allocator.py), here for
+# every process of the suite: the xdist workers and their zygotes then match the launched peers' environment, which
+# the zygote needs to fork a peer instead of starting it afresh (tests/_zygote.py)
+os.environ.update(allocator_env())
+
 UNIT_MODULES = {
+    "test_allocator",
     "test_boundary",
     "test_codec",
     "test_deferred_grads",

@@ -25,12 +25,30 @@ Tests never import this package, and no benchmark imports a test's file: what bo
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+def _allocator_env() -> dict[str, str]:
+    """The glibc allocator settings a swarm's processes run with (``lightning_swarm/swarm/allocator.py``, loaded on
+    its own: the package would import torch into every benchmark's parent)."""
+    spec = importlib.util.spec_from_file_location(
+        "_swarm_allocator", ROOT / "lightning_swarm/swarm/allocator.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.allocator_env()
+
+
+# every process a benchmark starts, the swarm's and its baselines' alike, runs with the allocator settings that
+# SwarmStrategy gives its own peers: equal terms (LIGHTNING_SWARM_ALLOCATOR=default runs all with glibc's defaults)
+os.environ.update(_allocator_env())
 
 from . import counters, memory  # noqa: E402
 from .cli import parser  # noqa: E402

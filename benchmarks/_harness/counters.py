@@ -30,8 +30,9 @@ def _stat_fields(stat: str) -> list[str]:
     return stat[stat.rfind(")") + 2 :].split()  # state, ppid, pgrp, session, ..., utime (11), stime (12)
 
 
-def cpu_snapshot(sessions: set[int]) -> dict[int, tuple[str, float]]:
-    """pid -> (name, CPU seconds so far) of every process in the given sessions (a worker and its helpers)."""
+def cpu_snapshot(sessions: set[int]) -> dict[int, tuple[str, float, int]]:
+    """pid -> (name, CPU seconds so far, minor page faults so far) of every process in the given sessions (a
+    worker and its helpers)."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for entry in os.listdir("/proc"):
@@ -44,17 +45,19 @@ def cpu_snapshot(sessions: set[int]) -> dict[int, tuple[str, float]]:
         close = stat.rfind(")")
         fields = _stat_fields(stat)
         if int(fields[3]) in sessions:
-            out[int(entry)] = (stat[stat.find("(") + 1 : close], (int(fields[11]) + int(fields[12])) / tick)
+            cpu = (int(fields[11]) + int(fields[12])) / tick
+            out[int(entry)] = (stat[stat.find("(") + 1 : close], cpu, int(fields[7]))
     return out
 
 
-def cpu_split(before: dict, after: dict, mains: dict[int, str]) -> dict[str, float]:
-    """CPU seconds spent between two :func:`cpu_snapshot` s, by kind of process: the named main processes, p2p
-    daemons and the other (hivemind helper) processes."""
+def cpu_split(before: dict, after: dict, mains: dict[int, str], field: int = 1) -> dict[str, float]:
+    """CPU seconds spent between two :func:`cpu_snapshot` s (``field=2``: minor page faults taken), by kind of
+    process: the named main processes, p2p daemons and the other (hivemind helper) processes."""
     split: dict[str, float] = {}
-    for pid, (name, cpu) in after.items():
+    for pid, entry in after.items():
+        name = entry[0]
         kind = mains.get(pid) or ("p2pd" if name == "p2pd" else "helper_processes")
-        used = cpu - before.get(pid, (name, 0.0))[1]
+        used = entry[field] - before.get(pid, (name, 0.0, 0))[field]
         split[kind] = split.get(kind, 0.0) + used
     return split
 

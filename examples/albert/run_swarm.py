@@ -31,6 +31,7 @@ import time
 import warnings
 from pathlib import Path
 
+from lightning_swarm.swarm.allocator import allocator_env
 from lightning_swarm.swarm.lifetime import dies_with_this_process
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch.jit deprecation notes from dependencies
@@ -217,6 +218,7 @@ def run_swarm(args: argparse.Namespace, extra: list[str]) -> dict:
     env = dict(os.environ)
     env["LIGHTNING_SWARM_INITIAL_PEERS"] = ",".join(str(a) for a in dht.get_visible_maddrs())
     env["OMP_NUM_THREADS"] = "1"  # several peers share the cores: one compute thread each
+    env.update(allocator_env(env))  # what the strategy's own launcher gives its peers (see swarm.allocator)
     env["ALBERT_QUIET"] = "1"
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")
     peers: list[Peer] = []
@@ -342,6 +344,7 @@ def run_baseline(args: argparse.Namespace, extra: list[str], steps: int) -> dict
     env["ALBERT_QUIET"] = "1"
     # the swarm has finished: the single process gets every core (the fair baseline for samples/s)
     env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+    env.update(allocator_env(env))  # the peers' allocator settings: equal terms
     started = time.monotonic()
     subprocess.run(
         cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, preexec_fn=dies_with_this_process()

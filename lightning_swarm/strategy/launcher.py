@@ -35,6 +35,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_swarm.swarm.allocator import allocator_env
 from lightning_swarm.swarm.lifetime import describe_exit, exec_children, set_parent_death_signal
 from lightning_swarm.swarm.presence import PeerFailure
 
@@ -128,6 +129,7 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
 
     def _start(self, local_rank: int) -> subprocess.Popen:
         env = os.environ.copy()
+        env.update(allocator_env(env))  # glibc reads them at the start (see swarm.allocator)
         env["LOCAL_RANK"] = str(local_rank)
         if os.environ.get("PL_GLOBAL_SEED") is None:
             env.pop("PL_GLOBAL_SEED", None)

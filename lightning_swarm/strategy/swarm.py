@@ -43,6 +43,7 @@ from lightning_swarm.strategy._schedules import follow_swarm_epochs
 from lightning_swarm.strategy._trainer_steps import _groups_hyper, _TrainerDrivenSteps
 from lightning_swarm.strategy.launcher import _SwarmLauncher, computing_at_once
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
+from lightning_swarm.swarm.allocator import tune_allocator
 from lightning_swarm.swarm.deferred_init import InitRecorder
 from lightning_swarm.swarm.lifetime import (
     die_with_parent,
@@ -179,6 +180,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
+        tune_allocator()  # early: the threads of the peer started later share one arena (see swarm.allocator)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
