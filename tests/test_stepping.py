@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 
@@ -106,6 +107,60 @@ def test_a_remote_stage_steps_as_a_torch_optimizer_with_the_commanded_hyper_para
     for key, value in reference.state_dict().items():
         assert torch.allclose(served[key], value, atol=1e-6), key
     assert server.steps == 3
+
+
+class _NaNForLargeInputs(torch.autograd.Function):
+    """``x * w``, whose gradient of ``w`` is NaN when an input exceeds 50 (its output and input gradient stay finite)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad_w = (grad * x).sum(0)
+        return grad * w, grad_w * float("nan") if bool((x > 50).any()) else grad_w
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return _NaNForLargeInputs.apply(x, self.w)
+
+
+def test_a_trainer_driven_step_whose_gradients_are_not_finite_is_skipped_whole(dhts, cleanup, caplog):
+    """As one process with GradScaler skips a step whose gradients overflowed: the stage does not step on the
+    finite rest of them (the swarm-driven path drops the one backward instead: tests/test_hostile.py)."""
+    trainer_dht, server_dht = dhts
+    run_id = f"step-{next(_ids)}"
+    settings = SwarmSettings(run_id=run_id, num_stages=1, compression="none", stage_steps="trainer")
+    server = StageServer(
+        0, _Scale(), dht=server_dht, settings=settings, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1)
+    )
+    cleanup.append(server)
+    server.start()
+    client = SwarmClient(trainer_dht, settings)
+    cleanup.append(client)
+    client.peers(0)
+    before = server.state_dict_local()["w"].clone()
+    for x in (torch.full((2, 4), 100.0), torch.ones(2, 4)):  # a non-finite backward, then a finite one
+        client.call_stage(0, x.requires_grad_()).sum().backward()
+    with caplog.at_level(logging.WARNING, logger="lightning_swarm.swarm.server"):
+        (reply,) = client.step_stage(0, StepCommand(stage_uid(run_id, 0), 1))
+    assert reply["finite"] is False and server.steps == 0
+    assert torch.equal(server.state_dict_local()["w"], before)
+    assert any("not finite; this stage skips the step" in r.getMessage() for r in caplog.records)
+    client.call_stage(
+        0, torch.ones(2, 4, requires_grad=True)
+    ).sum().backward()  # the next step is whole again
+    (reply,) = client.step_stage(0, StepCommand(stage_uid(run_id, 0), 2))
+    assert reply["finite"] is True and server.steps == 1
+    torch.testing.assert_close(server.state_dict_local()["w"], before - 0.1 * 2.0)
 
 
 def test_malformed_step_commands_are_refused_and_the_server_keeps_serving(dhts, cleanup):

@@ -345,7 +345,9 @@ class StageBackend:
                 f"backward request {request_id} finished {time.time() - commit_by:.1f} s after its commit deadline; "
                 "its gradients were not applied (the caller retries it elsewhere)"
             )
-        finite = _all_finite(grads)
+        # trainer-driven: the step's sum is checked instead (Stepper._unscale, a pass per step) and a step that is not
+        # finite is skipped, as GradScaler skips it in one process; swarm-driven: this backward is dropped
+        finite = self.driven or _all_finite(grads)
         with self._grads_lock:
             if request_id is not None and not self._applied.add(request_id):
                 logger.debug(f"Stage {self.stage}: backward request {request_id} was already applied here")
@@ -375,7 +377,7 @@ class StageBackend:
         now = time.time()
         if any(r.commit_by is not None and now > r.commit_by for r in requests):
             return False
-        if not _all_finite(grads):
+        if not self.driven and not _all_finite(grads):  # see _commit
             return False
         ids = [r.request_id for r in requests if r.request_id is not None]
         with self._grads_lock:
