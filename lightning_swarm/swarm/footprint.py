@@ -7,18 +7,8 @@ Measured on the main job (``python benchmarks/swarm_memory.py``, PSS per peer; R
   peer's averagers are forked, and inherit their shared tensors; torch's default strategy (``file_descriptor``)
   needs no manager process. :func:`trim_footprint` restores it unless ``HIVEMIND_MEMORY_SHARING_STRATEGY`` asks
   otherwise.
-- glibc's allocator (:func:`tune_allocator`, :data:`ALLOCATOR_ENV`). It gives each thread that contends for
-  ``malloc`` an arena of its own, up to 8 per core, and a peer's main process runs 20-30 threads (hivemind's event
-  loops, torch's pools, the stage server, the client's chunk threads): one arena keeps their free memory from
-  piling up per thread. It also serves the tensors of a forward and backward (a 1024 x 4096 weight's gradient is
-  16 MB) from fresh ``mmap`` s that it unmaps when they are freed, and hands a thread arena's free heaps back: each
-  backward then pays a page fault and a zeroed page for every 4 KB it writes. Measured on
-  ``benchmarks/swarm_vs_alternatives.py``'s 50M-parameter stages (1 core, 2 rows x 16 tokens): 9,500-14,200 minor
-  faults per sample in a swarm peer and 7,000-7,600 in a GPipe rank; 100-300 and 50-80 with :data:`ALLOCATOR_ENV`,
-  and 10% and 12-24% less CPU per sample. The settings: one arena, tensors up to 32 MB from the heap, and free heap
-  memory kept for the next microbatch (explicit :func:`release_free_memory` calls still hand it back). Unless the
-  environment chooses (any ``MALLOC_*`` of these, ``GLIBC_TUNABLES`` with ``glibc.malloc``, or
-  ``LIGHTNING_SWARM_ALLOCATOR=default``).
+- glibc's allocator: one arena for all of a peer's threads, and a backward's tensors reused from the heap instead of
+  faulted in page by page (:func:`~.allocator.tune_allocator`; why, and what it saves: :mod:`.allocator`).
 - ``p2pd`` (Go) is started with ``GOGC`` = :data:`P2PD_GOGC` unless the environment sets ``GOGC``: its heap is
   collected at 1.25x the live data instead of 2x (see :func:`~.lifetime.die_with_parent`, which starts it).
 
@@ -49,11 +39,9 @@ import sys
 
 import torch
 
-from .allocator import ALLOCATOR_ENV, allocator_env, tune_allocator
+from .allocator import tune_allocator
 
 __all__ = [
-    "ALLOCATOR_ENV",
-    "allocator_env",
     "before_fork",
     "P2PD_GOGC",
     "p2pd_env",
@@ -61,7 +49,6 @@ __all__ = [
     "share_optimizer_state",
     "share_parameters",
     "trim_footprint",
-    "tune_allocator",
     "untouched_shared",
     "zero_grad_view",
 ]
