@@ -41,6 +41,7 @@ UNIT_MODULES = {
     "test_lazy_adam",
     "test_partition",
     "test_rebalance_policy",
+    "test_weight_grads",
     "test_records",
     "test_routing",
     "test_schedules",

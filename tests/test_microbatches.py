@@ -233,6 +233,9 @@ def test_a_sequential_pipeline_in_4_chunks_steps_as_one_process(tmp_path):
     assert swarm["stage_steps"] == {0: 6, 1: 6}
     moved = max(float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"])
     assert moved <= 10 * TOLERANCE  # the chunks' gradients are summed in another order than one batch's
+    # stage 1 replied to its backwards with the input gradients first (lightning_swarm/swarm/server/weight_grads.py)
+    stage1 = torch.load(f"{tmp_path / 'swarm.pt'}.peer1", weights_only=False)
+    assert stage1["stage"] == 1 and stage1["info"]["split_backwards"] == 6 * 4
 
 
 def test_chunking_a_pipeline_with_batch_normalisation_is_refused(tmp_path):

@@ -92,9 +92,11 @@ from ..settings import SwarmSettings
 from ..states import JOINING, LEAVING, ONLINE, STATES
 from ..throughput import Throughput
 from .applied import AppliedRequests
+from .compute import Kept
 from .connection_handler import ConnectionHandler
-from .stage_backend import StageBackend, _Kept
+from .stage_backend import StageBackend
 from .stepper import _EPOCH_POLL_S, Stepper
+from .weight_grads import DeferredWeights, split_enabled
 
 _SERVING_THREADS = 16  # with batching: calls being parsed, waiting for the compute thread or encoding at once
 
@@ -193,7 +195,7 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         self._batcher: RequestBatcher | None = None
         self.requests_served = 0  # forward and backward requests handed to the stage (batched or not)
         # forwards kept for their backward, by forward id (oldest first); the served parameters' version
-        self._kept: OrderedDict[int, _Kept] = OrderedDict()
+        self._kept: OrderedDict[int, Kept] = OrderedDict()
         self._kept_lock = threading.Lock()
         self._param_version = 0
         self.kept_hits = 0  # backwards that reused a kept forward
@@ -224,6 +226,11 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         self._built_modes = [(m, m.training) for m in module.modules()]
         self._training = True
         self.draws_rng = False  # whether a train-mode run of the stage drew random numbers (learned, sticky)
+        # a trainer-driven stage after the first replies to a backward before its parameter gradients (.weight_grads)
+        self._weights: DeferredWeights | None = None
+        if self.driven and stage > 0 and split_enabled():
+            waiting = lambda: 0 if self._batcher is None else self._batcher.pending()  # noqa: E731
+            self._weights = DeferredWeights(self._lock, waiting, f"stage{stage}-weights")
 
     @property
     def device(self) -> torch.device:
@@ -379,6 +386,8 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
             self._executor.shutdown(wait=True)
         with self._lock:  # the stage's blocks may be the trainer's own (put back when the run ends): as built
             self._set_mode(True)
+        if self._weights is not None:
+            self._weights.close()
         with self._kept_lock:
             self._kept.clear()
         if self._batcher is not None:

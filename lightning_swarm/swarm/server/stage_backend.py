@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,7 +22,9 @@ from ..protocol import (
     StageRequest,
 )
 from .applied import TooLate
+from .compute import Kept, all_finite, buffers_kept, exclusive, leaves_of, seeded_rng
 from .connection_handler import _error
+from .weight_grads import WeightWork, split_backward
 
 logger = logging.getLogger(__name__)
 
@@ -196,13 +197,13 @@ class StageBackend:
         """The stage's outputs for ``inputs`` in mode ``training`` under ``seed``; with ``keep_id`` (and
         ``keep_activations`` > 0) the forward runs with autograd and its graph is kept under that id for the
         backward."""
-        leaves = _leaves(inputs, self.device)
+        leaves = leaves_of(inputs, self.device)
         keep = (
             keep_id is not None and self.settings.keep_activations > 0 and self._refresh_pending_since is None
         )
         keep = keep and (bool(self._trained) or any(leaf.requires_grad for leaf in leaves))
         args, kwargs = inputs.rebuild_call(leaves)
-        with self._lock, torch.enable_grad() if keep else torch.no_grad():
+        with self._foreground(), self._lock, torch.enable_grad() if keep else torch.no_grad():
             start, began = time.perf_counter(), time.monotonic()
             outputs = self._run_module(args, kwargs, training, seed)
             version, spent = self._param_version, time.perf_counter() - start
@@ -217,10 +218,10 @@ class StageBackend:
         if not keep:
             return payload
         assert keep_id is not None
-        self._keep(keep_id, _Kept(leaves, payload.tensors, version, spent, time.monotonic()))
+        self._keep(keep_id, Kept(leaves, payload.tensors, version, spent, time.monotonic()))
         return Payload(payload.skeleton, [t.detach() for t in payload.tensors])
 
-    def _keep(self, forward_id: int, kept: _Kept) -> None:
+    def _keep(self, forward_id: int, kept: Kept) -> None:
         with self._kept_lock:
             self._kept.pop(forward_id, None)
             self._kept[forward_id] = kept
@@ -235,7 +236,7 @@ class StageBackend:
         with self._kept_lock:
             return request.forward_id in self._kept
 
-    def _take_kept(self, forward_id: int | None) -> _Kept | None:
+    def _take_kept(self, forward_id: int | None) -> Kept | None:
         if forward_id is None:
             return None
         with self._kept_lock:
@@ -250,10 +251,14 @@ class StageBackend:
         grad_outputs: Payload,
         request_id: int | None = None,
         commit_by: float | None = None,
-        kept: _Kept | None = None,
+        kept: Kept | None = None,
         training: bool = True,
         seed: int | None = None,
     ) -> Payload:
+        if kept is not None and self._weights is not None:  # input gradients first (see .weight_grads)
+            reply = self._backward_split(inputs, grad_outputs, request_id, commit_by, kept)
+            if reply is not None:
+                return reply
         try:
             grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs, kept, training, seed)
         finally:
@@ -270,7 +275,7 @@ class StageBackend:
         self,
         inputs: Payload,
         grad_outputs: Payload,
-        kept: _Kept | None = None,
+        kept: Kept | None = None,
         training: bool = True,
         seed: int | None = None,
     ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor | None]]:
@@ -281,7 +286,7 @@ class StageBackend:
         grads = grad_outputs.rebuild()
         batch_size = inputs.batch_size()
         trained = self._trained
-        with self._lock:
+        with self._foreground(), self._lock:
             start, began = time.perf_counter(), time.monotonic()
             results: list[torch.Tensor | None] | None = None
             if kept is not None and kept.matches(inputs, self._param_version):
@@ -293,9 +298,9 @@ class StageBackend:
                     logger.debug(f"Stage {self.stage}: kept forward unusable ({e.error!r}); recomputing it")
                     results = None
             if results is None:
-                leaves, spent = _leaves(inputs, self.device), 0.0
+                leaves, spent = leaves_of(inputs, self.device), 0.0
                 args, kwargs = inputs.rebuild_call(leaves)
-                with _buffers_kept(self.module, training), torch.enable_grad():
+                with buffers_kept(self.module, training), torch.enable_grad():
                     outputs = _outputs_payload(self._run_module(args, kwargs, training, seed)).tensors
                     results = self._grads_of(leaves, outputs, grads, trained)
             self.throughput.record(batch_size, spent + time.perf_counter() - start)
@@ -304,7 +309,93 @@ class StageBackend:
         grad_inputs = tuple(
             g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=False)
         )
-        return grad_inputs, _exclusive(results[len(wanted) :], grad_inputs)
+        return grad_inputs, exclusive(results[len(wanted) :], grad_inputs)
+
+    def _backward_split(
+        self,
+        inputs: Payload,
+        grad_outputs: Payload,
+        request_id: int | None,
+        commit_by: float | None,
+        kept: Kept,
+    ) -> Payload | None:
+        """A backward from the ``kept`` forward that replies with the input gradients and leaves the parameter
+        gradients to :attr:`_weights` (see :mod:`.weight_grads`); ``None`` (nothing done) where that does not apply."""
+        weights = self._weights
+        assert weights is not None
+        grads = grad_outputs.rebuild()
+        with weights.foreground(), self._lock:
+            if not kept.matches(inputs, self._param_version):
+                return None
+            start, began = time.perf_counter(), time.monotonic()
+            try:
+                check_grad_outputs(grads, kept.outputs)
+                pairs = [
+                    (out, grad.to(device=out.device, dtype=out.dtype))
+                    for out, grad in zip(kept.outputs, grads, strict=True)
+                    if grad is not None and out.requires_grad
+                ]
+                wanted = [leaf for leaf in kept.leaves if leaf.requires_grad]
+                split = split_backward([o for o, _ in pairs], [g for _, g in pairs], wanted, self._trained)
+            except BadRequest:
+                raise
+            except Exception as e:  # the whole backward (below) says what is wrong, or recomputes
+                logger.debug(f"Stage {self.stage}: backward not split ({e!r})")
+                return None
+            if split is None:
+                return None
+            results, work = split
+            work.spent = kept.forward_s + time.perf_counter() - start
+            self.compute_log.append(("backward", began, time.monotonic()))
+        grad_inputs = tuple(
+            g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=True)
+        )
+        rows = inputs.batch_size()
+        try:
+            claimed = self._claim(rows, request_id, commit_by)
+        except BaseException:
+            self._done_with_kept()
+            raise
+        if claimed:
+            weights.defer(work, lambda w: self._add_weights(w, rows, grad_inputs))
+        else:
+            self._done_with_kept()
+        check_finite(list(grad_inputs), f"stage {self.stage} input gradient", _NonFinite)
+        return Payload.flatten(grad_inputs)
+
+    def _add_weights(self, work: WeightWork, rows: int, grad_inputs: tuple[torch.Tensor, ...]) -> None:
+        """A deferred backward's parameter gradients are computed: into the step's sum (see :meth:`_backward_split`)."""
+        self._done_with_kept()
+        if work.error is not None:
+            return  # the step is refused (Stepper._take_pending)
+        self.throughput.record(rows, work.spent)
+        grads = exclusive(work.grads, grad_inputs)  # none of the reply's tensors is added into
+        with self._grads_lock:
+            self._add_pending(grads)
+            self._pending_samples += rows
+            self._pending_backwards += 1
+        self._wake.set()
+
+    def _done_with_kept(self) -> None:
+        with self._kept_lock:
+            self._kept_in_use -= 1
+        if self._refresh_pending_since is not None:
+            self._wake.set()  # new parameters may have been waiting for this backward
+
+    def _claim(self, rows: int, request_id: int | None, commit_by: float | None) -> bool:
+        """Count a trainer-driven backward whose parameter gradients come later (:meth:`_add_weights`), at most
+        once per request id and before ``commit_by`` (else :class:`TooLate`); returns whether they are wanted."""
+        _check_deadline(request_id, commit_by)
+        with self._grads_lock:
+            if request_id is not None and not self._applied.add(request_id):
+                logger.debug(f"Stage {self.stage}: backward request {request_id} was already applied here")
+                return False
+            self.samples_processed += rows
+            return self.optimizer is not None and bool(self._trained)
+
+    def _foreground(self) -> contextlib.AbstractContextManager:
+        """Around a forward's or backward's use of the stage: deferred parameter gradients wait (.weight_grads)."""
+        return contextlib.nullcontext() if self._weights is None else self._weights.foreground()
 
     @staticmethod
     def _grads_of(
@@ -340,14 +431,10 @@ class StageBackend:
     ) -> None:
         """Add a backward's parameter gradients to the pending ones, at most once per request id, and only
         before the caller's ``commit_by`` deadline (raises :class:`TooLate` after it)."""
-        if commit_by is not None and time.time() > commit_by:
-            raise TooLate(
-                f"backward request {request_id} finished {time.time() - commit_by:.1f} s after its commit deadline; "
-                "its gradients were not applied (the caller retries it elsewhere)"
-            )
+        _check_deadline(request_id, commit_by)
         # trainer-driven: the step's sum is checked instead (Stepper._unscale, a pass per step) and a step that is not
         # finite is skipped, as GradScaler skips it in one process; swarm-driven: this backward is dropped
-        finite = self.driven or _all_finite(grads)
+        finite = self.driven or all_finite(grads)
         with self._grads_lock:
             if request_id is not None and not self._applied.add(request_id):
                 logger.debug(f"Stage {self.stage}: backward request {request_id} was already applied here")
@@ -377,7 +464,7 @@ class StageBackend:
         now = time.time()
         if any(r.commit_by is not None and now > r.commit_by for r in requests):
             return False
-        if not self.driven and not _all_finite(grads):  # see _commit
+        if not self.driven and not all_finite(grads):  # see _commit
             return False
         ids = [r.request_id for r in requests if r.request_id is not None]
         with self._grads_lock:
@@ -395,7 +482,7 @@ class StageBackend:
         return True
 
     def _add_pending(self, grads: list[torch.Tensor | None]) -> None:
-        """Add parameter gradients (this server's own tensors, see :func:`_exclusive`) to the pending sum; the
+        """Add parameter gradients (this server's own tensors, see :func:`exclusive`) to the pending sum; the
         first backward after a step becomes the sum itself (no zero-filled buffer, no extra pass). Under
         ``_grads_lock``."""
         if self._pending is None:
@@ -425,7 +512,7 @@ class StageBackend:
                 if autocast is not None
                 else contextlib.nullcontext()
             )
-            with _seeded_rng(seed, self.device) as drew, precision:
+            with seeded_rng(seed, self.device) as drew, precision:
                 outputs = self.module(*args, **kwargs)
         except (MemoryError, torch.OutOfMemoryError):
             raise
@@ -455,7 +542,8 @@ class StageBackend:
             return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     def info(self) -> dict[str, Any]:
-        """Stage, throughput (samples/s of forward + backward), samples processed and optimizer epoch."""
+        """Stage, throughput (samples/s of forward + backward), samples processed, optimizer epoch and steps,
+        averaging rounds, and backwards whose parameter gradients came after the reply (:mod:`.weight_grads`)."""
         epoch = self.optimizer.local_epoch if self.optimizer is not None else 0
         return {
             "stage": self.stage,
@@ -464,6 +552,7 @@ class StageBackend:
             "epoch": int(epoch),
             "steps": self.steps,
             "averaged_rounds": self.averaged_rounds + getattr(self.optimizer, "rounds", 0),
+            "split_backwards": 0 if self._weights is None else self._weights.deferred,
         }
 
 
@@ -484,108 +573,12 @@ class _NonFinite(FloatingPointError):
         )
 
 
-@contextlib.contextmanager
-def _seeded_rng(seed: int | None, device: torch.device) -> Iterator[list[bool]]:
-    """Run the body with torch's CPU generator (and ``device``'s, if CUDA) seeded with ``seed``, restored
-    afterwards (the server's own stream, and an in-process trainer's, do not move); ``None``: unseeded, as they
-    are. Yields ``[drew]``, set on exit to whether the body drew random numbers from them."""
-    cuda = device.type == "cuda" and torch.cuda.is_available()
-    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
-    generators = [torch.default_generator] + ([torch.cuda.default_generators[index]] if cuda else [])
-    drew = [False]
-    with contextlib.ExitStack() as stack:
-        if seed is not None:
-            stack.enter_context(torch.random.fork_rng(devices=[] if index is None else [index]))
-            for generator in generators:
-                generator.manual_seed(seed)
-        before = [generator.get_state() for generator in generators]
-        yield drew
-        drew[0] = any(
-            not torch.equal(state, generator.get_state())
-            for state, generator in zip(before, generators, strict=True)
+def _check_deadline(request_id: int | None, commit_by: float | None) -> None:
+    if commit_by is not None and time.time() > commit_by:
+        raise TooLate(
+            f"backward request {request_id} finished {time.time() - commit_by:.1f} s after its commit deadline; "
+            "its gradients were not applied (the caller retries it elsewhere)"
         )
-
-
-@contextlib.contextmanager
-def _buffers_kept(module: nn.Module, training: bool) -> Iterator[None]:
-    """Restore the module's buffers on exit (a recomputed train-mode forward must not update batch
-    normalisation's running statistics a second time). All of them: batch norm's kernel updates its running
-    statistics without bumping their version counter, so a change cannot be told cheaply. Eval mode: no copy."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()] if training else []
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-
-
-def _leaves(inputs: Payload, device: torch.device) -> list[torch.Tensor]:
-    """The inputs as autograd leaves on ``device``: floating tensors sent as requiring grad require it."""
-    leaves = []
-    for t in inputs.tensors:
-        leaf = t.detach().to(device)
-        if t.requires_grad and t.is_floating_point():
-            leaf.requires_grad_(True)
-        leaves.append(leaf)
-    return leaves
-
-
-class _Kept:
-    """A forward kept for its backward: its input leaves, its outputs (with their autograd graph), the version
-    of the served parameters it ran with, and how long it took."""
-
-    __slots__ = ("leaves", "outputs", "version", "forward_s", "created")
-
-    def __init__(
-        self,
-        leaves: list[torch.Tensor],
-        outputs: list[torch.Tensor],
-        version: int,
-        forward_s: float,
-        created: float,
-    ) -> None:
-        self.leaves, self.outputs, self.version = leaves, outputs, version
-        self.forward_s, self.created = forward_s, created
-
-    def matches(self, inputs: Payload, version: int) -> bool:
-        """Whether a backward of ``inputs`` may use this forward: same parameters, same input shapes and dtypes,
-        the same inputs requiring grad."""
-        if version != self.version or len(inputs.tensors) != len(self.leaves):
-            return False
-        return all(
-            t.shape == leaf.shape
-            and t.dtype == leaf.dtype
-            and (t.requires_grad and t.is_floating_point()) == leaf.requires_grad
-            for t, leaf in zip(inputs.tensors, self.leaves, strict=True)
-        )
-
-
-def _all_finite(grads: list[torch.Tensor | None]) -> bool:
-    """Whether every gradient is finite: one reduction per tensor (a sum is NaN or infinite when any element is,
-    or when finite values are so large that they overflow, which is refused as well), one sync for all."""
-    sums = [g.sum(dtype=torch.float32) for g in grads if g is not None and g.numel()]
-    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
-
-
-def _exclusive(
-    grads: list[torch.Tensor | None], others: tuple[torch.Tensor, ...]
-) -> list[torch.Tensor | None]:
-    """Parameter gradients that share no memory with each other nor with ``others`` (the input gradients sent
-    back): autograd may hand one tensor to several inputs (``y = x + p`` gives ``x`` and ``p`` the same gradient),
-    and the pending sum adds into the first backward's tensors in place. Shared or non-contiguous ones are copied."""
-    seen = {t.untyped_storage().data_ptr() for t in others if t.numel()}
-    out: list[torch.Tensor | None] = []
-    for g in grads:
-        if g is not None and g.numel():
-            g = g.contiguous()  # an expanded gradient (``p.sum()`` gives one) cannot be added into in place
-            ptr = g.untyped_storage().data_ptr()
-            if ptr in seen:
-                g = g.clone()
-                ptr = g.untyped_storage().data_ptr()
-            seen.add(ptr)
-        out.append(g)
-    return out
 
 
 def _outputs_payload(outputs: Any) -> Payload:

@@ -1,0 +1,118 @@
+"""Pieces of a stage server's computation: seeded randomness, buffers kept across a recompute, the inputs as
+leaves, kept forwards, and the ownership and finiteness of parameter gradients (see :mod:`.stage_backend`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..payload import Payload
+
+__all__ = ["Kept", "all_finite", "buffers_kept", "exclusive", "leaves_of", "seeded_rng"]
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int | None, device: torch.device) -> Iterator[list[bool]]:
+    """Run the body with torch's CPU generator (and ``device``'s, if CUDA) seeded with ``seed``, restored
+    afterwards (the server's own stream, and an in-process trainer's, do not move); ``None``: unseeded, as they
+    are. Yields ``[drew]``, set on exit to whether the body drew random numbers from them."""
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+    generators = [torch.default_generator] + ([torch.cuda.default_generators[index]] if cuda else [])
+    drew = [False]
+    with contextlib.ExitStack() as stack:
+        if seed is not None:
+            stack.enter_context(torch.random.fork_rng(devices=[] if index is None else [index]))
+            for generator in generators:
+                generator.manual_seed(seed)
+        before = [generator.get_state() for generator in generators]
+        yield drew
+        drew[0] = any(
+            not torch.equal(state, generator.get_state())
+            for state, generator in zip(before, generators, strict=True)
+        )
+
+
+@contextlib.contextmanager
+def buffers_kept(module: nn.Module, training: bool) -> Iterator[None]:
+    """Restore the module's buffers on exit (a recomputed train-mode forward must not update batch
+    normalisation's running statistics a second time). All of them: batch norm's kernel updates its running
+    statistics without bumping their version counter, so a change cannot be told cheaply. Eval mode: no copy."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()] if training else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+def leaves_of(inputs: Payload, device: torch.device) -> list[torch.Tensor]:
+    """The inputs as autograd leaves on ``device``: floating tensors sent as requiring grad require it."""
+    leaves = []
+    for t in inputs.tensors:
+        leaf = t.detach().to(device)
+        if t.requires_grad and t.is_floating_point():
+            leaf.requires_grad_(True)
+        leaves.append(leaf)
+    return leaves
+
+
+class Kept:
+    """A forward kept for its backward: its input leaves, its outputs (with their autograd graph), the version
+    of the served parameters it ran with, and how long it took."""
+
+    __slots__ = ("leaves", "outputs", "version", "forward_s", "created")
+
+    def __init__(
+        self,
+        leaves: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        version: int,
+        forward_s: float,
+        created: float,
+    ) -> None:
+        self.leaves, self.outputs, self.version = leaves, outputs, version
+        self.forward_s, self.created = forward_s, created
+
+    def matches(self, inputs: Payload, version: int) -> bool:
+        """Whether a backward of ``inputs`` may use this forward: same parameters, same input shapes and dtypes,
+        the same inputs requiring grad."""
+        if version != self.version or len(inputs.tensors) != len(self.leaves):
+            return False
+        return all(
+            t.shape == leaf.shape
+            and t.dtype == leaf.dtype
+            and (t.requires_grad and t.is_floating_point()) == leaf.requires_grad
+            for t, leaf in zip(inputs.tensors, self.leaves, strict=True)
+        )
+
+
+def all_finite(grads: list[torch.Tensor | None]) -> bool:
+    """Whether every gradient is finite: one reduction per tensor (a sum is NaN or infinite when any element is,
+    or when finite values are so large that they overflow, which is refused as well), one sync for all."""
+    sums = [g.sum(dtype=torch.float32) for g in grads if g is not None and g.numel()]
+    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
+
+
+def exclusive(
+    grads: list[torch.Tensor | None], others: tuple[torch.Tensor, ...]
+) -> list[torch.Tensor | None]:
+    """Parameter gradients that share no memory with each other nor with ``others`` (the input gradients sent
+    back): autograd may hand one tensor to several inputs (``y = x + p`` gives ``x`` and ``p`` the same gradient),
+    and the pending sum adds into the first backward's tensors in place. Shared or non-contiguous ones are copied."""
+    seen = {t.untyped_storage().data_ptr() for t in others if t.numel()}
+    out: list[torch.Tensor | None] = []
+    for g in grads:
+        if g is not None and g.numel():
+            g = g.contiguous()  # an expanded gradient (``p.sum()`` gives one) cannot be added into in place
+            ptr = g.untyped_storage().data_ptr()
+            if ptr in seen:
+                g = g.clone()
+                ptr = g.untyped_storage().data_ptr()
+            seen.add(ptr)
+        out.append(g)
+    return out
