@@ -530,9 +530,13 @@ def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: 
     out.mkdir(parents=True, exist_ok=True)
     if variant == "ddp":  # a reference, not a target: fewer steps (see the docstring)
         cfg = {**cfg, "global_steps": cfg.get("ddp_global_steps", cfg["global_steps"])}
+    # "swarm_whole": the swarm with every backward run whole (no B/W split: lightning_swarm/swarm/server/weight_grads.py)
+    whole, variant = variant == "swarm_whole", "swarm" if variant == "swarm_whole" else variant
     this = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", variant]
     this += ["--cfg", json.dumps(cfg), "--out", str(out)]
     base_env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    if whole:
+        base_env["LIGHTNING_SWARM_SPLIT_BACKWARD"] = "0"
     procs = _harness.Launcher(out)
     started = time.monotonic()
 
@@ -621,6 +625,7 @@ def summarize(runs: dict, cal: dict, cfg: dict, links: list[float]) -> dict:
     for link in links:
         key = f"{link:g}mbit"
         sw, gp, g16, dd = (runs.get(f"{v}_{key}") for v in ("swarm", "gpipe", "gpipe_fp16", "ddp"))
+        whole = runs.get(f"swarm_whole_{key}")  # --split-ablation
 
         def sps(r: dict | None) -> float | None:
             return r["samples_per_s"] if r else None
@@ -682,6 +687,9 @@ def summarize(runs: dict, cal: dict, cfg: dict, links: list[float]) -> dict:
             entry["swarm_ms_per_microbatch"] = _r(1e3 / sw["samples_per_s"] * mb, 1)
             entry["swarm_call_ms_per_microbatch"] = sw.get("call_ms_per_microbatch")
             entry["swarm_trainer_rest_ms_per_microbatch"] = sw.get("trainer_rest_ms_per_microbatch")
+        if whole:
+            entry["samples_per_s_swarm_whole_backward"] = _r(sps(whole))
+            entry["speedup_from_split_backward"] = _r(sps(sw) / sps(whole)) if sw else None
         entry["cpu_s_per_sample"] = {
             name: r.get("cpu_s_per_sample") for name, r in (("swarm", sw), ("gpipe", gp), ("ddp", dd)) if r
         }
@@ -790,6 +798,12 @@ def main() -> None:
     )
     parser.add_argument("--links", default="100,1000", help="link rates in Mbit/s, comma-separated")
     parser.add_argument("--only", default="", help="comma-separated variants to run (debugging)")
+    parser.add_argument(
+        "--split-ablation",
+        action="store_true",
+        help="also run the swarm with whole backwards (variant swarm_whole: LIGHTNING_SWARM_SPLIT_BACKWARD=0) after "
+        "the swarm on each link, and report speedup_from_split_backward",
+    )
     parser.add_argument("--model", default="{}", help="JSON overrides of the model/run config (debugging)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="", help=argparse.SUPPRESS)
@@ -819,6 +833,8 @@ def main() -> None:
     plan += [("swarm_local", None)]
     for link in links:
         plan += [(v, link) for v in ("swarm", "gpipe", "gpipe_fp16", "ddp")]
+        if args.split_ablation:
+            plan.insert(-3, ("swarm_whole", link))
     runs: dict[str, dict] = {}
     errors: list[str] = []
     with tempfile.TemporaryDirectory(prefix="swarm_vs_alt_") as tmp:
