@@ -3,7 +3,7 @@
     python benchmarks/swarm_vs_alternatives.py [--quick]      (as root: creates network namespaces)
 
 The model (config in the JSON): token + position embeddings, 8 ``nn.TransformerEncoderLayer`` blocks of hidden
-size 1024 (16 heads, FFN 4096, pre-norm, dropout 0: the swarm recomputes a stage's forward for its backward),
+size 1024 (16 heads, FFN 4096, pre-norm, dropout 0),
 final LayerNorm and a vocabulary head; ~103M parameters, AdamW. Synthetic token data; every variant trains the
 same number of samples at the same global batch, split into the same microbatches (``--quick``: 12 global steps,
 the last 9 timed: the throughput of a 3-step window moved by +-15% between runs on the shared box; DDP, whose step
@@ -44,6 +44,12 @@ p2p daemons), ``main_process_thread_cpu_s_per_sample`` (the trainer process's Py
 ``call_ms_per_microbatch`` (wall time of the trainer's stage calls, summed over concurrent ones;
 ``trainer_rest_ms_per_microbatch`` the time no stage call was in flight).
 The machine is shared: the JSON records the load average; CPU seconds move less with the load than wall times.
+Runs of one code on this box move by up to +-15% from one minute to the next (both sides: GPipe's too), so
+``--rounds N`` runs the swarm and GPipe variants N times on each link, interleaved (swarm, GPipe, fp16 GPipe,
+swarm, ...), takes each variant's median run for the figures and lists every round (``per_link.<link>.rounds``,
+with the swarm's ratio to GPipe round by round). ``--split-ablation`` adds ``swarm_whole``, the swarm with every
+backward run whole (``LIGHTNING_SWARM_SPLIT_BACKWARD=0``, see ``lightning_swarm/swarm/server/weight_grads.py``),
+right after each swarm run: ``speedup_from_split_backward``.
 
 The last stdout line is one JSON object; ``swarm_vs_alternatives.json`` and ``swarm_vs_alternatives.png`` (bar
 chart) are written to ``--out`` (default ``runs/swarm_vs_alternatives``). Every process started is ended with the
@@ -523,9 +529,9 @@ def error_lines(out: Path, keep: Path) -> list[str]:
     return lines
 
 
-def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: int) -> dict:
-    """One run of ``variant`` on a shaped link (``link`` Mbit/s) or on loopback (None); returns rank 0's result."""
-    name = f"{variant}_{'loopback' if link is None else f'{link:g}mbit'}"
+def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: int, name: str) -> dict:
+    """One run of ``variant`` on a shaped link (``link`` Mbit/s) or on loopback (None), in ``root / name``; returns
+    rank 0's result."""
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
     if variant == "ddp":  # a reference, not a target: fewer steps (see the docstring)
@@ -609,6 +615,35 @@ def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: 
         return json.loads((out / "result.json").read_text()) | {"wall_s": time.monotonic() - started}
     finally:
         procs.stop()
+
+
+def median_rounds(runs: dict, variants: list[str], links: list[float], rounds: int) -> dict[str, dict]:
+    """With several rounds: each variant's run of median samples/s takes the variant's plain name (the figures are
+    computed from it); returns, per link, every round's samples/s by variant and the swarm's ratio to GPipe round
+    by round."""
+    if rounds < 2:
+        return {}
+    out: dict[str, dict] = {}
+    for link in links:
+        key = f"{link:g}mbit"
+        by_variant: dict[str, list] = {}
+        for variant in variants:
+            names = [f"{variant}_{key}" + ("" if k == 1 else f"_r{k}") for k in range(1, rounds + 1)]
+            done = [(runs[n]["samples_per_s"], runs[n]) for n in names if n in runs]
+            if not done:
+                continue
+            by_variant[variant] = [_r(sps) for sps, _ in done]
+            ordered = sorted(done, key=lambda pair: pair[0])
+            median = ordered[(len(ordered) - 1) // 2][1]
+            moved = {n: runs.pop(n) for n in names if n in runs}
+            runs[names[0]] = median
+            rest = [r for r in moved.values() if r is not median]
+            runs.update({f"{names[0]}_other{i + 1}": r for i, r in enumerate(rest)})
+        swarm, gpipe = by_variant.get("swarm"), by_variant.get("gpipe")
+        if swarm and gpipe:
+            by_variant["speedup_vs_gpipe_by_round"] = [_r(a / b) for a, b in zip(swarm, gpipe, strict=False)]
+        out[key] = by_variant
+    return out
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:
@@ -804,6 +839,13 @@ def main() -> None:
         help="also run the swarm with whole backwards (variant swarm_whole: LIGHTNING_SWARM_SPLIT_BACKWARD=0) after "
         "the swarm on each link, and report speedup_from_split_backward",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the swarm and GPipe variants this many times on each link, interleaved; the figures come from "
+        "each variant's median run, and per_link.<link>.rounds lists every round",
+    )
     parser.add_argument("--model", default="{}", help="JSON overrides of the model/run config (debugging)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="", help=argparse.SUPPRESS)
@@ -826,23 +868,27 @@ def main() -> None:
     report = _harness.Report("swarm_vs_alternatives", args.out)
     cfg = {**MODEL, **(QUICK if args.quick else FULL), **json.loads(args.model)}
     links = [float(x) for x in args.links.split(",") if x]
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: give 1 or more")
     only = {v for v in args.only.split(",") if v}
     load_start = os.getloadavg()
     out_dir = report.dir
     plan: list[tuple[str, float | None]] = [("calibrate", None), ("single", None), ("single_1thread", None)]
     plan += [("swarm_local", None)]
-    for link in links:
-        plan += [(v, link) for v in ("swarm", "gpipe", "gpipe_fp16", "ddp")]
-        if args.split_ablation:
-            plan.insert(-3, ("swarm_whole", link))
+    plan = [(v, link, "") for v, link in plan]
+    timed = ["swarm", *(["swarm_whole"] if args.split_ablation else []), "gpipe", "gpipe_fp16"]
+    for link in links:  # --rounds: the timed variants again, interleaved (round k's runs are named ..._rk)
+        for k in range(1, args.rounds + 1):
+            plan += [(v, link, "" if k == 1 else f"_r{k}") for v in timed]
+        plan += [("ddp", link, "")]
     runs: dict[str, dict] = {}
     errors: list[str] = []
     with tempfile.TemporaryDirectory(prefix="swarm_vs_alt_") as tmp:
-        for index, (variant, link) in enumerate(plan):
+        for index, (variant, link, suffix) in enumerate(plan):
             if only and variant not in only and variant != "calibrate":
                 continue
-            name = f"{variant}_{'loopback' if link is None else f'{link:g}mbit'}"
-            res = run_variant(variant, link, cfg, Path(tmp), index)
+            name = f"{variant}_{'loopback' if link is None else f'{link:g}mbit'}{suffix}"
+            res = run_variant(variant, link, cfg, Path(tmp), index, name)
             runs[name] = res
             errors += error_lines(Path(tmp) / name, out_dir / "logs")
             sps = res.get("samples_per_s")
@@ -851,7 +897,10 @@ def main() -> None:
                 extra += f", {res['bytes_per_sample']:,.0f} B/sample on the link"
             print(f"[{name}] {extra} (wall {res['wall_s']:.0f} s, load {os.getloadavg()[0]:.1f})", flush=True)
     cal = runs.pop("calibrate_loopback")
+    rounds = median_rounds(runs, timed, links, args.rounds)
     summary = summarize(runs, cal, cfg, links)
+    for key, by_variant in rounds.items():
+        summary["per_link"][key]["rounds"] = by_variant
     params = cal["total_params"]
     summary["model"] = {**cfg, "params": params, "stage_params": [cal["stage0_params"], cal["stage1_params"]]}
     summary["model_label"] = (

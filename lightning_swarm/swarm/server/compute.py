@@ -4,6 +4,7 @@ leaves, kept forwards, and the ownership and finiteness of parameter gradients (
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -12,6 +13,11 @@ from torch import nn
 from ..payload import Payload
 
 __all__ = ["Kept", "all_finite", "buffers_kept", "exclusive", "leaves_of", "seeded_rng"]
+
+# the generators are the process's: two servers of one process (tests; a trainer serving a stage while another runs
+# in it) must not seed them at once (each run would draw from the other's seed), nor read their states at once (two
+# threads in torch's Generator.get_state hung a test, each waiting for the other)
+_RNG_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -23,7 +29,7 @@ def seeded_rng(seed: int | None, device: torch.device) -> Iterator[list[bool]]:
     index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
     generators = [torch.default_generator] + ([torch.cuda.default_generators[index]] if cuda else [])
     drew = [False]
-    with contextlib.ExitStack() as stack:
+    with _RNG_LOCK, contextlib.ExitStack() as stack:
         if seed is not None:
             stack.enter_context(torch.random.fork_rng(devices=[] if index is None else [index]))
             for generator in generators:

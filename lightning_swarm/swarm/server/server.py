@@ -40,6 +40,10 @@ New parameters from the optimizer wait for the backwards of the forwards kept so
 flight across an optimizer step does not lose its kept forward; the served parameters may lag the optimizer
 by that much, as they may anyway while a step runs.
 
+Split backwards (see :mod:`.weight_grads`): a trainer-driven stage after the first whose backward finds its
+forward kept replies with the input gradients alone, and computes the parameter gradients after, while no call
+waits for the stage; a step takes them first.
+
 At most once: every backward carries a request id; a peer applies each id once (a resent duplicate gets its
 input gradients recomputed, but its parameter gradients are dropped), and a backward whose compute ends after
 the caller's ``commit_by`` deadline is not applied at all (the caller has retried it on another peer by then).
