@@ -14,9 +14,9 @@ from ..payload import Payload
 
 __all__ = ["Kept", "all_finite", "buffers_kept", "exclusive", "leaves_of", "seeded_rng"]
 
-# the generators are the process's: two servers of one process (tests; a trainer serving a stage while another runs
-# in it) must not seed them at once (each run would draw from the other's seed), nor read their states at once (two
-# threads in torch's Generator.get_state hung a test, each waiting for the other)
+# the generators are the process's: two servers of one process (tests; a trainer that serves a stage) read and set
+# their states one at a time (two threads in torch's Generator.get_state at once hung a test, each waiting for the
+# other). Not held while the stage runs: a slow stage would hold up the other server
 _RNG_LOCK = threading.RLock()
 
 
@@ -29,17 +29,24 @@ def seeded_rng(seed: int | None, device: torch.device) -> Iterator[list[bool]]:
     index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
     generators = [torch.default_generator] + ([torch.cuda.default_generators[index]] if cuda else [])
     drew = [False]
-    with _RNG_LOCK, contextlib.ExitStack() as stack:
+    with _RNG_LOCK:
+        saved = None if seed is None else [generator.get_state() for generator in generators]
         if seed is not None:
-            stack.enter_context(torch.random.fork_rng(devices=[] if index is None else [index]))
             for generator in generators:
                 generator.manual_seed(seed)
         before = [generator.get_state() for generator in generators]
+    try:
         yield drew
-        drew[0] = any(
-            not torch.equal(state, generator.get_state())
-            for state, generator in zip(before, generators, strict=True)
-        )
+        with _RNG_LOCK:
+            drew[0] = any(
+                not torch.equal(state, generator.get_state())
+                for state, generator in zip(before, generators, strict=True)
+            )
+    finally:
+        if saved is not None:
+            with _RNG_LOCK:
+                for generator, state in zip(generators, saved, strict=True):
+                    generator.set_state(state)
 
 
 @contextlib.contextmanager
