@@ -152,3 +152,29 @@ def test_the_split_is_on_unless_the_environment_turns_it_off() -> None:
     assert split_enabled({}) and split_enabled({"LIGHTNING_SWARM_SPLIT_BACKWARD": "1"})
     assert not split_enabled({"LIGHTNING_SWARM_SPLIT_BACKWARD": "0"})
     assert not split_enabled({"LIGHTNING_SWARM_SPLIT_BACKWARD": "off"})
+
+
+def test_deferred_parts_beyond_the_bound_run_even_while_calls_hold_the_stage() -> None:
+    """Each queued part holds its backward's graph: a stage that is never idle until its step must not keep more
+    than ``most`` of them."""
+    lock = threading.Lock()
+    log: list[tuple[str, float, float]] = []
+    weights = DeferredWeights(lock, lambda: 0, "test-weights", most=1, log=lambda *entry: log.append(entry))
+    module = _Blocks(layers=1)
+    done: list[int] = []
+    with weights.foreground():
+        for i in range(3):
+            x = torch.randn(2, 6, 32, requires_grad=True)
+            out = module(x, torch.zeros(6, 6), torch.zeros(2, 6, dtype=torch.bool))
+            split = split_backward([out], [torch.ones_like(out)], [x], list(module.parameters()))
+            assert split is not None
+            weights.defer(split[1], lambda w, i=i: done.append(i))
+        deadline = time.monotonic() + 10
+        while weights.pending() > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (
+            done[:2] == [0, 1] and weights.pending() == 1
+        )  # the oldest ran; one stays for when the stage idles
+    assert weights.drain() is None and done == [0, 1, 2]
+    assert log and all(kind == "weights" and end >= start for kind, start, end in log)
+    weights.close()

@@ -234,7 +234,9 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         self._weights: DeferredWeights | None = None
         if self.driven and stage > 0 and split_enabled():
             waiting = lambda: 0 if self._batcher is None else self._batcher.pending()  # noqa: E731
-            self._weights = DeferredWeights(self._lock, waiting, f"stage{stage}-weights")
+            log = lambda *entry: self.compute_log.append(entry)  # noqa: E731
+            most = max(settings.keep_activations, 1)
+            self._weights = DeferredWeights(self._lock, waiting, f"stage{stage}-weights", most, log)
 
     @property
     def device(self) -> torch.device:

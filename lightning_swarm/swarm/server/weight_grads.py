@@ -192,10 +192,20 @@ class DeferredWeights:
         lock: the stage's parameters lock (a W part runs under it, one parameter group at a time).
         waiting: how many calls wait for the stage besides those in :meth:`foreground` (the batcher's queue).
         name: the thread's name.
+        most: beyond this many parts queued, they run before calls (each holds its backward's graph: a stage that
+            is never idle until its step must not hold an unbounded number of them).
+        log: called with ``("weights", start, end)`` (monotonic clock) for each parameter group run.
     """
 
-    def __init__(self, lock: threading.Lock, waiting: Callable[[], int], name: str) -> None:
-        self._lock, self._waiting, self._name = lock, waiting, name
+    def __init__(
+        self,
+        lock: threading.Lock,
+        waiting: Callable[[], int],
+        name: str,
+        most: int = 16,
+        log: Callable[[str, float, float], None] | None = None,
+    ) -> None:
+        self._lock, self._waiting, self._name, self._most, self._log = lock, waiting, name, most, log
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[WeightWork, Callable[[WeightWork], None]]] = collections.deque()
         self._running = 0
@@ -262,13 +272,17 @@ class DeferredWeights:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and (not self._queue or self._foreground or self._waiting()):
+                while not self._closed and (not self._queue or self._yields()):
                     self._cond.wait(0.05 if self._queue else None)
                 if self._closed:
                     return
                 item = self._queue.popleft()
                 self._running += 1
             self._run(item, urgent=False)
+
+    def _yields(self) -> bool:
+        """Whether queued parts wait for calls now (under ``_cond``)."""
+        return len(self._queue) <= self._most and bool(self._foreground or self._waiting())
 
     def _run(self, item: tuple[WeightWork, Callable[[WeightWork], None]], urgent: bool) -> None:
         """Run ``item``'s groups; a call that comes meanwhile goes first (unless ``urgent``: a step waits)."""
@@ -278,14 +292,17 @@ class DeferredWeights:
             more = True
             while more:
                 with self._lock:
-                    start = time.perf_counter()
+                    start, began = time.perf_counter(), time.monotonic()
                     more = work.run_group()
                     work.spent += time.perf_counter() - start
-                if more and not urgent and (self._foreground or self._waiting()):
+                    if self._log is not None:
+                        self._log("weights", began, time.monotonic())
+                if more and not urgent:
                     with self._cond:
-                        self._queue.appendleft(item)  # resumed where it stopped
-                    finished = False
-                    return
+                        if self._yields():
+                            self._queue.appendleft(item)  # resumed where it stopped
+                            finished = False
+                            return
         except Exception as e:  # the stage's own backward failed half-way: that step's sum lacks this part
             logger.warning(f"{self._name}: computing a backward's parameter gradients failed: {e!r}")
             work.error = e
