@@ -903,3 +903,46 @@ def test_an_optimizer_state_larger_than_one_message_travels_in_parts(dhts, clean
     for key in sent:
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(sent[key][name], held[key][name]), (key, name)
+
+
+class _SharedBlock(nn.Module):
+    """ALBERT's shared layers: one block applied twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.block(x))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "weight-used-twice"])
+def test_a_trainer_driven_stage_replies_before_its_parameter_gradients(dhts, cleanup, shared) -> None:
+    """Stage 1 of a trainer-driven run replies to a backward with the input gradients and computes the parameter
+    gradients after (lightning_swarm/swarm/server/weight_grads.py); a stage that uses a weight twice runs its
+    backwards whole, and stops trying to split them. Either way the trainer's input gradients and the step's
+    pending parameter gradients are local autograd's."""
+    torch.manual_seed(0)
+    run_id = _run_id("split")
+    module = _SharedBlock() if shared else nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    reference = copy.deepcopy(module)
+    server = _serve(cleanup, dhts["server1"], run_id, module, stage=1, stage_steps="trainer")
+    client = _client(cleanup, dhts["trainer"], run_id, num_stages=2, stage_steps="trainer")
+    xs = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]
+    for x in xs:
+        client.call_stage(1, x).pow(2).sum().backward()
+    weights = server._weights
+    assert weights is not None and weights.unsplittable == shared
+    assert weights.deferred == (0 if shared else 2)
+    assert weights.drain() is None
+    expected = [torch.zeros_like(p) for p in reference.parameters()]
+    for x in xs:
+        ref_x = x.detach().requires_grad_(True)
+        grads = torch.autograd.grad(reference(ref_x).pow(2).sum(), [ref_x, *reference.parameters()])
+        torch.testing.assert_close(x.grad, grads[0], rtol=1e-5, atol=1e-6)
+        expected = [e + g for e, g in zip(expected, grads[1:], strict=True)]
+    with server._grads_lock:
+        pending = list(server._pending or [])
+    assert len(pending) == len(expected)
+    for got, want in zip(pending, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

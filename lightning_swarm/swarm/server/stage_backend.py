@@ -255,7 +255,9 @@ class StageBackend:
         training: bool = True,
         seed: int | None = None,
     ) -> Payload:
-        if kept is not None and self._weights is not None:  # input gradients first (see .weight_grads)
+        if (
+            kept is not None and self._weights is not None and not self._weights.unsplittable
+        ):  # see .weight_grads
             reply = self._backward_split(inputs, grad_outputs, request_id, commit_by, kept)
             if reply is not None:
                 return reply
@@ -342,7 +344,9 @@ class StageBackend:
             except Exception as e:  # the whole backward (below) says what is wrong, or recomputes
                 logger.debug(f"Stage {self.stage}: backward not split ({e!r})")
                 return None
-            if split is None:
+            if split is None:  # this stage's graph cannot be split (tied weights, say): not tried again
+                logger.debug(f"Stage {self.stage}: backwards run whole (see weight_grads.split_backward)")
+                weights.unsplittable = True
                 return None
             results, work = split
             work.spent = kept.forward_s + time.perf_counter() - start

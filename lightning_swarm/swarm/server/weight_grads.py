@@ -214,6 +214,7 @@ class DeferredWeights:
         self._thread: threading.Thread | None = None
         self.failed: str | None = None  # why a W part failed since the last drain: no step with that sum
         self.deferred = 0  # W parts queued so far
+        self.unsplittable = False  # set once the stage's graph could not be split: its backwards run whole
 
     @contextlib.contextmanager
     def foreground(self) -> Iterator[None]:
