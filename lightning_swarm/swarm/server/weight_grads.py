@@ -19,12 +19,16 @@ Where the split does not apply, the backward runs whole as before: a recomputed 
 whose parameters changed), merged calls, a stage whose inputs take no gradient, swarm-driven stages (each
 backward's gradients are checked before they count), and graphs where a parameter reaches an output by a path
 that does not meet the inputs' (an output computed from parameters alone), whose gradient the captured
-activations would miss. ``LIGHTNING_SWARM_SPLIT_BACKWARD=0`` turns the split off (a diagnostic switch: the
-benchmarks compare both).
+activations would miss, or where a parameter is used at several places (tied or shared weights, as ALBERT's
+shared layers: one of its activations may lie below another, and a pass from both would go through the
+activations between them again). A stage whose graph could not be split stops trying. Beyond ``most`` parts
+queued, they run before calls (each holds its backward's graph). ``LIGHTNING_SWARM_SPLIT_BACKWARD=0`` turns the
+split off (a diagnostic switch: the benchmarks compare both).
 
 The graph walk follows ``torch.distributed.pipelining._backward`` (``stage_backward_input`` / ``_weight``), without
-its writes to ``.grad`` (the stepper owns the optimizer's gradients here). It costs ~5 ms of Python per backward of
-a 4-layer Transformer stage of width 1024 (64 + 56 ms for B + W against 113 ms whole, one thread).
+its writes to ``.grad`` (the stepper owns the optimizer's gradients here). For one 4-layer Transformer stage of
+width 1024 (one thread) B and W took 61-64 and 58-59 ms against 127-132 ms for the whole backward
+(``benchmarks/split_backward.py``).
 """
 
 from __future__ import annotations
