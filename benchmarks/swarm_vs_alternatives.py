@@ -537,7 +537,9 @@ def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: 
     if variant == "ddp":  # a reference, not a target: fewer steps (see the docstring)
         cfg = {**cfg, "global_steps": cfg.get("ddp_global_steps", cfg["global_steps"])}
     # "swarm_whole": the swarm with every backward run whole (no B/W split: lightning_swarm/swarm/server/weight_grads.py)
-    whole, variant = variant == "swarm_whole", "swarm" if variant == "swarm_whole" else variant
+    whole = variant == "swarm_whole"
+    if whole:
+        variant = "swarm"
     this = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", variant]
     this += ["--cfg", json.dumps(cfg), "--out", str(out)]
     base_env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}

@@ -178,3 +178,13 @@ def test_deferred_parts_beyond_the_bound_run_even_while_calls_hold_the_stage() -
     assert weights.drain() is None and done == [0, 1, 2]
     assert log and all(kind == "weights" and end >= start for kind, start, end in log)
     weights.close()
+
+
+def test_a_forward_that_used_none_of_the_parameters_leaves_no_work_and_no_error() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    out = torch.tanh(x)
+    split = split_backward([out], [torch.ones_like(out)], [x], list(nn.Linear(8, 8).parameters()))
+    assert split is not None
+    inputs_grads, work = split
+    assert not work.run_group() and work.grads == [None, None]
+    torch.testing.assert_close(inputs_grads[0], 1 - out.detach() ** 2)

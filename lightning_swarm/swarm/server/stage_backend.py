@@ -255,9 +255,8 @@ class StageBackend:
         training: bool = True,
         seed: int | None = None,
     ) -> Payload:
-        if (
-            kept is not None and self._weights is not None and not self._weights.unsplittable
-        ):  # see .weight_grads
+        weights = self._weights
+        if kept is not None and weights is not None and not weights.unsplittable:  # see .weight_grads
             reply = self._backward_split(inputs, grad_outputs, request_id, commit_by, kept)
             if reply is not None:
                 return reply
@@ -265,10 +264,7 @@ class StageBackend:
             grad_inputs, param_grads = self._backward_compute(inputs, grad_outputs, kept, training, seed)
         finally:
             if kept is not None:
-                with self._kept_lock:
-                    self._kept_in_use -= 1
-                if self._refresh_pending_since is not None:
-                    self._wake.set()  # new parameters may have been waiting for this backward
+                self._done_with_kept()
         self._commit(param_grads, inputs.batch_size(), request_id, commit_by)
         check_finite(list(grad_inputs), f"stage {self.stage} input gradient", _NonFinite)
         return Payload.flatten(grad_inputs)
@@ -308,9 +304,7 @@ class StageBackend:
             self.throughput.record(batch_size, spent + time.perf_counter() - start)
             self.compute_log.append(("backward", began, time.monotonic()))
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        grad_inputs = tuple(
-            g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=False)
-        )
+        grad_inputs = _filled(wanted, results)
         return grad_inputs, exclusive(results[len(wanted) :], grad_inputs)
 
     def _backward_split(
@@ -331,14 +325,9 @@ class StageBackend:
                 return None
             start, began = time.perf_counter(), time.monotonic()
             try:
-                check_grad_outputs(grads, kept.outputs)
-                pairs = [
-                    (out, grad.to(device=out.device, dtype=out.dtype))
-                    for out, grad in zip(kept.outputs, grads, strict=True)
-                    if grad is not None and out.requires_grad
-                ]
+                outputs, output_grads = _roots(kept.outputs, grads)
                 wanted = [leaf for leaf in kept.leaves if leaf.requires_grad]
-                split = split_backward([o for o, _ in pairs], [g for _, g in pairs], wanted, self._trained)
+                split = split_backward(outputs, output_grads, wanted, self._trained)
             except BadRequest:
                 raise
             except Exception as e:  # the whole backward (below) says what is wrong, or recomputes
@@ -351,9 +340,7 @@ class StageBackend:
             results, work = split
             work.spent = kept.forward_s + time.perf_counter() - start
             self.compute_log.append(("backward", began, time.monotonic()))
-        grad_inputs = tuple(
-            g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=True)
-        )
+        grad_inputs = _filled(wanted, results)
         rows = inputs.batch_size()
         try:
             claimed = self._claim(rows, request_id, commit_by)
@@ -375,9 +362,7 @@ class StageBackend:
         self.throughput.record(rows, work.spent)
         grads = exclusive(work.grads, grad_inputs)  # none of the reply's tensors is added into
         with self._grads_lock:
-            self._add_pending(grads)
-            self._pending_samples += rows
-            self._pending_backwards += 1
+            self._add_pending(grads, rows)
         self._wake.set()
 
     def _done_with_kept(self) -> None:
@@ -391,11 +376,15 @@ class StageBackend:
         once per request id and before ``commit_by`` (else :class:`TooLate`); returns whether they are wanted."""
         _check_deadline(request_id, commit_by)
         with self._grads_lock:
-            if request_id is not None and not self._applied.add(request_id):
-                logger.debug(f"Stage {self.stage}: backward request {request_id} was already applied here")
-                return False
-            self.samples_processed += rows
-            return self.optimizer is not None and bool(self._trained)
+            return self._claim_locked(rows, request_id)
+
+    def _claim_locked(self, rows: int, request_id: int | None) -> bool:
+        """:meth:`_claim` under ``_grads_lock``, with the deadline checked."""
+        if request_id is not None and not self._applied.add(request_id):
+            logger.debug(f"Stage {self.stage}: backward request {request_id} was already applied here")
+            return False
+        self.samples_processed += rows
+        return self.optimizer is not None and bool(self._trained)  # else: not training this stage
 
     def _foreground(self) -> contextlib.AbstractContextManager:
         """Around a forward's or backward's use of the stage: deferred parameter gradients wait (.weight_grads)."""
@@ -406,21 +395,12 @@ class StageBackend:
         leaves: list[torch.Tensor], outputs: list[torch.Tensor], grads: Any, trained: list[nn.Parameter]
     ) -> list[torch.Tensor | None]:
         """Gradients of the leaves that require grad, then of ``trained``, given the outputs' gradients."""
-        check_grad_outputs(grads, outputs)
+        roots, root_grads = _roots(outputs, grads)
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        pairs = [
-            (out, grad.to(device=out.device, dtype=out.dtype))
-            for out, grad in zip(outputs, grads, strict=True)
-            if grad is not None and out.requires_grad
-        ]
-        if not pairs or not (wanted or trained):
+        if not roots or not (wanted or trained):
             return [None] * (len(wanted) + len(trained))
         try:  # gradients are returned, not accumulated in .grad: the stepper owns the optimizer's
-            return list(
-                torch.autograd.grad(
-                    [o for o, _ in pairs], wanted + trained, [g for _, g in pairs], allow_unused=True
-                )
-            )
+            return list(torch.autograd.grad(roots, wanted + trained, root_grads, allow_unused=True))
         except (MemoryError, torch.OutOfMemoryError):
             raise
         except Exception as e:
@@ -440,12 +420,8 @@ class StageBackend:
         # finite is skipped, as GradScaler skips it in one process; swarm-driven: this backward is dropped
         finite = self.driven or all_finite(grads)
         with self._grads_lock:
-            if request_id is not None and not self._applied.add(request_id):
-                logger.debug(f"Stage {self.stage}: backward request {request_id} was already applied here")
+            if not self._claim_locked(batch_size, request_id):
                 return
-            self.samples_processed += batch_size
-            if self.optimizer is None or not self._trained:
-                return  # not training this stage: parameter gradients are dropped
             if not finite:  # never let them reach the optimizer (nor, through averaging, the other peers)
                 self.dropped_contributions += 1
                 logger.warning(
@@ -453,9 +429,7 @@ class StageBackend:
                     f"gradients; its contribution was dropped ({self.dropped_contributions} so far)"
                 )
                 return
-            self._add_pending(grads)
-            self._pending_samples += batch_size
-            self._pending_backwards += 1
+            self._add_pending(grads, batch_size)
         self._wake.set()
 
     def _commit_merged(
@@ -479,16 +453,16 @@ class StageBackend:
             self.samples_processed += sum(rows)
             if self.optimizer is None or not self._trained:
                 return True
-            self._add_pending(grads)
-            self._pending_samples += sum(rows)
-            self._pending_backwards += len(requests)
+            self._add_pending(grads, sum(rows), len(requests))
         self._wake.set()
         return True
 
-    def _add_pending(self, grads: list[torch.Tensor | None]) -> None:
-        """Add parameter gradients (this server's own tensors, see :func:`exclusive`) to the pending sum; the
-        first backward after a step becomes the sum itself (no zero-filled buffer, no extra pass). Under
-        ``_grads_lock``."""
+    def _add_pending(self, grads: list[torch.Tensor | None], samples: int, backwards: int = 1) -> None:
+        """Add the parameter gradients of ``backwards`` backwards of ``samples`` samples (this server's own tensors,
+        see :func:`exclusive`) to the pending sum; the first backward after a step becomes the sum itself (no
+        zero-filled buffer, no extra pass). Under ``_grads_lock``."""
+        self._pending_samples += samples
+        self._pending_backwards += backwards
         if self._pending is None:
             self._pending = [
                 None if g is None else g.to(device=m.device, dtype=m.dtype)
@@ -575,6 +549,23 @@ class _NonFinite(FloatingPointError):
         super().__init__(
             f"{message}; the stage diverged (lower the learning rate, or check the model in fp32)"
         )
+
+
+def _roots(outputs: list[torch.Tensor], grads: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The outputs a backward starts from (those with a gradient that require grad) and their gradients, in the
+    outputs' dtype and device (:class:`BadRequest` for gradients that do not fit the outputs)."""
+    check_grad_outputs(grads, outputs)
+    pairs = [
+        (out, grad.to(device=out.device, dtype=out.dtype))
+        for out, grad in zip(outputs, grads, strict=True)
+        if grad is not None and out.requires_grad
+    ]
+    return [o for o, _ in pairs], [g for _, g in pairs]
+
+
+def _filled(wanted: list[torch.Tensor], results: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    """The input gradients sent back: zeros for an input that got none."""
+    return tuple(g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=False))
 
 
 def _check_deadline(request_id: int | None, commit_by: float | None) -> None:

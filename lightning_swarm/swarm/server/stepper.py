@@ -268,10 +268,10 @@ class Stepper:
         logger.info(
             f"Stage {self.stage}: this peer is at step {opt.local_epoch}, the stage at {epoch}; loading its state"
         )
-        if self._weights is not None:
-            self._weights.drain(
-                consume=False
-            )  # the backwards served so far ran with the parameters about to be replaced
+        if (
+            self._weights is not None
+        ):  # the backwards served so far ran with the parameters about to be replaced
+            self._weights.drain(consume=False)
         averager = opt.state_averager
         assert isinstance(averager, _StateAverager)
         averager.loaded = False
@@ -321,9 +321,8 @@ class Stepper:
         index_of = {id(m): i for i, m in enumerate(self._master)}
         wanted = [index_of[id(p)] for g, group in enumerate(groups) if g in owned for p in group["params"]]
         grads: list[torch.Tensor | None] = [None] * len(self._master)
-        failed = (
-            None if self._weights is None else self._weights.drain()
-        )  # deferred parameter gradients first
+        # deferred parameter gradients first (.weight_grads)
+        failed = None if self._weights is None else self._weights.drain()
         with self._grads_lock:
             pending = self._pending
             if pending is not None:
@@ -333,7 +332,7 @@ class Stepper:
                     self._pending, self._pending_samples, self._pending_backwards = None, 0, 0
         if (
             failed is not None
-        ):  # a backward's parameter gradients are missing: the step is skipped, as a non-finite one
+        ):  # a backward's parameter gradients are missing: skipped, as a non-finite step is
             first = next((g for g in grads if g is not None), None)
             if first is not None:
                 first.fill_(float("nan"))

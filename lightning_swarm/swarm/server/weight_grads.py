@@ -104,11 +104,11 @@ def _closure(
 
 
 class WeightWork:
-    """The parameter gradients of one backward, still to compute: per group of parameters, the activations (autograd
-    nodes) where their gradients start and the gradients captured there by the input-gradient pass."""
+    """The parameter gradients of one backward, still to compute: per group of parameters, the activation (autograd
+    node) where their gradients start, and the gradients captured there by the input-gradient pass."""
 
-    def __init__(self, groups: list[tuple[list[Node], list[int]]], accumulators: list[Node | None]) -> None:
-        self.groups = groups  # (intermediates, indices of the parameters whose gradients start there)
+    def __init__(self, groups: list[tuple[Node, list[int]]], accumulators: list[Node | None]) -> None:
+        self.groups = groups  # (activation, indices of the parameters whose gradients start there)
         self.accumulators = accumulators  # per parameter: the node its gradient goes to (None: unused)
         self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
         self.grads: list[torch.Tensor | None] = [None] * len(accumulators)
@@ -116,26 +116,20 @@ class WeightWork:
         self.spent = 0.0  # seconds of compute so far (the input-gradient pass, then the groups)
         self.error: Exception | None = None
 
-    def capture(self, node: Node, grads: tuple[torch.Tensor | None, ...]) -> None:
-        self.captured[node] = grads
-
     def run_group(self) -> bool:
         """Compute the next group's parameter gradients; returns whether groups remain."""
-        intermediates, indices = self.groups[self.next_group]
+        if self.next_group >= len(self.groups):
+            return False  # none of the parameters was used by this forward
+        node, indices = self.groups[self.next_group]
         self.next_group += 1
-        edges, grads = [], []
-        for node in intermediates:
-            for i, g in enumerate(self.captured.get(node, ())):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    grads.append(g)
+        captured = self.captured.pop(node, ())
+        edges = [GradientEdge(node, i) for i, g in enumerate(captured) if g is not None]
+        grads = [g for g in captured if g is not None]
         if edges:
             targets = [GradientEdge(self.accumulators[i], 0) for i in indices]  # type: ignore[arg-type]
             results = torch.autograd.grad(edges, targets, grads, allow_unused=True)
             for i, g in zip(indices, results, strict=True):
                 self.grads[i] = g
-        for node in intermediates:
-            self.captured.pop(node, None)
         return self.next_group < len(self.groups)
 
 
@@ -156,8 +150,7 @@ def split_backward(
     inputs_side, _ = _closure(inputs, set(), edges)  # type: ignore[arg-type]
     outputs_set = set(roots)
     accumulators = [_node(p) if p.requires_grad else None for p in trained]
-    group_of: dict[Node, int] = {}
-    groups: list[tuple[list[Node], list[int]]] = []
+    groups: dict[Node, list[int]] = {}  # activation -> the parameters whose gradients start there
     for index, acc in enumerate(accumulators):
         if acc is None or (acc not in edges and acc not in outputs_set):
             accumulators[index] = None  # not used by this forward: no gradient
@@ -169,24 +162,15 @@ def split_backward(
             # used at several places (tied or shared weights): one of its activations may lie below another, and
             # the second pass would go through the activations between them again
             return None
-        (node,) = met
-        if node in group_of:  # gradients that start at the same activation: a layer's weight and bias
-            groups[group_of[node]][1].append(index)
-        else:
-            group_of[node] = len(groups)
-            groups.append(([node], [index]))
-    work = WeightWork(groups, accumulators)
-    handles = [node.register_prehook(functools.partial(_capture, work, node)) for node in group_of]
+        groups.setdefault(met.pop(), []).append(index)  # a layer's weight and bias start at the same one
+    work = WeightWork(list(groups.items()), accumulators)
+    handles = [node.register_prehook(functools.partial(work.captured.__setitem__, node)) for node in groups]
     try:
         results = torch.autograd.grad(outputs, wanted, grads, retain_graph=True, allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
     return results, work
-
-
-def _capture(work: WeightWork, node: Node, grads: tuple[torch.Tensor | None, ...]) -> None:
-    work.capture(node, grads)
 
 
 class DeferredWeights:
