@@ -27,8 +27,8 @@ split off (a diagnostic switch: the benchmarks compare both).
 
 The graph walk follows ``torch.distributed.pipelining._backward`` (``stage_backward_input`` / ``_weight``), without
 its writes to ``.grad`` (the stepper owns the optimizer's gradients here). For one 4-layer Transformer stage of
-width 1024 (one thread) B and W took 61-64 and 58-59 ms against 127-132 ms for the whole backward
-(``benchmarks/split_backward.py``).
+width 1024 (one thread) B and W take about 60 ms each, the whole backward 127-140 ms
+(``benchmarks/split_backward.py``; figures in docs/design/split-backward.md).
 """
 
 from __future__ import annotations
