@@ -234,8 +234,11 @@ def test_a_sequential_pipeline_in_4_chunks_steps_as_one_process(tmp_path):
     moved = max(float((single["state"][k] - swarm["state"][k]).abs().max()) for k in single["state"])
     assert moved <= 10 * TOLERANCE  # the chunks' gradients are summed in another order than one batch's
     # stage 1 replied to its backwards with the input gradients first (lightning_swarm/swarm/server/weight_grads.py)
+    # wherever its forward was kept: chunks that reach it together are merged into one forward, which keeps
+    # nothing, and their backwards recompute it whole (a CI run saw 22 of 24 split)
     stage1 = torch.load(f"{tmp_path / 'swarm.pt'}.peer1", weights_only=False)
-    assert stage1["stage"] == 1 and stage1["info"]["split_backwards"] == 6 * 4
+    assert stage1["stage"] == 1 and stage1["kept_hits"] == 0, stage1  # no kept forward went unsplit
+    assert 6 * 4 // 2 <= stage1["info"]["split_backwards"] <= 6 * 4, stage1["info"]
 
 
 def test_chunking_a_pipeline_with_batch_normalisation_is_refused(tmp_path):
