@@ -8,8 +8,9 @@ stepping once per 256 samples (the stage peers' ``target_batch_size``). Both job
 the benchmark machine, shared with everything else on it), over loopback, with one torch thread per process.
 
 - **Swarm**: 2 stages x 2 server peers (``stage_peer.py`` processes; each has a DHT helper and a p2p daemon), and
-  one trainer (this process) keeping ``--concurrency`` microbatches in flight, each routed through one peer per
-  stage (forward, then backward; a failed call is retried on the other peer of the stage). Its figure is
+  one trainer (this process) keeping ``--concurrency`` microbatches in flight, each routed whole
+  (``microbatches=1``: GPipe's microbatch size) through one peer per stage (forward, then backward; a failed call is
+  retried on the other peer of the stage). Its figure is
   samples of the microbatches completed. (A killed peer also loses the gradients it accumulated since the
   stage's last averaging round, at most ``target_batch_size`` = 256 samples:
   ``throughput_faults_swarm_conservative`` subtracts that bound for every kill.)
@@ -273,6 +274,9 @@ class Swarm:
                 run_id=run_id,
                 num_stages=2,
                 compression="8bit",
+                # whole microbatches: the trainer keeps ``concurrency`` of them in flight, as GPipe's pipeline
+                # step does; "auto" would cut each into one chunk per peer of the stage (8 rows instead of 16)
+                microbatches=1,
                 no_peers_timeout=120.0,
                 stage_steps=args.swarm_steps,
                 **TIMEOUTS,
