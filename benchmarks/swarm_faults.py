@@ -193,7 +193,7 @@ class Trainer:
             self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(concurrency)]
 
     def _one(self) -> None:
-        x = torch.randn(BATCH, WIDTH, requires_grad=True)
+        x = torch.randn(BATCH, WIDTH)  # data, as GPipe's: no input gradient to compute and send back
         try:
             self.client.call_stage(1, self.client.call_stage(0, x)).pow(2).mean().backward()
             self.done.append(time.monotonic())
