@@ -172,9 +172,8 @@ def test_deferred_parts_beyond_the_bound_run_even_while_calls_hold_the_stage() -
         deadline = time.monotonic() + 10
         while weights.pending() > 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert (
-            done[:2] == [0, 1] and weights.pending() == 1
-        )  # the oldest ran; one stays for when the stage idles
+        # the oldest ran; one stays for when the stage idles
+        assert done[:2] == [0, 1] and weights.pending() == 1
     assert weights.drain() is None and done == [0, 1, 2]
     assert log and all(kind == "weights" and end >= start for kind, start, end in log)
     weights.close()

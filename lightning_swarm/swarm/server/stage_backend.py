@@ -379,7 +379,7 @@ class StageBackend:
             return self._claim_locked(rows, request_id)
 
     def _claim_locked(self, rows: int, request_id: int | None) -> bool:
-        """:meth:`_claim` under ``_grads_lock``, with the deadline checked."""
+        """:meth:`_claim` for a caller that holds ``_grads_lock`` and has checked the deadline."""
         if request_id is not None and not self._applied.add(request_id):
             logger.debug(f"Stage {self.stage}: backward request {request_id} was already applied here")
             return False

@@ -268,9 +268,8 @@ class Stepper:
         logger.info(
             f"Stage {self.stage}: this peer is at step {opt.local_epoch}, the stage at {epoch}; loading its state"
         )
-        if (
-            self._weights is not None
-        ):  # the backwards served so far ran with the parameters about to be replaced
+        # the backwards served so far ran with the parameters about to be replaced
+        if self._weights is not None:
             self._weights.drain(consume=False)
         averager = opt.state_averager
         assert isinstance(averager, _StateAverager)
@@ -330,9 +329,8 @@ class Stepper:
                     grads[i], pending[i] = pending[i], None
                 if all(g is None for g in pending):
                     self._pending, self._pending_samples, self._pending_backwards = None, 0, 0
-        if (
-            failed is not None
-        ):  # a backward's parameter gradients are missing: skipped, as a non-finite step is
+        # a backward's parameter gradients are missing: the step is skipped, as a non-finite one is
+        if failed is not None:
             first = next((g for g in grads if g is not None), None)
             if first is not None:
                 first.fill_(float("nan"))
