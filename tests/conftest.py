@@ -17,6 +17,7 @@ runs in its own session); ``LIGHTNING_SWARM_TEST_ZYGOTE=0`` starts them all as p
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 
 import hivemind
@@ -87,10 +88,32 @@ def cleanup() -> Iterator[list]:
         thing.shutdown()
 
 
+_DHT_NAMES = ("trainer", "server1", "server2")
+
+
 @pytest.fixture(scope="module")
-def dhts() -> Iterator[dict[str, hivemind.DHT]]:
-    """Three DHT nodes on 127.0.0.1 for a module's tests: ``"trainer"``, ``"server1"`` and ``"server2"``."""
-    nodes = dict(zip(("trainer", "server1", "server2"), local_dhts(3), strict=True))
+def _module_dhts() -> Iterator[dict[str, hivemind.DHT]]:
+    nodes = dict(zip(_DHT_NAMES, local_dhts(3), strict=True))
     yield nodes
     for dht in nodes.values():
         dht.shutdown()
+
+
+@pytest.fixture
+def dhts(_module_dhts, request) -> Iterator[dict[str, hivemind.DHT]]:
+    """Three DHT nodes on 127.0.0.1 shared by a module's tests: ``"trainer"``, ``"server1"`` and ``"server2"``.
+
+    A node that died during a test is reported (a warning naming that test and the node's exit code) and the three
+    are replaced before the next test, so one test's dead node does not fail a later one with a misleading error.
+    """
+    nodes = _module_dhts
+    if not all(dht.is_alive() for dht in nodes.values()):
+        for dht in nodes.values():
+            dht.shutdown()
+        nodes.update(zip(_DHT_NAMES, local_dhts(3), strict=True))
+    yield nodes
+    dead = {name: dht.exitcode for name, dht in nodes.items() if not dht.is_alive()}
+    if dead:
+        warnings.warn(
+            f"{request.node.nodeid}: DHT node(s) died during this test (exit codes {dead})", stacklevel=1
+        )
