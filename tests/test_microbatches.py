@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 
 from lightning_swarm.swarm.chunking import chunk_bounds, rows_mixing_module, split_plan
 from lightning_swarm.swarm.partition import Partition
+from lightning_swarm.swarm.payload import Payload
 from tests.test_contract import TOLERANCE, run
 from tests.test_stage_calls import SEQ, VOCAB, Decoder
 from tests.test_stage_server import _client, _run_id, _serve
@@ -114,6 +116,23 @@ def test_the_chunks_of_one_call_spread_over_the_peers_of_a_stage(dhts, cleanup) 
     for before, after in zip(served, served[1:], strict=False):
         assert [b - a for a, b in zip(before, after, strict=True)] == [16, 16], served
     torch.testing.assert_close(x.grad, 3 * torch.autograd.grad(block(x).sum(), x)[0], atol=1e-5, rtol=0)
+
+    # a peer that a call of this client keeps busy gets no chunk: "auto" cuts a call into one chunk per idle peer,
+    # so a call made while another's two chunks are in flight goes whole
+    router = client.routers[0]
+    before = [s.samples_processed for s in servers]
+    first = threading.Thread(
+        target=lambda: client.call_stage(0, x.detach().requires_grad_()).sum().backward()
+    )
+    first.start()
+    deadline = time.monotonic() + 10
+    while sum(router.in_flight(p) for p in router.peers) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert client._chunking(0, Payload.call((x,), {}))[0] == 1
+    client.call_stage(0, x.detach().requires_grad_()).sum().backward()
+    first.join()
+    after = [s.samples_processed for s in servers]
+    assert sorted(b - a for a, b in zip(before, after, strict=True)) == [16, 48], (before, after)
 
 
 class _Sleep(torch.autograd.Function):

@@ -267,6 +267,10 @@ class StageRouter:
         self._set_busy(chosen, self._busy[chosen] + max(task_size, 0.0) / self._throughput[chosen])
         return chosen
 
+    def in_flight(self, peer_id: PeerID) -> int:
+        """How many calls of this client to ``peer_id`` are in flight."""
+        return self._in_flight(peer_id)
+
     def _in_flight(self, peer_id: PeerID) -> int:
         flight = self._flight.get(peer_id)
         return flight[0] if flight is not None and flight[0] > 0 else 0
