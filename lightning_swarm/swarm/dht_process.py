@@ -8,11 +8,18 @@ no longer be fetched and unpickling raises (``FileNotFoundError``). hivemind 1.1
 (2 stages x 2 peers) the DHT processes met 53 of them, ~40 s in which every DHT read and write of the peers timed
 out, so the end-of-run handshake waited out its timeouts (about a minute per run). :class:`SwarmDHT` drops such a
 request at once (its sender is gone and waits for no answer) and reads the next one.
+
+Unpickling such a request can also fail otherwise: fetching a tensor from a sender that exits during the transfer
+raises ``EOFError`` (``multiprocessing.resource_sharer``'s socket closes under ``recv_handle``) or an
+``AuthenticationError``, which hivemind's loop does not catch: the DHT process dies with exit code 1, and with it
+the peer. :class:`SwarmDHT` reads the message's bytes first (a broken pipe raises there, to hivemind's handling
+as before) and drops a message whose bytes cannot be unpickled, whatever the error.
 """
 
 from __future__ import annotations
 
 import logging
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import hivemind
@@ -20,7 +27,6 @@ import hivemind
 logger = logging.getLogger(__name__)
 
 _SKIP = "_skip_unreadable_request"
-_MAX_SKIPPED_IN_A_ROW = 1000  # more unreadable requests in a row than a run's end leaves queued (53 seen)
 
 
 class _SkipUnreadable:
@@ -28,22 +34,19 @@ class _SkipUnreadable:
 
     def __init__(self, pipe: Any) -> None:
         self._pipe = pipe
-        self._failed_in_a_row = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipe, name)
 
     def recv(self) -> Any:
+        # as ``Connection.recv``: the message's bytes (a broken pipe raises here, to hivemind's handling), then
+        # its unpickling, where the tensors of the request's future are fetched from the sender
+        message = self._pipe.recv_bytes()
         try:
-            request = self._pipe.recv()
-        except (OSError, RuntimeError) as e:  # what hivemind's loop catches (and then sleeps on)
-            self._failed_in_a_row += 1
-            if self._failed_in_a_row > _MAX_SKIPPED_IN_A_ROW:
-                raise  # not a queue of stale requests but a broken pipe: hivemind's pause, not a busy loop
+            return ForkingPickler.loads(message)
+        except Exception as e:  # its sender has exited (FileNotFoundError, EOFError, AuthenticationError...)
             logger.debug(f"DHT: dropped a request whose sender has exited: {e!r}")
             return (_SKIP, [], {})
-        self._failed_in_a_row = 0
-        return request
 
 
 class SwarmDHT(hivemind.DHT):
