@@ -117,8 +117,8 @@ def test_the_chunks_of_one_call_spread_over_the_peers_of_a_stage(dhts, cleanup) 
         assert [b - a for a, b in zip(before, after, strict=True)] == [16, 16], served
     torch.testing.assert_close(x.grad, 3 * torch.autograd.grad(block(x).sum(), x)[0], atol=1e-5, rtol=0)
 
-    # a peer that a call of this client keeps busy gets no chunk: "auto" cuts a call into one chunk per idle peer,
-    # so a call made while another's two chunks are in flight goes whole
+    # "auto" cuts a call only while no other call of this client is in flight: a call made while another's two
+    # chunks are out goes whole
     router = client.routers[0]
     before = [s.samples_processed for s in servers]
     first = threading.Thread(

@@ -133,7 +133,8 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         microbatches: a trainer cuts each stage call's batch into this many chunks (along dim 0), which flow
             through the stages on their own: stage k+1 works on one chunk while stage k works on the next, and the
             peers of a stage serve chunks at once, forward and backward (``"auto"``, the default: one chunk per
-            online peer of the stage that none of the trainer's calls keeps busy; 1: one call per batch). The result is the one of the same chunks sent one
+            online peer of the stage, or whole calls while other calls of the trainer are in flight; 1: one call
+            per batch). The result is the one of the same chunks sent one
             after another. A pipeline with batch normalisation (whose output for a row depends on the other rows)
             is not chunked: refused when set above 1.
         same_host: stage calls between peers on one machine (same user, same network namespace) go over a Unix

@@ -248,10 +248,10 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         plan = split_plan(inputs.tensors)
         if plan is None:
             return 1, None
-        if setting == "auto":  # a chunk per online peer of the stage that no call of this client keeps busy
-            live = self._live_peers(stage)
+        if setting == "auto":  # a chunk per online peer of the stage, or whole while other calls are out
             with self._router_lock:
-                chunks = max(1, sum(self.routers[stage].in_flight(p) == 0 for p in live))
+                busy = any(router.in_flight(p) for router in self.routers for p in router.peers)
+            chunks = 1 if busy else max(1, len(self._live_peers(stage)))
         else:
             chunks = int(setting)
         return min(chunks, inputs.tensors[0].shape[0]), plan
