@@ -275,8 +275,8 @@ class Swarm:
                 num_stages=2,
                 compression="8bit",
                 # whole microbatches: the trainer keeps ``concurrency`` of them in flight, as GPipe's pipeline
-                # step does; "auto" would still cut a call into 8-row chunks when the other call is at the other
-                # stage, and an 8-row chunk of this MLP costs nearly what 16 rows do
+                # step does ("auto" would too, but for a call made while no other is out, such as the first of a
+                # step, which it would cut into 8-row chunks: GPipe's microbatches are 16 rows)
                 microbatches=1,
                 no_peers_timeout=120.0,
                 stage_steps=args.swarm_steps,
