@@ -69,7 +69,7 @@ from .routing import NoPeersError, PeerStopping, StageRouter
 from .same_host import SameHostStub, socket_path
 from .settings import SwarmSettings
 from .stage_autograd import _DUMMY, _moved, _StageCall, _StageFunction
-from .transport import LocalTransport, P2PTransport, decode_payload_stream, encode_request
+from .transport import LocalTransport, P2PTransport, call_lean, decode_payload_stream, encode_request
 from .validation import stage_key
 
 __all__ = ["SwarmClient"]
@@ -186,18 +186,16 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         device = inputs.tensors[0].device if inputs.tensors else torch.device("cpu")
         run, self._pipeline_run = self._pipeline_run, None
         if run is not None and run.joins(stage, inputs, swarm_training):
-            self._pipeline_run = (
-                run  # the chunks are already on their way through this stage (see .pipelining)
-            )
+            # the chunks are already on their way through this stage (see .pipelining)
+            self._pipeline_run = run
             return run.call(stage)
         if run is not None:
             run.close()
         chunks, plan = self._chunking(stage, inputs)
         if chunks > 1 and plan is not None:
             try:
-                if args and isinstance(
-                    args[0], torch.Tensor
-                ):  # its output may be the next stage's first argument
+                # its output may be the next stage's first argument
+                if args and isinstance(args[0], torch.Tensor):
                     run = PipelineRun(
                         self, stage, inputs, plan, chunks, device, swarm_training, self.settings.num_stages
                     )
@@ -399,11 +397,13 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         if keep:
             request.forward_id = request.request_id
         encoded: list[Any] = [None]
+        lean_to = prefer if request.kind == "backward" and request.forward_id is not None else None
 
         def attempt(peer_id: PeerID) -> Payload:
             transport = self._transport(peer_id, stage)
             remote = isinstance(transport, P2PTransport)
             timeout = self._attempt_timeout(stage, request.kind) if remote else None
+            lean = remote and peer_id == lean_to
             if remote:
                 if encoded[0] is None:
                     encoded[0] = encode_request(request, self.settings.compression, reuse_inputs=reuse)
@@ -414,11 +414,14 @@ class SwarmClient(_StageCommands, _StageDiscovery):
             else:
                 request.commit_by = None  # in-process: the call cannot time out
             started = time.monotonic()
-            reply, sent, recv = transport.call(request, encoded[0], timeout=timeout)
+            if lean:  # to the forward's peer, without the inputs it kept (see .protocol)
+                reply, sent, recv, lean = call_lean(transport, request, encoded[0], timeout)
+            else:
+                reply, sent, recv = transport.call(request, encoded[0], timeout=timeout)
             if remote and reply.error is None:
                 self._recent[stage, request.kind].append(time.monotonic() - started)
             if sent or recv:
-                self._count(stage, request.kind, sent, recv, fp32_bytes(request, reply))
+                self._count(stage, request.kind, sent, recv, fp32_bytes(request, reply, lean))
             if reply.error is not None:
                 raise remote_exception(reply.error, stage, peer_id)
             assert reply.outputs is not None
@@ -594,6 +597,4 @@ class SwarmClient(_StageCommands, _StageDiscovery):
 
 
 def _describe(shapes: tuple) -> str:
-    return (
-        "[" + ", ".join(f"{str(dtype).removeprefix('torch.')}{list(shape)}" for dtype, shape in shapes) + "]"
-    )
+    return "[" + ", ".join(f"{str(dtype).removeprefix('torch.')}{list(s)}" for dtype, s in shapes) + "]"

@@ -26,6 +26,11 @@ class Misrouted(BadRequest):
     serve (it migrated), or speaks another protocol version. Replied as ``"unavailable"``."""
 
 
+class NotKept(Misrouted):
+    """A backward sent without its inputs (see :mod:`.protocol`) reached a peer that no longer keeps its forward:
+    the trainer sends it again with them. Replied as ``"unavailable"``."""
+
+
 class ProtocolError(CodecError):
     """A received reply is malformed (the peer, not the caller, is at fault)."""
 

@@ -19,7 +19,10 @@ on values, schemas and bans are in :mod:`.guards`, the error types and error rep
   counting on the call: a backward that ends later is not applied, since the caller has retried it elsewhere.
   ``forward_id`` links a backward to its forward: a forward that sets it (to its own id) asks the server to keep
   its activations, and the backward that names it reuses them on that server instead of recomputing the forward
-  (a server that does not have them recomputes). ``training`` is the mode of the trainer's proxy module
+  (a server that does not have them recomputes). A backward sent to the peer that kept its forward carries no
+  inputs (``None`` as the inputs metadata): the server takes them from the kept forward, and replies
+  :class:`~.errors.NotKept` if it no longer has it, which the trainer answers by sending the inputs (a backward's
+  inputs are about a fifth of a stage's bytes per microbatch). ``training`` is the mode of the trainer's proxy module
   (``module.train()``/``eval()``): the server runs the stage in that mode for this call. ``seed`` (a 63-bit
   integer the caller draws per forward, repeated by its backward) seeds the random number generators the
   stage draws from (dropout), so that a backward served by recomputing the forward, on any peer, draws the
@@ -88,7 +91,8 @@ __all__ = [
     "warm_up_codec",
 ]
 
-PROTOCOL_VERSION = 4  # 4: requests carry the stage's epoch as the trainer last saw it
+# 4: requests carry the stage's epoch; 5: a backward may leave its inputs to its kept forward
+PROTOCOL_VERSION = 5
 SEED_BITS = 63  # a request's seed is in [0, 2**SEED_BITS)
 KINDS = ("forward", "backward")
 _CATEGORIES = (COMPUTE, REQUEST, UNAVAILABLE)
@@ -154,7 +158,8 @@ class StageRequest:
 
     kind: str
     uid: str
-    inputs: Payload
+    # None: a received backward that leaves them to its kept forward (the server fills them in)
+    inputs: Payload | None
     grad_outputs: Payload | None = None
     request_id: int = 0
     commit_by: float | None = None
@@ -176,10 +181,13 @@ class StageReply:
     error: ErrorReply | None = None
 
 
-def fp32_bytes(request: StageRequest, reply: StageReply) -> int:
+def fp32_bytes(request: StageRequest, reply: StageReply, lean: bool = False) -> int:
     """What a call's floating-point tensors (the request's inputs and output gradients, the reply's outputs) take
-    as float32: the bytes its boundaries would move without compression."""
+    as float32: the bytes its boundaries would move without compression (``lean``: a backward sent without its
+    inputs)."""
     payloads = (request.inputs, request.grad_outputs, reply.outputs)
+    if lean:
+        payloads = payloads[1:]
     return 4 * sum(t.numel() for p in payloads if p is not None for t in p.tensors if t.is_floating_point())
 
 
@@ -187,16 +195,17 @@ def fp32_bytes(request: StageRequest, reply: StageReply) -> int:
 
 
 def encode_request_header(
-    request: StageRequest, inputs: EncodedPayload, grads: EncodedPayload | None
+    request: StageRequest, inputs: EncodedPayload | None, grads: EncodedPayload | None
 ) -> bytes:
-    """The header of a request whose payloads were encoded as ``inputs`` (and ``grads``)."""
+    """The header of a request whose payloads were encoded as ``inputs`` (and ``grads``); ``inputs`` ``None``: a
+    backward sent without them, to the peer that kept its forward."""
     return msgpack.packb(
         [
             PROTOCOL_VERSION,
             request.kind,
             request.request_id,
             request.uid,
-            inputs.metadata,
+            None if inputs is None else inputs.metadata,
             None if grads is None else grads.metadata,
             request.commit_by,
             request.forward_id,
@@ -247,16 +256,19 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
         raise BadRequest("Malformed request header: the request id must be an integer")
     if uid != expected_uid:
         raise Misrouted(f"This peer serves {expected_uid!r}, but the request was for {str(uid)[:200]!r}")
-    if not isinstance(inputs_meta, bytes) or (kind == "backward") != isinstance(grads_meta, bytes):
+    lean = inputs_meta is None and kind == "backward" and forward_id is not None  # inputs: the kept forward's
+    if not (lean or isinstance(inputs_meta, bytes)) or (kind == "backward") != isinstance(grads_meta, bytes):
         raise BadRequest(f"Malformed {kind} request: wrong payload metadata")
+    inputs: Payload | None = None
     try:
-        num_inputs = _declared_tensors(inputs_meta)
+        num_inputs = 0 if lean else _declared_tensors(inputs_meta)
         if not 0 <= num_inputs <= len(tensors):
             raise BadRequest(
                 f"Malformed request: {num_inputs} input tensors declared, {len(tensors)} received"
             )
-        inputs = Payload.from_wire(inputs_meta, tensors[:num_inputs])
-        inputs.rebuild_call()
+        if not lean:
+            inputs = Payload.from_wire(inputs_meta, tensors[:num_inputs])
+            inputs.rebuild_call()
         grads = None
         if grads_meta is not None:
             grads = Payload.from_wire(grads_meta, tensors[num_inputs:])
@@ -271,7 +283,8 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
             raise BadRequest(f"Malformed request: {len(tensors) - num_inputs} tensors beyond the inputs")
     except CodecError as e:
         raise BadRequest(str(e)) from None
-    check_values(inputs.tensors, "input", BadRequest)
+    if inputs is not None:
+        check_values(inputs.tensors, "input", BadRequest)
     if grads is not None:
         check_finite(grads.tensors, "output gradient", BadRequest)
     commit_by = None if commit_by is None else float(commit_by)

@@ -30,7 +30,7 @@ from hivemind.proto import runtime_pb2
 
 from ._loop import get_loop, run_coroutine
 from .codec import CodecError, PartsDecoder, TooLarge
-from .errors import REQUEST, ProtocolError
+from .errors import REQUEST, NotKept, ProtocolError
 from .payload import EncodedPayload, Payload
 from .protocol import (
     MAX_REPLY_BYTES,
@@ -41,7 +41,7 @@ from .protocol import (
     parse_reply,
 )
 
-__all__ = ["LocalTransport", "MessageReceiver", "P2PTransport", "TransportError", "messages"]
+__all__ = ["LocalTransport", "MessageReceiver", "P2PTransport", "TransportError", "call_lean", "messages"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,24 @@ def encode_request(
     encoded.insert(0, inputs)
     grads = encoded[1] if len(encoded) > 1 else None
     return encode_request_header(request, inputs, grads), encoded
+
+
+def call_lean(
+    transport: P2PTransport,
+    request: StageRequest,
+    encoded: tuple[bytes, list[EncodedPayload]],
+    timeout: float | None,
+) -> tuple[StageReply, int, int, bool]:
+    """Send a backward (``encoded`` with its inputs) to the peer that kept its forward without its inputs (see
+    :mod:`.protocol`), and again with them if that peer no longer keeps it (:class:`~.errors.NotKept`). Returns
+    the reply, the bytes sent and received (both sends), and whether the inputs stayed home."""
+    grads = encoded[1][1]
+    lean = (encode_request_header(request, None, grads), [grads])
+    reply, sent, recv = transport.call(request, lean, timeout)
+    if reply.error is None or reply.error.type_name != NotKept.__name__:
+        return reply, sent, recv, True
+    reply, sent_again, recv_again = transport.call(request, encoded, timeout)
+    return reply, sent + sent_again, recv + recv_again, False
 
 
 class LocalTransport:

@@ -75,10 +75,11 @@ def leaves_of(inputs: Payload, device: torch.device) -> list[torch.Tensor]:
 
 
 class Kept:
-    """A forward kept for its backward: its input leaves, its outputs (with their autograd graph), the version
-    of the served parameters it ran with, and how long it took."""
+    """A forward kept for its backward: its inputs (as received, for a backward sent without them) and their
+    leaves, its outputs (with their autograd graph), the version of the served parameters it ran with, and how
+    long it took."""
 
-    __slots__ = ("leaves", "outputs", "version", "forward_s", "created")
+    __slots__ = ("inputs", "leaves", "outputs", "version", "forward_s", "created")
 
     def __init__(
         self,
@@ -87,9 +88,10 @@ class Kept:
         version: int,
         forward_s: float,
         created: float,
+        inputs: Payload | None = None,
     ) -> None:
         self.leaves, self.outputs, self.version = leaves, outputs, version
-        self.forward_s, self.created = forward_s, created
+        self.forward_s, self.created, self.inputs = forward_s, created, inputs
 
     def matches(self, inputs: Payload, version: int) -> bool:
         """Whether a backward of ``inputs`` may use this forward: same parameters, same input shapes and dtypes,

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..batching import concat_payloads, merge_key, split_payload
 from ..codec import CodecError, check_encodable
-from ..errors import COMPUTE, REQUEST, UNAVAILABLE, BadRequest, Misrouted
+from ..errors import COMPUTE, REQUEST, UNAVAILABLE, BadRequest, Misrouted, NotKept
 from ..guards import check_finite, check_grad_outputs, check_outputs
 from ..payload import Payload
 from ..protocol import (
@@ -57,6 +57,11 @@ class StageBackend:
                 return _error(
                     request.request_id, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running")
                 )
+            if request.inputs is None:  # a backward leaving its inputs to its kept forward (see .protocol)
+                request.inputs = self._kept_inputs(request.forward_id)
+                if request.inputs is None:
+                    error = NotKept(f"Stage {self.stage} no longer keeps the forward of this backward")
+                    return _error(request.request_id, UNAVAILABLE, error)
             self.schemas.check(request.inputs.tensors)
         except BadRequest as e:
             logger.debug(f"Stage {self.stage}: rejected a request: {e}")
@@ -218,7 +223,7 @@ class StageBackend:
         if not keep:
             return payload
         assert keep_id is not None
-        self._keep(keep_id, Kept(leaves, payload.tensors, version, spent, time.monotonic()))
+        self._keep(keep_id, Kept(leaves, payload.tensors, version, spent, time.monotonic(), inputs))
         return Payload(payload.skeleton, [t.detach() for t in payload.tensors])
 
     def _keep(self, forward_id: int, kept: Kept) -> None:
@@ -235,6 +240,11 @@ class StageBackend:
             return False
         with self._kept_lock:
             return request.forward_id in self._kept
+
+    def _kept_inputs(self, forward_id: int | None) -> Payload | None:
+        with self._kept_lock:
+            kept = self._kept.get(forward_id) if forward_id is not None else None
+            return None if kept is None else kept.inputs
 
     def _take_kept(self, forward_id: int | None) -> Kept | None:
         if forward_id is None:
