@@ -9,7 +9,8 @@ on values, schemas and bans are in :mod:`.guards`, the error types and error rep
   :class:`StageReply` (the outputs or input gradients, or an :class:`ErrorReply`). In-process calls pass these
   objects as they are; over the network (:mod:`.transport`) they travel as tensor parts plus a *header*:
   ``[version, kind, request_id, uid, inputs metadata, grads metadata or None, commit_by or None, forward_id or
-  None, training, seed or None]`` for a request (protocol version 3; a peer refuses other versions) and
+  None, training, seed or None, epoch or None]`` for a request (protocol version 5; a peer refuses other
+  versions) and
   ``["ok", request_id, outputs metadata]`` or ``["error", request_id, category, type, message]`` for a reply.
   Which input tensors require grad travels with each tensor (its first part's ``requires_grad``, see
   :mod:`.codec`), so the server differentiates exactly the inputs the trainer marked. Every request carries a
