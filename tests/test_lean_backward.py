@@ -11,9 +11,17 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.errors import BadRequest, NotKept
+from lightning_swarm.swarm.errors import BadRequest, NotKept, ProtocolError
 from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.protocol import StageRequest, encode_request_header, parse_request, stage_uid
+from lightning_swarm.swarm.protocol import (
+    StageReply,
+    StageRequest,
+    encode_reply_header,
+    encode_request_header,
+    parse_reply,
+    parse_request,
+    stage_uid,
+)
 from tests.test_stage_server import _client, _run_id, _serve
 
 WIDTH = 256  # the inputs' bytes dwarf the framing's
@@ -46,6 +54,25 @@ def test_a_backward_to_the_peer_that_kept_its_forward_sends_its_output_gradients
 
 
 @pytest.mark.timeout(120)
+def test_a_forward_the_peer_did_not_keep_gets_its_inputs_with_the_backward_at_once(dhts, cleanup) -> None:
+    """The forward's reply says whether the server kept it: a server that keeps nothing (``keep_activations=0``,
+    every backward recomputes) gets the inputs with the backward in one call, not after a ``NotKept``."""
+    server, client, reference = _setup(cleanup, dhts, keep=0)
+    x = torch.randn(16, WIDTH, requires_grad=True)
+    client.call_stage(0, x).sum().backward()
+    stats = client.stats()
+    forward_sent, backward_sent = (
+        stats["swarm/stage0/forward_bytes_sent"],
+        stats["swarm/stage0/backward_bytes_sent"],
+    )
+    # the inputs and the output gradients, once: a lean try first would add the gradients again (~3x)
+    assert 1.6 * forward_sent < backward_sent < 2.4 * forward_sent, (backward_sent, forward_sent)
+    x_ref = x.detach().requires_grad_()
+    expected = torch.autograd.grad(reference(x_ref).sum(), x_ref)[0]
+    torch.testing.assert_close(x.grad, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(120)
 def test_a_peer_that_no_longer_keeps_the_forward_gets_the_inputs_and_is_not_blamed(dhts, cleanup) -> None:
     server, client, reference = _setup(cleanup, dhts, keep=1)  # the second forward pushes the first one out
     xs = [torch.randn(8, WIDTH, requires_grad=True) for _ in range(2)]
@@ -65,6 +92,17 @@ def test_a_peer_that_no_longer_keeps_the_forward_gets_the_inputs_and_is_not_blam
     request = StageRequest("backward", server.uid, None, grads, request_id=7, forward_id=12345)
     reply = server.handle(request)
     assert reply.error is not None and reply.error.type_name == NotKept.__name__, reply
+
+
+def test_a_reply_says_whether_its_forward_was_kept() -> None:
+    outputs = Payload.flatten((torch.ones(2, 3),))
+    encoded = outputs.encode("none")
+    for kept in (True, False):
+        header = encode_reply_header(StageReply(5, outputs=outputs, kept=kept), encoded)
+        assert parse_reply(header, list(outputs.tensors)).kept is kept
+    header = msgpack.packb(["ok", 5, encoded.metadata, "yes"], use_bin_type=True)
+    with pytest.raises(ProtocolError, match="Malformed reply header"):
+        parse_reply(header, list(outputs.tensors))
 
 
 def test_only_a_backward_naming_its_forward_may_leave_its_inputs_out() -> None:

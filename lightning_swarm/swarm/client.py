@@ -424,6 +424,8 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 self._count(stage, request.kind, sent, recv, fp32_bytes(request, reply, lean))
             if reply.error is not None:
                 raise remote_exception(reply.error, stage, peer_id)
+            if request.kind == "forward" and not reply.kept:  # its backward brings the inputs (see .protocol)
+                request.forward_id = None
             assert reply.outputs is not None
             if check is not None:
                 check(reply.outputs)
@@ -556,13 +558,9 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                             stub = functools.partial(SameHostStub.factory, path, self.peer_id)
                         if self._p2p is None:
                             self._p2p = run_coroutine(replicate_p2p(self.dht), timeout=60)
+                        timeout = self.settings.request_timeout
                         transport = P2PTransport(
-                            self._p2p,
-                            peer_id,
-                            uid,
-                            stub,
-                            self.settings.request_timeout,
-                            stop=self.should_stop,
+                            self._p2p, peer_id, uid, stub, timeout, stop=self.should_stop
                         )
                     self._transports[key] = transport
         return transport

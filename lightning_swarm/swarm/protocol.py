@@ -11,7 +11,8 @@ on values, schemas and bans are in :mod:`.guards`, the error types and error rep
   ``[version, kind, request_id, uid, inputs metadata, grads metadata or None, commit_by or None, forward_id or
   None, training, seed or None, epoch or None]`` for a request (protocol version 5; a peer refuses other
   versions) and
-  ``["ok", request_id, outputs metadata]`` or ``["error", request_id, category, type, message]`` for a reply.
+  ``["ok", request_id, outputs metadata, kept]`` or ``["error", request_id, category, type, message]`` for a
+  reply (``kept``: the server kept the forward for its backward).
   Which input tensors require grad travels with each tensor (its first part's ``requires_grad``, see
   :mod:`.codec`), so the server differentiates exactly the inputs the trainer marked. Every request carries a
   caller-chosen ``request_id`` that its reply repeats, unique across callers (random 62-bit start, then
@@ -21,7 +22,8 @@ on values, schemas and bans are in :mod:`.guards`, the error types and error rep
   ``forward_id`` links a backward to its forward: a forward that sets it (to its own id) asks the server to keep
   its activations, and the backward that names it reuses them on that server instead of recomputing the forward
   (a server that does not have them recomputes). A backward sent to the peer that kept its forward carries no
-  inputs (``None`` as the inputs metadata): the server takes them from the kept forward, and replies
+  inputs (``None`` as the inputs metadata; only after the forward's reply said ``kept``): the server takes them
+  from the kept forward, and replies
   :class:`~.errors.NotKept` if it no longer has it, which the trainer answers by sending the inputs (a backward's
   inputs are about a fifth of a stage's bytes per microbatch). ``training`` is the mode of the trainer's proxy module
   (``module.train()``/``eval()``): the server runs the stage in that mode for this call. ``seed`` (a 63-bit
@@ -180,6 +182,7 @@ class StageReply:
     request_id: int
     outputs: Payload | None = None
     error: ErrorReply | None = None
+    kept: bool = False  # a forward whose activations and inputs the server kept for its backward
 
 
 def fp32_bytes(request: StageRequest, reply: StageReply, lean: bool = False) -> int:
@@ -300,7 +303,7 @@ def encode_reply_header(reply: StageReply, outputs: EncodedPayload | None) -> by
             ["error", reply.request_id, e.category, e.type_name, e.message], use_bin_type=True
         )
     assert outputs is not None
-    return msgpack.packb(["ok", reply.request_id, outputs.metadata], use_bin_type=True)
+    return msgpack.packb(["ok", reply.request_id, outputs.metadata, reply.kept], use_bin_type=True)
 
 
 def parse_reply(header: bytes, tensors: list[torch.Tensor]) -> StageReply:
@@ -313,11 +316,12 @@ def parse_reply(header: bytes, tensors: list[torch.Tensor]) -> StageReply:
         _, request_id, category, type_name, message = fields
         if category in _CATEGORIES and isinstance(type_name, str) and isinstance(message, str):
             return StageReply(request_id, error=ErrorReply(category, type_name[:100], message[:_MAX_MESSAGE]))
-    if isinstance(fields, list) and len(fields) == 3 and fields[0] == "ok" and type(fields[1]) is int:
-        if isinstance(fields[2], bytes):
-            return StageReply(fields[1], outputs=Payload.from_wire(fields[2], tensors))
+    if isinstance(fields, list) and len(fields) in (3, 4) and fields[0] == "ok" and type(fields[1]) is int:
+        kept = fields[3] if len(fields) == 4 else False
+        if isinstance(fields[2], bytes) and type(kept) is bool:
+            return StageReply(fields[1], outputs=Payload.from_wire(fields[2], tensors), kept=kept)
     raise ProtocolError(
-        "Malformed reply header: expected ['ok', id, bytes] or ['error', id, category, type, message]"
+        "Malformed reply header: expected ['ok', id, bytes, kept] or ['error', id, category, type, message]"
     )
 
 

@@ -83,6 +83,7 @@ class StageBackend:
             if request.kind == "forward":
                 keep = request.forward_id if request.forward_id == request.request_id else None
                 outputs = self._forward(request.inputs, keep, request.training, request.seed)
+                kept = keep is not None and self._kept_inputs(keep) is not None
             else:
                 assert request.grad_outputs is not None
                 outputs = self._backward(
@@ -94,8 +95,9 @@ class StageBackend:
                     request.training,
                     request.seed,
                 )
+                kept = False
             self.schemas.learn(request.inputs.tensors)
-            return StageReply(request.request_id, outputs=outputs)
+            return StageReply(request.request_id, outputs=outputs, kept=kept)
         except BadRequest as e:
             logger.debug(f"Stage {self.stage}: rejected a request: {e}")
             return _error(request.request_id, REQUEST, e)
