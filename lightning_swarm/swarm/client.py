@@ -248,7 +248,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
             return 1, None
         if setting == "auto":  # a chunk per online peer of the stage, or whole while other calls are out
             with self._router_lock:
-                busy = any(router.in_flight(p) for router in self.routers for p in router.peers)
+                busy = any(router.calls_in_flight() for router in self.routers)
             chunks = 1 if busy else max(1, len(self._live_peers(stage)))
         else:
             chunks = int(setting)

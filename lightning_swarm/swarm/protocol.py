@@ -316,10 +316,9 @@ def parse_reply(header: bytes, tensors: list[torch.Tensor]) -> StageReply:
         _, request_id, category, type_name, message = fields
         if category in _CATEGORIES and isinstance(type_name, str) and isinstance(message, str):
             return StageReply(request_id, error=ErrorReply(category, type_name[:100], message[:_MAX_MESSAGE]))
-    if isinstance(fields, list) and len(fields) in (3, 4) and fields[0] == "ok" and type(fields[1]) is int:
-        kept = fields[3] if len(fields) == 4 else False
-        if isinstance(fields[2], bytes) and type(kept) is bool:
-            return StageReply(fields[1], outputs=Payload.from_wire(fields[2], tensors), kept=kept)
+    if isinstance(fields, list) and len(fields) == 4 and fields[0] == "ok" and type(fields[1]) is int:
+        if isinstance(fields[2], bytes) and type(fields[3]) is bool:
+            return StageReply(fields[1], outputs=Payload.from_wire(fields[2], tensors), kept=fields[3])
     raise ProtocolError(
         "Malformed reply header: expected ['ok', id, bytes, kept] or ['error', id, category, type, message]"
     )

@@ -267,9 +267,9 @@ class StageRouter:
         self._set_busy(chosen, self._busy[chosen] + max(task_size, 0.0) / self._throughput[chosen])
         return chosen
 
-    def in_flight(self, peer_id: PeerID) -> int:
-        """How many calls of this client to ``peer_id`` are in flight."""
-        return self._in_flight(peer_id)
+    def calls_in_flight(self) -> int:
+        """How many calls of this client to the stage's peers are in flight."""
+        return sum(self._in_flight(peer_id) for peer_id in self._flight)
 
     def _in_flight(self, peer_id: PeerID) -> int:
         flight = self._flight.get(peer_id)

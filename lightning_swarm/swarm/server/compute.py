@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,23 +76,28 @@ def leaves_of(inputs: Payload, device: torch.device) -> list[torch.Tensor]:
 
 
 class Kept:
-    """A forward kept for its backward: its inputs (as received, for a backward sent without them) and their
-    leaves, its outputs (with their autograd graph), the version of the served parameters it ran with, and how
+    """A forward kept for its backward: its input leaves (and the inputs' structure, for a backward sent without
+    them), its outputs (with their autograd graph), the version of the served parameters it ran with, and how
     long it took."""
 
-    __slots__ = ("inputs", "leaves", "outputs", "version", "forward_s", "created")
+    __slots__ = ("skeleton", "leaves", "outputs", "version", "forward_s", "created")
 
     def __init__(
         self,
+        skeleton: Any,
         leaves: list[torch.Tensor],
         outputs: list[torch.Tensor],
         version: int,
         forward_s: float,
         created: float,
-        inputs: Payload | None = None,
     ) -> None:
-        self.leaves, self.outputs, self.version = leaves, outputs, version
-        self.forward_s, self.created, self.inputs = forward_s, created, inputs
+        self.skeleton, self.leaves, self.outputs, self.version = skeleton, leaves, outputs, version
+        self.forward_s, self.created = forward_s, created
+
+    @property
+    def inputs(self) -> Payload:
+        """The forward's inputs, as its leaves (on the stage's device, requiring grad where they were sent so)."""
+        return Payload(self.skeleton, list(self.leaves))
 
     def matches(self, inputs: Payload, version: int) -> bool:
         """Whether a backward of ``inputs`` may use this forward: same parameters, same input shapes and dtypes,

@@ -225,7 +225,7 @@ class StageBackend:
         if not keep:
             return payload
         assert keep_id is not None
-        self._keep(keep_id, Kept(leaves, payload.tensors, version, spent, time.monotonic(), inputs))
+        self._keep(keep_id, Kept(inputs.skeleton, leaves, payload.tensors, version, spent, time.monotonic()))
         return Payload(payload.skeleton, [t.detach() for t in payload.tensors])
 
     def _keep(self, forward_id: int, kept: Kept) -> None:
