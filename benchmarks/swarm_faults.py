@@ -176,7 +176,7 @@ class Trainer:
     trainer commands the stages' steps (``stage_steps="trainer"``, the library's default with one trainer): every
     ``TARGET_BATCH`` samples the threads finish their microbatches and both stages step (each stage's peers sum
     their gradients first), as GPipe's ranks step after their accumulated microbatches; else the stages step on
-    their own every ``TARGET_BATCH`` samples (``stage_steps="swarm"``, hivemind's averaging rounds)."""
+    their own every ``TARGET_BATCH`` samples (``stage_steps="async"``, hivemind's averaging rounds)."""
 
     def __init__(self, client: SwarmClient, concurrency: int, driven: bool = False) -> None:
         self.client, self.concurrency, self.driven = client, concurrency, driven
@@ -622,7 +622,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=BLOCKS, help="blocks per stage")
     parser.add_argument(
         "--swarm-steps",
-        choices=("trainer", "swarm"),
+        choices=("trainer", "async"),
         default="trainer",
         help="the stages step when the trainer commands it (one trainer's default) or on their own",
     )

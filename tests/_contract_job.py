@@ -5,7 +5,8 @@ plain process or in a local swarm (one trainer, 2 stages, compression "none").
 Config keys: ``swarm`` (bool), ``steps``, ``scheduler`` (None, "warmup", "decay", "step_epoch", "onecycle", "plateau"),
 ``clip`` (None or [value, "norm"|"value"]), ``precision``, ``accumulate``, ``manual`` (two optimizers, manual
 optimization), ``optimizer`` ("sgd"|"adamw"), ``fp16_scaler`` ("16-mixed" with a CPU loss scaler), ``residual`` (the input layer's output added to the
-pipeline's), ``batchnorm`` (BatchNorm1d in every block), ``dropout`` (float), ``out``.
+pipeline's), ``batchnorm`` (BatchNorm1d in every block), ``dropout`` (float), ``trainers`` (in a swarm: that many trainers,
+the local swarm's first peers), ``ddp`` (not in a swarm: Lightning's DDP with that many devices), ``out``.
 """
 
 import json
@@ -158,18 +159,19 @@ def main() -> None:
     record = Record()
     swarm = cfg.get("swarm", False)
     peers_per_stage = cfg.get("peers_per_stage", 1)
+    trainers = int(cfg.get("trainers", 1))
     strategy = (
         lightning_swarm.SwarmStrategy(
             **{
                 "pipeline": "layers",
                 "num_stages": 2,
-                "num_trainers": 1,
+                "num_trainers": trainers,
                 "compression": "none",
                 **cfg.get("strategy", {}),
             }
         )
         if swarm
-        else "auto"
+        else ("ddp" if cfg.get("ddp") else "auto")
     )
     clip = cfg.get("clip")
     loader = data()
@@ -187,7 +189,7 @@ def main() -> None:
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=2 * peers_per_stage if swarm else 1,
+        devices=max(2 * peers_per_stage, trainers) if swarm else int(cfg.get("ddp") or 1),
         max_steps=cfg["steps"],
         logger=False,
         enable_checkpointing=False,
@@ -209,6 +211,12 @@ def main() -> None:
     deferred = trainer.strategy.deferred_backwards if swarm else 0
     configs = trainer.lr_scheduler_configs
     schedule_steps = int(configs[0].scheduler.last_epoch) if configs else None
+    if cfg.get("all_ranks") and swarm and trainer.global_rank < trainers:
+        own = {k: v for k, v in model.state_dict().items() if not k.startswith("layers.")}
+        torch.save(
+            {"own": own, "sync": trainer.strategy.trainer_sync_stats},
+            f"{cfg['out']}.rank{trainer.global_rank}",
+        )
     if trainer.global_rank == 0:
         torch.save(
             {

@@ -258,7 +258,7 @@ def test_top_k_checkpointing_decides_on_each_peers_own_value():
 
 
 def test_with_several_trainers_the_swarms_epoch_drives_the_lr_schedule(tmp_path):
-    """Two trainers (stage_steps="swarm"), batch 8 each, target_batch_size 32: the stages step once per two batches
+    """Two trainers (stage_steps="async"), batch 8 each, target_batch_size 32: the stages step once per two batches
     of each trainer. A per-step LambdaLR (1 / (1 + s)) must count the swarm's epochs, not a trainer's own steps:
     at the end each trainer's schedule is at the stages' epoch (within the epochs that finish after a trainer's
     last read), far below the 16 steps the trainer took itself, and the stages run with the schedule's lr."""

@@ -568,7 +568,7 @@ def test_the_served_parameters_follow_in_place_writes_and_unchanged_ones_are_not
     """A swarm-driven stage serves copies of its optimizer's parameters, refreshed after every backward. The refresh
     compares the two only when an in-place write (the optimizer's step, hivemind's averaging ``copy_``) bumped a
     parameter's version counter: comparing every element cost two reads of the stage's parameters a backward."""
-    server = _serve(cleanup, dhts["server1"], _run_id("versions"), nn.Linear(8, 8), stage_steps="swarm")
+    server = _serve(cleanup, dhts["server1"], _run_id("versions"), nn.Linear(8, 8), stage_steps="async")
     assert not server._shared_master  # swarm-driven: the served parameters are copies
     compared = []
     real_equal = torch.equal

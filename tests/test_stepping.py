@@ -195,14 +195,14 @@ def test_malformed_step_commands_are_refused_and_the_server_keeps_serving(dhts, 
 
 
 def test_a_server_that_steps_on_its_own_refuses_commands_with_the_fix(dhts, cleanup):
-    _, client, _, run_id = _setup(dhts, cleanup, stage_steps="swarm")
+    _, client, _, run_id = _setup(dhts, cleanup, stage_steps="async")
     with pytest.raises(RuntimeError, match="start every peer of the run with the same stage_steps"):
         client.step_stage(0, StepCommand(stage_uid(run_id, 0), 1))
 
 
 def test_with_several_trainers_the_stages_take_the_trainers_schedule_for_their_next_step(dhts, cleanup):
-    """stage_steps="swarm": the stage steps on its own, with the hyper-parameters a trainer last sent."""
-    server, client, _, run_id = _setup(dhts, cleanup, stage_steps="swarm")
+    """stage_steps="async": the stage steps on its own, with the hyper-parameters a trainer last sent."""
+    server, client, _, run_id = _setup(dhts, cleanup, stage_steps="async")
     groups = {0: {"lr": 0.025, "weight_decay": 0.1}, 1: {"lr": 0.5, "weight_decay": 0.0}}
     client.step_stage(0, StepCommand(stage_uid(run_id, 0), 3, phase="hyper", groups=groups))
     assert server.optimizer is not None

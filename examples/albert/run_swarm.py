@@ -207,7 +207,7 @@ def run_swarm(args: argparse.Namespace, extra: list[str]) -> dict:
         f"{S}.num_stages={args.stages}",
         f"--model.num_groups={args.stages}",
         # one trainer: the stages step with it (the step of one process); several: every target_batch_size samples
-        f"{S}.stage_steps={'trainer' if args.trainers == 1 else 'swarm'}",
+        f"{S}.stage_steps=trainer",
         *extra,
     ]
     if args.steps is not None:

@@ -32,26 +32,59 @@ def _refuse_weight_copies(trainer: Trainer) -> None:
 
 
 def _refuse_for_swarm_steps(trainer: Trainer, plugin: Any, optimizers: list[Any] = ()) -> None:
-    """With ``stage_steps="swarm"`` (several trainers) the stages step on their own: settings that need the
+    """With ``stage_steps="async"`` (several trainers) the stages step on their own: settings that need the
     trainer's step on the stages are refused at setup, with one line."""
-    fix = "train with one trainer (num_trainers=1: the stages then step with it)"
+    fix = "use stage_steps='trainer' (the default: the stages step with the trainers)"
     if len(optimizers) > 1:
         raise ValueError(
-            "When using the SwarmStrategy with stage_steps='swarm' (several trainers), configure_optimizers must "
+            "When using the SwarmStrategy with stage_steps='async' (several trainers), configure_optimizers must "
             f"return one optimizer (got {len(optimizers)}): the trainers average their own parameters through one "
             f"hivemind optimizer and the stages step on their own; use one optimizer with parameter groups, or {fix}."
         )
     if trainer.gradient_clip_val:
         raise ValueError(
-            "When using the SwarmStrategy with stage_steps='swarm' (several trainers), gradient_clip_val is not "
+            "When using the SwarmStrategy with stage_steps='async' (several trainers), gradient_clip_val is not "
             f"supported: the stages step on their own and cannot clip by the whole model; {fix}, or clip nothing."
         )
     if _scaler(plugin) is not None:
         raise ValueError(
-            "When using the SwarmStrategy with stage_steps='swarm' (several trainers), precision='16-mixed' is not "
+            "When using the SwarmStrategy with stage_steps='async' (several trainers), precision='16-mixed' is not "
             f"supported: the stages cannot unscale gradients of several trainers' loss scales; {fix}, or use "
             "'bf16-mixed'."
         )
+
+
+def _refuse_closure_optimizers(optimizers: list[Any]) -> None:
+    """An optimizer whose ``step`` needs a closure (``torch.optim.LBFGS``) re-evaluates the model inside its step:
+    the stages' optimizers step on the servers, where no closure can run the trainer's loss. Refused at setup."""
+    import inspect
+
+    for opt in optimizers:
+        raw = getattr(opt, "_optimizer", opt)
+        try:
+            closure = inspect.signature(type(raw).step).parameters.get("closure")
+        except (TypeError, ValueError):
+            continue
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise ValueError(
+                f"When using the SwarmStrategy, {type(raw).__name__} is not supported: its step needs a closure that "
+                "re-evaluates the loss, and the pipeline's parameters step on the stage servers, which cannot run "
+                "it. Use an optimizer whose step takes no closure (SGD, Adam, AdamW...)."
+            )
+
+
+def _refuse_for_several_trainers(module: Any, trainers: int | None) -> None:
+    """With several trainers stepping as DDP's ranks (``stage_steps="trainer"``): manual optimization (and with it
+    several optimizers) is refused at setup, with one line: a trainer's ``optimizer.zero_grad()`` would drop the
+    gradients the stages hold from the other trainers' batches of the same step."""
+    if module is None or module.automatic_optimization:
+        return
+    count = f"{trainers} trainers" if trainers else "several trainers"
+    raise ValueError(
+        f"When using the SwarmStrategy with {count}, manual optimization is not supported: a trainer's "
+        "optimizer.zero_grad() would drop the stages' gradients of the other trainers' batches. Use automatic "
+        "optimization (one optimizer, with parameter groups), or one trainer (num_trainers=1)."
+    )
 
 
 def _refuse_before_launch(model: Any, settings: Any) -> None:

@@ -1,4 +1,4 @@
-"""With several trainers (``stage_steps="swarm"``) the swarm's epoch drives the LR schedule.
+"""With several trainers (``stage_steps="async"``) the swarm's epoch drives the LR schedule.
 
 The stages then step on their own, once every ``target_batch_size`` samples of all trainers together (hivemind's
 epoch), while each trainer's Lightning loop steps its schedulers after each of its own batches. Counted that way,

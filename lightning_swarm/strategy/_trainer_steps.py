@@ -68,7 +68,9 @@ class _TrainerDrivenSteps:
             raw = getattr(optimizer, "_optimizer", optimizer)
             overflowed, client.nonfinite_backwards = client.nonfinite_backwards > 0, 0
             sq = self.peer.stage_grad_sq_norm(
-                self._current_step_id(), self._optimizer_index(raw), 1.0 / float(scaler.get_scale())
+                self._current_step_id(),
+                self._optimizer_index(raw),
+                self.peer.stage_grad_factor / float(scaler.get_scale()),
             )
             if overflowed or not math.isfinite(sq):
                 for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
@@ -106,6 +108,7 @@ class _TrainerDrivenSteps:
         local = sum(float(g.detach().float().pow(2).sum()) for g in grads)
         scaler = _scaler(self.precision_plugin)
         scale = 1.0 / float(scaler.get_scale()) if scaler is not None else 1.0
+        scale *= self.peer.stage_grad_factor
         stages = self.peer.stage_grad_sq_norm(self._current_step_id(), self._optimizer_index(raw), scale)
         total = math.sqrt(local + stages)
         coef = min(1.0, float(clip_val) / (total + 1e-6))  # as torch.nn.utils.clip_grad_norm_
@@ -126,7 +129,8 @@ class _TrainerDrivenSteps:
         scale = float(scaler.get_scale()) if scaler is not None else None
         self._clip = None
         self.peer.begin_step()  # forget the stage calls so far
-        if gradients_fixed_after_backward(self):  # the stages may step as soon as their backwards are done
+        # the stages may step as soon as their backwards are done (one trainer: nobody else adds to their gradients)
+        if self.peer.trainer_sync is None and gradients_fixed_after_backward(self):
             self._early_step = (self._current_step_id(), index, lambda: _groups_hyper(raw))
         try:
             output = step(optimizer, closure, model, **kwargs)
@@ -139,7 +143,7 @@ class _TrainerDrivenSteps:
             step_id,
             index,
             _groups_hyper(raw),
-            grad_scale=1.0 / scale if scale else 1.0,
+            grad_scale=self.peer.stage_grad_factor / (scale if scale else 1.0),
             clip_coef=clip[1] if clip is not None and clip[0] == "norm" else None,
             clip_value=clip[1] if clip is not None and clip[0] == "value" else None,
             skip=skipped,
@@ -176,6 +180,7 @@ class _TrainerDrivenSteps:
             result = closure()
             if deferred is not None:
                 deferred.flush()
+            self._sync_trainers(optimizer)
             return result
 
         self._in_optimizer_step = True
@@ -183,6 +188,21 @@ class _TrainerDrivenSteps:
             return super().optimizer_step(optimizer, closure_then_flush, model, **kwargs)
         finally:
             self._in_optimizer_step = False
+
+    def _sync_trainers(self, optimizer: Any) -> None:
+        """With several trainers: after this trainer's backward, its own parameters' gradients become the average
+        over the trainers of the global step (DDP's all-reduce; see ``swarm/trainer_sync.py``), and the step's id
+        becomes the leader's, so that every trainer names the same stage step."""
+        peer = self.peer
+        if peer.trainer_sync is None:
+            return
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        params = [p for group in raw.param_groups for p in group["params"]]
+        result = peer.sync_trainers([p.grad for p in params], self._current_step_id(), params)
+        assert result is not None
+        self._step_id = result.step_id
+        for p, grad in zip(params, result.grads, strict=True):
+            p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
 
     def on_train_end(self) -> None:
         """Training stopped between two optimizer steps (``trainer.should_stop``): the stage backwards still in
@@ -211,18 +231,21 @@ class _TrainerDrivenSteps:
         )
 
     def _check_target_batch_size(self, batch_size: int) -> None:
-        """With trainer-driven steps, a step is ``batch_size x accumulate_grad_batches`` samples; a
-        ``target_batch_size`` given that says otherwise is refused (it would not be honoured)."""
+        """With trainer-driven steps, a global step is ``batch_size x accumulate_grad_batches x trainers``
+        samples; a ``target_batch_size`` given that says otherwise is refused (it would not be honoured). Called
+        at the start of training where the loader's batch size is known, else at the first batch."""
         self._batch_checked = True
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not self.peer.drives_stages or self._target_batch_size is None:
             return
-        step = batch_size * trainer.accumulate_grad_batches
+        trainers = self.peer.num_trainers or 1
+        step = batch_size * trainer.accumulate_grad_batches * trainers
         if self._target_batch_size != step:
+            of = f" x {trainers} trainers" if trainers > 1 else ""
             raise ValueError(
-                f"SwarmStrategy(target_batch_size={self._target_batch_size}) but the trainer steps every "
-                f"{step} samples (batch {batch_size} x accumulate_grad_batches={trainer.accumulate_grad_batches}),"
-                " and with one trainer the stages step with it: drop target_batch_size, or set the batch size or "
+                f"SwarmStrategy(target_batch_size={self._target_batch_size}) but a global step is {step} samples "
+                f"(batch {batch_size} x accumulate_grad_batches={trainer.accumulate_grad_batches}{of}), and the "
+                "stages step with the trainers: drop target_batch_size, or set the batch size or "
                 "accumulate_grad_batches to match."
             )
 

@@ -35,6 +35,8 @@ from lightning_swarm.strategy._checkpointing import (
 from lightning_swarm.strategy._loop_state import logs_written_this_step
 from lightning_swarm.strategy._refusals import (
     _refuse_before_launch,
+    _refuse_closure_optimizers,
+    _refuse_for_several_trainers,
     _refuse_for_swarm_steps,
     _refuse_weight_copies,
     _scaler,
@@ -58,7 +60,7 @@ log = logging.getLogger(__name__)
 
 Role = Literal["both", "trainer", "server"]
 Compression = Literal["8bit", "fp16", "none"]
-StageSteps = Literal["auto", "trainer", "swarm"]
+StageSteps = Literal["auto", "trainer", "async"]
 _STAGES_KEY = "swarm_stages"  # a checkpoint's entry with the stages' optimizer states
 _DEFAULTS = SwarmSettings()  # the one source of the defaults below
 
@@ -89,16 +91,19 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         run_id: name of the swarm; peers with the same ``run_id`` train together.
         compression: codec for activations and gradients crossing stage boundaries: ``"8bit"`` (blockwise
             quantization, 1/4 of fp32 bytes), ``"fp16"`` or ``"none"``.
-        stage_steps: when the stages' optimizers step. ``"trainer"``: exactly when the trainer's optimizer
-            steps (the step of one process: the trainer's LR schedule, gradient clipping, loss scale and
-            accumulation reach the stages; needs a single trainer). ``"swarm"``: every ``target_batch_size``
-            samples the swarm processed, asynchronously (hivemind's optimizer; for several trainers).
-            ``"auto"``: ``"trainer"`` when the run has one trainer (a local swarm with one trainer, or
-            ``num_trainers=1``), else ``"swarm"``.
-        target_batch_size: with ``stage_steps="swarm"``: samples a stage's swarm (and the trainers, for their
+        stage_steps: when the stages' optimizers step. ``"trainer"`` (``"auto"``, the default): exactly when the
+            trainers' optimizers step, as in one process with one trainer and as DDP's ranks with several (one
+            global step per global batch: the trainers' own gradients averaged, the stages' summed and divided by
+            the number of trainers; the LR schedule, gradient clipping, loss scale and accumulation reach the
+            stages). ``"async"``: every ``target_batch_size`` samples the swarm processed, asynchronously
+            (hivemind's optimizer; throughput over fidelity: the stages' gradients are stale by up to a step).
+        target_batch_size: with ``stage_steps="async"``: samples a stage's swarm (and the trainers, for their
             local parameters) accumulates before its peers average gradients and step together (``None``: 256).
-            With ``"trainer"`` a step is the trainer's batch times ``accumulate_grad_batches``; a value given
-            here must equal that.
+            With ``"trainer"`` a step is the trainers' batch times ``accumulate_grad_batches`` times the number
+            of trainers; a value given here must equal that.
+        trainer_timeout: with several trainers and ``stage_steps="trainer"``: seconds the trainers of a global step
+            wait for each other's gradients; a trainer that dies or lags longer is left out of that step (logged
+            and counted, ``swarm/missed_trainer_steps``).
         request_timeout: seconds before a call to a peer counts as failed and is retried on another peer.
         no_peers_timeout: seconds to wait for a stage that has no live peers before raising an error.
         matchmaking_time: seconds peers of a stage spend finding each other before averaging gradients.
@@ -174,6 +179,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         keep_activations: int = _DEFAULTS.keep_activations,
         microbatches: int | str = _DEFAULTS.microbatches,
         stage_steps: StageSteps = "auto",
+        trainer_timeout: float = _DEFAULTS.trainer_timeout,
         same_host: bool = _DEFAULTS.same_host,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -216,6 +222,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             keep_activations=keep_activations,
             microbatches=microbatches,
             stage_steps=stage_steps,
+            trainer_timeout=trainer_timeout,
             same_host=same_host,
         )
         self._target_batch_size = target_batch_size  # as given: checked against the trainer's step
@@ -240,6 +247,9 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             int, int
         ] = {}  # optimizer steps each stage took in the last run, as it replied
         self.early_stage_steps = 0  # of those, commanded before the trainer's backward ended
+        # with several trainers: global steps taken, trainer-steps missed in the steps this trainer led, and steps
+        # this trainer's own part came too late for (see swarm/trainer_sync.py)
+        self.trainer_sync_stats: dict[str, int] = {}
         self.deferred_backwards = 0  # stage-call backwards whose input gradients came after the next forward
 
     @property
@@ -358,6 +368,9 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
+            _refuse_closure_optimizers(self.optimizers)
+            if self.peer.is_trainer and self.peer.drives_stages and self.peer.num_trainers != 1:
+                _refuse_for_several_trainers(self.lightning_module, self.peer.num_trainers)
         optimizers = self.peer.join(
             self.lightning_module, self.optimizers if fitting else [], training=fitting
         )
@@ -415,6 +428,10 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             assert self.lightning_module is not None
             self.lightning_module.trainer.should_stop = True
         else:
+            loader = getattr(self.lightning_module.trainer, "train_dataloader", None)
+            batch_size = getattr(loader, "batch_size", None)
+            if isinstance(batch_size, int) and not self._batch_checked:  # before any stage call
+                self._check_target_batch_size(batch_size)
             self.peer.wait_for_stages_at_start()
 
     @override
@@ -562,6 +579,13 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         if peer is not None:
             self.stage_steps = dict(peer.stage_steps)
             self.early_stage_steps = peer.early_stage_steps
+            sync = peer.trainer_sync
+            if sync is not None:
+                self.trainer_sync_stats = {
+                    "steps": sync.step,
+                    "missed_trainer_steps": sync.missed_steps,
+                    "late_steps": sync.late_steps,
+                }
             self.deferred_backwards = peer.client.deferred_grads.backwards if peer.client is not None else 0
             peer.leave(
                 failed=failed

@@ -62,7 +62,8 @@ from .rebalance import Move, PeerLoad, choose_stage
 from .records import get_stage_peers
 from .server import StageServer
 from .settings import SwarmSettings
-from .states import DEPARTING, FINISHED, LEAVING, STATES
+from .states import DEPARTING, FINISHED, LEAVING, STATES, TRAINING
+from .trainer_sync import StepResult, TrainerSync
 from .validation import record_validators
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,8 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         self.peer_index = peer_index
         self.local_swarm_size = local_swarm_size
         self.settings = settings
-        if settings.stage_steps == "auto":  # one trainer drives the stages' steps; several: the swarm does
-            settings = settings.replace(stage_steps="trainer" if self.num_trainers == 1 else "swarm")
+        if settings.stage_steps == "auto":  # the trainers drive the stages' steps (several: as DDP's ranks)
+            settings = settings.replace(stage_steps="trainer")
         self.settings = settings
         self.rendezvous_path = rendezvous_path
         self.device = device or torch.device("cpu")
@@ -135,6 +136,10 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         self._rebalancer: threading.Thread | None = None
         self._identity: PeerIdentity | None = None
         self._cut_off = False  # this peer's DHT process died: it stops (see should_stop)
+        # several trainers stepping as DDP's ranks (see .trainer_sync); the result of this trainer's current step
+        self.trainer_sync: TrainerSync | None = None
+        self._sync_step: StepResult | None = None
+        self._trainers_read: tuple[float, set[str] | None] = (-float("inf"), None)
 
     # ------------------------------------------------------------------ roles
     @property
@@ -373,6 +378,18 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         self.client.chunking = mixer is None  # see .chunking: batch statistics need whole batches
         self.client.stage_epochs = self._stage_epochs  # the stages' epochs at this trainer's last step
         self.partition.install_proxy(self.client.call_stage)
+        if training and self.drives_stages and self.num_trainers != 1:
+            assert self.presence is not None
+            self.trainer_sync = TrainerSync(
+                self.dht,
+                s.run_id,
+                self.presence.peer_name,
+                self.live_trainers,
+                expected=self.num_trainers,
+                timeout=s.trainer_timeout,
+                should_stop=self.should_stop,
+            )
+            self.trainer_sync.start()
         self.joined = True
         if self.server is not None and self.server.optimizer is not None and s.rebalance_period > 0:
             self._stop_rebalancing.clear()
@@ -381,6 +398,18 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
             )
             self._rebalancer.start()
         return optimizers
+
+    def live_trainers(self) -> set[str] | None:
+        """The names of the trainers still training, from the presence records (read at most every 0.5 s);
+        ``None`` when unknown."""
+        read_at, names = self._trainers_read
+        if time.monotonic() - read_at < 0.5 or self.presence is None:
+            return names
+        records = self.presence.records()
+        if records is not None:
+            names = {name for name, (phase, trainer) in records.items() if trainer and phase == TRAINING}
+        self._trainers_read = (time.monotonic(), names)
+        return names
 
     def check_stage_count(self) -> None:
         """Raise a ``ValueError`` if the peers of this run announce another number of stages than this peer's and
@@ -539,6 +568,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         steps = [
             ("the trainer optimizer's shutdown", "_trainer_optimizer", rounds + 30, {}),
             ("the client's shutdown", "client", 15.0, {}),
+            ("the trainers' step exchange's shutdown", "trainer_sync", 15.0, {}),
             # after a failure the server cancels its averaging rounds instead of waiting for them
             ("the stage server's shutdown", "server", rounds + 30, {"abort": budget is not None}),
         ]

@@ -17,12 +17,13 @@ from .lifetime import sigint_kept
 from .optim import HivemindOptimizer, initialize_optimizer_state
 from .protocol import stage_uid
 from .stepping import StepCommand, read_swarm_epoch
+from .trainer_sync import StepResult
 
 logger = logging.getLogger(__name__)
 
-_EPOCH_READ_S = 0.2  # with stage_steps="swarm": how stale the swarm's epoch driving LR schedules may be
+_EPOCH_READ_S = 0.2  # with stage_steps="async": how stale the swarm's epoch driving LR schedules may be
 
-_INFO_POLL_S = 10.0  # with stage_steps="swarm": how often a trainer asks the stages for their step counts
+_INFO_POLL_S = 10.0  # with stage_steps="async": how often a trainer asks the stages for their step counts
 
 
 class _TrainerSteps:
@@ -98,9 +99,67 @@ class _TrainerSteps:
             futures = {k: pool.submit(client.step_stage, k, make(k)) for k in stages}
             return {k: f.result() for k, f in futures.items()}
 
+    # ------------------------------------------------------------------ several trainers (see .trainer_sync)
+    def sync_trainers(
+        self, grads: list[torch.Tensor | None], step_id: int, params: list[torch.Tensor]
+    ) -> StepResult | None:
+        """With several trainers: hand this trainer's gradients of its own parameters in to the global step and
+        return the step's result (the averaged gradients, the stages' step id, the leader); ``None`` with one
+        trainer."""
+        sync = self.trainer_sync
+        if sync is None:
+            return None
+        client = self.client
+        nonfinite = client.nonfinite_backwards if client is not None else 0
+        result = sync.exchange(grads, step_id, nonfinite=nonfinite, params=params)
+        self._sync_step = result
+        if client is not None:
+            client.nonfinite_backwards = result.nonfinite  # a step any trainer's scaler must skip
+        self._samples_since_step = 0
+        return result
+
+    @property
+    def stage_grad_factor(self) -> float:
+        """What the stages' summed gradients of the current step are multiplied by: 1/K with K trainers in the
+        step (DDP averages over its ranks), else 1."""
+        step = self._sync_step
+        return 1.0 / step.trainers if step is not None and step.trainers > 1 else 1.0
+
+    def _from_leader(self, step_id: int, key: str) -> Any:
+        """With several trainers, on a trainer that does not lead step ``step_id``: the value the leader published
+        for it (the stages' norm, their replies); ``None`` where this trainer must command the stages itself (it
+        leads, or the leader did not answer: the commands are idempotent per step id)."""
+        step, sync = self._sync_step, self.trainer_sync
+        if step is None or sync is None or step.step_id != step_id or step.leader == sync.name:
+            return None
+        s = self.settings
+        try:
+            return sync.await_value(step.leader, step_id, key, s.trainer_timeout + s.no_peers_timeout)
+        except Exception as e:
+            if self.should_stop():
+                raise
+            logger.warning(
+                f"The leader of global step {sync.step - 1} did not answer ({type(e).__name__}: {e}); this trainer "
+                "commands the stages itself"
+            )
+            return None
+
+    def _publish(self, step_id: int, key: str, value: Any) -> None:
+        if self.trainer_sync is not None:
+            self.trainer_sync.publish(step_id, key, value)
+
     def stage_grad_sq_norm(self, step_id: int, optimizer: int, grad_scale: float = 1.0) -> float:
         """The squared norm of the stages' gradients of step ``step_id`` (summed over each stage's peers,
         unscaled by ``grad_scale``), for clipping by the whole model's norm; ``inf`` if any is not finite."""
+        key = f"norm{optimizer}"
+        published = self._from_leader(step_id, key)
+        if published is not None:
+            return float(published)
+        total = self._stage_grad_sq_norm(step_id, optimizer, grad_scale)
+        self._publish(step_id, key, total)
+        return total
+
+    def _stage_grad_sq_norm(self, step_id: int, optimizer: int, grad_scale: float) -> float:
         replies = self._command_stages(
             lambda k: StepCommand(
                 stage_uid(self.settings.run_id, k),
@@ -120,7 +179,7 @@ class _TrainerSteps:
         return total
 
     def swarm_epoch(self) -> int:
-        """With ``stage_steps="swarm"``: the swarm's epoch (the stages' steps together so far, from their progress
+        """With ``stage_steps="async"``: the swarm's epoch (the stages' steps together so far, from their progress
         in the DHT), read at most every ``_EPOCH_READ_S`` seconds; never goes back. With trainer-driven steps: the
         stages' epoch as they replied to this trainer's last step."""
         if self.drives_stages or self.dht is None:
@@ -134,7 +193,7 @@ class _TrainerSteps:
         return self._swarm_epoch
 
     def send_stage_hyper(self, optimizer: int, groups: dict[int, dict[str, Any]]) -> None:
-        """With ``stage_steps="swarm"``: give the stages this trainer's current hyper-parameters of ``optimizer``
+        """With ``stage_steps="async"``: give the stages this trainer's current hyper-parameters of ``optimizer``
         (its LR schedule) if they changed since last sent; the stages use them from their next step."""
         if self._sent_hyper.get(optimizer) == groups:
             return
@@ -199,8 +258,13 @@ class _TrainerSteps:
     ) -> None:
         """Step every stage as this trainer's optimizer ``optimizer`` just stepped (see :mod:`.stepping`), and
         wait until each stage serves its new parameters. A stage that stepped early (see :meth:`arm_early_steps`)
-        is not commanded again unless that failed."""
+        is not commanded again unless that failed. With several trainers, only the step's leader commands the
+        stages; the others wait for the replies it publishes."""
         assert self.client is not None
+        published = self._from_leader(step_id, "applied")
+        if published is not None:
+            self._note_stage_replies(published)
+            return
         self.client.grad_calls.disarm()
         early, self._early_steps = self._early_steps, {}
         done: dict[int, list[dict[str, Any]]] = {}
@@ -226,6 +290,25 @@ class _TrainerSteps:
             done=done,
         )
         replies.update(done)
+        self._note_stage_replies(replies)
+        self._publish(
+            step_id,
+            "applied",
+            {
+                k: [
+                    {
+                        "epoch": int(r["epoch"]),
+                        "steps": int(r.get("steps", 0)),
+                        "group": int(r.get("group", 1)),
+                    }
+                    for r in rs
+                ]
+                for k, rs in replies.items()
+            },
+        )
+
+    def _note_stage_replies(self, replies: dict[int, list[dict[str, Any]]]) -> None:
+        """Remember each stage's epoch, steps and averaging rounds as its peers replied to a step."""
         for k, stage_replies in replies.items():
             self._stage_epochs[k] = max(int(r["epoch"]) for r in stage_replies)
             self.stage_steps[k] = max(int(r.get("steps", 0)) for r in stage_replies)
@@ -235,11 +318,16 @@ class _TrainerSteps:
     def stats(self) -> dict[str, float]:
         """The client's traffic counters, and per stage the optimizer steps and the averaging rounds with other
         peers of the stage (``swarm/stage{k}/steps``, ``swarm/stage{k}/rounds``): as the stages replied to this
-        trainer's step commands, or (``stage_steps="swarm"``) as their peers last reported (``rpc_info``, polled
+        trainer's step commands, or (``stage_steps="async"``) as their peers last reported (``rpc_info``, polled
         in the background every ``_INFO_POLL_S`` seconds)."""
         stats = self.client.stats() if self.client is not None else {}
         if not self.drives_stages and self.client is not None:
             self._poll_stage_info()
+        sync = self.trainer_sync
+        if sync is not None:
+            stats["swarm/missed_trainer_steps"] = float(sync.missed_steps)
+            if self._sync_step is not None:
+                stats["swarm/trainers"] = float(self._sync_step.trainers)
         for k, steps in self.stage_steps.items():
             stats[f"swarm/stage{k}/steps"] = float(steps)
         for k, rounds in self.stage_rounds.items():

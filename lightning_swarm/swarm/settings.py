@@ -17,7 +17,7 @@ from .protocol import check_run_id
 __all__ = ["ROLES", "SwarmSettings"]
 
 ROLES = ("both", "trainer", "server")
-STAGE_STEPS = ("auto", "trainer", "swarm")
+STAGE_STEPS = ("auto", "trainer", "async")
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,7 @@ class SwarmSettings:
     keep_activations: int = 16
     microbatches: int | str = "auto"
     stage_steps: str = "auto"
+    trainer_timeout: float = 60.0
     autocast: str | None = None
     same_host: bool = True
 
@@ -126,6 +127,7 @@ class SwarmSettings:
             "linger_timeout",
             "announce_period",
             "refresh_period",
+            "trainer_timeout",
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{name}({key}={getattr(self, key)}) must be positive.")

@@ -19,7 +19,7 @@ With manual optimization, ``optimizer.zero_grad()`` on the trainer is mirrored t
 stages drop the gradients they hold for that optimizer's parameters. (With automatic optimization every
 backward is followed by a step, which consumes them.)
 
-With several trainers (``stage_steps="swarm"``) the stages step on their own, every ``target_batch_size``
+With several trainers (``stage_steps="async"``) the stages step on their own, every ``target_batch_size``
 samples; a trainer's optimizer step then only sends its groups' hyper-parameters when they changed (phase
 ``"hyper"``), which the stages use from their next step: the schedule of the trainer that stepped last.
 
@@ -245,7 +245,7 @@ def hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_swarm_epoch(dht: Any, run_id: str, stage: int = 0) -> int | None:
-    """The swarm's epoch with ``stage_steps="swarm"``: how many times stage ``stage``'s peers stepped together, as
+    """The swarm's epoch with ``stage_steps="async"``: how many times stage ``stage``'s peers stepped together, as
     their hivemind progress trackers report it in the DHT (the largest epoch a non-client peer reports, as
     hivemind's ``ProgressTracker`` reads it). ``None`` if nothing valid is found (no peer reported yet, or the DHT
     did not answer); malformed entries are skipped."""

@@ -181,7 +181,7 @@ class Stepper:
                 "epoch": -1,
                 "fatal": True,
                 "error": f"the server of stage {self.stage} steps every target_batch_size samples "
-                "(stage_steps='swarm') but a trainer commands its steps (stage_steps='trainer'): start every peer "
+                "(stage_steps='async') but a trainer commands its steps (stage_steps='trainer'): start every peer "
                 "of the run with the same stage_steps",
             }
         with self._step_lock:

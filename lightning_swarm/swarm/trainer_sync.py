@@ -1,0 +1,546 @@
+"""Several trainers step as the ranks of DDP do: one global step per global batch, the same gradient everywhere.
+
+With ``stage_steps="trainer"`` (the default) and several trainers, each trainer computes its own batch (its stage
+calls' backwards add up in the stages' pending gradients), then hands the gradients of its *own* parameters (the
+modules outside the pipeline: embeddings, heads) to the step's **leader**, the live trainer with the smallest peer
+id. The leader waits until every live trainer has handed in its part (at most ``trainer_timeout`` seconds: a
+trainer that dies or lags is left out of that step, logged and counted), sums the parts in peer-id order, divides
+by the number of trainers that took part, and replies to each with that average: every trainer gets the same
+bits, so their parameters stay identical, as DDP's ranks' do (checked: every ``HASH_EVERY`` steps each part carries
+a hash of the trainer's parameters, and a difference is an error on every trainer).
+
+Then every trainer runs its optimizer step on the same gradient; the leader alone commands the stages (see
+:mod:`.stepping`): their summed gradients are scaled by 1/K like the trainers' (DDP's average over K ranks), its
+squared norm for clipping and its replies are *published* under the step's id, and the other trainers read them
+from the leader (:meth:`TrainerSync.await_value`) instead of commanding the stages themselves, so a stage sees one
+step command per global step. A trainer that cannot reach the leader (it died) takes the next trainer as leader;
+the stage commands are idempotent per step id, so a step commanded twice is applied once.
+
+A trainer's part that reaches the leader after its step was taken (``late``) is dropped, and the trainer applies
+that step's average instead: it stays in step with the others, and its parameters identical to theirs.
+
+Wire: ``rpc_contribute``, a stream of messages (the gradients' parts, see :mod:`.transport`, then a msgpack header)
+answered by a stream (the averaged gradients, then the result's header); ``rpc_await``: ``[step_id, key, timeout]``
+-> msgpack ``[found, value]``. Headers and values are validated; a malformed message is refused, never crashes a
+trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator as AsyncIteratorABC
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
+
+import msgpack
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from ._loop import replicate_p2p, run_coroutine
+from .codec import encode_parts
+from .transport import MessageReceiver, messages
+
+__all__ = ["HASH_EVERY", "StepResult", "TrainerSync", "TrainersDiverged", "params_hash"]
+
+logger = logging.getLogger(__name__)
+
+HASH_EVERY = 10  # every this many steps each trainer's part carries a hash of its parameters
+_HISTORY = 8  # results (and published values) a trainer keeps for late or retrying trainers
+_MAX_PART_BYTES = 8 << 30  # a part's gradients, decoded: refused beyond this
+_POLL_S = 0.02
+
+
+class TrainersDiverged(RuntimeError):
+    """The trainers' own parameters differ: they no longer train one model."""
+
+
+@dataclass
+class StepResult:
+    """One global step of the trainers, as the leader decided it.
+
+    Args:
+        step: the global step's index (counted from 0 by every trainer, one per optimizer step).
+        step_id: the stages' step id of this step (see :mod:`.stepping`): the leader's.
+        leader: the leader's name (base58 peer id).
+        trainers: how many trainers' parts the average holds (the stages' gradients are divided by it too).
+        missing: the trainers the leader waited for that did not hand in their part in time.
+        grads: the averaged gradients, aligned with the parameters the parts listed (``None``: no trainer had one).
+        nonfinite: backwards whose loss-scaled gradients overflowed before reaching a stage, on all trainers.
+        late: this trainer's own part came after the step was taken: ``grads`` is the others' average.
+    """
+
+    step: int
+    step_id: int
+    leader: str
+    trainers: int
+    missing: list[str] = field(default_factory=list)
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+    nonfinite: int = 0
+    late: bool = False
+
+
+def params_hash(params: list[torch.Tensor]) -> str:
+    """A short hash of parameters' values (to check that trainers hold the same ones)."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in params:
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class _Part:
+    """One trainer's part of a step: its header and gradients."""
+
+    def __init__(self, header: dict[str, Any], grads: list[torch.Tensor | None]) -> None:
+        self.header, self.grads = header, grads
+
+
+class _Round:
+    """A step the leader collects parts for."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, _Part] = {}
+        self.result: StepResult | None = None
+        self.error: str | None = None
+
+
+def _encode_grads(
+    grads: list[torch.Tensor | None],
+) -> tuple[list[runtime_pb2.Tensor], list[list[int] | None]]:
+    parts: list[runtime_pb2.Tensor] = []
+    shapes: list[list[int] | None] = []
+    for g in grads:
+        if g is None:
+            shapes.append(None)
+            continue
+        shapes.append(list(g.shape))
+        parts.extend(encode_parts(g.detach().float().contiguous().cpu(), "none"))
+    return parts, shapes
+
+
+def _decode_grads(tensors: list[torch.Tensor], shapes: Any) -> list[torch.Tensor | None]:
+    if not isinstance(shapes, list):
+        raise ValueError("trainer step: shapes must be a list")
+    out: list[torch.Tensor | None] = []
+    it = iter(tensors)
+    for shape in shapes:
+        if shape is None:
+            out.append(None)
+            continue
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError("trainer step: a shape must be a list of non-negative integers")
+        t = next(it, None)
+        if t is None or t.dtype != torch.float32 or t.numel() != math.prod(shape):
+            raise ValueError("trainer step: the gradients do not match their shapes")
+        out.append(t.reshape(shape))
+    if next(it, None) is not None:
+        raise ValueError("trainer step: more gradients than shapes")
+    return out
+
+
+def _check_header(header: Any) -> dict[str, Any]:
+    if not isinstance(header, dict):
+        raise ValueError("trainer step: the header must be a map")
+    for key in ("step", "step_id", "nonfinite"):
+        if type(header.get(key)) is not int or header[key] < 0:
+            raise ValueError(f"trainer step: {key} must be a non-negative integer")
+    if not isinstance(header.get("name"), str) or not 0 < len(header["name"]) <= 128:
+        raise ValueError("trainer step: name must be a peer id")
+    if header.get("hash") is not None and not isinstance(header["hash"], str):
+        raise ValueError("trainer step: hash must be a string")
+    return header
+
+
+class TrainerSync(ServicerBase):
+    """One trainer's side of the trainers' global steps (see the module's docstring).
+
+    Args:
+        dht: this peer's running DHT (its p2p daemon serves the handlers).
+        run_id: the swarm's run id (the handlers' namespace).
+        name: this trainer's base58 peer id.
+        live_trainers: the names of the trainers now training (from the peers' presence records), or ``None``
+            when unknown; the leader waits for these.
+        expected: how many trainers the run starts with, where known (a local swarm): the first step waits for
+            that many parts (up to ``timeout``) even before their presence records are read.
+        timeout: seconds the leader waits for the parts of a step after its own (``trainer_timeout``).
+        should_stop: polled while waiting; True ends the wait (the peer is stopping).
+    """
+
+    def __init__(
+        self,
+        dht: Any,
+        run_id: str,
+        name: str,
+        live_trainers: Callable[[], set[str] | None],
+        expected: int | None = None,
+        timeout: float = 60.0,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.dht, self.run_id, self.name = dht, run_id, name
+        self.live_trainers, self.expected, self.timeout = live_trainers, expected, timeout
+        self.should_stop = should_stop
+        self.namespace = f"{run_id}.trainers"
+        self.p2p: P2P | None = None
+        self.step = 0  # this trainer's next global step
+        self.missed_steps = 0  # trainer-steps the steps this trainer led went without (counted, logged)
+        self.late_steps = 0  # steps this trainer's own part came too late for
+        self._cond = threading.Condition()
+        self._rounds: OrderedDict[int, _Round] = OrderedDict()
+        self._published: OrderedDict[tuple[int, str], Any] = OrderedDict()
+        self._failed: dict[str, float] = {}  # leaders this trainer could not reach, until when it skips them
+        self._known: set[str] = set()  # trainers that ever handed in a part here
+        self._last: StepResult | None = None
+
+    # ------------------------------------------------------------------ life
+    def start(self) -> None:
+        self.p2p = run_coroutine(self._start_p2p(), timeout=60)
+
+    async def _start_p2p(self) -> P2P:
+        p2p = await replicate_p2p(self.dht)
+        await self.add_p2p_handlers(p2p, namespace=self.namespace)
+        return p2p
+
+    def shutdown(self) -> None:
+        p2p, self.p2p = self.p2p, None
+        if p2p is None:
+            return
+        try:
+            run_coroutine(p2p.shutdown(), timeout=10)
+        except Exception as e:
+            logger.debug(f"Trainer sync: p2p shutdown failed: {e!r}")
+
+    # ------------------------------------------------------------------ a step
+    def exchange(
+        self,
+        grads: list[torch.Tensor | None],
+        step_id: int,
+        nonfinite: int = 0,
+        params: list[torch.Tensor] | None = None,
+    ) -> StepResult:
+        """Hand in this trainer's part of the current global step and return the step's result (blocking). The
+        ``step_id`` is the one this trainer would give the stages if it leads; ``params`` (this trainer's own
+        parameters) are hashed every ``HASH_EVERY`` steps. Raises :class:`TrainersDiverged` if the trainers'
+        parameters differ."""
+        step = self.step
+        header: dict[str, Any] = {
+            "step": step,
+            "step_id": step_id,
+            "nonfinite": int(nonfinite),
+            "name": self.name,
+        }
+        if params is not None and step % HASH_EVERY == 0:
+            header["hash"] = params_hash(params)
+        part = _Part(header, [None if g is None else g.detach().float().cpu() for g in grads])
+        while True:
+            leader = self._leader()
+            if leader == self.name:
+                result = self._lead(step, part)
+                break
+            try:
+                result = self._send(leader, part)
+                break
+            except TrainersDiverged:
+                raise
+            except Exception as e:
+                if self.should_stop():
+                    raise
+                logger.warning(
+                    f"Trainer step {step}: the leader {leader[-8:]} did not answer ({type(e).__name__}: {e}); "
+                    "trying the next trainer"
+                )
+                self._failed[leader] = time.monotonic() + 3 * self.timeout
+        self.step = step + 1
+        self._last = result
+        if result.late:
+            self.late_steps += 1
+            logger.warning(
+                f"Trainer step {step}: this trainer's part came after the step was taken without it; it applies "
+                "the others' average (its own batch is not in that step)"
+            )
+        return result
+
+    def publish(self, step_id: int, key: str, value: Any) -> None:
+        """Make ``value`` of step ``step_id`` available to the other trainers (see :meth:`await_value`)."""
+        with self._cond:
+            self._published[(step_id, key)] = value
+            while len(self._published) > 4 * _HISTORY:
+                self._published.popitem(last=False)
+            self._cond.notify_all()
+
+    def await_value(self, leader: str, step_id: int, key: str, timeout: float) -> Any:
+        """The value the leader published for ``(step_id, key)``, waiting up to ``timeout`` seconds; raises
+        ``TimeoutError`` or a connection error if the leader did not publish it (the caller then does the work
+        itself)."""
+        if leader == self.name:
+            found, value = self._wait_published(step_id, key, timeout)
+            if not found:
+                raise TimeoutError(f"no value {key!r} for step {step_id}")
+            return value
+        request = runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([step_id, key, float(timeout)]))
+
+        async def call() -> bytes:
+            assert self.p2p is not None
+            stub = self.get_stub(self.p2p, PeerID.from_base58(leader), namespace=self.namespace)
+            reply = await stub.rpc_await(request, timeout=timeout + 10.0)
+            return reply.serialized_info
+
+        data = run_coroutine(call(), timeout=timeout + 15.0)
+        found, value = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if not found:
+            raise TimeoutError(f"the leader published no value {key!r} for step {step_id}")
+        return value
+
+    # ------------------------------------------------------------------ leader
+    def _leader(self) -> str:
+        live = self.live_trainers() or set()
+        now = time.monotonic()
+        names = {n for n in live | {self.name} if self._failed.get(n, 0.0) < now}
+        return min(names)
+
+    def _round(self, step: int) -> _Round:
+        """The round of ``step`` (under ``_cond``)."""
+        found = self._rounds.get(step)
+        if found is None:
+            found = self._rounds[step] = _Round()
+            while len(self._rounds) > _HISTORY:
+                self._rounds.popitem(last=False)
+        return found
+
+    def _lead(self, step: int, own: _Part) -> StepResult:
+        """Collect the parts of ``step`` (this trainer's ``own`` and the others'), then average them."""
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            rnd = self._round(step)
+            if rnd.result is not None:  # taken without this trainer (it lagged, and led before)
+                return _late(rnd.result)
+            rnd.parts[self.name] = own
+        while True:
+            live = self.live_trainers()
+            with self._cond:
+                waiting = self._waiting_for(rnd, live, step)
+                if not waiting or time.monotonic() >= deadline or self.should_stop():
+                    break
+                self._cond.wait(_POLL_S)
+        with self._cond:
+            missing = sorted(self._waiting_for(rnd, live, step))
+            rnd.result, rnd.error = self._average(step, rnd, own.header["step_id"], missing)
+            self._cond.notify_all()
+        if rnd.error is not None:
+            raise TrainersDiverged(rnd.error)
+        if missing:
+            self.missed_steps += len(missing)
+            logger.warning(
+                f"Trainer step {step} went on without {len(missing)} trainer(s) that did not hand in their part "
+                f"within trainer_timeout ({self.timeout:.0f} s): {', '.join(m[-8:] for m in missing)}"
+            )
+        assert rnd.result is not None
+        return rnd.result
+
+    def _waiting_for(self, rnd: _Round, live: set[str] | None, step: int) -> set[str]:
+        """The trainers ``rnd`` still waits for (under ``_cond``)."""
+        names = set(live or ()) - set(rnd.parts)
+        names = {n for n in names if self._failed.get(n, 0.0) < time.monotonic()}
+        if self.expected is not None and len(rnd.parts) < self.expected and step == 0:
+            names.add("(a trainer of the local swarm)")  # its presence record may not be read yet
+        return names
+
+    def _average(
+        self, step: int, rnd: _Round, step_id: int, missing: list[str]
+    ) -> tuple[StepResult, str | None]:
+        names = sorted(rnd.parts)
+        parts = [rnd.parts[n] for n in names]
+        self._known.update(names)
+        hashes = {p.header.get("hash") for p in parts if p.header.get("hash") is not None}
+        error = None
+        if len(hashes) > 1:
+            error = (
+                f"The trainers' own parameters differ at global step {step} (hashes of {len(hashes)} kinds among "
+                f"{len(parts)} trainers): they no longer train one model. This is a bug of the swarm or of "
+                "nondeterministic code in the module's trainer-side layers; report it with the run's logs."
+            )
+        lengths = {len(p.grads) for p in parts}
+        if len(lengths) > 1:
+            error = (
+                f"The trainers' optimizers hold different numbers of parameters at global step {step} "
+                f"({sorted(lengths)}): every trainer must run the same LightningModule and configure_optimizers."
+            )
+        grads: list[torch.Tensor | None] = []
+        if error is None:
+            k = float(len(parts))
+            for i in range(lengths.pop()):
+                present = [p.grads[i] for p in parts if p.grads[i] is not None]
+                if not present:
+                    grads.append(None)
+                    continue
+                if len({tuple(g.shape) for g in present}) > 1:
+                    error = f"The trainers' gradients of parameter {i} differ in shape at global step {step}."
+                    break
+                total = torch.zeros_like(present[0])
+                for p in parts:  # in peer-id order: every trainer gets the same bits
+                    if p.grads[i] is not None:
+                        total.add_(p.grads[i])
+                grads.append(total.div_(k))
+        result = StepResult(
+            step=step,
+            step_id=step_id,
+            leader=self.name,
+            trainers=len(parts),
+            missing=missing,
+            grads=grads,
+            nonfinite=sum(int(p.header["nonfinite"]) for p in parts),
+        )
+        return result, error
+
+    # ------------------------------------------------------------------ follower
+    def _send(self, leader: str, part: _Part) -> StepResult:
+        wire, shapes = _encode_grads(part.grads)
+        header = msgpack.packb({**part.header, "shapes": shapes}, use_bin_type=True)
+        wait = 3 * self.timeout + 30.0
+
+        async def call() -> tuple[bytes, list[torch.Tensor]]:
+            assert self.p2p is not None
+            stub = self.get_stub(self.p2p, PeerID.from_base58(leader), namespace=self.namespace)
+
+            async def requests() -> AsyncIteratorABC[runtime_pb2.ExpertRequest]:
+                for message in messages(runtime_pb2.ExpertRequest, wire, header):
+                    yield message
+
+            receiver = MessageReceiver(max_bytes=_MAX_PART_BYTES)
+            async for message in await stub.rpc_contribute(requests()):
+                if receiver.feed(message):
+                    return receiver.result()
+            raise ConnectionError("the leader closed the stream without a result")
+
+        data, tensors = run_coroutine(asyncio.wait_for(call(), wait), timeout=wait + 5.0)
+        reply = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if not isinstance(reply, dict):
+            raise ValueError("malformed trainer step result")
+        if reply.get("error"):
+            if reply.get("diverged"):
+                raise TrainersDiverged(str(reply["error"]))
+            raise ConnectionError(str(reply["error"]))
+        for key in ("step", "step_id", "trainers", "nonfinite"):
+            if type(reply.get(key)) is not int:
+                raise ValueError(f"malformed trainer step result: {key}")
+        return StepResult(
+            step=reply["step"],
+            step_id=reply["step_id"],
+            leader=leader,
+            trainers=reply["trainers"],
+            missing=[str(m) for m in reply.get("missing", [])],
+            grads=_decode_grads(tensors, reply.get("shapes")),
+            nonfinite=reply["nonfinite"],
+            late=bool(reply.get("late", False)),
+        )
+
+    # ------------------------------------------------------------------ handlers
+    async def rpc_contribute(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Another trainer's part of a step; the reply is the step's result once the step is taken."""
+        receiver = MessageReceiver(max_bytes=_MAX_PART_BYTES)
+        done = False
+        async for message in requests:
+            if receiver.feed(message):
+                done = True
+                break
+        try:
+            if not done:
+                raise ValueError("trainer step: the stream ended before the header")
+            data, tensors = receiver.result()
+            header = _check_header(msgpack.unpackb(data, raw=False, strict_map_key=False))
+            part = _Part(header, _decode_grads(tensors, header.get("shapes")))
+        except Exception as e:  # a malformed part: refused, never a crash
+            yield _reply({"error": f"malformed trainer step part: {type(e).__name__}: {e}"})
+            return
+        loop = asyncio.get_running_loop()
+        result, error = await loop.run_in_executor(None, self._take_part, part)
+        if error is not None:
+            yield _reply({"error": error, "diverged": True})
+            return
+        if result is None:
+            yield _reply({"error": f"trainer {self.name[-8:]} is not the leader of step {header['step']}"})
+            return
+        wire, shapes = _encode_grads(result.grads)
+        body = {
+            "step": result.step,
+            "step_id": result.step_id,
+            "trainers": result.trainers,
+            "missing": result.missing,
+            "nonfinite": result.nonfinite,
+            "shapes": shapes,
+            "late": result.late,
+        }
+        for message in messages(runtime_pb2.ExpertResponse, wire, msgpack.packb(body, use_bin_type=True)):
+            yield message
+
+    def _take_part(self, part: _Part) -> tuple[StepResult | None, str | None]:
+        """Add ``part`` to its round and wait for the round's result (a thread of the handler)."""
+        step = int(part.header["step"])
+        deadline = time.monotonic() + 3 * self.timeout + 20.0
+        with self._cond:
+            rnd = self._rounds.get(step)
+            if rnd is not None and rnd.result is not None:
+                return (_late(rnd.result) if part.header["name"] not in rnd.parts else rnd.result), rnd.error
+            if step < self.step - _HISTORY:
+                return None, None
+            rnd = self._round(step)
+            rnd.parts[part.header["name"]] = part
+            self._cond.notify_all()
+            while rnd.result is None and time.monotonic() < deadline:
+                if self.step > step and self._leader_of_last() != self.name:
+                    return None, None  # this trainer took that step under another leader
+                self._cond.wait(0.1)
+            if rnd.result is None:
+                return None, None
+            return rnd.result, rnd.error
+
+    def _leader_of_last(self) -> str | None:
+        return self._last.leader if self._last is not None else None
+
+    async def rpc_await(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        """``[step_id, key, timeout]`` -> ``[found, value]`` once this trainer published it, or after the timeout."""
+        try:
+            step_id, key, timeout = msgpack.unpackb(request.serialized_info, raw=False)
+            if type(step_id) is not int or not isinstance(key, str) or not isinstance(timeout, (int, float)):
+                raise ValueError
+            timeout = min(max(float(timeout), 0.0), 600.0)
+        except Exception:
+            return runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([False, "malformed request"]))
+        loop = asyncio.get_running_loop()
+        found, value = await loop.run_in_executor(None, self._wait_published, step_id, key, timeout)
+        return runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([found, value], use_bin_type=True))
+
+    def _wait_published(self, step_id: int, key: str, timeout: float) -> tuple[bool, Any]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (step_id, key) not in self._published:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.p2p is None:
+                    return False, None
+                self._cond.wait(min(remaining, 0.5))
+            return True, self._published[(step_id, key)]
+
+
+def _late(result: StepResult) -> StepResult:
+    return StepResult(
+        step=result.step,
+        step_id=result.step_id,
+        leader=result.leader,
+        trainers=result.trainers,
+        missing=result.missing,
+        grads=result.grads,
+        nonfinite=result.nonfinite,
+        late=True,
+    )
+
+
+def _reply(body: dict[str, Any]) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=msgpack.packb(body, use_bin_type=True))
