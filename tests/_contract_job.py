@@ -73,7 +73,9 @@ class Net(LightningModule):
         decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
         other = [p for n, p in self.named_parameters() if not n.endswith("weight")]
         groups = [{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}]
-        if cfg.get("optimizer", "sgd") == "adamw":
+        if cfg.get("optimizer") == "lbfgs":
+            opt = torch.optim.LBFGS(self.parameters(), lr=0.1)
+        elif cfg.get("optimizer", "sgd") == "adamw":
             opt = torch.optim.AdamW(groups, lr=0.01)
         else:
             opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9)

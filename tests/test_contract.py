@@ -174,7 +174,7 @@ def test_a_target_batch_size_that_the_trainer_does_not_step_with_is_refused(tmp_
         "refused",
         expect_failure=True,
     )
-    assert "SwarmStrategy(target_batch_size=64) but the trainer steps every 8 samples" in stderr
+    assert "SwarmStrategy(target_batch_size=64) but a global step is 8 samples" in stderr
 
 
 def test_resuming_restores_the_stages_optimizer_state(tmp_path):
@@ -271,6 +271,7 @@ def test_with_several_trainers_the_swarms_epoch_drives_the_lr_schedule(tmp_path)
         "swarm": True,
         "strategy": {
             "num_trainers": 2,
+            "stage_steps": "async",
             "target_batch_size": 32,
             "matchmaking_time": 1.0,
             "rebalance_period": 0,
@@ -296,11 +297,61 @@ def test_with_several_trainers_the_swarms_epoch_drives_the_lr_schedule(tmp_path)
     assert 3 <= changes <= 13, swarm["lrs"]  # 15 if it changed at every step
 
 
-def test_several_optimizers_with_several_trainers_are_refused(tmp_path):
+@pytest.mark.parametrize("stage_steps", ["trainer", "async"])
+def test_several_optimizers_with_several_trainers_are_refused(stage_steps, tmp_path):
     stderr = run(
-        {"manual": True, "steps": 2, "swarm": True, "strategy": {"num_trainers": 2}},
+        {
+            "manual": True,
+            "steps": 2,
+            "swarm": True,
+            "strategy": {"num_trainers": 2, "stage_steps": stage_steps},
+        },
         tmp_path,
         "refused",
         expect_failure=True,
     )
-    assert "configure_optimizers must return one optimizer (got 2)" in stderr
+    if stage_steps == "trainer":
+        assert "with 2 trainers, manual optimization is not supported" in stderr
+    else:
+        assert "configure_optimizers must return one optimizer (got 2)" in stderr
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_at_setup(tmp_path):
+    stderr = run({"optimizer": "lbfgs", "steps": 2, "swarm": True}, tmp_path, "refused", expect_failure=True)
+    assert "When using the SwarmStrategy, LBFGS is not supported" in stderr
+    assert "Exception ignored" not in stderr
+
+
+# Several trainers against Lightning's DDP with as many devices: same global batch, data shards and seed.
+SEVERAL = {
+    # LR warm-up by step, clipping by the whole model's norm, accumulation, AdamW with two parameter groups
+    "2_warmup_clipnorm_accumulate_adamw": (
+        2,
+        {"scheduler": "warmup", "clip": [0.3, "norm"], "accumulate": 2, "optimizer": "adamw", "steps": 10},
+    ),
+    # a schedule that changes at every step, SGD with momentum; stage 0 has two peers (their sums all-reduced)
+    "3_decay_sgd": (3, {"scheduler": "decay", "steps": 10}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SEVERAL))
+def test_several_trainers_step_as_ddp(case, tmp_path):
+    """K trainers of batch 8 train what DDP on K devices trains: after 10 steps every parameter (the stages' and
+    the trainers' own) equals DDP's within 1e-5 (compression "none"), every stage stepped once per global step, the
+    trainers' own parameters are identical on every trainer, and no step went without a trainer."""
+    trainers, cfg = SEVERAL[case]
+    ddp, swarm = run_pair(
+        cfg, {"trainers": trainers, "all_ranks": True}, tmp_path, single_cfg={"ddp": trainers}
+    )
+    steps = cfg["steps"]
+    assert swarm["global_step"] == ddp["global_step"] == steps
+    assert swarm["stage_steps"] == {0: steps, 1: steps}, swarm["stage_steps"]
+    assert swarm["lrs"] == pytest.approx(ddp["lrs"])
+    gaps = {k: float((ddp["state"][k] - swarm["state"][k]).abs().max()) for k in ddp["state"]}
+    assert max(gaps.values()) <= 1e-5, gaps
+    ranks = [torch.load(f"{tmp_path / 'swarm.pt'}.rank{r}", weights_only=False) for r in range(trainers)]
+    for other in ranks[1:]:
+        assert all(torch.equal(ranks[0]["own"][k], other["own"][k]) for k in ranks[0]["own"])
+    for r in ranks:
+        assert r["sync"] == {"steps": steps, "missed_trainer_steps": 0, "late_steps": 0}, r["sync"]
+    assert swarm["losses"][-1] != swarm["losses"][0]
