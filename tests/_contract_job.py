@@ -136,6 +136,17 @@ class DumpStage(Callback):
             torch.save(state, f"{self.out}.peer{trainer.global_rank}")
 
 
+class KillAt(Callback):
+    """``kill: [rank, step]``: the peer of that rank SIGKILLs itself when its training reaches that global step."""
+
+    def __init__(self, kill: list | None) -> None:
+        self.kill = kill
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.kill and trainer.global_rank == self.kill[0] and trainer.global_step >= self.kill[1]:
+            os.kill(os.getpid(), 9)
+
+
 class Record(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -204,7 +215,12 @@ def main() -> None:
         accumulate_grad_batches=cfg.get("accumulate", 1),
         gradient_clip_val=clip[0] if clip else None,
         gradient_clip_algorithm=clip[1] if clip else None,
-        callbacks=[record, SaveAtEpochEnd(cfg.get("save")), DumpStage(cfg["out"], swarm)],
+        callbacks=[
+            record,
+            KillAt(cfg.get("kill")),
+            SaveAtEpochEnd(cfg.get("save")),
+            DumpStage(cfg["out"], swarm),
+        ],
     )
     val = loader if cfg.get("scheduler") == "plateau" else None
     trainer.fit(model, loader, val, ckpt_path=cfg.get("resume"))

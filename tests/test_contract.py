@@ -355,3 +355,25 @@ def test_several_trainers_step_as_ddp(case, tmp_path):
     for r in ranks:
         assert r["sync"] == {"steps": steps, "missed_trainer_steps": 0, "late_steps": 0}, r["sync"]
     assert swarm["losses"][-1] != swarm["losses"][0]
+
+
+def test_a_trainer_killed_mid_run_costs_its_own_samples_only(tmp_path):
+    """Three trainers; the third SIGKILLs itself at global step 4 of 12. The two others finish every step and exit
+    0; the steps after the death went on without it (the leader counts the missing trainer-steps), and the two
+    survivors' own parameters are identical."""
+    cfg = {
+        "swarm": True,
+        "trainers": 3,
+        "steps": 12,
+        "all_ranks": True,
+        "kill": [2, 4],
+        "strategy": {"trainer_timeout": 20.0, "rebalance_period": 0},
+    }
+    swarm = run(cfg, tmp_path, "swarm")
+    assert swarm["global_step"] == 12
+    ranks = [torch.load(f"{tmp_path / 'swarm.pt'}.rank{r}", weights_only=False) for r in range(2)]
+    assert all(torch.equal(ranks[0]["own"][k], ranks[1]["own"][k]) for k in ranks[0]["own"])
+    assert all(r["sync"]["steps"] == 12 for r in ranks), [r["sync"] for r in ranks]
+    # the leader of the steps after the death waited for the dead trainer at least once, then went on without it
+    missed = sum(r["sync"]["missed_trainer_steps"] for r in ranks)
+    assert 1 <= missed <= 12 - 4, [r["sync"] for r in ranks]

@@ -56,6 +56,7 @@ HASH_EVERY = 10  # every this many steps each trainer's part carries a hash of i
 _HISTORY = 8  # results (and published values) a trainer keeps for late or retrying trainers
 _MAX_PART_BYTES = 8 << 30  # a part's gradients, decoded: refused beyond this
 _POLL_S = 0.02
+_UNSEEN = "(a trainer of the local swarm not seen yet)"
 
 
 class TrainersDiverged(RuntimeError):
@@ -75,6 +76,7 @@ class StepResult:
         grads: the averaged gradients, aligned with the parameters the parts listed (``None``: no trainer had one).
         nonfinite: backwards whose loss-scaled gradients overflowed before reaching a stage, on all trainers.
         late: this trainer's own part came after the step was taken: ``grads`` is the others' average.
+        names: the trainers whose parts the average holds.
     """
 
     step: int
@@ -85,6 +87,7 @@ class StepResult:
     grads: list[torch.Tensor | None] = field(default_factory=list)
     nonfinite: int = 0
     late: bool = False
+    names: list[str] = field(default_factory=list)
 
 
 def params_hash(params: list[torch.Tensor]) -> str:
@@ -321,15 +324,19 @@ class TrainerSync(ServicerBase):
             if rnd.result is not None:  # taken without this trainer (it lagged, and led before)
                 return _late(rnd.result)
             rnd.parts[self.name] = own
+        # the trainers of the last step this trainer saw, and any it waits for: those that do not hand in their
+        # part (they died: their presence record expires; or they lag past the deadline) are counted missing
+        waited = set(self._last.names) if self._last is not None else set()
         while True:
             live = self.live_trainers()
             with self._cond:
                 waiting = self._waiting_for(rnd, live, step)
+                waited |= {n for n in waiting if n != _UNSEEN}
                 if not waiting or time.monotonic() >= deadline or self.should_stop():
                     break
                 self._cond.wait(_POLL_S)
         with self._cond:
-            missing = sorted(self._waiting_for(rnd, live, step))
+            missing = sorted(waited - set(rnd.parts))
             rnd.result, rnd.error = self._average(step, rnd, own.header["step_id"], missing)
             self._cond.notify_all()
         if rnd.error is not None:
@@ -337,8 +344,9 @@ class TrainerSync(ServicerBase):
         if missing:
             self.missed_steps += len(missing)
             logger.warning(
-                f"Trainer step {step} went on without {len(missing)} trainer(s) that did not hand in their part "
-                f"within trainer_timeout ({self.timeout:.0f} s): {', '.join(m[-8:] for m in missing)}"
+                f"Global step {step} went on without {len(missing)} trainer(s) that did not hand in their part "
+                f"(gone from the swarm, or later than trainer_timeout={self.timeout:.0f} s): "
+                f"{', '.join(m[-8:] for m in missing)}"
             )
         assert rnd.result is not None
         return rnd.result
@@ -348,7 +356,7 @@ class TrainerSync(ServicerBase):
         names = set(live or ()) - set(rnd.parts)
         names = {n for n in names if self._failed.get(n, 0.0) < time.monotonic()}
         if self.expected is not None and len(rnd.parts) < self.expected and step == 0:
-            names.add("(a trainer of the local swarm)")  # its presence record may not be read yet
+            names.add(_UNSEEN)  # its presence record may not be read yet
         return names
 
     def _average(
@@ -395,6 +403,7 @@ class TrainerSync(ServicerBase):
             missing=missing,
             grads=grads,
             nonfinite=sum(int(p.header["nonfinite"]) for p in parts),
+            names=names,
         )
         return result, error
 
@@ -438,6 +447,7 @@ class TrainerSync(ServicerBase):
             grads=_decode_grads(tensors, reply.get("shapes")),
             nonfinite=reply["nonfinite"],
             late=bool(reply.get("late", False)),
+            names=[str(n) for n in reply.get("names", [])],
         )
 
     # ------------------------------------------------------------------ handlers
@@ -477,6 +487,7 @@ class TrainerSync(ServicerBase):
             "nonfinite": result.nonfinite,
             "shapes": shapes,
             "late": result.late,
+            "names": result.names,
         }
         for message in messages(runtime_pb2.ExpertResponse, wire, msgpack.packb(body, use_bin_type=True)):
             yield message
@@ -539,6 +550,7 @@ def _late(result: StepResult) -> StepResult:
         grads=result.grads,
         nonfinite=result.nonfinite,
         late=True,
+        names=result.names,
     )
 
 
