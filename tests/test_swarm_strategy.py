@@ -175,7 +175,6 @@ def lm_job(tmp_path, compression: str) -> dict:
             "pipeline": "layers",
             "num_stages": 2,
             "compression": compression,
-            "target_batch_size": 256,
             "matchmaking_time": 2.0,
             "averaging_timeout": 10.0,
             "request_timeout": 60.0,
@@ -241,7 +240,7 @@ def test_lightning_cli_yaml_trains_and_validates_through_the_swarm(tmp_path):
                 "init_args": {
                     "pipeline": "layers",
                     "num_stages": 2,
-                    "target_batch_size": 32,
+                    "target_batch_size": 16,  # 2 trainers x batch 8: a global step (refused otherwise)
                     "run_id": "cli_fit",
                 },
             },

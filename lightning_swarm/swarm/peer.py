@@ -498,6 +498,8 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
             finally:
                 self.shutdown(budget=FAILED_SHUTDOWN_S)
             return
+        if self.trainer_sync is not None:
+            self.trainer_sync.finished = True  # the other trainers' next steps go to another leader
         try:
             self._stop_rebalancer()  # no migrations while the run ends and the stages are gathered
             all_finished = False

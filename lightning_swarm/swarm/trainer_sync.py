@@ -59,6 +59,10 @@ _POLL_S = 0.02
 _UNSEEN = "(a trainer of the local swarm not seen yet)"
 
 
+class _NotLeader(ConnectionError):
+    """The trainer a part was sent to does not lead the step; it named the one that does."""
+
+
 class TrainersDiverged(RuntimeError):
     """The trainers' own parameters differ: they no longer train one model."""
 
@@ -199,6 +203,8 @@ class TrainerSync(ServicerBase):
         self._published: OrderedDict[tuple[int, str], Any] = OrderedDict()
         self._failed: dict[str, float] = {}  # leaders this trainer could not reach, until when it skips them
         self._known: set[str] = set()  # trainers that ever handed in a part here
+        self.finished = False  # this trainer's training ended: it leads no more steps
+        self._hinted: set[str] = set()  # leaders other trainers named (a trainer this one had not seen yet)
         self._last: StepResult | None = None
 
     # ------------------------------------------------------------------ life
@@ -251,6 +257,8 @@ class TrainerSync(ServicerBase):
                 break
             except TrainersDiverged:
                 raise
+            except _NotLeader:
+                continue  # the trainer named its leader, which this one now knows
             except Exception as e:
                 if self.should_stop():
                     raise
@@ -302,9 +310,22 @@ class TrainerSync(ServicerBase):
 
     # ------------------------------------------------------------------ leader
     def _leader(self) -> str:
-        live = self.live_trainers() or set()
+        """The live trainer with the smallest name. Trainers of the last step stay candidates while their presence
+        record is missing (a late announcement, a DHT read that failed): only a trainer that did not answer is
+        passed over, so two trainers never both lead a step because one lost sight of the other for a moment. At
+        the first step of a local swarm, the expected trainers are waited for (at most ``timeout``) first."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            live = self.live_trainers() or set()
+            if self.step > 0 or self.expected is None or len(live | {self.name}) >= self.expected:
+                break
+            if time.monotonic() >= deadline or self.should_stop():
+                break
+            time.sleep(0.1)
+        known = set(self._last.names) if self._last is not None else set()
+        known |= self._hinted
         now = time.monotonic()
-        names = {n for n in live | {self.name} if self._failed.get(n, 0.0) < now}
+        names = {n for n in live | known | {self.name} if self._failed.get(n, 0.0) < now}
         return min(names)
 
     def _round(self, step: int) -> _Round:
@@ -434,6 +455,10 @@ class TrainerSync(ServicerBase):
         if reply.get("error"):
             if reply.get("diverged"):
                 raise TrainersDiverged(str(reply["error"]))
+            leader = reply.get("leader")
+            if isinstance(leader, str) and 0 < len(leader) <= 128 and leader != self.name:
+                self._hinted.add(leader)  # the trainer asked knows a leader this one had not seen
+                raise _NotLeader(leader)
             raise ConnectionError(str(reply["error"]))
         for key in ("step", "step_id", "trainers", "nonfinite"):
             if type(reply.get(key)) is not int:
@@ -476,7 +501,13 @@ class TrainerSync(ServicerBase):
             yield _reply({"error": error, "diverged": True})
             return
         if result is None:
-            yield _reply({"error": f"trainer {self.name[-8:]} is not the leader of step {header['step']}"})
+            leader = None if self.finished else self._leader()
+            yield _reply(
+                {
+                    "error": f"trainer {self.name[-8:]} is not the leader of step {header['step']}",
+                    "leader": leader if leader != self.name else None,
+                }
+            )
             return
         wire, shapes = _encode_grads(result.grads)
         body = {
@@ -500,9 +531,14 @@ class TrainerSync(ServicerBase):
             rnd = self._rounds.get(step)
             if rnd is not None and rnd.result is not None:
                 return (_late(rnd.result) if part.header["name"] not in rnd.parts else rnd.result), rnd.error
-            if step < self.step - _HISTORY:
+            if step < self.step - _HISTORY or self.finished:
                 return None, None
+        if self._leader() != self.name:  # another trainer leads (this one sends its own parts there)
+            return None, None
+        with self._cond:
             rnd = self._round(step)
+            if rnd.result is not None:
+                return (_late(rnd.result) if part.header["name"] not in rnd.parts else rnd.result), rnd.error
             rnd.parts[part.header["name"]] = part
             self._cond.notify_all()
             while rnd.result is None and time.monotonic() < deadline:
