@@ -23,6 +23,16 @@ A family whose swarm run fails has ``null`` gaps and its error in ``failed``; ``
 
     python benchmarks/fidelity_matrix.py [--quick] [--families vit,cnn]
 
+With ``--trainers K`` (several trainers, ``benchmarks/fidelity_matrix.py --trainers 2 [--quick]``), each family
+trains under Lightning's DDP on K CPU devices (what a user would pick instead) and in a local swarm of K trainers
+(``devices=max(2, K)``, 2 stages, 8-bit), each with batch ``global batch / K``, same seed, data shards and steps:
+once with the default synchronous steps (``stage_steps="trainer"``: one global step per global batch, as DDP) and
+once asynchronously (``stage_steps="async"``, ``target_batch_size`` = the global batch). The gap of a family is
+``|held_out_swarm - held_out_ddp| / held_out_ddp``; ``trainer_params_identical``: the trainers' own parameters
+(outside the pipeline) hash alike on every trainer at the end; ``stage_steps_equal``: the stages stepped once per
+global step. The full run (no ``--quick``) adds 4 trainers against DDP on 4 devices. Written to
+``runs/fidelity_matrix_trainers/fidelity_matrix_trainers.json``.
+
 Last stdout line: one JSON object with ``families``, ``max_relative_gap``, ``gaps``, ``stage_steps_equal``,
 ``held_out_single``, ``held_out_swarm``, ``stage_steps``, ``trainer_steps``, ... (targets: gap <= 0.02, stage
 steps equal). Also written, with commit, date and load average, to ``runs/fidelity_matrix/fidelity_matrix.json``
@@ -98,7 +108,145 @@ def compare(family: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+def _launch_or_error(cfg: dict[str, Any], timeout: float) -> tuple[dict[str, Any] | None, str | None]:
+    """``launch(cfg)``: its result, or ``None`` and the error's cause in one line."""
+    try:
+        return launch(cfg, timeout=timeout), None
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        causes = [line.strip() for line in lines if _EXCEPTION_LINE.match(line.strip())]
+        return None, causes[0] if causes else (lines[-1] if lines else repr(e))
+
+
+def compare_trainers(family: str, trainers: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Train ``family`` under DDP on ``trainers`` devices and in swarms of as many trainers (synchronous and
+    asynchronous steps), global batch ``args.batch``; the figures of each."""
+    cfg = {
+        "family": family,
+        "batch_size": args.batch // trainers,
+        "steps": args.steps,
+        "seed": args.seed,
+        "val_every": max(1, args.steps // 4),
+    }
+    out: dict[str, Any] = {"errors": {}, "seconds": {}}
+    runs: dict[str, tuple[dict[str, Any], bool]] = {
+        "ddp": ({**cfg, "ddp": trainers}, True),
+        "other_seed": ({**cfg, "ddp": trainers, "seed": args.seed + 1}, not args.quick),
+    }
+    for mode in ("trainer", "async"):
+        settings = {
+            **swarm_settings(family, args.batch, args.compression),
+            "num_trainers": trainers,
+            "stage_steps": mode,
+            "run_id": f"fidelity_trainers_{family}_{mode}_{os.getpid()}",
+        }
+        runs[mode] = ({**cfg, "devices": max(2, trainers), "swarm": settings}, True)
+    for name, (run_cfg, wanted) in runs.items():
+        if not wanted:
+            continue
+        started = time.monotonic()
+        out[name], error = _launch_or_error(run_cfg, args.timeout)
+        out["seconds"][name] = round(time.monotonic() - started, 1)
+        if error is not None:
+            out["errors"][name] = error
+    out["runs"] = {
+        f"DDP x{trainers}": out["ddp"],
+        "swarm, sync": out["trainer"],
+        "swarm, async": out["async"],
+    }
+    return out
+
+
+def trainers_report(args: argparse.Namespace, families: list[str], counts: list[int]) -> None:
+    """The several-trainers matrix (see the module's docstring)."""
+    report = _harness.Report("fidelity_matrix_trainers", args.out)
+    started = time.monotonic()
+    rows: dict[str, dict[str, Any]] = {}
+    for k in counts:
+        results = {family: compare_trainers(family, k, args) for family in families}
+        plot(
+            results,
+            report.path(f"loss_curves_{k}_trainers.png"),
+            f"Fidelity matrix: {k} trainers in a swarm (2 stages, 8-bit; sync and async steps) vs DDP on {k} "
+            "devices, same seed, data, global batch, steps",
+        )
+
+        def gap(run: dict[str, Any] | None, ref: dict[str, Any] | None) -> float | None:
+            if run is None or ref is None:
+                return None
+            return round(abs(run["held_out"] - ref["held_out"]) / ref["held_out"], 4)
+
+        row: dict[str, Any] = {
+            "gaps": {},
+            "async_gaps": {},
+            "seed_gaps": {},
+            "held_out": {},
+            "stage_steps": {},
+        }
+        identical, steps_equal = True, True
+        for family, r in results.items():
+            ddp, sync, asyn = r.get("ddp"), r.get("trainer"), r.get("async")
+            row["gaps"][family] = gap(sync, ddp)
+            row["async_gaps"][family] = gap(asyn, ddp)
+            row["seed_gaps"][family] = gap(r.get("other_seed"), ddp)
+            row["held_out"][family] = {
+                name: None if h is None else round(h["held_out"], 4)
+                for name, h in (("ddp", ddp), ("sync", sync), ("async", asyn))
+            }
+            if sync is None:
+                identical = steps_equal = False
+                continue
+            hashes = sync["own_hashes"]
+            identical = identical and len(hashes) == k and len(set(hashes.values())) == 1
+            row["stage_steps"][family] = sync["stage_steps"]
+            steps_equal = steps_equal and sync["trainer_steps"] == args.steps
+            steps_equal = steps_equal and all(s == args.steps for s in sync["stage_steps"] or [-1])
+        completed = [g for g in row["gaps"].values() if g is not None]
+        row.update(
+            {
+                "max_relative_gap": max(completed) if len(completed) == len(families) else None,
+                "async_max_relative_gap": max(
+                    (g for g in row["async_gaps"].values() if g is not None), default=None
+                ),
+                "trainer_params_identical": identical,
+                "stage_steps_equal": steps_equal,
+                "errors": {f: r["errors"] for f, r in results.items() if r["errors"]},
+                "seconds": {f: r["seconds"] for f, r in results.items()},
+            }
+        )
+        row["meets_target"] = bool(
+            row["max_relative_gap"] is not None
+            and row["max_relative_gap"] <= TARGET_GAP
+            and identical
+            and steps_equal
+        )
+        rows[str(k)] = row
+    first = rows[str(counts[0])]
+    report.finish(
+        {
+            "trainers": counts,
+            "max_relative_gap": first["max_relative_gap"],
+            "trainer_params_identical": all(r["trainer_params_identical"] for r in rows.values()),
+            "stage_steps_equal": all(r["stage_steps_equal"] for r in rows.values()),
+            "async_max_relative_gap": first["async_max_relative_gap"],
+            "meets_target": all(r["meets_target"] for r in rows.values()),
+            "by_trainers": rows,
+            "target": TARGET_GAP,
+            "steps": args.steps,
+            "global_batch": args.batch,
+            "compression": args.compression,
+            "seed": args.seed,
+            "families": families,
+            "total_seconds": round(time.monotonic() - started, 1),
+        }
+    )
+
+
+def plot(
+    results: dict[str, dict[str, Any]],
+    path: Path,
+    title: str = "Fidelity matrix: swarm (1 trainer, 2 stages, 8-bit) vs one process, same seed, data, batch, steps",
+) -> None:
     """Training loss (smoothed) and validation loss per optimizer step of both runs of every family, with the
     held-out loss at the end as a marker; one panel per family."""
     import matplotlib
@@ -110,7 +258,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     rows = -(-len(results) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     for ax, (family, r) in zip(axes.flat, results.items(), strict=False):
-        runs = {"one process": r["single"], "swarm": r.get("swarm")}
+        runs = r.get("runs") or {"one process": r["single"], "swarm": r.get("swarm")}
         for i, (name, h) in enumerate(runs.items()):
             if h is None:
                 continue
@@ -136,9 +284,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(results) :]:
         ax.axis("off")
-    fig.suptitle(
-        "Fidelity matrix: swarm (1 trainer, 2 stages, 8-bit) vs one process, same seed, data, batch, steps"
-    )
+    fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -162,6 +308,11 @@ def main() -> None:
         help="the stages' target_batch_size (default: the batch)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--trainers",
+        default=None,
+        help="several trainers against DDP on as many devices, e.g. 2 or 2,4 (the full run adds 4)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one swarm run may take")
     args = p.parse_args()
     args.steps = args.steps or (40 if args.quick else 200)
@@ -170,6 +321,14 @@ def main() -> None:
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
         p.error(f"unknown families {unknown}; choose from {FAMILIES}")
+    if args.trainers:
+        counts = sorted({int(k) for k in args.trainers.split(",")} | (set() if args.quick else {4}))
+        if any(k < 2 or args.batch % k for k in counts):
+            p.error(
+                f"--trainers {args.trainers}: each count must be >= 2 and divide the global batch {args.batch}"
+            )
+        trainers_report(args, families, counts)
+        return
 
     report = _harness.Report("fidelity_matrix", args.out)
     started = time.monotonic()

@@ -7,6 +7,7 @@ or ``run(config)`` in-process (the single-process runs). The config:
 
 - ``family``, ``model`` (constructor arguments, e.g. ``{"dropout": 0.1}``), ``batch_size``, ``steps``, ``seed``;
 - ``swarm``: ``SwarmStrategy`` arguments, or ``None`` for one plain process; ``devices``: peers of the local swarm;
+- ``ddp``: without ``swarm``, Lightning's DDP on that many CPU devices (gloo) instead of one process;
 - ``val_every``: run Lightning's validation loop (through the swarm, when there is one) every this many steps;
 - ``dropout_seed``: reseed the global RNG after the model is built: the same initialisation, other dropout masks
   (the noise floor of a comparison with dropout on);
@@ -18,7 +19,9 @@ or ``run(config)`` in-process (the single-process runs). The config:
 The result: the pipeline's parameters and buffers before and after training (``initial``, ``final``; the names
 of the parameters in ``parameters``), per optimizer
 step the training loss and the learning rate of the first group (``loss``, ``lr``), ``val`` (``[step, val_loss]``),
-``held_out`` (the final model's held-out loss, computed in this process after the run), ``trainer_steps``
+``held_out`` (the final model's held-out loss, computed in this process after the run), ``own_hashes`` (with
+several trainers: a hash of each trainer's own parameters, the modules outside the pipeline, at the end, by rank;
+with DDP: each rank's), ``trainer_steps``
 (``trainer.global_step``), ``stage_steps`` (each stage's optimizer steps, read from its servers after they have
 applied every gradient they received; ``None`` without a swarm), ``stats`` (the swarm client's counters) and
 ``seconds``.
@@ -50,6 +53,14 @@ def pipeline_state(model: LightningModule) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items() if k.startswith(prefix)}
 
 
+def own_hash(model: LightningModule) -> str:
+    """A hash of the parameters outside the pipeline (a trainer's own)."""
+    from lightning_swarm.swarm.trainer_sync import params_hash
+
+    prefix = f"{model.pipeline}."
+    return params_hash([p for name, p in model.named_parameters() if not name.startswith(prefix)])
+
+
 def stage_steps(trainer: Trainer) -> list[int] | None:
     """Optimizer steps each stage took so far (its servers' hivemind epoch, the most of any live peer), or
     ``None`` without a swarm. Each stage's state is fetched first: a server answers that only after it has handed
@@ -75,6 +86,10 @@ class Record(Callback):
         self.val: list[list[float]] = []
         self.stage_steps: list[int] | None = None
         self.stats: dict[str, float] = {}
+        self.step_starts: list[float] = []  # time.perf_counter() at every batch's start, then at the end
+
+    def on_train_batch_start(self, *_: Any) -> None:
+        self.step_starts.append(time.perf_counter())
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -90,6 +105,7 @@ class Record(Callback):
             self.val.append([trainer.global_step, float(trainer.callback_metrics["val_loss"])])
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.step_starts.append(time.perf_counter())
         self.stage_steps = stage_steps(trainer)
         try:
             self.stats = dict(trainer.strategy.peer.stats())  # type: ignore[attr-defined]
@@ -110,7 +126,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any] | None:
     if cfg.get("dropout_seed") is not None:
         torch.manual_seed(int(cfg["dropout_seed"]))
     swarm = cfg.get("swarm")
-    strategy: Any = "auto"
+    strategy: Any = "ddp" if cfg.get("ddp") else "auto"
     if swarm is not None:
         strategy = lightning_swarm.SwarmStrategy(pipeline=model.pipeline, **swarm)
     record = Record(cfg.get("settle_s", 0.0))
@@ -118,7 +134,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any] | None:
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=cfg.get("devices", 2) if swarm is not None else 1,
+        devices=cfg.get("devices", 2) if swarm is not None else int(cfg.get("ddp") or 1),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -133,6 +149,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any] | None:
     started = time.monotonic()
     trainer.fit(model)
     seconds = time.monotonic() - started
+    trainers = int((swarm or {}).get("num_trainers") or cfg.get("devices", 2)) if swarm is not None else 1
+    if cfg.get("out") and 0 < trainer.global_rank < max(trainers, int(cfg.get("ddp") or 1)):
+        torch.save(
+            {"own_hash": own_hash(model), "step_starts": record.step_starts},
+            f"{cfg['out']}.rank{trainer.global_rank}",
+        )
     if trainer.global_rank != 0:
         return None
     result = {
@@ -148,6 +170,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any] | None:
         "stage_steps": record.stage_steps,
         "stats": record.stats,
         "seconds": seconds,
+        "own_hashes": {0: own_hash(model)},
+        "step_starts": {0: record.step_starts},
+        "trainer_sync": getattr(trainer.strategy, "trainer_sync_stats", {}),
     }
     if cfg.get("out"):
         torch.save(result, cfg["out"])
@@ -179,7 +204,15 @@ def launch(
             raise RuntimeError(
                 f"The swarm run of {cfg['family']!r} failed ({proc.returncode}):\n{proc.stderr[-8000:]}"
             )
-        return torch.load(out, weights_only=False)
+        result = torch.load(out, weights_only=False)
+        for name in sorted(os.listdir(tmp)):  # the other ranks' hashes of their own parameters
+            if name.startswith("result.pt.rank"):
+                rank = int(name.rsplit("rank", 1)[1])
+                saved = torch.load(os.path.join(tmp, name), weights_only=False)
+                result["own_hashes"][rank] = saved["own_hash"]
+                result["step_starts"][rank] = saved["step_starts"]
+        result["stderr"] = proc.stderr
+        return result
 
 
 def _gap(reference: dict[str, Any], other: dict[str, Any], keys: list[str]) -> float:

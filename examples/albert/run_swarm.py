@@ -202,12 +202,15 @@ def run_swarm(args: argparse.Namespace, extra: list[str]) -> dict:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     run_id = args.run_id or f"albert_{os.getpid()}"
+    # the trainers step together (as DDP's ranks): a global step is every trainer's batches of one optimizer step
+    target = int(config_value(args.config, extra, "trainer.strategy.init_args.target_batch_size"))
     extra = [
         f"{S}.run_id={run_id}",
         f"{S}.num_stages={args.stages}",
         f"--model.num_groups={args.stages}",
-        # one trainer: the stages step with it (the step of one process); several: every target_batch_size samples
         f"{S}.stage_steps=trainer",
+        f"{S}.num_trainers={args.trainers}",
+        f"{S}.target_batch_size={args.trainers * target}",
         *extra,
     ]
     if args.steps is not None:
@@ -328,8 +331,11 @@ def run_baseline(args: argparse.Namespace, extra: list[str], steps: int) -> dict
         {"class_path": "examples.albert.callbacks.TrainingHistory", "init_args": {"path": str(history)}},
     ]
     cmd += [f"--trainer.callbacks={json.dumps(callbacks)}", f"--model.num_groups={args.stages}", *keep]
-    # the same global batch as the swarm's optimizer steps: target_batch_size samples in microbatches
-    target = int(config_value(args.config, extra, "trainer.strategy.init_args.target_batch_size"))
+    # the same global batch as the swarm's optimizer steps: every trainer's target_batch_size samples, in
+    # microbatches
+    target = args.trainers * int(
+        config_value(args.config, extra, "trainer.strategy.init_args.target_batch_size")
+    )
     batch = int(config_value(args.config, extra, "data.batch_size"))
     if target % batch:
         raise RuntimeError(f"target_batch_size={target} must be a multiple of data.batch_size={batch}.")
@@ -397,7 +403,8 @@ def summarize(args: argparse.Namespace, swarm: dict, baseline: dict | None) -> d
     mb = 1e6
     print("\n================ ALBERT in a swarm: summary ================")
     stage_steps = "" if not summary["stage_steps"] else f"; the stages stepped {summary['stage_steps']} times"
-    print(f"optimizer steps       {steps} (global batch = target_batch_size samples each{stage_steps})")
+    trainers = f"{len(hs)} trainers' batches" if len(hs) > 1 else "the trainer's batches"
+    print(f"optimizer steps       {steps} (global batch = {trainers} of one step{stage_steps})")
     print(f"samples               {samples} in {train_s:.0f} s: {summary['samples_per_second']} samples/s")
     if summary.get("efficiency") is not None:
         print(
@@ -412,7 +419,7 @@ def summarize(args: argparse.Namespace, swarm: dict, baseline: dict | None) -> d
     print(f"held-out MLM loss     swarm {summary['eval_loss_swarm']:.3f}", end="")
     if baseline:
         print(
-            f"  |  single process {summary['eval_loss_single']:.3f} (same steps and global batch; "
+            f"  |  one process {summary['eval_loss_single']:.3f} (same steps and global batch; "
             f"relative gap {summary['relative_gap']:.3f})"
         )
     else:
