@@ -21,7 +21,6 @@ SMALL_SWARM_STRATEGY: dict[str, Any] = {
     "pipeline": "layers",
     "num_stages": 2,
     "compression": "none",
-    "target_batch_size": 32,
     "matchmaking_time": 1.0,
     "averaging_timeout": 5.0,
     "request_timeout": 10.0,

@@ -55,6 +55,7 @@ def _settings(name: str, **changes) -> SwarmSettings:
         run_id=f"{name}-{next(_runs)}",
         num_stages=2,
         compression="none",
+        stage_steps="async",  # the stages step on their own every target_batch_size samples
         target_batch_size=4,
         matchmaking_time=0.5,
         averaging_timeout=10.0,

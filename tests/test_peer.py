@@ -30,6 +30,7 @@ def _two_peers(name: str) -> tuple[SwarmPeer, SwarmPeer, Model, dict]:
         run_id=f"{name}-{next(_runs)}",
         num_stages=2,
         compression="none",
+        stage_steps="async",  # the stages step on their own every target_batch_size samples
         target_batch_size=4,
         matchmaking_time=0.5,
         no_peers_timeout=3.0,

@@ -302,7 +302,7 @@ class TrainerSync(ServicerBase):
             reply = await stub.rpc_await(request, timeout=timeout + 10.0)
             return reply.serialized_info
 
-        data = run_coroutine(call(), timeout=timeout + 15.0)
+        data = run_coroutine(call(), timeout=timeout + 15.0, stop=self.should_stop)
         found, value = msgpack.unpackb(data, raw=False, strict_map_key=False)
         if not found:
             raise TimeoutError(f"the leader published no value {key!r} for step {step_id}")
@@ -448,7 +448,7 @@ class TrainerSync(ServicerBase):
                     return receiver.result()
             raise ConnectionError("the leader closed the stream without a result")
 
-        data, tensors = run_coroutine(asyncio.wait_for(call(), wait), timeout=wait + 5.0)
+        data, tensors = run_coroutine(asyncio.wait_for(call(), wait), timeout=wait + 5.0, stop=self.should_stop)
         reply = msgpack.unpackb(data, raw=False, strict_map_key=False)
         if not isinstance(reply, dict):
             raise ValueError("malformed trainer step result")
