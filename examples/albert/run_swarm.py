@@ -419,7 +419,7 @@ def summarize(args: argparse.Namespace, swarm: dict, baseline: dict | None) -> d
     print(f"held-out MLM loss     swarm {summary['eval_loss_swarm']:.3f}", end="")
     if baseline:
         print(
-            f"  |  one process {summary['eval_loss_single']:.3f} (same steps and global batch; "
+            f"  |  single process {summary['eval_loss_single']:.3f} (same steps and global batch; "
             f"relative gap {summary['relative_gap']:.3f})"
         )
     else:
