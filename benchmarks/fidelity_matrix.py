@@ -131,7 +131,7 @@ def compare_trainers(family: str, trainers: int, args: argparse.Namespace) -> di
     out: dict[str, Any] = {"errors": {}, "seconds": {}}
     runs: dict[str, tuple[dict[str, Any], bool]] = {
         "ddp": ({**cfg, "ddp": trainers}, True),
-        "other_seed": ({**cfg, "ddp": trainers, "seed": args.seed + 1}, not args.quick),
+        "other_seed": ({**cfg, "ddp": trainers, "seed": args.seed + 1}, True),
     }
     for mode in ("trainer", "async"):
         settings = {
