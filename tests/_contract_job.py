@@ -187,7 +187,7 @@ def main() -> None:
         else ("ddp" if cfg.get("ddp") else "auto")
     )
     clip = cfg.get("clip")
-    loader = data()
+    loader = data(batch=int(cfg.get("batch", 8)))
     plugins = []
     if cfg.get(
         "fp16_scaler"

@@ -19,9 +19,10 @@ the stage commands are idempotent per step id, so a step commanded twice is appl
 A trainer's part that reaches the leader after its step was taken (``late``) is dropped, and the trainer applies
 that step's average instead: it stays in step with the others, and its parameters identical to theirs.
 
-Wire: ``rpc_contribute``, a stream of messages (the gradients' parts, see :mod:`.transport`, then a msgpack header)
-answered by a stream (the averaged gradients, then the result's header); ``rpc_await``: ``[step_id, key, timeout]``
--> msgpack ``[found, value]``. Headers and values are validated; a malformed message is refused, never crashes a
+Wire (every wait is a request of a few seconds, asked again while the answer is pending, so that no stream is held
+open for a whole step): ``rpc_contribute``, a stream of messages (the gradients' parts, see :mod:`.transport`, then a
+msgpack header), answered at once; ``rpc_result``: ``[step, name, wait_s]`` -> the step's result (the averaged
+gradients' parts, then its header) or ``pending``; ``rpc_await``: ``[step_id, key, wait_s]`` -> ``[found, value]``. Headers and values are validated; a malformed message is refused, never crashes a
 trainer.
 """
 
@@ -57,6 +58,8 @@ _HISTORY = 8  # results (and published values) a trainer keeps for late or retry
 _MAX_PART_BYTES = 8 << 30  # a part's gradients, decoded: refused beyond this
 _POLL_S = 0.02
 _UNSEEN = "(a trainer of the local swarm not seen yet)"
+_RESULT_WAIT_S = 2.0  # how long one request for a step's result waits at the leader
+_BROKEN_LIMIT = 3  # requests in a row that fail before the leader counts as gone
 
 
 class _NotLeader(ConnectionError):
@@ -286,27 +289,40 @@ class TrainerSync(ServicerBase):
             self._cond.notify_all()
 
     def await_value(self, leader: str, step_id: int, key: str, timeout: float) -> Any:
-        """The value the leader published for ``(step_id, key)``, waiting up to ``timeout`` seconds; raises
-        ``TimeoutError`` or a connection error if the leader did not publish it (the caller then does the work
-        itself)."""
+        """The value the leader published for ``(step_id, key)``, waiting up to ``timeout`` seconds (in requests of
+        at most ``_RESULT_WAIT_S``); raises ``TimeoutError`` or a connection error if the leader did not publish it
+        (the caller then does the work itself)."""
         if leader == self.name:
             found, value = self._wait_published(step_id, key, timeout)
             if not found:
                 raise TimeoutError(f"no value {key!r} for step {step_id}")
             return value
-        request = runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([step_id, key, float(timeout)]))
-
-        async def call() -> bytes:
-            assert self.p2p is not None
-            stub = self.get_stub(self.p2p, PeerID.from_base58(leader), namespace=self.namespace)
-            reply = await stub.rpc_await(request, timeout=timeout + 10.0)
-            return reply.serialized_info
-
-        data = run_coroutine(call(), timeout=timeout + 15.0, stop=self.should_stop)
-        found, value = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        if not found:
-            raise TimeoutError(f"the leader published no value {key!r} for step {step_id}")
-        return value
+        stub = self.get_stub(self._p2p(), PeerID.from_base58(leader), namespace=self.namespace)
+        deadline, broken = time.monotonic() + timeout, 0
+        while True:
+            ask = runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([step_id, key, _RESULT_WAIT_S]))
+            try:
+                reply = run_coroutine(
+                    stub.rpc_await(ask, timeout=_RESULT_WAIT_S + 30.0),
+                    timeout=_RESULT_WAIT_S + 35.0,
+                    stop=self.should_stop,
+                )
+                found, value = msgpack.unpackb(reply.serialized_info, raw=False, strict_map_key=False)
+                broken = 0
+            except Exception:
+                if self.should_stop():
+                    raise
+                broken += 1
+                if broken >= _BROKEN_LIMIT:
+                    raise
+                time.sleep(0.2)
+                continue
+            if found:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the leader published no value {key!r} for step {step_id} in {timeout:.0f} s"
+                )
 
     # ------------------------------------------------------------------ leader
     def _leader(self) -> str:
@@ -430,56 +446,88 @@ class TrainerSync(ServicerBase):
 
     # ------------------------------------------------------------------ follower
     def _send(self, leader: str, part: _Part) -> StepResult:
+        """Hand ``part`` to ``leader`` (``rpc_contribute``, answered at once), then ask for the step's result
+        (``rpc_result``, each call waiting at most ``_RESULT_WAIT_S``) until the leader has it. A stream that
+        breaks is asked again (a few times in a row at most: then the leader counts as gone); a leader that no
+        longer knows the part (it restarted) gets it again."""
         wire, shapes = _encode_grads(part.grads)
         header = msgpack.packb({**part.header, "shapes": shapes}, use_bin_type=True)
-        wait = 3 * self.timeout + 30.0
+        step, deadline = int(part.header["step"]), time.monotonic() + 3 * self.timeout + 30.0
+        stub = self.get_stub(self._p2p(), PeerID.from_base58(leader), namespace=self.namespace)
 
-        async def call() -> tuple[bytes, list[torch.Tensor]]:
-            assert self.p2p is not None
-            stub = self.get_stub(self.p2p, PeerID.from_base58(leader), namespace=self.namespace)
-
+        async def contribute() -> tuple[bytes, list[torch.Tensor]]:
             async def requests() -> AsyncIteratorABC[runtime_pb2.ExpertRequest]:
                 for message in messages(runtime_pb2.ExpertRequest, wire, header):
                     yield message
 
-            receiver = MessageReceiver(max_bytes=_MAX_PART_BYTES)
-            async for message in await stub.rpc_contribute(requests()):
-                if receiver.feed(message):
-                    return receiver.result()
-            raise ConnectionError("the leader closed the stream without a result")
+            return await _first_reply(await stub.rpc_contribute(requests()))
 
-        data, tensors = run_coroutine(asyncio.wait_for(call(), wait), timeout=wait + 5.0, stop=self.should_stop)
-        reply = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        if not isinstance(reply, dict):
-            raise ValueError("malformed trainer step result")
-        if reply.get("error"):
-            if reply.get("diverged"):
-                raise TrainersDiverged(str(reply["error"]))
-            leader = reply.get("leader")
-            if isinstance(leader, str) and 0 < len(leader) <= 128 and leader != self.name:
-                self._hinted.add(leader)  # the trainer asked knows a leader this one had not seen
-                raise _NotLeader(leader)
-            raise ConnectionError(str(reply["error"]))
-        for key in ("step", "step_id", "trainers", "nonfinite"):
-            if type(reply.get(key)) is not int:
-                raise ValueError(f"malformed trainer step result: {key}")
-        return StepResult(
-            step=reply["step"],
-            step_id=reply["step_id"],
-            leader=leader,
-            trainers=reply["trainers"],
-            missing=[str(m) for m in reply.get("missing", [])],
-            grads=_decode_grads(tensors, reply.get("shapes")),
-            nonfinite=reply["nonfinite"],
-            late=bool(reply.get("late", False)),
-            names=[str(n) for n in reply.get("names", [])],
-        )
+        async def result() -> tuple[bytes, list[torch.Tensor]]:
+            ask = msgpack.packb([step, self.name, _RESULT_WAIT_S])
+            return await _first_reply(await stub.rpc_result(runtime_pb2.ExpertInfo(serialized_info=ask)))
+
+        def call(coro: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
+            data, tensors = run_coroutine(
+                asyncio.wait_for(coro, _RESULT_WAIT_S + 30.0),
+                timeout=_RESULT_WAIT_S + 35.0,
+                stop=self.should_stop,
+            )
+            reply = msgpack.unpackb(data, raw=False, strict_map_key=False)
+            if not isinstance(reply, dict):
+                raise ValueError("malformed trainer step reply")
+            if reply.get("error"):
+                if reply.get("diverged"):
+                    raise TrainersDiverged(str(reply["error"]))
+                hint = reply.get("leader")
+                if isinstance(hint, str) and 0 < len(hint) <= 128 and hint != self.name:
+                    self._hinted.add(hint)  # the trainer asked knows a leader this one had not seen
+                    raise _NotLeader(hint)
+                raise ConnectionError(str(reply["error"]))
+            return reply, tensors
+
+        def retried(make: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
+            """``call(make())``, asked again after a broken stream (a few times in a row at most)."""
+            broken = 0
+            while True:
+                try:
+                    return call(make())
+                except (TrainersDiverged, _NotLeader):
+                    raise
+                except Exception as e:
+                    if self.should_stop():
+                        raise
+                    broken += 1
+                    if broken >= _BROKEN_LIMIT:
+                        raise
+                    logger.debug(
+                        f"Trainer step {step}: asking the leader again after {type(e).__name__}: {e}"
+                    )
+                    time.sleep(0.2)
+
+        retried(contribute)
+        while True:
+            reply, tensors = retried(result)
+            if reply.get("unknown"):
+                retried(contribute)  # the leader does not know the part (it restarted): again
+                continue
+            if reply.get("pending"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the leader had no result of step {step} in {3 * self.timeout + 30:.0f} s"
+                    )
+                continue
+            return _parse_result(reply, tensors, leader)
+
+    def _p2p(self) -> P2P:
+        if self.p2p is None:
+            raise ConnectionError("this trainer's step exchange is shut down")
+        return self.p2p
 
     # ------------------------------------------------------------------ handlers
     async def rpc_contribute(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Another trainer's part of a step; the reply is the step's result once the step is taken."""
+        """Another trainer's part of a step, answered at once: taken, or refused (malformed; not the leader)."""
         receiver = MessageReceiver(max_bytes=_MAX_PART_BYTES)
         done = False
         async for message in requests:
@@ -496,18 +544,30 @@ class TrainerSync(ServicerBase):
             yield _reply({"error": f"malformed trainer step part: {type(e).__name__}: {e}"})
             return
         loop = asyncio.get_running_loop()
-        result, error = await loop.run_in_executor(None, self._take_part, part)
+        taken = await loop.run_in_executor(None, self._take_part, part)
+        yield _reply({"ok": True} if taken else self._not_leader(int(header["step"])))
+
+    async def rpc_result(
+        self, request: runtime_pb2.ExpertInfo, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """``[step, name, wait_s]`` -> the step's result once this trainer (its leader) has it (the averaged
+        gradients, then the header), or ``{"pending": true}`` after ``wait_s``; ``{"unknown": true}`` if it has
+        no part of ``name`` for that step."""
+        try:
+            step, name, wait = msgpack.unpackb(request.serialized_info, raw=False)
+            if type(step) is not int or not isinstance(name, str) or not isinstance(wait, (int, float)):
+                raise ValueError
+            wait = min(max(float(wait), 0.0), 60.0)
+        except Exception:
+            yield _reply({"error": "malformed trainer step result request"})
+            return
+        loop = asyncio.get_running_loop()
+        state, result, error = await loop.run_in_executor(None, self._wait_result, step, name, wait)
         if error is not None:
             yield _reply({"error": error, "diverged": True})
             return
         if result is None:
-            leader = None if self.finished else self._leader()
-            yield _reply(
-                {
-                    "error": f"trainer {self.name[-8:]} is not the leader of step {header['step']}",
-                    "leader": leader if leader != self.name else None,
-                }
-            )
+            yield _reply(self._not_leader(step) if state == "gone" else {state: True})
             return
         wire, shapes = _encode_grads(result.grads)
         body = {
@@ -523,31 +583,49 @@ class TrainerSync(ServicerBase):
         for message in messages(runtime_pb2.ExpertResponse, wire, msgpack.packb(body, use_bin_type=True)):
             yield message
 
-    def _take_part(self, part: _Part) -> tuple[StepResult | None, str | None]:
-        """Add ``part`` to its round and wait for the round's result (a thread of the handler)."""
+    def _not_leader(self, step: int) -> dict[str, Any]:
+        leader = None if self.finished else self._leader()
+        return {
+            "error": f"trainer {self.name[-8:]} does not lead step {step}",
+            "leader": leader if leader != self.name else None,
+        }
+
+    def _take_part(self, part: _Part) -> bool:
+        """Add ``part`` to its round (a thread of the handler); False if this trainer does not lead that step."""
         step = int(part.header["step"])
-        deadline = time.monotonic() + 3 * self.timeout + 20.0
         with self._cond:
             rnd = self._rounds.get(step)
             if rnd is not None and rnd.result is not None:
-                return (_late(rnd.result) if part.header["name"] not in rnd.parts else rnd.result), rnd.error
+                return True  # taken already: the part is late (rpc_result says so)
             if step < self.step - _HISTORY or self.finished:
-                return None, None
+                return False
         if self._leader() != self.name:  # another trainer leads (this one sends its own parts there)
-            return None, None
+            return False
         with self._cond:
             rnd = self._round(step)
-            if rnd.result is not None:
-                return (_late(rnd.result) if part.header["name"] not in rnd.parts else rnd.result), rnd.error
-            rnd.parts[part.header["name"]] = part
-            self._cond.notify_all()
-            while rnd.result is None and time.monotonic() < deadline:
-                if self.step > step and self._leader_of_last() != self.name:
-                    return None, None  # this trainer took that step under another leader
-                self._cond.wait(0.1)
             if rnd.result is None:
-                return None, None
-            return rnd.result, rnd.error
+                rnd.parts[part.header["name"]] = part
+                self._cond.notify_all()
+            return True
+
+    def _wait_result(self, step: int, name: str, wait: float) -> tuple[str, StepResult | None, str | None]:
+        """The result of ``step`` for trainer ``name``, waiting up to ``wait`` seconds: ``("ok", result, error)``,
+        or ``("pending" | "unknown" | "gone", None, None)``."""
+        deadline = time.monotonic() + wait
+        with self._cond:
+            while True:
+                rnd = self._rounds.get(step)
+                if rnd is not None and rnd.result is not None:
+                    late = name not in rnd.parts
+                    return "ok", (_late(rnd.result) if late else rnd.result), rnd.error
+                if rnd is None or name not in rnd.parts:
+                    return ("gone" if step < self.step - _HISTORY else "unknown"), None, None
+                if self.step > step and self._leader_of_last() != self.name:
+                    return "gone", None, None  # this trainer took that step under another leader
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return "pending", None, None
+                self._cond.wait(min(remaining, 0.1))
 
     def _leader_of_last(self) -> str | None:
         return self._last.leader if self._last is not None else None
@@ -574,6 +652,32 @@ class TrainerSync(ServicerBase):
                     return False, None
                 self._cond.wait(min(remaining, 0.5))
             return True, self._published[(step_id, key)]
+
+
+async def _first_reply(responses: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """The header and tensors of the one reply a stream carries (its messages up to the one with the header)."""
+    receiver = MessageReceiver(max_bytes=_MAX_PART_BYTES)
+    async for message in responses:
+        if receiver.feed(message):
+            return receiver.result()
+    raise ConnectionError("the stream ended without a reply")
+
+
+def _parse_result(reply: dict[str, Any], tensors: list[torch.Tensor], leader: str) -> StepResult:
+    for key in ("step", "step_id", "trainers", "nonfinite"):
+        if type(reply.get(key)) is not int:
+            raise ValueError(f"malformed trainer step result: {key}")
+    return StepResult(
+        step=reply["step"],
+        step_id=reply["step_id"],
+        leader=leader,
+        trainers=reply["trainers"],
+        missing=[str(m) for m in reply.get("missing", [])],
+        grads=_decode_grads(tensors, reply.get("shapes")),
+        nonfinite=reply["nonfinite"],
+        late=bool(reply.get("late", False)),
+        names=[str(n) for n in reply.get("names", [])],
+    )
 
 
 def _late(result: StepResult) -> StepResult:
