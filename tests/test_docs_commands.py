@@ -41,7 +41,7 @@ def test_readme_runs_as_written_and_a_trainer_leaves_when_its_training_ends() ->
         assert len(trainer_runs) == 1
         first = trainer_runs[0]
         figures["first"] = _trainer_left_in_time(first)
-        status_runs = [run for run in session.runs if "lightning-swarm status" in run.block.code]
+        status_runs = [run for run in session.runs if "lightning-swarm status --run-id" in run.block.code]
         assert len(status_runs) == 1
         out = status_runs[0].output.text
         assert re.search(r"2 stages, 2 peers \(2 online\)", out), out
