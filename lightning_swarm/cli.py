@@ -212,7 +212,7 @@ def format_status(run_id: str, peers: list, num_stages: int, now: float | None =
         f"{min(totals, default=0.0):.1f} samples/s{' (not measured yet)' if estimated else ''}, "
         f"bottleneck: stage {bottleneck}",
         "",
-        f"{'stage':>5}  {'peers':>5}  {'online':>6}  {'samples/s':>10}  {'figure':<8}",
+        f"{'stage':>5}  {'peers':>5}  {'online':>6}  {'samples/s':>10}  figure",
     ]
     for k in range(num_stages):
         here = [p for p in peers if p.stage == k]
