@@ -6,7 +6,8 @@
   ``trainer.strategy.init_args``. It waits for trainers to appear, serves them, and runs until interrupted; on
   SIGINT/SIGTERM it announces that it is leaving and finishes its calls in flight before it goes.
 - ``lightning-swarm status --initial-peers ADDR ... [--run-id RUN]``: a table of the whole swarm: every stage
-  with its peers, their state (joining, online, leaving) and announced throughput, and the pipeline's bottleneck.
+  with its peers, their state (joining, online, leaving) and announced throughput (marked as an estimate until the
+  peer has measured calls it served, with the age of the figure), and the pipeline's bottleneck.
   The number of stages is read from the peers' records (``--num-stages`` only for peers that do not announce it).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -23,13 +25,20 @@ import yaml
 
 
 def _load_class(path: str) -> type:
+    """The class at ``package.module.ClassName``, looked up as ``python -m`` would: the current directory first."""
     module_name, _, class_name = path.replace(":", ".").rpartition(".")
     if not module_name:
         raise SystemExit(f"error: {path!r} is not an import path like 'package.module.ClassName'.")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         return getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as e:
-        raise SystemExit(f"error: cannot import {path!r} ({e}). Is the package on PYTHONPATH?") from e
+        raise SystemExit(
+            f"error: cannot import {path!r} ({e}). Run this command from the directory that holds the package "
+            f"{module_name.split('.')[0]!r} (now: {cwd}), or put that directory on PYTHONPATH."
+        ) from e
 
 
 def _read_config(path: str | None) -> dict[str, Any]:
@@ -100,12 +109,16 @@ def serve(args: argparse.Namespace) -> None:
 def status(args: argparse.Namespace) -> None:
     """Print a table of the swarm: stages, peers, states, throughput and the bottleneck."""
 
-    if not args.initial_peers:
-        raise SystemExit("error: status needs --initial-peers (the multiaddr of any peer of the swarm).")
-    import os
     import tempfile
 
     from .swarm.auth import SECRET_ENV, protect, unprotect
+    from .swarm.bootstrap import INITIAL_PEERS_ENV, _env_peers
+
+    args.initial_peers = args.initial_peers or _env_peers()
+    if not args.initial_peers:
+        raise SystemExit(
+            f"error: status needs the address of any peer of the swarm: --initial-peers ADDR, or {INITIAL_PEERS_ENV}."
+        )
     from .swarm.dht_process import SwarmDHT
     from .swarm.identity import PeerIdentity
 
@@ -166,30 +179,59 @@ def list_swarm(
     return peers, num_stages or 0
 
 
-def format_status(run_id: str, peers: list, num_stages: int) -> str:
-    """The ``status`` table for ``peers`` (``PeerInfo`` records of every state)."""
+def _figure(peers: list) -> str:
+    """How ``peers``' throughputs were obtained: all measured on calls served, all estimated, or a mix."""
+    kinds = {"measured" if p.measured else "estimate" if p.measured is False else "unknown" for p in peers}
+    return kinds.pop() if len(kinds) == 1 else "mixed" if kinds else "-"
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{max(0.0, seconds):.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.0f} h"
+
+
+def format_status(run_id: str, peers: list, num_stages: int, now: float | None = None) -> str:
+    """The ``status`` table for ``peers`` (``PeerInfo`` records of every state). A throughput that a peer has not
+    measured on calls yet is marked as an estimate, and every peer's row says how old its figure is (``now``: the
+    DHT time to count from, by default the current one)."""
+    from hivemind.utils.timed_storage import get_dht_time
+
     from lightning_swarm.swarm.states import ONLINE
 
-    totals = [
-        sum(p.throughput for p in peers if p.stage == k and p.state == ONLINE) for k in range(num_stages)
-    ]
+    now = get_dht_time() if now is None else now
+    online_at = [[p for p in peers if p.stage == k and p.state == ONLINE] for k in range(num_stages)]
+    totals = [sum(p.throughput for p in here) for here in online_at]
     bottleneck = min(range(num_stages), key=lambda k: totals[k]) if num_stages else None
     online = sum(p.state == ONLINE for p in peers)
+    estimated = bottleneck is not None and _figure(online_at[bottleneck]) != "measured"
     lines = [
         f"run {run_id!r}: {num_stages} stages, {len(peers)} peers ({online} online); pipeline "
-        f"{min(totals, default=0.0):.1f} samples/s, bottleneck: stage {bottleneck}",
+        f"{min(totals, default=0.0):.1f} samples/s{' (not measured yet)' if estimated else ''}, "
+        f"bottleneck: stage {bottleneck}",
         "",
-        f"{'stage':>5}  {'peers':>5}  {'online':>6}  {'samples/s':>10}",
+        f"{'stage':>5}  {'peers':>5}  {'online':>6}  {'samples/s':>10}  figure",
     ]
     for k in range(num_stages):
         here = [p for p in peers if p.stage == k]
         mark = "  <- bottleneck" if k == bottleneck else ""
         lines.append(
-            f"{k:>5}  {len(here):>5}  {sum(p.state == ONLINE for p in here):>6}  {totals[k]:>10.1f}{mark}"
+            f"{k:>5}  {len(here):>5}  {len(online_at[k]):>6}  {totals[k]:>10.1f}  "
+            f"{_figure(online_at[k]):<8}{mark}".rstrip()
         )
-    lines += ["", f"{'stage':>5}  {'state':<8}  {'samples/s':>10}  peer"]
+    lines += ["", f"{'stage':>5}  {'state':<8}  {'samples/s':>10}  {'figure':<8}  {'age':>6}  peer"]
     for p in sorted(peers, key=lambda p: (p.stage, p.peer_id.to_base58())):
-        lines.append(f"{p.stage:>5}  {p.state:<8}  {p.throughput:>10.1f}  {p.peer_id}")
+        age = "?" if p.figure_time is None else _age(now - p.figure_time)
+        lines.append(
+            f"{p.stage:>5}  {p.state:<8}  {p.throughput:>10.1f}  {_figure([p]):<8}  {age:>6}  {p.peer_id}"
+        )
+    if any(p.measured is False for p in peers):
+        lines += [
+            "",
+            "estimate: a peer's guess from a matmul benchmark, until it has measured the calls it serves.",
+        ]
     return "\n".join(lines)
 
 
@@ -202,7 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     p_status = sub.add_parser("status", help="print a table of the swarm's stages and peers")
     for p in (p_serve, p_status):
         p.add_argument(
-            "--initial-peers", nargs="*", default=[], help="multiaddrs of peers already in the swarm"
+            "--initial-peers",
+            nargs="*",
+            default=[],
+            help="multiaddrs of peers already in the swarm (default: the LIGHTNING_SWARM_INITIAL_PEERS variable)",
         )
         p.add_argument("--run-id", dest="run_id", default=None)
         p.add_argument(

@@ -60,6 +60,7 @@ LONGEST_FIRST = (
     "test_dslide",
     "test_memory",
     "test_launcher",
+    "test_docs_commands",
 )
 
 

@@ -95,10 +95,14 @@ def test_serve_and_status_form_a_swarm_by_initial_peers(tmp_path: Path) -> None:
             ["0", "1", "1"],
             ["1", "1", "1"],
         ], out
-        assert sorted(r[:2] for r in rows if len(r) == 4 and r[1] == "online") == [
+        assert sorted(r[:2] for r in rows if len(r) == 7 and r[1] == "online") == [
             ["0", "online"],
             ["1", "online"],
         ]
+        # no call served yet: the throughputs are the servers' guesses, and the table says so
+        assert "(not measured yet)" in out and all(
+            r[3] == "estimate" for r in rows if r[1:2] == ["online"]
+        ), out
 
         # a trainer elsewhere joins by the same address and runs both served stages
         dht = hivemind.DHT(start=True, initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -134,3 +138,18 @@ def test_serve_and_status_form_a_swarm_by_initial_peers(tmp_path: Path) -> None:
                 proc.send_signal(signal.SIGTERM)
         codes = [proc.wait(timeout=60) for proc in servers]
     assert codes == [0, -signal.SIGKILL]  # SIGTERM shuts a server down cleanly
+
+
+def test_serve_finds_a_module_under_the_current_directory_as_python_m_does(tmp_path, monkeypatch) -> None:
+    from lightning_swarm.cli import _load_class
+
+    (tmp_path / "my_models").mkdir()
+    (tmp_path / "my_models" / "__init__.py").write_text("")
+    (tmp_path / "my_models" / "net.py").write_text("class Net:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert _load_class("my_models.net.Net").__name__ == "Net"
+    with pytest.raises(
+        SystemExit, match="Run this command from the directory that holds the package 'nowhere'"
+    ):
+        _load_class("nowhere.net.Net")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -96,3 +97,72 @@ def test_a_stage_that_cannot_be_gathered_is_an_error_not_stale_weights() -> None
         a.shutdown()
         b.shutdown()
     assert isinstance(model.layers, nn.Sequential)  # still a whole module, but the caller was told
+
+
+def _peer(settings: SwarmSettings, model: Model, **changes) -> SwarmPeer:
+    peer = SwarmPeer(settings.replace(**changes))
+    peer.start_dht()
+    peer.join(model, [torch.optim.SGD(model.parameters(), lr=0.1)], training=True)
+    return peer
+
+
+@pytest.mark.timeout(180)
+def test_a_trainer_that_serves_nothing_leaves_at_once_and_servers_serve_on(capfd) -> None:
+    """Servers that never finish (``lightning-swarm serve``) do not hold a trainer back, and serve the next one."""
+    settings = SwarmSettings(
+        run_id=f"leave-{next(_runs)}",
+        num_stages=1,
+        compression="none",
+        target_batch_size=4,
+        linger_timeout=60.0,
+    )
+    torch.manual_seed(0)
+    models = [Model() for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    server = _peer(settings, models[0], stage=0, role="server")
+    peers = [server]
+    try:
+        maddrs = tuple(str(m) for m in server.dht.get_visible_maddrs())
+        for model in models[1:]:
+            trainer = _peer(settings, model, role="trainer", initial_peers=maddrs)
+            peers.append(trainer)
+            model.layers(torch.randn(4, 4)).pow(2).mean().backward()
+            start = time.monotonic()
+            trainer.leave()
+            assert time.monotonic() - start < 10.0  # not linger_timeout
+            assert isinstance(model.layers, nn.Sequential)  # gathered from the server, which still serves
+            for name, value in server.server.state_dict_local().items():
+                assert torch.equal(model.layers.state_dict()[name], value), name
+        assert "still serving" not in capfd.readouterr().err
+    finally:
+        for peer in reversed(peers):
+            peer.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_trainer_that_serves_a_stage_lingers_while_another_trainer_trains(capfd) -> None:
+    a, b, _, initial = _two_peers("linger")
+    peers = [a, b]
+    left = threading.Event()
+    thread = threading.Thread(target=lambda: (a.leave(), left.set()))
+    try:
+        other_model = Model()
+        other_model.load_state_dict(initial)
+        maddrs = tuple(str(m) for m in a.dht.get_visible_maddrs())
+        other = _peer(a.settings, other_model, stage=None, role="trainer", initial_peers=maddrs)
+        peers.append(other)
+        other_model.layers(torch.randn(4, 4)).pow(2).mean().backward()
+        thread.start()
+        assert not left.wait(4.0)  # the other trainer still uses a's stage
+        err = capfd.readouterr().err
+        lines = [line for line in err.splitlines() if "still serving" in line]
+        assert len(lines) == 1 and "until 1 other trainer(s) finish training (at most 20 s)" in lines[0], err
+        other.leave()  # gathers both stages, a's included, then a may go
+        assert left.wait(30.0)
+    finally:
+        if thread.is_alive():
+            thread.join(timeout=60)
+        for peer in reversed(peers):
+            peer.shutdown()
+    assert isinstance(other_model.layers, nn.Sequential)

@@ -62,16 +62,63 @@ def test_states_and_stage_counts_are_read_and_bad_entries_skipped() -> None:
 
 def test_status_table_names_the_bottleneck_and_every_state() -> None:
     a, b, c = IDS[:3]
-    listing0 = _listing({a.to_base58(): [10.0, ONLINE, 2], b.to_base58(): [4.0, JOINING, 2]})
-    listing1 = _listing({c.to_base58(): [6.0, ONLINE, 2]})
+    listing0 = _listing(
+        {
+            a.to_base58(): [10.0, ONLINE, 2, True, NOW - 4.0],
+            b.to_base58(): [4.0, JOINING, 2, False, NOW - 1.0],
+        }
+    )
+    listing1 = _listing({c.to_base58(): [6.0, ONLINE, 2, True, NOW - 300.0]})
     peers = parse_stage_peers(listing0, 0, now=NOW, states=STATES) + parse_stage_peers(
         listing1, 1, now=NOW, states=STATES
     )
-    table = format_status("run", peers, 2)
+    table = format_status("run", peers, 2, now=NOW)
     assert "2 stages, 3 peers (2 online); pipeline 6.0 samples/s, bottleneck: stage 1" in table
     rows = [line.split() for line in table.splitlines()]
-    assert ["0", "2", "1", "10.0"] in rows and ["1", "1", "1", "6.0", "<-", "bottleneck"] in rows
-    assert ["0", "joining", "4.0", str(b)] in rows
+    assert ["0", "2", "1", "10.0", "measured"] in rows
+    assert ["1", "1", "1", "6.0", "measured", "<-", "bottleneck"] in rows
+    assert ["0", "joining", "4.0", "estimate", "1", "s", str(b)] in rows  # each row: how old its figure is
+    assert ["0", "online", "10.0", "measured", "4", "s", str(a)] in rows
+    assert ["1", "online", "6.0", "measured", "5", "min", str(c)] in rows
+
+
+def test_status_marks_throughputs_that_were_never_measured_as_estimates() -> None:
+    """Before a peer has served calls it announces a matmul-based guess: the table says so, it does not pass it off
+    as a measurement."""
+    a, b = IDS[:2]
+    peers = parse_stage_peers(
+        _listing({a.to_base58(): [188_619.0, ONLINE, 2, False, NOW - 2.0]}), 0, now=NOW, states=STATES
+    ) + parse_stage_peers(_listing({b.to_base58(): [14_264.0, ONLINE, 2, False, NOW - 3.0]}), 1, now=NOW)
+    assert [(p.measured, p.figure_time) for p in peers] == [(False, NOW - 2.0), (False, NOW - 3.0)]
+    table = format_status("run", peers, 2, now=NOW)
+    assert "pipeline 14264.0 samples/s (not measured yet), bottleneck: stage 1" in table
+    rows = [line.split() for line in table.splitlines()]
+    assert ["0", "1", "1", "188619.0", "estimate"] in rows
+    assert ["1", "online", "14264.0", "estimate", "3", "s", str(b)] in rows
+    assert "estimate: a peer's guess" in table
+    # an older record says neither: its figure's origin and age are unknown, not made up
+    old = parse_stage_peers(_listing({a.to_base58(): [5.0, ONLINE, 1]}), 0, now=NOW)
+    rows = [line.split() for line in format_status("run", old, 1, now=NOW).splitlines()]
+    assert ["0", "online", "5.0", "unknown", "?", str(a)] in rows
+
+
+def test_the_figure_fields_are_checked() -> None:
+    a = IDS[0].to_base58()
+    for bad in (
+        [1.0, ONLINE, 4, 1, NOW],
+        [1.0, ONLINE, 4, True, "now"],
+        [1.0, ONLINE, 4, True, float("inf")],
+    ):
+        assert parse_stage_peers(_listing({a: bad}), 1, now=NOW) == [], bad
+    from lightning_swarm.swarm.validation import _StageValue
+
+    assert _StageValue._check([1.0, ONLINE, 4, False, NOW]) == [1.0, ONLINE, 4, False, NOW]
+    for bad in ([1.0, ONLINE, 4, True], [1.0, ONLINE, 4, 0, NOW], [1.0, ONLINE, 4, True, 3]):
+        try:
+            _StageValue._check(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} passed the schema")
 
 
 def test_signed_subkeys_read_as_their_owner_and_forged_ones_are_skipped() -> None:

@@ -108,7 +108,8 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         no_peers_timeout: seconds to wait for a stage that has no live peers before raising an error.
         matchmaking_time: seconds peers of a stage spend finding each other before averaging gradients.
         averaging_timeout: seconds an averaging round may take before it is abandoned.
-        linger_timeout: at the end of a run, seconds a peer keeps serving while other peers still train.
+        linger_timeout: at the end of a run, seconds a peer that serves a stage keeps serving while other trainers
+            still train (a trainer that serves no stage leaves at once).
         gather_on_end: whether a trainer gathers every stage's final parameters into its module when ``fit`` ends.
             ``None`` (default): yes, unless the pipeline was built on ``meta`` (``trainer.init_module()`` or
             ``configure_model``): such a model is taken to be larger than one peer, and its trainer's module keeps

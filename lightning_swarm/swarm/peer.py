@@ -12,7 +12,8 @@ This is the glue between the pieces of the engine (DHT, :class:`StageServer`, :c
 - Rebalancing: at randomised intervals a training server reads every stage's records and, if
   :func:`~.rebalance.plan_move` names it, migrates: announces ``"leaving"``, finishes its calls in flight, frees
   its old stage, allocates the new one, loads its state from the peers there and goes online.
-- Leaving: a peer announces ``"leaving"`` before it stops serving.
+- Leaving: a peer announces ``"leaving"`` before it stops serving. At the end of a run a peer that serves a stage
+  lingers while other trainers still train and gather; a trainer that serves nothing leaves at once.
 - Failing: a peer whose run raised an exception publishes it (:meth:`SwarmPeer.publish_failure`); every other peer
   raises it at its next poll of :meth:`SwarmPeer.should_stop` (every stage call attempt, every wait), as DDP's ranks
   stop together. Shutting down is bounded: a step that hangs on a hivemind helper process that died is left behind.
@@ -26,6 +27,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -487,9 +489,11 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         )
 
     def leave(self, failed: bool = False) -> None:
-        """End of a run: keep serving until the others are done, put the trained pipeline back into the module,
-        then shut everything down. After a failure (this peer's, or another's that arrives meanwhile), restore the
-        container and leave at once: shutting down takes at most ``FAILED_SHUTDOWN_S`` seconds."""
+        """End of a run: a peer that serves a stage keeps serving while other trainers still train, put the
+        trained pipeline back into the module, then shut everything down. A trainer that serves no stage leaves as
+        soon as it has gathered the stages: nobody needs it any more (``lightning-swarm serve`` peers serve on until
+        they are stopped). After a failure (this peer's, or another's that arrives meanwhile), restore the container
+        and leave at once: shutting down takes at most ``FAILED_SHUTDOWN_S`` seconds."""
         s = self.settings
         if failed:
             try:
@@ -502,12 +506,12 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
             self.trainer_sync.finished = True  # the other trainers' next steps go to another leader
         try:
             self._stop_rebalancer()  # no migrations while the run ends and the stages are gathered
+            serves = self.server is not None
             all_finished = False
             if self.presence is not None:
                 self.presence.set_phase(FINISHED)
-                all_finished = self.presence.wait_for(
-                    FINISHED, self.local_swarm_size, timeout=s.linger_timeout, should_stop=self.should_stop
-                )
+                if serves:  # other trainers may still call this peer's stage
+                    all_finished = self._linger(FINISHED, s.linger_timeout, "finish training")
             if all_finished and self.server is not None:
                 # nobody steps any more: the stage's optimizer state and gradient buffers go before the gather
                 self._report_dead_helpers()  # (a dead averager is told of, and skips its shutdown)
@@ -523,12 +527,8 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
                 self.partition.restore(states)
             if self.presence is not None:
                 self.presence.set_phase(DEPARTING)
-                self.presence.wait_for(
-                    DEPARTING,
-                    self.local_swarm_size,
-                    timeout=min(60.0, s.linger_timeout),
-                    should_stop=self.should_stop,
-                )
+                if serves:  # the trainers gather this peer's stage before it goes
+                    self._linger(DEPARTING, min(60.0, s.linger_timeout), "gather the stages' parameters")
             if error is not None:
                 raise error
         except BaseException:
@@ -538,6 +538,30 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
             raise
         finally:
             self.shutdown(budget=FAILED_SHUTDOWN_S if failed else None)
+
+    def _linger(self, phase: int, timeout: float, until: str) -> bool:
+        """Keep serving until every live trainer has reached ``phase`` (at most ``timeout`` seconds); if that means
+        waiting, say so in one line. Returns whether they all did."""
+        assert self.presence is not None
+
+        def tell(behind: list[str]) -> None:
+            other = "other " if self.is_trainer else ""
+            others = f"{len(behind)} {other}trainer(s)" if behind else "the trainers of this run"
+            print(
+                f"{self.describe()}: still serving stage {self.stage} until {others} {until} "
+                f"(at most {timeout:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        return self.presence.wait_for(
+            phase,
+            self.local_swarm_size,
+            timeout=timeout,
+            trainers_only=True,
+            should_stop=self.should_stop,
+            on_wait=tell,
+        )
 
     def shutdown(self, drain: bool = False, budget: float | None = None) -> None:
         """Stop everything. The stage server first announces that it is leaving; with ``drain`` it also keeps

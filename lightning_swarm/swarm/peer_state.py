@@ -101,7 +101,8 @@ class _StageStates:
             f"SwarmStrategy: could not gather the parameters of stage(s) {sorted(errors)} of run "
             f"'{self.settings.run_id}' from the swarm ({details}). The module's pipeline would hold stale weights "
             "for them, so this is an error: keep at least one server of every stage running until the trainers "
-            "have finished (they linger for `linger_timeout` seconds), and save checkpoints during training."
+            "have finished (a peer that serves a stage waits for them for up to `linger_timeout` seconds), and save "
+            "checkpoints during training."
         )
 
     def load_stage_optimizer_states(self, states: dict[int, bytes]) -> None:

@@ -191,6 +191,7 @@ class Presence:
         timeout: float,
         trainers_only: bool = False,
         should_stop: Callable[[], bool] | None = None,
+        on_wait: Callable[[list[str]], None] | None = None,
     ) -> bool:
         """Block until every live peer (every live trainer, with ``trainers_only``) has reached ``phase``; return
         False if that does not happen in time (see the module docstring for the bounds).
@@ -202,6 +203,8 @@ class Presence:
             timeout: seconds to wait at most (``inf``: no limit besides ``unreadable_timeout``).
             trainers_only: wait for trainers only, and for at least one to have appeared (server-only peers).
             should_stop: polled between reads; once it returns True (this peer got SIGTERM), return False.
+            on_wait: called once, with the names of the peers behind (empty: expected peers have not appeared
+                yet), when the first read shows that this peer has to wait.
         """
         start = time.monotonic()
         deadline = start + timeout
@@ -228,6 +231,15 @@ class Presence:
                 waited = [p for p, trainer in records.values() if trainer or not trainers_only]
                 if appeared and all(p >= phase for p in waited):
                     return True
+                if on_wait is not None:
+                    on_wait(
+                        sorted(
+                            name
+                            for name, (p, trainer) in records.items()
+                            if p < phase and (trainer or not trainers_only)
+                        )
+                    )
+                    on_wait = None
             elif now - last_read > self.unreadable_timeout:
                 logger.warning(
                     f"Gave up waiting for the swarm to reach phase {phase}: the DHT could not be read for "

@@ -1,10 +1,12 @@
 """DHT records: which peers serve which stage, and how fast.
 
 Every stage server stores one record under the three-part key ``"{run_id}.stage{k}.0"``, subkeyed by its
-base58 peer id, with value ``[throughput, state, num_stages]``: samples per second, the peer's state
-(``"joining"`` while it loads the stage's current state, ``"online"`` while it serves, ``"leaving"`` once it is
-about to stop or move) and the number of stages of the pipeline (so that ``lightning-swarm status`` needs no
-``--num-stages``). A bare ``[throughput]`` (older peers) reads as online. A trainer lists a stage's swarm with a
+base58 peer id, with value ``[throughput, state, num_stages, measured, figure_time]``: samples per second, the
+peer's state (``"joining"`` while it loads the stage's current state, ``"online"`` while it serves, ``"leaving"``
+once it is about to stop or move), the number of stages of the pipeline (so that ``lightning-swarm status`` needs
+no ``--num-stages``), whether the throughput was measured on calls served (``False``: an estimate) and the DHT time
+at which that figure was made. The fields after the throughput are optional: a bare ``[throughput]`` reads as
+online, of unknown origin and age. A trainer lists a stage's swarm with a
 single ``dht.get(key, latest=True)`` and routes only to online peers. Records expire unless re-announced (see
 ``StageServer``).
 
@@ -66,6 +68,8 @@ class PeerInfo:
         expiration: DHT time (seconds since epoch) when the announcement expires.
         state: ``"joining"``, ``"online"`` or ``"leaving"``.
         num_stages: the pipeline's number of stages as the peer announced it (``None`` if it did not).
+        measured: whether ``throughput`` was measured on calls served (``False``: an estimate; ``None``: not said).
+        figure_time: DHT time at which ``throughput`` was estimated or last measured (``None``: not said).
     """
 
     peer_id: PeerID
@@ -74,6 +78,8 @@ class PeerInfo:
     expiration: float
     state: str = ONLINE
     num_stages: int | None = None
+    measured: bool | None = None
+    figure_time: float | None = None
 
 
 def declare_stage_peer(
@@ -85,6 +91,8 @@ def declare_stage_peer(
     expiration_time: float,
     state: str = ONLINE,
     num_stages: int | None = None,
+    measured: bool | None = None,
+    figure_time: float | None = None,
     timeout: float = 30.0,
 ) -> bool:
     """Announce that ``peer_id`` serves ``stage`` at ``throughput`` samples/s until ``expiration_time``.
@@ -99,6 +107,9 @@ def declare_stage_peer(
             peer's previous record for this one to replace it.
         state: ``"joining"``, ``"online"`` or ``"leaving"``.
         num_stages: the pipeline's number of stages (lets tools list the swarm without being told).
+        measured: whether ``throughput`` was measured on calls served (``False``: an estimate); announced with
+            ``figure_time``, and only with ``num_stages``.
+        figure_time: DHT time at which ``throughput`` was estimated or last measured.
         timeout: seconds to wait for the DHT (``TimeoutError`` after that).
 
     Returns:
@@ -109,6 +120,8 @@ def declare_stage_peer(
     value: list[Any] = [float(throughput), state]
     if num_stages is not None:
         value.append(int(num_stages))
+        if measured is not None and figure_time is not None:
+            value += [bool(measured), float(figure_time)]
     identity = identity_of(dht)
     subkey = identity.subkey if identity is not None and identity.peer_id == peer_id else peer_id.to_base58()
     # a bounded wait: a DHT whose helper process died (e.g. SIGTERM to the process group) never answers, and a
@@ -144,14 +157,22 @@ def parse_stage_peers(
         try:
             value, expiration = strip_signature(entry.value), float(entry.expiration_time)
             peer_id = subkey_peer_id(subkey)
-            state, num_stages = ONLINE, None
+            state, num_stages, measured, figure_time = ONLINE, None, None, None
             if isinstance(value, (list, tuple)):
-                if not 1 <= len(value) <= 3:
-                    raise ValueError(f"expected [throughput, state, num_stages], got {len(value)} fields")
+                if not 1 <= len(value) <= 5 or len(value) == 4:
+                    raise ValueError(
+                        f"expected [throughput, state, num_stages, measured, figure_time], got {len(value)} fields"
+                    )
                 if len(value) >= 2:
                     state = value[1]
                 if len(value) >= 3:
                     num_stages = value[2]
+                if len(value) == 5:
+                    measured, figure_time = value[3], value[4]
+                    if not isinstance(measured, bool):
+                        raise ValueError(f"measured must be a bool, got {measured!r}")
+                    if type(figure_time) is not float or not math.isfinite(figure_time):
+                        raise ValueError(f"figure_time must be a finite float, got {figure_time!r}")
                 value = value[0]
             if isinstance(value, (bool, str, bytes)):
                 raise ValueError(f"throughput must be a number, got {value!r}")
@@ -169,7 +190,18 @@ def parse_stage_peers(
             continue
         if expiration < now or state not in states:
             continue
-        peers.append(PeerInfo(peer_id, stage, throughput, expiration, state=state, num_stages=num_stages))
+        peers.append(
+            PeerInfo(
+                peer_id,
+                stage,
+                throughput,
+                expiration,
+                state=state,
+                num_stages=num_stages,
+                measured=measured,
+                figure_time=figure_time,
+            )
+        )
     peers.sort(key=lambda info: info.peer_id.to_base58())
     return peers
 

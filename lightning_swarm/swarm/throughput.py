@@ -31,6 +31,7 @@ class Throughput:
             raise ValueError(f"Throughput estimate must be positive, got {estimate}")
         self.value = float(estimate)
         self.measured = False
+        self.at = time.time()  # when the figure was made: the estimate, then the latest measurement
         self.smoothing = smoothing
         self._lock = threading.Lock()
 
@@ -44,6 +45,7 @@ class Throughput:
                 self.value, self.measured = measured, True
             else:
                 self.value = (1 - self.smoothing) * self.value + self.smoothing * measured
+            self.at = time.time()
 
 
 def measure_flops(device: torch.device, size: int = 512, repeats: int = 3) -> float:

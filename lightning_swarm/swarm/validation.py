@@ -50,8 +50,8 @@ class _OwnedSubkey(bytes):
 
 
 class _StageValue(list):
-    """Schema type of a stage record's value: ``[throughput > 0 (float), state, num_stages >= 1 (int)]``, the last
-    two optional."""
+    """Schema type of a stage record's value: ``[throughput > 0 (float), state, num_stages >= 1 (int), measured
+    (bool), figure_time (float)]``; the fields after the throughput are optional (the last two together)."""
 
     @classmethod
     def __get_validators__(cls):
@@ -59,14 +59,18 @@ class _StageValue(list):
 
     @classmethod
     def _check(cls, value: Any) -> list:
-        if not isinstance(value, list) or not 1 <= len(value) <= 3:
-            raise ValueError("expected [throughput, state, num_stages]")
+        if not isinstance(value, list) or not 1 <= len(value) <= 5 or len(value) == 4:
+            raise ValueError("expected [throughput, state, num_stages, measured, figure_time]")
         if type(value[0]) is not float or not (math.isfinite(value[0]) and value[0] > 0):
             raise ValueError("throughput must be a positive finite float")
         if len(value) >= 2 and value[1] not in STATES:
             raise ValueError(f"state must be one of {STATES}")
         if len(value) >= 3 and (type(value[2]) is not int or value[2] < 1):
             raise ValueError("num_stages must be a positive int")
+        if len(value) == 5 and (
+            type(value[3]) is not bool or type(value[4]) is not float or not math.isfinite(value[4])
+        ):
+            raise ValueError("measured must be a bool and figure_time a finite float")
         return value
 
 

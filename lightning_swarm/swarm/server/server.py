@@ -492,6 +492,8 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
                 get_dht_time() + self.settings.expiration,
                 state=self.state,
                 num_stages=self.settings.num_stages,
+                measured=self.throughput.measured,
+                figure_time=self.throughput.at,
             )
         except Exception as e:
             logger.warning(f"Stage {self.stage} server could not announce itself in the DHT: {e!r}")
