@@ -404,7 +404,7 @@ def _suite(out: Path) -> dict[str, dict]:
             proc.wait()
     assert proc.returncode == 0, stderr[-6000:]
     return {name: json.loads((out / name / "result.json").read_text())
-            for name in ("plain", "dslide2", "dslide3", "plain_resumed")}  # fmt: skip
+            for name in ("plain", "dslide2", "dslide2_gloo", "dslide3", "plain_resumed")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -455,6 +455,31 @@ def test_trainer_two_ranks_match_plain_run(two_rank_run: tuple[Path, dict, dict,
             "active_set_all_gather": 2 * k * 8,
         }  # no codes: each rank hashes the whole (small) batch, cheaper than an all-gather
         assert sum(step_bytes.values()) < 300 * h * 4 / 4  # far below the smallest weight (300 x 16 floats)
+
+
+@pytest.mark.timeout(900)
+def test_trainer_collectives_through_gloo_give_the_parameters_of_the_socket_mesh(
+    two_rank_run: tuple[Path, dict, dict, dict],
+) -> None:
+    """The same 2-rank Trainer run with ``DSlideStrategy(collectives="gloo")`` and the default ``"socket"``: the
+    same losses, predictions and parameters, bit for bit (a sum of two parts is the same in any order; the gathers
+    only move bytes)."""
+    root, _, sharded, runs = two_rank_run
+    through_gloo = runs["dslide2_gloo"]
+    assert through_gloo["world_size"] == 2 and through_gloo["global_step"] == sharded["global_step"] == 6
+    assert through_gloo["losses"] == sharded["losses"]
+    assert through_gloo["ids"] == sharded["ids"] and through_gloo["scores"] == sharded["scores"]
+    assert through_gloo["bytes"] == sharded["bytes"]  # the same collectives, counted alike
+    mesh_state = torch.load(root / "dslide2" / "model.ckpt", weights_only=False)
+    gloo_state = torch.load(root / "dslide2_gloo" / "model.ckpt", weights_only=False)
+    assert mesh_state["state_dict"].keys() == gloo_state["state_dict"].keys()
+    for name, tensor in mesh_state["state_dict"].items():
+        assert torch.equal(gloo_state["state_dict"][name], tensor), name
+    moments = zip(mesh_state["optimizer_states"][0]["state"].values(),
+                  gloo_state["optimizer_states"][0]["state"].values(), strict=True)  # fmt: skip
+    for mesh_moments, gloo_moments in moments:
+        for key, value in mesh_moments.items():
+            assert torch.equal(torch.as_tensor(gloo_moments[key]), torch.as_tensor(value)), key
 
 
 @pytest.mark.timeout(700)
