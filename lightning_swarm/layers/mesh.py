@@ -66,7 +66,16 @@ _GENERATIONS = itertools.count()  # meshes made by this process: the same count 
 
 
 class MeshError(RuntimeError):
-    """A collective over the mesh failed: a rank closed its connection, timed out or got out of step."""
+    """A collective over the mesh failed: a rank closed its connection, timed out or got out of step.
+
+    Args:
+        message: what happened and what to do.
+        lost_rank: the rank whose connection closed (it failed or stopped), if that is what happened.
+    """
+
+    def __init__(self, message: str, lost_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.lost_rank = lost_rank
 
 
 def _payload(tensor: Tensor) -> memoryview:
@@ -439,7 +448,8 @@ class SocketMesh:
     def _lost(self, peer: int, error: BaseException | None) -> MeshError:
         why = f": {error!r}" if error is not None else ""
         return MeshError(
-            f"rank {self.rank}: the connection to rank {peer} was closed{why} (did that rank fail or stop?)"
+            f"rank {self.rank}: the connection to rank {peer} was closed{why} (did that rank fail or stop?)",
+            lost_rank=peer,
         )
 
     def close(self) -> None:
