@@ -226,14 +226,6 @@ class LockStepLoader:
         self.stop_agreed = False
         self._warned = False
 
-    def state_dict(self) -> dict[str, Any]:
-        """Nothing of its own (Lightning saves loaders that have one): where an epoch resumes is the training loop's
-        progress, which ``skip`` reads."""
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass
-
     def __len__(self) -> int:
         return len(self.dataloader)
 

@@ -55,6 +55,7 @@ import signal
 import subprocess
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -223,6 +224,7 @@ class DSlideStrategy(DDPStrategy):
         self._checkpoint_dir = checkpoint_dir
         self._max_restarts = max_restarts
         self._sharded_io = False  # saving or loading a sharded checkpoint (each rank its own part)
+        self._resume_in_epoch = False  # the training epoch resumes where a sharded checkpoint left it
 
     @property
     @override
@@ -361,11 +363,13 @@ class DSlideStrategy(DDPStrategy):
         return loader
 
     def _batches_done_in_epoch(self) -> int:
-        """Batches of the current training epoch already trained on: those of a checkpoint saved in the middle of
-        the epoch while it resumes, 0 when an epoch starts (the loop's progress, restored from the checkpoint)."""
+        """Batches of the current training epoch already trained on, when it resumes from a sharded checkpoint
+        saved in its middle (the loop's progress, restored from it); else 0. A full checkpoint resumes as in a
+        plain Lightning run: its epoch starts over (Lightning warns), so that both runs stay the same."""
         trainer = self._trainer()
-        if trainer is None or not trainer.training:
+        if trainer is None or not trainer.training or not self._resume_in_epoch:
             return 0
+        self._resume_in_epoch = False
         return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
     def _trainer(self) -> pl.Trainer | None:
@@ -528,8 +532,14 @@ class DSlideStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         # A folder: a sharded checkpoint, each rank reads its own part. A file: memory-mapped, each rank reads only
         # the rows it keeps, never the whole file into memory.
-        self._sharded_io = os.path.isdir(checkpoint_path)
+        self._sharded_io = self._resume_in_epoch = os.path.isdir(checkpoint_path)
         if self._sharded_io:
+            # Lightning warns that a loader without `state_dict` cannot resume an epoch in its middle: this one
+            # does (`_batches_done_in_epoch`). It keeps no state of its own, so that a full checkpoint of a D-SLIDE
+            # run still resumes in a plain run, whose loader has none either.
+            warnings.filterwarnings(
+                "ignore", message="You're resuming from a checkpoint that ended before the epoch"
+            )
             return load_sharded(checkpoint_path, self.global_rank, self.world_size)
         return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
 
