@@ -351,6 +351,27 @@ BENCHMARKS: dict[str, Claim] = {
         ("mesh_speedup_vs_gloo_block", "ms", "ms_rounds"),
         beside="dslide_vs_ddp",
     ),
+    "dslide_faults": Claim(
+        "a D-SLIDE job of 4 ranks (devices=4, one thread each, loopback) with rank 2 SIGKILLed every N steps: "
+        "automatic sharded checkpoints every K steps, rank 0 restarts the job from the last one; against the same "
+        "job uninterrupted and one plain process (`--quick`: the small network)",
+        "`completed` true; at most K steps redone per kill; P@1 within noise of the uninterrupted run",
+        (
+            "completed",
+            "steps_redone",
+            "steps_redone_per_kill",
+            "checkpoint_every_n_steps",
+            "time_lost_per_kill_s",
+            "down_s_per_kill",
+            "p_at_1_killed",
+            "p_at_1_uninterrupted",
+            "p_at_1_single",
+            "max_abs_param_diff_vs_single",
+            "kills",
+            "width",
+        ),
+        beside="dslide_vs_ddp",
+    ),
     "dslide_scale": Claim(
         "D-SLIDE at the paper's scale: 135,909 -> `hidden` -> 670,091, 4 ranks x 1 thread, batch 256, LazyAdam "
         "(`--quick`: hidden 256)",
