@@ -42,7 +42,9 @@ Checkpoints: ``trainer.save_checkpoint`` writes one ordinary Lightning checkpoin
 would write (full layers and optimizer state), streamed shard by shard to rank 0's file
 (``lightning_swarm.layers.checkpoint``): saving needs no whole layer in any process. It loads into the plain
 LightningModule, and a sharded run on any number of ranks resumes from it (memory-mapped: each rank reads its
-rows).
+rows). With ``checkpoint_every_n_steps`` the strategy also writes sharded checkpoints (a folder, each rank its own
+part), and with ``max_restarts`` a ``devices=N`` job comes back from the last one when a rank dies
+(``lightning_swarm.strategy._dslide_restarts``).
 """
 
 from __future__ import annotations
