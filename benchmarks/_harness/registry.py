@@ -372,6 +372,29 @@ BENCHMARKS: dict[str, Claim] = {
         ),
         beside="dslide_vs_ddp",
     ),
+    "dslide_scale_8ranks": Claim(
+        "D-SLIDE at the paper's scale on 8 ranks, each in its own network namespace on a veth shaped to 1 Gbit/s "
+        "(no added latency): 135,909 -> `hidden` -> 670,091, 1 thread per rank, batch 256, LazyAdam, against one "
+        "process (2 threads) on the same steps (`--quick`: hidden 256)",
+        "`model_rss_ratio_8_ranks` <= 0.16, `exact` true",
+        (
+            "model_rss_ratio_8_ranks",
+            "exact",
+            "max_rel_loss_diff",
+            "bytes_per_step",
+            "bytes_per_step_ddp_dense",
+            "bytes_vs_ddp",
+            "tx_bytes_per_step_per_rank",
+            "step_ms",
+            "step_ms_single",
+            "model_rss_mb_per_rank",
+            "model_rss_mb_single",
+            "hidden",
+            "link_rate_mbit",
+        ),
+        root=True,
+        beside="dslide_scale",
+    ),
     "dslide_scale": Claim(
         "D-SLIDE at the paper's scale: 135,909 -> `hidden` -> 670,091, 4 ranks x 1 thread, batch 256, LazyAdam "
         "(`--quick`: hidden 256)",
