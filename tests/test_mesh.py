@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from lightning_swarm.layers.mesh import STORE_PREFIX, MeshError, SocketMesh
 
-HANDSHAKE_S = 1.5
+HANDSHAKE_S = 2.5  # the late silent connection must not hold the setup this long, on a busy box too
 
 
 def _free_port() -> int:
