@@ -11,8 +11,9 @@ sends itself SIGKILL at the start of optimizer step ``--kill-steps[r]`` (a real 
 its sockets closed by the kernel); the strategy then brings the job back from its last checkpoint. ``--ranks 1``
 is the uninterrupted reference: the same network, data order and steps in one plain process.
 
-Rank 0 writes the trained model to ``DIR/final.ckpt`` and ``DIR/result.json`` at the end: the steps done, the validation P@1 and loss, the wall time of
-``fit`` since the first start, and the restarts the strategy recorded (``DIR/checkpoints/restarts.jsonl``).
+The job validates before and after ``fit``. Rank 0 writes the trained model to ``DIR/final.ckpt`` and
+``DIR/result.json`` at the end: the steps done, the validation P@1 before and after, the wall time from the first
+start to the end of ``fit``, and the restarts the strategy recorded (``DIR/checkpoints/restarts.jsonl``).
 Every process trains with one torch thread.
 """
 
@@ -118,6 +119,8 @@ def main() -> None:
         callbacks=[KillAt(args.kill_rank, kills)] if args.ranks > 1 and kills else [],
         default_root_dir=out,
     )
+    # a validation first (the ranks start here, before fit; the strategy's restarts must still work in fit)
+    first = trainer.validate(model, data, verbose=False)[0]
     trainer.fit(model, data)
     fit_s = time.time() - started
     trainer.save_checkpoint(out / "final.ckpt", weights_only=True)  # the whole model (collective)
@@ -133,6 +136,7 @@ def main() -> None:
             "global_step": trainer.global_step,
             "world_size": trainer.world_size,
             "p_at_1": float(metrics["val/p@1"]),
+            "p_at_1_first": float(first["val/p@1"]),
             "fit_s": round(fit_s, 2),
             "restarts": restarts,
             "held_out": held_out,

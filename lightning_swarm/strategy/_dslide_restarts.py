@@ -128,6 +128,7 @@ class RestartingLauncher(_SubprocessScriptLauncher):
         self.max_restarts = max_restarts
         self._checkpoint_dir = checkpoint_dir
         self._on_failure = on_failure
+        self._supervising: bool | None = None  # whether this process started the other ranks
 
     @property
     def restarts(self) -> int:
@@ -137,7 +138,9 @@ class RestartingLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        supervising = not self.cluster_environment.creates_processes_externally
+        if self._supervising is None:  # before this launcher first set LOCAL_RANK for the ranks it starts
+            self._supervising = not self.cluster_environment.creates_processes_externally
+        supervising = self._supervising
         if supervising and not self.procs:
             # Not Lightning's process observer: it kills this process as soon as a rank dies.
             self._call_children_scripts()

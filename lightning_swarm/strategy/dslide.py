@@ -225,7 +225,8 @@ class DSlideStrategy(DDPStrategy):
         self._checkpoint_every = checkpoint_every_n_steps
         self._checkpoint_dir = checkpoint_dir
         self._max_restarts = max_restarts
-        self._sharded_io = False  # saving or loading a sharded checkpoint (each rank its own part)
+        self._saving_sharded = False  # writing a sharded checkpoint (each rank its own part)
+        self._loaded_sharded = False  # the checkpoint being restored is a sharded one
         self._resume_in_epoch = False  # the training epoch resumes where a sharded checkpoint left it
 
     @property
@@ -493,7 +494,7 @@ class DSlideStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self._plan is None or self._sharded_io:  # (sharded: this rank's rows, as the module holds them)
+        if self._plan is None or self._saving_sharded:  # sharded: this rank's rows, as held
             return self.lightning_module.state_dict()
         # The sharded tensors stay where they are: `save_checkpoint` streams them into the file.
         return self._plan.streamed_state_dict()
@@ -502,7 +503,7 @@ class DSlideStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         # Lightning restores the model before `setup`: shard it first (collective) if that has not happened yet.
         plan = self._ensure_plan()
-        if self._sharded_io:  # this rank's own rows, saved by this rank's predecessor
+        if self._loaded_sharded:  # this rank's own rows, saved by this rank's predecessor
             assert self.lightning_module is not None
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
         else:
@@ -510,7 +511,7 @@ class DSlideStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._plan is None or self._sharded_io:
+        if self._plan is None or self._saving_sharded:
             return super().optimizer_state(optimizer)
         return streamed_optimizer_state(optimizer, self._plan)
 
@@ -525,7 +526,7 @@ class DSlideStrategy(DDPStrategy):
                 "When using the DSlideStrategy, `storage_options` are not supported by `save_checkpoint`: the "
                 "strategy writes the checkpoint itself (streamed). Save without them."
             )
-        if self._sharded_io:
+        if self._saving_sharded:
             save_sharded(checkpoint, filepath, self._shard_group)
         else:
             save_streamed(checkpoint, filepath, self._shard_group)
@@ -534,8 +535,8 @@ class DSlideStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         # A folder: a sharded checkpoint, each rank reads its own part. A file: memory-mapped, each rank reads only
         # the rows it keeps, never the whole file into memory.
-        self._sharded_io = self._resume_in_epoch = os.path.isdir(checkpoint_path)
-        if self._sharded_io:
+        self._loaded_sharded = self._resume_in_epoch = os.path.isdir(checkpoint_path)
+        if self._loaded_sharded:
             # Lightning warns that a loader without `state_dict` cannot resume an epoch in its middle: this one
             # does (`_batches_done_in_epoch`). It keeps no state of its own, so that a full checkpoint of a D-SLIDE
             # run still resumes in a plain run, whose loader has none either.
@@ -550,17 +551,16 @@ class DSlideStrategy(DDPStrategy):
         assert self._plan is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             optimizer.load_state_dict(
-                state if self._sharded_io else shard_optimizer_state(state, optimizer, self._plan)
+                state if self._loaded_sharded else shard_optimizer_state(state, optimizer, self._plan)
             )
-        self._sharded_io = False
 
     def _save_sharded(self, trainer: pl.Trainer, folder: Path) -> None:
         """Collective: a sharded checkpoint of the run in ``folder`` (each rank writes its own part)."""
-        self._sharded_io = True
+        self._saving_sharded = True
         try:
             trainer.save_checkpoint(folder, weights_only=False)
         finally:
-            self._sharded_io = False
+            self._saving_sharded = False
 
     def _ensure_plan(self) -> ShardPlan:
         assert self.lightning_module is not None
