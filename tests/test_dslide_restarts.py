@@ -109,3 +109,26 @@ def test_a_sharded_checkpoint_resumes_only_on_as_many_ranks(tmp_path: Path) -> N
     (tmp_path / "meta.json").unlink()
     with pytest.raises(ValueError, match="not a complete sharded D-SLIDE checkpoint"):
         load_sharded(tmp_path, 0, 4)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_job_that_keeps_losing_ranks_stops_after_max_restarts(tmp_path: Path) -> None:
+    """``max_restarts=1``: rank 2 dies at step 6, the job comes back from step 5, rank 2 dies again at step 7 and
+    the job ends with an error that says so; no rank is left behind."""
+    out = tmp_path / "job"
+    cmd = [sys.executable, str(JOB), "--out", str(out), "--ranks", "4", "--steps", "12", "--every", "5"]
+    cmd += ["--kill-rank", "2", "--kill-steps", "6,7", "--max-restarts", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=540)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert "rank 2 died (signal SIGKILL) at step 6; restart 1 of 1 from the checkpoint of step 5" in log
+    assert (
+        "rank 2 died (signal SIGKILL); the job was restarted 1 times already (max_restarts=1): it stops."
+        in log
+    )
+    records = [json.loads(line) for line in (out / "checkpoints" / "restarts.jsonl").read_text().splitlines()]
+    assert [r["restart"] for r in records] == [1, 1] and records[0]["steps_redone"] == 1
+    assert not (out / "result.json").exists()
+    assert _ours(out) == [], "a rank of the job outlived it"
