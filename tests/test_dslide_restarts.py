@@ -46,7 +46,6 @@ def _ours(out: Path) -> list[str]:
     return found
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_a_sigkilled_rank_brings_the_job_back_from_its_last_sharded_checkpoint(tmp_path: Path) -> None:
     """The job completes ``max_steps``, redoes the 3 steps since its last checkpoint (at most ``K``), logs what it
@@ -111,7 +110,6 @@ def test_a_sharded_checkpoint_resumes_only_on_as_many_ranks(tmp_path: Path) -> N
         load_sharded(tmp_path, 0, 4)
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_a_job_that_keeps_losing_ranks_stops_after_max_restarts(tmp_path: Path) -> None:
     """``max_restarts=1``: rank 2 dies at step 6, the job comes back from step 5, rank 2 dies again at step 7 and
