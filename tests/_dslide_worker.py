@@ -11,7 +11,8 @@ adds a run in which rank ``R`` receives SIGTERM in its second training step (of 
 
 ``--suite`` runs, from one import, the runs that tests/test_dslide.py compares (each in a child forked after the
 imports, results in ``--out``/<run>/result.json): ``plain`` (one process, 6 steps) side by side with ``dslide2``
-(``devices=2``: Lightning's own launcher starts rank 1 by running this command again, as a user's ``train.py``);
+(``devices=2``: Lightning's own launcher starts rank 1 by running this command again, as a user's ``train.py``) and
+``dslide2_gloo`` (2 ranks started as 2 nodes, ``DSlideStrategy(collectives="gloo")``);
 then, from ``dslide2``'s checkpoint, ``dslide3`` (3 ranks started as 3 nodes) side by side with ``plain_resumed``, both
 with a model whose output bias gets a second (zero) gradient (``ZeroRegularisedXCModel``).
 
@@ -249,8 +250,10 @@ def train(
     resume: str | None = None,
     num_nodes: int = 1,
     model_cls: type[XCModel] = XCModel,
+    collectives: str | None = None,
 ) -> None:
-    """One Trainer run of the small model; rank 0 writes what it saw to ``out``/result.json."""
+    """One Trainer run of the small model; rank 0 writes what it saw to ``out``/result.json. ``collectives``:
+    ``DSlideStrategy(collectives=...)`` instead of the ``strategy`` name."""
     torch.set_num_threads(1)
     seed_everything(0)
     model = model_cls(**MODEL)
@@ -259,7 +262,7 @@ def train(
         accelerator="cpu",
         devices=devices,
         num_nodes=num_nodes,
-        strategy=strategy,
+        strategy=strategy if collectives is None else DSlideStrategy(collectives=collectives),  # type: ignore[arg-type]
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -330,13 +333,24 @@ def suite(out: Path) -> None:
     if os.environ.get("LOCAL_RANK", "0") != "0":  # rank 1 of `dslide2`, started by Lightning's launcher
         train(out / "dslide2", devices=2)
         return
-    for name in ("plain", "dslide2", "dslide3", "plain_resumed"):
+    for name in ("plain", "dslide2", "dslide2_gloo", "dslide3", "plain_resumed"):
         (out / name).mkdir(parents=True, exist_ok=True)
     _freeze_imports()
     local = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    gloo_port = str(free_port())
     _wait({
         "plain": (_fork(out / "plain.log", {}, train, out=out / "plain", strategy="auto"), out / "plain.log"),
         "dslide2": (_fork(out / "dslide2.log", local, train, out=out / "dslide2", devices=2), out / "dslide2.log"),
+        **{  # the same run with the step's collectives through gloo (2 ranks started as 2 nodes)
+            f"dslide2_gloo rank {rank}": (
+                _fork(out / f"dslide2_gloo_rank{rank}.log",
+                      {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": gloo_port, "NODE_RANK": str(rank),
+                       "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+                      train, out=out / "dslide2_gloo", num_nodes=2, collectives="gloo"),
+                out / f"dslide2_gloo_rank{rank}.log",
+            )
+            for rank in range(2)
+        },
     })  # fmt: skip
     ckpt = str(out / "dslide2" / "model.ckpt")
     port = str(free_port())

@@ -58,6 +58,7 @@ LONGEST_FIRST = (
     "test_failures",
     "test_contract",
     "test_dslide",
+    "test_dslide_restarts",
     "test_memory",
     "test_launcher",
     "test_docs_commands",

@@ -143,7 +143,7 @@ def _lockstep_checks(rank: int) -> dict[str, Any]:
 
 def _rank_main(rank: int, world: int, port: int, active_set: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # ranks share the 2 cores: more threads only spin when the box is busy
-    if world == 3:  # this tiny batch hashes in microseconds: make the 3 ranks split it, as a big batch would
+    if world >= 3:  # this tiny batch hashes in microseconds: make the ranks split it, as a big batch would
         ShardedSparseLSHLinear.split_hashing_min_macs = 0
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -176,7 +176,7 @@ def _run_ranks(world: int, active_set: str, out_dir: Path) -> list[dict[str, Any
 
 # --------------------------------------------------------------------------- engine
 @pytest.mark.timeout(450)
-@pytest.mark.parametrize(("world", "active_set"), [(2, "shared"), (3, "per_sample")])
+@pytest.mark.parametrize(("world", "active_set"), [(2, "shared"), (3, "per_sample"), (8, "shared")])
 def test_sharded_layers_match_single_process(world: int, active_set: str, tmp_path: Path) -> None:
     reference = _train(active_set, shard=False)
     ranks = _run_ranks(world, active_set, tmp_path)
@@ -215,7 +215,7 @@ def test_sharded_layers_match_single_process(world: int, active_set: str, tmp_pa
         "active_set_all_gather": world * rows * k * 8,
         "replicated_grad_all_reduce": (h * h + h) * 4,  # the replicated Linear(H, H): data parallel
     }
-    if world == 3:  # split hashing: each rank hashes its slice of the batch (parts padded to the widest) and
+    if world >= 3:  # split hashing: each rank hashes its slice of the batch (parts padded to the widest) and
         # sends int32 codes, L per row; with 2 ranks every rank hashes the whole (small) batch and sends none
         expected["hash_codes_all_gather"] = world * math.ceil(b / world) * NET["tables"] * 4
     weight_bytes = min(NET["F"] * h, NET["Y"] * h) * 4
@@ -404,7 +404,7 @@ def _suite(out: Path) -> dict[str, dict]:
             proc.wait()
     assert proc.returncode == 0, stderr[-6000:]
     return {name: json.loads((out / name / "result.json").read_text())
-            for name in ("plain", "dslide2", "dslide3", "plain_resumed")}  # fmt: skip
+            for name in ("plain", "dslide2", "dslide2_gloo", "dslide3", "plain_resumed")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -455,6 +455,31 @@ def test_trainer_two_ranks_match_plain_run(two_rank_run: tuple[Path, dict, dict,
             "active_set_all_gather": 2 * k * 8,
         }  # no codes: each rank hashes the whole (small) batch, cheaper than an all-gather
         assert sum(step_bytes.values()) < 300 * h * 4 / 4  # far below the smallest weight (300 x 16 floats)
+
+
+@pytest.mark.timeout(900)
+def test_trainer_collectives_through_gloo_give_the_parameters_of_the_socket_mesh(
+    two_rank_run: tuple[Path, dict, dict, dict],
+) -> None:
+    """The same 2-rank Trainer run with ``DSlideStrategy(collectives="gloo")`` and the default ``"socket"``: the
+    same losses, predictions and parameters, bit for bit (a sum of two parts is the same in any order; the gathers
+    only move bytes)."""
+    root, _, sharded, runs = two_rank_run
+    through_gloo = runs["dslide2_gloo"]
+    assert through_gloo["world_size"] == 2 and through_gloo["global_step"] == sharded["global_step"] == 6
+    assert through_gloo["losses"] == sharded["losses"]
+    assert through_gloo["ids"] == sharded["ids"] and through_gloo["scores"] == sharded["scores"]
+    assert through_gloo["bytes"] == sharded["bytes"]  # the same collectives, counted alike
+    mesh_state = torch.load(root / "dslide2" / "model.ckpt", weights_only=False)
+    gloo_state = torch.load(root / "dslide2_gloo" / "model.ckpt", weights_only=False)
+    assert mesh_state["state_dict"].keys() == gloo_state["state_dict"].keys()
+    for name, tensor in mesh_state["state_dict"].items():
+        assert torch.equal(gloo_state["state_dict"][name], tensor), name
+    moments = zip(mesh_state["optimizer_states"][0]["state"].values(),
+                  gloo_state["optimizer_states"][0]["state"].values(), strict=True)  # fmt: skip
+    for mesh_moments, gloo_moments in moments:
+        for key, value in mesh_moments.items():
+            assert torch.equal(torch.as_tensor(gloo_moments[key]), torch.as_tensor(value)), key
 
 
 @pytest.mark.timeout(700)

@@ -351,6 +351,50 @@ BENCHMARKS: dict[str, Claim] = {
         ("mesh_speedup_vs_gloo_block", "ms", "ms_rounds"),
         beside="dslide_vs_ddp",
     ),
+    "dslide_faults": Claim(
+        "a D-SLIDE job of 4 ranks (devices=4, one thread each, loopback) with rank 2 SIGKILLed every N steps: "
+        "automatic sharded checkpoints every K steps, rank 0 restarts the job from the last one; against the same "
+        "job uninterrupted and one plain process (`--quick`: the small network)",
+        "`completed` true; at most K steps redone per kill; P@1 within noise of the uninterrupted run",
+        (
+            "completed",
+            "steps_redone",
+            "steps_redone_per_kill",
+            "checkpoint_every_n_steps",
+            "time_lost_per_kill_s",
+            "down_s_per_kill",
+            "p_at_1_killed",
+            "p_at_1_uninterrupted",
+            "p_at_1_single",
+            "max_abs_param_diff_vs_single",
+            "kills",
+            "width",
+        ),
+        beside="dslide_vs_ddp",
+    ),
+    "dslide_scale_8ranks": Claim(
+        "D-SLIDE at the paper's scale on 8 ranks, each in its own network namespace on a veth shaped to 1 Gbit/s "
+        "(no added latency): 135,909 -> `hidden` -> 670,091, 1 thread per rank, batch 256, LazyAdam, against one "
+        "process (2 threads) on the same steps (`--quick`: hidden 256)",
+        "`model_rss_ratio_8_ranks` <= 0.16, `exact` true",
+        (
+            "model_rss_ratio_8_ranks",
+            "exact",
+            "max_rel_loss_diff",
+            "bytes_per_step",
+            "bytes_per_step_ddp_dense",
+            "bytes_vs_ddp",
+            "tx_bytes_per_step_per_rank",
+            "step_ms",
+            "step_ms_single",
+            "model_rss_mb_per_rank",
+            "model_rss_mb_single",
+            "hidden",
+            "link_rate_mbit",
+        ),
+        root=True,
+        beside="dslide_scale",
+    ),
     "dslide_scale": Claim(
         "D-SLIDE at the paper's scale: 135,909 -> `hidden` -> 670,091, 4 ranks x 1 thread, batch 256, LazyAdam "
         "(`--quick`: hidden 256)",

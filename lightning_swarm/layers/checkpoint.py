@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import io
+import json
 import os
 import pickle
 import struct
@@ -244,3 +245,66 @@ def _record(archive: zipfile.ZipFile, name: str, chunks: Any) -> None:
     with archive.open(info, "w", force_zip64=True) as out:
         for chunk in chunks:
             out.write(chunk)
+
+
+# ----------------------------------------------------------------------------------------- sharded checkpoints
+SHARDED_META = "meta.json"
+"""The file that marks a sharded checkpoint folder complete (written by rank 0 once every rank has written)."""
+
+
+def save_sharded(obj: dict[str, Any], directory: str | os.PathLike, shard_group: ShardGroup) -> None:
+    """Write a sharded checkpoint: every rank writes its own part, ``obj`` (its rows of the sharded layers, its
+    optimizer state), to ``directory/rank<r>.ckpt``; after a barrier rank 0 writes ``directory/meta.json``, which
+    marks the folder complete. Collective. No rank sends or holds another rank's part: the wide layers' bytes go
+    to disk in parallel, each rank's from its own memory.
+
+    Args:
+        obj: this rank's checkpoint (plain tensors, no :class:`StreamedTensor`).
+        directory: the checkpoint's folder (created); on a file system every rank reads, to resume.
+        shard_group: the ranks.
+    """
+    os.makedirs(directory, exist_ok=True)
+    rank, world = shard_group.rank, shard_group.world_size
+    path = os.path.join(directory, f"rank{rank}.ckpt")
+    torch.save(obj, f"{path}.partial")
+    os.replace(f"{path}.partial", path)
+    if world > 1:
+        dist.barrier(group=shard_group.group)
+    if rank == 0:
+        meta = {"world_size": world, "global_step": obj.get("global_step")}
+        tmp = os.path.join(directory, f"{SHARDED_META}.partial")
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+        os.replace(tmp, os.path.join(directory, SHARDED_META))
+
+
+def sharded_meta(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``meta.json`` of a complete sharded checkpoint folder, or ``None`` (not one, or incomplete)."""
+    try:
+        with open(os.path.join(directory, SHARDED_META)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def load_sharded(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's part of a sharded checkpoint (memory-mapped), after checking it was written by as many ranks.
+
+    Raises:
+        ValueError: the folder is not a complete sharded checkpoint, or one of another number of ranks.
+    """
+    meta = sharded_meta(directory)
+    if meta is None:
+        raise ValueError(
+            f"{directory} is not a complete sharded D-SLIDE checkpoint (no {SHARDED_META}: its save was "
+            "interrupted?). Resume from another checkpoint."
+        )
+    if meta["world_size"] != world_size:
+        raise ValueError(
+            f"The sharded checkpoint {directory} was written by {meta['world_size']} ranks; it resumes only on "
+            f"{meta['world_size']} ranks, not {world_size}. Run with as many ranks, or resume from a full "
+            "checkpoint (`trainer.save_checkpoint(path)`), which loads on any number of ranks."
+        )
+    return torch.load(
+        os.path.join(directory, f"rank{rank}.ckpt"), map_location="cpu", mmap=True, weights_only=False
+    )

@@ -15,31 +15,67 @@ the few ranks and small tensors of D-SLIDE's step. Several collectives may be in
 collective's sequence number and size, so that a rank that got out of step fails with an error instead of mixing
 tensors.
 
+Membership. The mesh listens on an address other hosts can reach, so it does not take a connection's word for
+which rank it is. Rank 0 publishes a random 32-byte job key in the process group's store, next to every rank's
+address; an accepting rank sends each new connection a random nonce, and the connection must answer within
+``handshake_timeout_s`` with its rank, the rank it wants and ``HMAC-SHA256(key, nonce, both ranks)``, from the
+address its rank published; the accepting rank answers with its own HMAC, so the connecting rank knows it reached
+a rank of the same job. A connection that sends anything else, too little, nothing, or claims a rank that is not
+above this one, is already connected or published another address, is closed and logged as a warning, and the
+rank goes on waiting for its real peers: a port scanner or a stray client does not end the job or delay it.
+Connections are served side by side while they prove themselves, and the listening socket is closed once every
+rank has joined. What this does not cover (the store and gloo trust the network): see ``docs/security.md``.
+
 The engine does not import Lightning.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import itertools
+import logging
 import os
+import secrets
 import select
 import socket
 import struct
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+log = logging.getLogger(__name__)
+
 _HEADER = struct.Struct("<qq")  # collective sequence number, payload bytes
-_HELLO = struct.Struct("<q")  # the connecting rank
+_MAGIC = b"LSWm"  # the first bytes of a handshake's messages (a version change changes it)
+_NONCE = 16
+_CHALLENGE = struct.Struct(f"<4s{_NONCE}s")  # magic, nonce: from the accepting rank
+_HELLO = struct.Struct("<4sqq32s")  # magic, connecting rank, accepting rank, HMAC: the answer
+_ACK = struct.Struct("<32s")  # the accepting rank's HMAC: it knows the key too
+_RANKS = struct.Struct("<qq")
+_MAX_PENDING = 64  # connections that have not finished their handshake, at once
+STORE_PREFIX = "lightning_swarm/dslide_mesh"
+"""Where the ranks publish their addresses and rank 0 the job key, in the process group's store."""
 _GENERATIONS = itertools.count()  # meshes made by this process: the same count on every rank (same code path)
 
 
 class MeshError(RuntimeError):
-    """A collective over the mesh failed: a rank closed its connection, timed out or got out of step."""
+    """A collective over the mesh failed: a rank closed its connection, timed out or got out of step.
+
+    Args:
+        message: what happened and what to do.
+        lost_rank: the rank whose connection closed (it failed or stopped), if that is what happened.
+    """
+
+    def __init__(self, message: str, lost_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.lost_rank = lost_rank
 
 
 def _payload(tensor: Tensor) -> memoryview:
@@ -82,14 +118,21 @@ class _Collective:
 class SocketMesh:
     """One TCP connection between every pair of ``world_size`` ranks, found through the process group's store.
 
+    Setting up, every rank listens on ``address`` and publishes it in the store; rank 0 publishes a random job key
+    (32 bytes). A rank connects to every rank below it and accepts the ranks above it. A connection proves that
+    it is the rank it claims to be (see :mod:`.mesh`'s *Membership*): a connection that does not is closed and
+    logged as a warning, and the rank goes on waiting for the real one.
+
     Args:
         rank: this rank.
         world_size: the number of ranks.
         store: a ``torch.distributed`` store every rank shares (``dist.distributed_c10d._get_default_store()``).
-        address: the address other ranks reach this rank at.
+        address: the address other ranks reach this rank at; this rank's connections to the others leave from it.
         timeout_s: how long a collective (and setting up the mesh) may wait for another rank.
         spin_s: how long a wait spins on the sockets before it blocks in ``select``, or a function that returns
             it (asked at each wait).
+        handshake_timeout_s: how long an accepted connection may take to prove that it is a rank of this job
+            before it is closed (seconds).
     """
 
     def __init__(
@@ -100,34 +143,34 @@ class SocketMesh:
         address: str,
         timeout_s: float = 1800.0,
         spin_s: float | Callable[[], float] = 0.0,
+        handshake_timeout_s: float = 5.0,
     ) -> None:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
         self._spin = spin_s if callable(spin_s) else (lambda: spin_s)
         self._sequence = itertools.count()
         self.conns: dict[int, socket.socket] = {}
-        prefix = f"lightning_swarm/dslide_mesh/{next(_GENERATIONS)}"
+        self.refused: list[str] = []
+        """Why each connection that failed the handshake was closed (also logged as warnings)."""
+        prefix = f"{STORE_PREFIX}/{next(_GENERATIONS)}"
+        deadline = time.monotonic() + timeout_s
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        listener = socket.create_server((address, 0), family=family, backlog=max(world_size, 1))
-        listener.settimeout(timeout_s)
+        listener = socket.create_server((address, 0), family=family, backlog=max(world_size, 64))
         try:
+            if rank == 0:
+                store.set(f"{prefix}/key", secrets.token_hex(32))
             store.set(f"{prefix}/{rank}", f"{address} {listener.getsockname()[1]}")  # split on the last space
+            key = bytes.fromhex(store.get(f"{prefix}/key").decode())
             for peer in range(rank):  # connect to the ranks below, accept the ranks above
                 host, port = store.get(f"{prefix}/{peer}").decode().rsplit(" ", 1)
-                conn = socket.create_connection((host, int(port)), timeout=timeout_s)
-                conn.sendall(_HELLO.pack(rank))
-                self.conns[peer] = conn
-            for _ in range(rank + 1, world_size):
-                conn, _ = listener.accept()
-                conn.settimeout(timeout_s)
-                peer = _HELLO.unpack(_recv_exact(conn, _HELLO.size))[0]
-                if not (rank < peer < world_size) or peer in self.conns:
-                    raise MeshError(f"rank {rank}: an unexpected connection claimed to be rank {peer}")
-                self.conns[peer] = conn
+                self.conns[peer] = self._connect(peer, host, int(port), address, key, deadline)
+            if rank + 1 < world_size:
+                self._accept(listener, store, prefix, key, deadline)
         except BaseException:
             self.close()
             raise
         finally:
-            listener.close()
+            listener.close()  # no connection is taken after setup
         for conn in self.conns.values():
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setblocking(False)
@@ -136,6 +179,161 @@ class SocketMesh:
         self._recvs: dict[int, deque[_Collective]] = {p: deque() for p in self.peers}
         # per peer: the header being read, its bytes read, the payload bytes read
         self._rx: dict[int, list[Any]] = {p: [bytearray(_HEADER.size), 0, 0] for p in self.peers}
+
+    # ----------------------------------------------------------------------------------------- setup
+    def _connect(
+        self, peer: int, host: str, port: int, address: str, key: bytes, deadline: float
+    ) -> socket.socket:
+        """Connect to rank ``peer`` (below this one) from ``address``, answer its challenge and check its answer."""
+        where = f"{host}:{port}"
+        try:
+            conn = socket.create_connection(
+                (host, port), timeout=_left(deadline), source_address=(address, 0)
+            )
+        except OSError as e:
+            raise MeshError(
+                f"rank {self.rank}: cannot connect to rank {peer} at {where} ({e!r}); is that address reachable "
+                "from this host (firewall, MASTER_ADDR)?"
+            ) from e
+        try:
+            conn.settimeout(_left(deadline))
+            challenge = _recv_exact(conn, _CHALLENGE.size)
+            magic, nonce = _CHALLENGE.unpack(challenge)
+            if magic != _MAGIC:
+                raise MeshError(
+                    f"rank {self.rank}: the process at {where}, where rank {peer} said it listens, did not answer "
+                    "as a D-SLIDE rank: is another job using this rendezvous (MASTER_ADDR:MASTER_PORT)?"
+                )
+            conn.sendall(_HELLO.pack(_MAGIC, self.rank, peer, _mac(key, b"hello", nonce, self.rank, peer)))
+            ack = _recv_exact(conn, _ACK.size)
+            if not hmac.compare_digest(ack, _mac(key, b"ack", nonce, self.rank, peer)):
+                raise MeshError(
+                    f"rank {self.rank}: the process at {where} did not prove that it is rank {peer} of this job "
+                    "(wrong key): is another job using this rendezvous (MASTER_ADDR:MASTER_PORT)?"
+                )
+        except (OSError, MeshError) as e:
+            conn.close()
+            if isinstance(e, MeshError):
+                raise
+            raise MeshError(
+                f"rank {self.rank}: the handshake with rank {peer} at {where} failed ({e!r}); did rank {peer} "
+                "refuse this rank (see its log) or stop?"
+            ) from e
+        return conn
+
+    def _accept(self, listener: socket.socket, store: Any, prefix: str, key: bytes, deadline: float) -> None:
+        """Accept the ranks above this one. Each connection gets a challenge (a nonce) and must answer with its
+        rank, the rank it wants and ``HMAC(key, nonce, both ranks)``, from the address its rank published, within
+        :attr:`handshake_timeout_s`; any other is closed with a warning and the wait goes on. Connections are served
+        side by side, so one that stays silent delays no other."""
+        listener.setblocking(False)
+        pending: dict[socket.socket, _Pending] = {}
+        try:
+            while len(self.conns) < self.world_size - 1:
+                now = time.monotonic()
+                if now > deadline:
+                    missing = [p for p in range(self.rank + 1, self.world_size) if p not in self.conns]
+                    raise MeshError(
+                        f"rank {self.rank}: ranks {missing} did not join the mesh within {self.timeout_s:.0f} s"
+                        + (f" (refused connections: {'; '.join(self.refused)})" if self.refused else "")
+                    )
+                for conn, state in list(pending.items()):
+                    if now > state.deadline:
+                        self._refuse(pending, conn, f"sent no hello within {self.handshake_timeout_s:g} s")
+                wake = min([deadline, *(s.deadline for s in pending.values())]) - now
+                readable, _, _ = select.select([listener, *pending], [], [], max(0.0, min(wake, 1.0)))
+                for sock in readable:
+                    if sock is listener:
+                        self._take_new(listener, pending)
+                    else:
+                        self._read_hello(sock, pending, store, prefix, key)
+        finally:
+            for conn in pending:
+                conn.close()
+
+    def _take_new(self, listener: socket.socket, pending: dict[socket.socket, _Pending]) -> None:
+        while True:
+            try:
+                conn, peer_address = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # e.g. the connection was reset before it was accepted
+                log.warning("DSlideStrategy mesh: rank %d could not accept a connection: %r", self.rank, e)
+                return
+            if len(pending) >= _MAX_PENDING:  # make room: the oldest has had the most time
+                self._refuse(pending, next(iter(pending)), f"more than {_MAX_PENDING} connections at once")
+            conn.setblocking(False)
+            nonce = secrets.token_bytes(_NONCE)
+            try:
+                conn.send(_CHALLENGE.pack(_MAGIC, nonce))  # a new socket's buffer takes these few bytes
+            except OSError:
+                conn.close()
+                continue
+            state = _Pending(
+                _host(peer_address), peer_address, nonce, time.monotonic() + self.handshake_timeout_s
+            )
+            pending[conn] = state
+
+    def _read_hello(
+        self, conn: socket.socket, pending: dict[socket.socket, _Pending], store: Any, prefix: str, key: bytes
+    ) -> None:
+        state = pending[conn]
+        try:
+            chunk = conn.recv(_HELLO.size - len(state.data))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._refuse(pending, conn, f"failed before its hello ({e!r})")
+            return
+        if not chunk:
+            self._refuse(pending, conn, f"closed after {len(state.data)} of the hello's {_HELLO.size} bytes")
+            return
+        state.data += chunk
+        if len(state.data) < _HELLO.size:
+            return
+        magic, claimed, wanted, mac = _HELLO.unpack(bytes(state.data))
+        why = None
+        if magic != _MAGIC:
+            why = "sent a malformed hello (not a D-SLIDE rank)"
+        elif wanted != self.rank:
+            why = f"asked for rank {wanted}"
+        elif not self.rank < claimed < self.world_size:
+            why = f"claimed to be rank {claimed}, but only ranks {self.rank + 1}..{self.world_size - 1} connect here"
+        elif not hmac.compare_digest(mac, _mac(key, b"hello", state.nonce, claimed, self.rank)):
+            why = f"claimed to be rank {claimed} without this job's key"
+        elif claimed in self.conns:
+            why = f"claimed to be rank {claimed}, which is already connected"
+        elif not store.check([f"{prefix}/{claimed}"]):  # a rank publishes its address before it connects
+            why = f"claimed to be rank {claimed}, which has not published its address yet"
+        else:
+            published = store.get(f"{prefix}/{claimed}").decode().rsplit(" ", 1)[0]
+            if _normal(published) != _normal(state.host):
+                why = f"claimed to be rank {claimed}, which published the address {published}"
+        if why is not None:
+            self._refuse(pending, conn, why)
+            return
+        del pending[conn]
+        try:
+            conn.setblocking(True)
+            conn.settimeout(self.handshake_timeout_s)
+            conn.sendall(_mac(key, b"ack", state.nonce, claimed, self.rank))
+        except OSError as e:
+            conn.close()
+            self._note_refusal(state, f"rank {claimed} left before the handshake ended ({e!r})")
+            return
+        self.conns[claimed] = conn
+
+    def _refuse(self, pending: dict[socket.socket, _Pending], conn: socket.socket, why: str) -> None:
+        state = pending.pop(conn)
+        conn.close()
+        self._note_refusal(state, why)
+
+    def _note_refusal(self, state: _Pending, why: str) -> None:
+        text = f"a connection from {state.peer_address[0]}:{state.peer_address[1]} {why}"
+        self.refused.append(text)
+        log.warning(
+            "DSlideStrategy mesh: rank %d closed %s; it goes on waiting for the ranks.", self.rank, text
+        )
 
     # ----------------------------------------------------------------------------------------- collectives
     def start_all_gather(self, tensor: Tensor) -> _Collective:
@@ -250,7 +448,8 @@ class SocketMesh:
     def _lost(self, peer: int, error: BaseException | None) -> MeshError:
         why = f": {error!r}" if error is not None else ""
         return MeshError(
-            f"rank {self.rank}: the connection to rank {peer} was closed{why} (did that rank fail or stop?)"
+            f"rank {self.rank}: the connection to rank {peer} was closed{why} (did that rank fail or stop?)",
+            lost_rank=peer,
         )
 
     def close(self) -> None:
@@ -261,6 +460,39 @@ class SocketMesh:
             except OSError:
                 pass
         self.conns = {}
+
+
+@dataclass
+class _Pending:
+    """An accepted connection that has not proven which rank it is yet."""
+
+    host: str
+    peer_address: Any
+    nonce: bytes
+    deadline: float
+    data: bytearray = field(default_factory=bytearray)
+
+
+def _mac(key: bytes, what: bytes, nonce: bytes, connecting: int, accepting: int) -> bytes:
+    return hmac.new(key, what + nonce + _RANKS.pack(connecting, accepting), hashlib.sha256).digest()
+
+
+def _host(peer_address: Any) -> str:
+    return str(peer_address[0])
+
+
+def _normal(host: str) -> str:
+    """``host`` as one spelling (an IPv4 address mapped into IPv6 as the IPv4 address); a name as it is."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
+
+
+def _left(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:

@@ -207,14 +207,22 @@ class LockStepLoader:
         dataloader: the loader Lightning prepared (already without a ``DistributedSampler`` split).
         shard_group: the group of the ranks.
         stop_requested: asked as each batch is fetched (e.g. "did this process receive SIGTERM").
+        skip: asked when an iteration starts: how many batches of it were trained on before (an epoch resumed
+            from a checkpoint saved in its middle); they are drawn and dropped, the same on every rank, so that
+            the resumed run sees the batches an uninterrupted one would.
     """
 
     def __init__(
-        self, dataloader: Any, shard_group: ShardGroup, stop_requested: Callable[[], bool] | None = None
+        self,
+        dataloader: Any,
+        shard_group: ShardGroup,
+        stop_requested: Callable[[], bool] | None = None,
+        skip: Callable[[], int] | None = None,
     ) -> None:
         self.dataloader = dataloader
         self.shard_group = shard_group
         self.stop_requested = stop_requested
+        self.skip = skip
         self.stop_agreed = False
         self._warned = False
 
@@ -232,6 +240,10 @@ class LockStepLoader:
             yield from self.dataloader
             return
         iterator = iter(self.dataloader)
+        done = self.skip() if self.skip is not None else 0
+        if 0 < done < len(self.dataloader):
+            for _ in zip(range(done), iterator, strict=False):
+                pass
         # The check of each batch is started when the batch is fetched, one batch ahead, and waited for just
         # before the batch is handed out: it runs while the previous step trains instead of adding a
         # synchronisation point of its own to every step (every rank issues the same collectives in the same

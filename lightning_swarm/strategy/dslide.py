@@ -42,21 +42,27 @@ Checkpoints: ``trainer.save_checkpoint`` writes one ordinary Lightning checkpoin
 would write (full layers and optimizer state), streamed shard by shard to rank 0's file
 (``lightning_swarm.layers.checkpoint``): saving needs no whole layer in any process. It loads into the plain
 LightningModule, and a sharded run on any number of ranks resumes from it (memory-mapped: each rank reads its
-rows).
+rows). With ``checkpoint_every_n_steps`` the strategy also writes sharded checkpoints (a folder, each rank its own
+part), and with ``max_restarts`` a ``devices=N`` job comes back from the last one when a rank dies
+(``lightning_swarm.strategy._dslide_restarts``).
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import signal
 import subprocess
 import threading
+import time
+import warnings
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -77,7 +83,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_swarm.layers.checkpoint import save_streamed
+from lightning_swarm.layers.checkpoint import load_sharded, save_sharded, save_streamed
 from lightning_swarm.layers.distributed import CommStats, ShardGroup
 from lightning_swarm.layers.init import sharded_init
 from lightning_swarm.layers.mesh import SocketMesh, reachable_address
@@ -90,6 +96,12 @@ from lightning_swarm.layers.shard_plan import (
     streamed_optimizer_state,
 )
 from lightning_swarm.layers.sparse_linear import SparseLSHLinear
+from lightning_swarm.strategy._dslide_restarts import (
+    FAILED_AT_ENV,
+    RESTART_ENV,
+    AutoCheckpoint,
+    RestartingLauncher,
+)
 from lightning_swarm.strategy._loop_state import gradients_fixed_after_backward, logs_written_this_step
 
 log = logging.getLogger(__name__)
@@ -141,6 +153,16 @@ class DSlideStrategy(DDPStrategy):
             a 128 KB all-reduce in 0.32 ms against 1.8 ms through gloo on this project's 2-core VM,
             ``benchmarks/collective_latency.py``); ``"gloo"``: through the process group. Checkpoints and setup
             use gloo either way.
+        checkpoint_every_n_steps: write a sharded checkpoint every this many optimizer steps (each rank its own
+            rows and optimizer state, in parallel, to ``checkpoint_dir/step=<step>/rank<r>.ckpt``; the last two
+            are kept), for restarts; ``None``: none.
+        checkpoint_dir: the folder of those checkpoints, on a file system every rank reads; ``None``:
+            ``<Trainer(default_root_dir)>/dslide_checkpoints``.
+        max_restarts: with ``devices=N`` on one machine, how many times the job comes back by itself when a rank
+            dies during ``fit``: rank 0 kills the other ranks, runs the script again and every rank resumes from
+            the last sharded checkpoint (each restart logged with what was lost, and appended to
+            ``checkpoint_dir/restarts.jsonl``). 0: a dead rank ends the job. Under ``torchrun --max-restarts``
+            leave it 0: torchrun restarts the ranks, and they resume from the last checkpoint.
     """
 
     strategy_name = "dslide"
@@ -161,6 +183,9 @@ class DSlideStrategy(DDPStrategy):
         pin_cores: bool = True,
         spin_wait: float | None = None,
         collectives: Literal["socket", "gloo"] = "socket",
+        checkpoint_every_n_steps: int | None = None,
+        checkpoint_dir: _PATH | None = None,
+        max_restarts: int = 0,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -190,6 +215,19 @@ class DSlideStrategy(DDPStrategy):
         self._pin_cores = pin_cores
         self._spin_wait = spin_wait
         self._collectives = collectives
+        if checkpoint_every_n_steps is not None and checkpoint_every_n_steps < 1:
+            raise ValueError(
+                f"DSlideStrategy(checkpoint_every_n_steps={checkpoint_every_n_steps}): give a number of steps >= 1, "
+                "or None for no automatic checkpoints."
+            )
+        if max_restarts < 0:
+            raise ValueError(f"DSlideStrategy(max_restarts={max_restarts}): give a number >= 0.")
+        self._checkpoint_every = checkpoint_every_n_steps
+        self._checkpoint_dir = checkpoint_dir
+        self._max_restarts = max_restarts
+        self._saving_sharded = False  # writing a sharded checkpoint (each rank its own part)
+        self._loaded_sharded = False  # the checkpoint being restored is a sharded one
+        self._resume_in_epoch = False  # the training epoch resumes where a sharded checkpoint left it
 
     @property
     @override
@@ -216,6 +254,30 @@ class DSlideStrategy(DDPStrategy):
     def shard_plan(self) -> ShardPlan | None:
         """Which layers are sharded and how; ``None`` before ``setup``."""
         return self._plan
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """The folder of the automatic sharded checkpoints (``checkpoint_dir``, or under the Trainer's
+        ``default_root_dir``)."""
+        if self._checkpoint_dir is not None:
+            return Path(self._checkpoint_dir)
+        trainer = self._trainer()
+        return Path(trainer.default_root_dir if trainer is not None else os.getcwd()) / "dslide_checkpoints"
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self._start_method != "popen" or (self._max_restarts == 0 and self._checkpoint_every is None):
+            super()._configure_launcher()
+            return
+        assert self.cluster_environment is not None
+        self._launcher = RestartingLauncher(
+            self.cluster_environment,
+            self.num_processes,
+            self.num_nodes,
+            max_restarts=self._max_restarts,
+            checkpoint_dir=lambda: self.checkpoint_dir,
+            on_failure=self.on_exception,
+        )
 
     @override
     def setup_environment(self) -> None:
@@ -261,6 +323,11 @@ class DSlideStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._ensure_plan().sync_replicated()
+        if self._checkpoint_every is not None and trainer.training:
+            if not any(isinstance(c, AutoCheckpoint) for c in trainer.callbacks):
+                trainer.callbacks.append(
+                    AutoCheckpoint(self._checkpoint_every, self.checkpoint_dir, self._save_sharded)
+                )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -289,9 +356,24 @@ class DSlideStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        loader = LockStepLoader(dataloader, self._shard_group, stop_requested=lambda: self._sigterm_received)
+        loader = LockStepLoader(
+            dataloader,
+            self._shard_group,
+            stop_requested=lambda: self._sigterm_received,
+            skip=self._batches_done_in_epoch,
+        )
         self._loaders.add(loader)
         return loader
+
+    def _batches_done_in_epoch(self) -> int:
+        """Batches of the current training epoch already trained on, when it resumes from a sharded checkpoint
+        saved in its middle (the loop's progress, restored from it); else 0. A full checkpoint resumes as in a
+        plain Lightning run: its epoch starts over (Lightning warns), so that both runs stay the same."""
+        trainer = self._trainer()
+        if trainer is None or not trainer.training or not self._resume_in_epoch:
+            return 0
+        self._resume_in_epoch = False
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
     def _trainer(self) -> pl.Trainer | None:
         return self.lightning_module.trainer if self.lightning_module is not None else None
@@ -300,6 +382,7 @@ class DSlideStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         self._early.start(self)
+        self._note_resumed()
         epoch_loop = getattr(getattr(self._trainer(), "fit_loop", None), "epoch_loop", None)
         if self.world_size < 2 or not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
             return
@@ -321,6 +404,27 @@ class DSlideStrategy(DDPStrategy):
         if epoch_loop is not None and "_broadcast_sigterm_tensor" in vars(epoch_loop):
             del epoch_loop._broadcast_sigterm_tensor
         super().on_train_end()
+
+    def _note_resumed(self) -> None:
+        """After a restart (rank 0's), say how long the job was down: from the failure to training again."""
+        failed_at = os.environ.pop(FAILED_AT_ENV, None)
+        if failed_at is None or self.global_rank != 0:
+            return
+        trainer = self._trainer()
+        record = {
+            "restart": int(os.environ.get(RESTART_ENV, "0")),
+            "resumed_at_step": trainer.global_step if trainer is not None else None,
+            "down_s": round(time.time() - float(failed_at), 3),
+            "time": time.time(),
+        }
+        log.warning(
+            "DSlideStrategy: restart %d is training again at step %s, %.1f s after the failure.",
+            record["restart"],
+            record["resumed_at_step"],
+            record["down_s"],
+        )
+        with open(self.checkpoint_dir / "restarts.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """This process received SIGTERM: the next lock-step check asks every rank to stop (Lightning restores
@@ -390,7 +494,7 @@ class DSlideStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self._plan is None:
+        if self._plan is None or self._saving_sharded:  # sharded: this rank's rows, as held
             return self.lightning_module.state_dict()
         # The sharded tensors stay where they are: `save_checkpoint` streams them into the file.
         return self._plan.streamed_state_dict()
@@ -398,11 +502,16 @@ class DSlideStrategy(DDPStrategy):
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         # Lightning restores the model before `setup`: shard it first (collective) if that has not happened yet.
-        self._ensure_plan().load_full_state_dict(checkpoint["state_dict"], strict=strict)
+        plan = self._ensure_plan()
+        if self._loaded_sharded:  # this rank's own rows, saved by this rank's predecessor
+            assert self.lightning_module is not None
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        else:
+            plan.load_full_state_dict(checkpoint["state_dict"], strict=strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._plan is None:
+        if self._plan is None or self._saving_sharded:
             return super().optimizer_state(optimizer)
         return streamed_optimizer_state(optimizer, self._plan)
 
@@ -417,18 +526,41 @@ class DSlideStrategy(DDPStrategy):
                 "When using the DSlideStrategy, `storage_options` are not supported by `save_checkpoint`: the "
                 "strategy writes the checkpoint itself (streamed). Save without them."
             )
-        save_streamed(checkpoint, filepath, self._shard_group)
+        if self._saving_sharded:
+            save_sharded(checkpoint, filepath, self._shard_group)
+        else:
+            save_streamed(checkpoint, filepath, self._shard_group)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        # Memory-mapped: each rank reads only the rows it keeps, never the whole file into memory.
+        # A folder: a sharded checkpoint, each rank reads its own part. A file: memory-mapped, each rank reads only
+        # the rows it keeps, never the whole file into memory.
+        self._loaded_sharded = self._resume_in_epoch = os.path.isdir(checkpoint_path)
+        if self._loaded_sharded:
+            # Lightning warns that a loader without `state_dict` cannot resume an epoch in its middle: this one
+            # does (`_batches_done_in_epoch`). It keeps no state of its own, so that a full checkpoint of a D-SLIDE
+            # run still resumes in a plain run, whose loader has none either.
+            warnings.filterwarnings(
+                "ignore", message="You're resuming from a checkpoint that ended before the epoch"
+            )
+            return load_sharded(checkpoint_path, self.global_rank, self.world_size)
         return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         assert self._plan is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            optimizer.load_state_dict(shard_optimizer_state(state, optimizer, self._plan))
+            optimizer.load_state_dict(
+                state if self._loaded_sharded else shard_optimizer_state(state, optimizer, self._plan)
+            )
+
+    def _save_sharded(self, trainer: pl.Trainer, folder: Path) -> None:
+        """Collective: a sharded checkpoint of the run in ``folder`` (each rank writes its own part)."""
+        self._saving_sharded = True
+        try:
+            trainer.save_checkpoint(folder, weights_only=False)
+        finally:
+            self._saving_sharded = False
 
     def _ensure_plan(self) -> ShardPlan:
         assert self.lightning_module is not None

@@ -1,0 +1,132 @@
+"""A D-SLIDE job that survives a rank's death (``DSlideStrategy(checkpoint_every_n_steps=..., max_restarts=...)``).
+
+Real processes: ``testbed/dslide_fault_job.py`` with ``devices=4`` (Lightning's launcher starts ranks 1-3 by running
+the script again), real gloo and socket mesh on 127.0.0.1; rank 2 sends itself SIGKILL in the middle of the first
+epoch. Side by side, the same job's uninterrupted reference in one plain process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_swarm.layers.checkpoint import load_sharded
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "testbed" / "dslide_fault_job.py"
+EVERY, KILL_AT, STEPS = 5, 13, 30
+
+
+def _job(out: Path, ranks: int, kill_steps: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(JOB), "--out", str(out), "--ranks", str(ranks), "--steps", str(STEPS)]
+    cmd += ["--every", str(EVERY), "--kill-rank", "2", "--kill-steps", kill_steps, "--max-restarts", "2"]
+    log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 (closed with the process's output)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+    )
+
+
+def _ours(out: Path) -> list[str]:
+    """Command lines of the processes still running this job (none may be left)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(out) in cmdline:
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_a_sigkilled_rank_brings_the_job_back_from_its_last_sharded_checkpoint(tmp_path: Path) -> None:
+    """The job completes ``max_steps``, redoes the 3 steps since its last checkpoint (at most ``K``), logs what it
+    lost, and ends with the parameters and P@1 of the uninterrupted run (the resumed epoch skips the batches it had
+    trained on, and LSH tables rebuild on the same steps); every rank wrote only its own rows."""
+    killed, reference = tmp_path / "killed", tmp_path / "reference"
+    procs = {"killed": _job(killed, 4, str(KILL_AT)), "reference": _job(reference, 1, "")}
+    try:
+        for name, proc in procs.items():
+            assert proc.wait(timeout=540) == 0, (
+                f"{name}:\n" + Path(f"{tmp_path / name}.log").read_text()[-5000:]
+            )
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    assert _ours(killed) == [], "a rank of the job outlived it"
+    log = Path(f"{killed}.log").read_text()
+    result, plain = (json.loads((out / "result.json").read_text()) for out in (killed, reference))
+
+    assert result["global_step"] == plain["global_step"] == STEPS and result["world_size"] == 4
+    lost, back = result["restarts"]
+    assert lost == {
+        "restart": 1,
+        "lost": "rank 2 died (signal SIGKILL)",
+        "failed_at_step": KILL_AT,
+        "resumed_from_step": 10,
+        "steps_redone": 3,
+        "checkpoint": str(killed / "checkpoints" / "step=000000010"),
+        "time": lost["time"],
+    }
+    assert back["restart"] == 1 and back["resumed_at_step"] == 10 and 0 < back["down_s"] < 300
+    assert "rank 2 died (signal SIGKILL) at step 13; restart 1 of 2 from the checkpoint of step 10" in log
+    assert "resuming from a checkpoint that ended before the epoch ended" not in log
+
+    assert result["p_at_1"] == plain["p_at_1"]
+    final = torch.load(killed / "final.ckpt", weights_only=True)["state_dict"]
+    for name, tensor in torch.load(reference / "final.ckpt", weights_only=True)["state_dict"].items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+    # the last two sharded checkpoints are kept; each rank's file holds its quarter of the wide layers
+    kept = sorted(p.name for p in (killed / "checkpoints").glob("step=*"))
+    assert kept == ["step=000000025", "step=000000030"], kept
+    for rank in range(4):
+        part = load_sharded(killed / "checkpoints" / "step=000000030", rank, 4)["state_dict"]
+        assert part["output_layer.weight"].shape == (100, 16)  # 400 labels / 4 ranks
+        assert part["input_layer.weight"].shape == (75, 16)  # 300 features / 4 ranks
+        torch.testing.assert_close(
+            part["output_layer.weight"], final["output_layer.weight"][100 * rank : 100 * (rank + 1)]
+        )
+
+
+def test_a_sharded_checkpoint_resumes_only_on_as_many_ranks(tmp_path: Path) -> None:
+    (tmp_path / "meta.json").write_text(json.dumps({"world_size": 4, "global_step": 10}))
+    with pytest.raises(
+        ValueError, match=r"written by 4 ranks; it resumes only on 4 ranks, not 2.*full checkpoint"
+    ):
+        load_sharded(tmp_path, 0, 2)
+    (tmp_path / "meta.json").unlink()
+    with pytest.raises(ValueError, match="not a complete sharded D-SLIDE checkpoint"):
+        load_sharded(tmp_path, 0, 4)
+
+
+@pytest.mark.timeout(600)
+def test_a_job_that_keeps_losing_ranks_stops_after_max_restarts(tmp_path: Path) -> None:
+    """``max_restarts=1``: rank 2 dies at step 6, the job comes back from step 5, rank 2 dies again at step 7 and
+    the job ends with an error that says so; no rank is left behind."""
+    out = tmp_path / "job"
+    cmd = [sys.executable, str(JOB), "--out", str(out), "--ranks", "4", "--steps", "12", "--every", "5"]
+    cmd += ["--kill-rank", "2", "--kill-steps", "6,7", "--max-restarts", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=540)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert "rank 2 died (signal SIGKILL) at step 6; restart 1 of 1 from the checkpoint of step 5" in log
+    assert (
+        "rank 2 died (signal SIGKILL); the job was restarted 1 times already (max_restarts=1): it stops."
+        in log
+    )
+    records = [json.loads(line) for line in (out / "checkpoints" / "restarts.jsonl").read_text().splitlines()]
+    assert [r["restart"] for r in records] == [1, 1] and records[0]["steps_redone"] == 1
+    assert not (out / "result.json").exists()
+    assert _ours(out) == [], "a rank of the job outlived it"
