@@ -147,6 +147,18 @@ class KillAt(Callback):
             os.kill(os.getpid(), 9)
 
 
+class DelayStart(Callback):
+    """``delay: [rank, seconds]``: the peer of that rank starts training that much later (a trainer that joins a run
+    in progress)."""
+
+    def __init__(self, delay: list | None) -> None:
+        self.delay = delay
+
+    def on_train_start(self, trainer, pl_module):
+        if self.delay and trainer.global_rank == self.delay[0]:
+            time.sleep(float(self.delay[1]))
+
+
 class Record(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -218,6 +230,7 @@ def main() -> None:
         callbacks=[
             record,
             KillAt(cfg.get("kill")),
+            DelayStart(cfg.get("delay")),
             SaveAtEpochEnd(cfg.get("save")),
             DumpStage(cfg["out"], swarm),
         ],
@@ -232,7 +245,12 @@ def main() -> None:
     if cfg.get("all_ranks") and swarm and trainer.global_rank < trainers:
         own = {k: v for k, v in model.state_dict().items() if not k.startswith("layers.")}
         torch.save(
-            {"own": own, "sync": trainer.strategy.trainer_sync_stats},
+            {
+                "own": own,
+                "sync": trainer.strategy.trainer_sync_stats,
+                "global_step": trainer.global_step,
+                "lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
+            },
             f"{cfg['out']}.rank{trainer.global_rank}",
         )
     if trainer.global_rank == 0:

@@ -331,6 +331,9 @@ SEVERAL = {
     ),
     # a schedule that changes at every step, SGD with momentum; stage 0 has two peers (their sums all-reduced)
     "3_decay_sgd": (3, {"scheduler": "decay", "steps": 10}),
+    # "16-mixed" with a loss scaler (a CPU GradScaler) and clipping by norm: the trainers unscale and clip the same
+    # averaged gradients, the stages theirs
+    "2_fp16_mixed_scaler_clipnorm": (2, {"fp16_scaler": 2.0**10, "clip": [0.3, "norm"], "steps": 8}),
 }
 
 
@@ -353,7 +356,9 @@ def test_several_trainers_step_as_ddp(case, tmp_path):
     for other in ranks[1:]:
         assert all(torch.equal(ranks[0]["own"][k], other["own"][k]) for k in ranks[0]["own"])
     for r in ranks:
-        assert r["sync"] == {"steps": steps, "missed_trainer_steps": 0, "late_steps": 0}, r["sync"]
+        assert r["sync"] == {"steps": steps, "missed_trainer_steps": 0, "late_steps": 0, "joined_at": 0}, r[
+            "sync"
+        ]
     assert swarm["losses"][-1] != swarm["losses"][0]
 
 
@@ -377,3 +382,29 @@ def test_a_trainer_killed_mid_run_costs_its_own_samples_only(tmp_path):
     # the leader of the steps after the death waited for the dead trainer at least once, then went on without it
     missed = sum(r["sync"]["missed_trainer_steps"] for r in ranks)
     assert 1 <= missed <= 12 - 4, [r["sync"] for r in ranks]
+
+
+def test_a_trainer_that_joins_late_trains_from_the_current_parameters_and_schedule_step(tmp_path):
+    """Three trainers; the third starts 8 s late (the others go on without it after trainer_timeout). It joins with
+    the leader's state at a step boundary: its own parameters, optimizer and LR schedule (a per-step decay) and
+    Lightning's step count. Every trainer ends at the same global step, lr and own parameters, and the stages
+    stepped once per global step."""
+    cfg = {
+        "swarm": True,
+        "trainers": 3,
+        "steps": 30,
+        "step_s": 0.3,
+        "scheduler": "decay",
+        "all_ranks": True,
+        "delay": [2, 8],
+        "strategy": {"trainer_timeout": 4.0, "rebalance_period": 0},
+    }
+    swarm = run(cfg, tmp_path, "swarm")
+    ranks = [torch.load(f"{tmp_path / 'swarm.pt'}.rank{r}", weights_only=False) for r in range(3)]
+    assert [r["sync"]["joined_at"] for r in ranks][:2] == [0, 0]
+    assert 0 < ranks[2]["sync"]["joined_at"] < 30, ranks[2]["sync"]
+    assert [r["global_step"] for r in ranks] == [30, 30, 30]
+    assert len({r["lr"] for r in ranks}) == 1 and ranks[0]["lr"] == pytest.approx(0.05 / (1 + 30))
+    for other in ranks[1:]:
+        assert all(torch.equal(ranks[0]["own"][k], other["own"][k]) for k in ranks[0]["own"])
+    assert swarm["stage_steps"] == {0: 30, 1: 30}, swarm["stage_steps"]

@@ -3,10 +3,12 @@ whole model's norm, and the target_batch_size check."""
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -139,6 +141,7 @@ class _TrainerDrivenSteps:
         skipped = scaler is not None and scale is not None and float(scaler.get_scale()) < scale
         step_id, clip = self._current_step_id(), self._clip
         self._step_id, self._clip = None, None
+        sync = self.peer.trainer_sync
         self.peer.step_stages(
             step_id,
             index,
@@ -148,7 +151,19 @@ class _TrainerDrivenSteps:
             clip_value=clip[1] if clip is not None and clip[0] == "value" else None,
             skip=skipped,
         )
+        self._stepped = (
+            sync is not None
+        )  # the next batch's start is a step boundary (see on_train_batch_start)
         return output
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """At a step boundary (the last optimizer step and the schedulers' update after it are done), a trainer
+        that asked to join the run gets this one's state (see ``swarm/trainer_sync.py``)."""
+        sync = self._peer.trainer_sync if getattr(self, "_peer", None) is not None else None
+        if sync is not None and getattr(self, "_stepped", False):
+            self._stepped = False
+            sync.offer_state(self._trainer_state)
+        super().on_train_batch_start(batch, batch_idx)
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's backward. Inside an accumulation window (automatic optimization, a backward outside the
@@ -202,7 +217,62 @@ class _TrainerDrivenSteps:
         assert result is not None
         self._step_id = result.step_id
         for p, grad in zip(params, result.grads, strict=True):
-            p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
+            # a copy: clipping scales the gradients in place, and the step's result is served to the other trainers
+            p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype, copy=True)
+
+    def _own_tensors(self) -> dict[str, Any]:
+        """This trainer's own parameters and buffers (everything outside the pipeline), by name."""
+        module = self.lightning_module
+        prefix = f"{self.peer.partition.path}." if self.peer.partition is not None else "\0"
+        tensors = dict(module.named_parameters())
+        tensors.update(module.named_buffers())
+        return {name: t for name, t in tensors.items() if not name.startswith(prefix)}
+
+    def _trainer_state(self) -> bytes:
+        """What a trainer that joins a run in progress needs from this one (see ``swarm/trainer_sync.py``): its own
+        parameters and buffers, its optimizers' and LR schedulers' states."""
+        buffer = io.BytesIO()
+        torch.save(
+            {
+                "tensors": {name: t.detach().cpu() for name, t in self._own_tensors().items()},
+                "optimizers": [opt.state_dict() for opt in self.optimizers],
+                "schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
+            },
+            buffer,
+        )
+        return buffer.getvalue()
+
+    def _join_in_progress(self) -> None:
+        """A trainer that starts while the others are training takes their current parameters, optimizer and LR
+        schedule and their global step (Lightning's step count with them), as a DDP rank would hold them."""
+        sync = self.peer.trainer_sync
+        if sync is None:
+            return
+        sync.start()  # from now on this trainer answers the others (a trainer that starts late is not led to)
+        joined = sync.fetch_state()
+        if joined is None:
+            return
+        step, blob = joined
+        state = torch.load(io.BytesIO(blob), weights_only=False, map_location="cpu")
+        own = self._own_tensors()
+        if set(own) != set(state["tensors"]):
+            raise RuntimeError(
+                "When using the SwarmStrategy, a trainer that joins a run must run the same LightningModule as the "
+                f"others: its own parameters differ in names from the leader's ({sorted(set(own) ^ set(state['tensors']))[:5]})"
+            )
+        with torch.no_grad():
+            for name, t in own.items():
+                t.copy_(state["tensors"][name])
+        for opt, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(saved)
+        for config, saved in zip(self.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+            config.scheduler._last_lr = [group["lr"] for group in config.scheduler.optimizer.param_groups]
+        # Lightning's step count (max_steps, the schedule's intervals, logging) continues from the swarm's
+        loop = self.lightning_module.trainer.fit_loop.epoch_loop
+        loop.automatic_optimization.optim_progress.optimizer.step.total.ready = step
+        loop.automatic_optimization.optim_progress.optimizer.step.total.completed = step
+        loop._batches_that_stepped = step
 
     def on_train_end(self) -> None:
         """Training stopped between two optimizer steps (``trainer.should_stop``): the stage backwards still in

@@ -434,6 +434,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             if isinstance(batch_size, int) and not self._batch_checked:  # before any stage call
                 self._check_target_batch_size(batch_size)
             self.peer.wait_for_stages_at_start()
+            self._join_in_progress()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -586,6 +587,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
                     "steps": sync.step,
                     "missed_trainer_steps": sync.missed_steps,
                     "late_steps": sync.late_steps,
+                    "joined_at": sync.joined_at,
                 }
             self.deferred_backwards = peer.client.deferred_grads.backwards if peer.client is not None else 0
             peer.leave(

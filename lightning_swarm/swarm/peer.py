@@ -390,8 +390,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
                 expected=self.num_trainers,
                 timeout=s.trainer_timeout,
                 should_stop=self.should_stop,
-            )
-            self.trainer_sync.start()
+            )  # started when its training starts (see SwarmStrategy.on_train_start): no one waits on it before
         self.joined = True
         if self.server is not None and self.server.optimizer is not None and s.rebalance_period > 0:
             self._stop_rebalancing.clear()

@@ -201,18 +201,24 @@ class TrainerSync(ServicerBase):
         self.step = 0  # this trainer's next global step
         self.missed_steps = 0  # trainer-steps the steps this trainer led went without (counted, logged)
         self.late_steps = 0  # steps this trainer's own part came too late for
+        self.joined_at = 0  # the global step this trainer joined at (0: it started with the run)
         self._cond = threading.Condition()
         self._rounds: OrderedDict[int, _Round] = OrderedDict()
         self._published: OrderedDict[tuple[int, str], Any] = OrderedDict()
         self._failed: dict[str, float] = {}  # leaders this trainer could not reach, until when it skips them
-        self._known: set[str] = set()  # trainers that ever handed in a part here
+        self._known: set[str] = set()  # trainers that took part in a step this trainer saw
+        self._joiners: dict[int, set[str]] = {}  # step -> trainers that join at it (they loaded its state)
+        self._state_wanted: set[str] = set()  # trainers waiting for this one's state (to join late)
+        self._state: tuple[int, bytes] | None = None  # the last state offered: (step, blob)
         self.finished = False  # this trainer's training ended: it leads no more steps
         self._hinted: set[str] = set()  # leaders other trainers named (a trainer this one had not seen yet)
         self._last: StepResult | None = None
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
-        self.p2p = run_coroutine(self._start_p2p(), timeout=60)
+        """Serve the other trainers (parts, results, published values, state for joiners)."""
+        if self.p2p is None:
+            self.p2p = run_coroutine(self._start_p2p(), timeout=60)
 
     async def _start_p2p(self) -> P2P:
         p2p = await replicate_p2p(self.dht)
@@ -250,6 +256,7 @@ class TrainerSync(ServicerBase):
         if params is not None and step % HASH_EVERY == 0:
             header["hash"] = params_hash(params)
         part = _Part(header, [None if g is None else g.detach().float().cpu() for g in grads])
+        unanswered: dict[str, float] = {}  # leaders that did not answer this part, since when
         while True:
             leader = self._leader()
             if leader == self.name:
@@ -261,10 +268,22 @@ class TrainerSync(ServicerBase):
             except TrainersDiverged:
                 raise
             except _NotLeader:
-                continue  # the trainer named its leader, which this one now knows
+                time.sleep(0.05)  # the trainer named its leader, which this one now knows
+                continue
             except Exception as e:
                 if self.should_stop():
                     raise
+                starting = self._last is None and self.joined_at == 0 and step == 0
+                first = unanswered.setdefault(leader, time.monotonic())
+                if (
+                    starting
+                    and time.monotonic() - first < self.timeout
+                    and leader in (self.live_trainers() or ())
+                ):
+                    time.sleep(
+                        0.25
+                    )  # the run starts: a live trainer that does not answer yet is still starting
+                    continue
                 logger.warning(
                     f"Trainer step {step}: the leader {leader[-8:]} did not answer ({type(e).__name__}: {e}); "
                     "trying the next trainer"
@@ -272,6 +291,7 @@ class TrainerSync(ServicerBase):
                 self._failed[leader] = time.monotonic() + 3 * self.timeout
         self.step = step + 1
         self._last = result
+        self._known.update(result.names)
         if result.late:
             self.late_steps += 1
             logger.warning(
@@ -326,23 +346,27 @@ class TrainerSync(ServicerBase):
 
     # ------------------------------------------------------------------ leader
     def _leader(self) -> str:
-        """The live trainer with the smallest name. Trainers of the last step stay candidates while their presence
-        record is missing (a late announcement, a DHT read that failed): only a trainer that did not answer is
-        passed over, so two trainers never both lead a step because one lost sight of the other for a moment. At
-        the first step of a local swarm, the expected trainers are waited for (at most ``timeout``) first."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            live = self.live_trainers() or set()
-            if self.step > 0 or self.expected is None or len(live | {self.name}) >= self.expected:
-                break
-            if time.monotonic() >= deadline or self.should_stop():
-                break
-            time.sleep(0.1)
-        known = set(self._last.names) if self._last is not None else set()
-        known |= self._hinted
+        """The trainer with the smallest name among those that lead the next step: at the start of a run, the live
+        trainers (a local swarm's expected trainers are waited for, at most ``timeout``); then the trainers of the
+        last step this one saw (and leaders others named), whether or not their presence record is read, so that
+        two trainers never both lead a step because one lost sight of the other for a moment. A trainer passes
+        over only a leader that did not answer it. Every trainer of a step computes the same next leader from the
+        step's result."""
         now = time.monotonic()
-        names = {n for n in live | known | {self.name} if self._failed.get(n, 0.0) < now}
-        return min(names)
+        if self._last is None and self.joined_at == 0 and self.step == 0:  # the trainers start together
+            deadline = now + self.timeout
+            while True:
+                live = self.live_trainers() or set()
+                if self.expected is None or len(live | {self.name}) >= self.expected:
+                    break
+                if time.monotonic() >= deadline or self.should_stop():
+                    break
+                time.sleep(0.1)
+            candidates = live | self._hinted | {self.name}
+        else:
+            candidates = set(self._last.names if self._last is not None else ()) | self._hinted
+        names = {n for n in candidates if self._failed.get(n, 0.0) < now}
+        return min(names) if names else self.name
 
     def _round(self, step: int) -> _Round:
         """The round of ``step`` (under ``_cond``)."""
@@ -389,8 +413,12 @@ class TrainerSync(ServicerBase):
         return rnd.result
 
     def _waiting_for(self, rnd: _Round, live: set[str] | None, step: int) -> set[str]:
-        """The trainers ``rnd`` still waits for (under ``_cond``)."""
-        names = set(live or ()) - set(rnd.parts)
+        """The trainers ``rnd`` still waits for (under ``_cond``): the live ones that took part in a step before,
+        those that joined at this step (:meth:`offer_state`) and, at the first step of a local swarm, as many as
+        it starts with. A trainer that is live but has not taken part yet is starting (or loading the state of a
+        late join): it is not waited for until it joins."""
+        joining = self._joiners.get(step, set())
+        names = (set(live or ()) & (self._known | joining) | joining) - set(rnd.parts)
         names = {n for n in names if self._failed.get(n, 0.0) < time.monotonic()}
         if self.expected is not None and len(rnd.parts) < self.expected and step == 0:
             names.add(_UNSEEN)  # its presence record may not be read yet
@@ -582,6 +610,122 @@ class TrainerSync(ServicerBase):
         }
         for message in messages(runtime_pb2.ExpertResponse, wire, msgpack.packb(body, use_bin_type=True)):
             yield message
+
+    async def rpc_state(
+        self, request: runtime_pb2.ExpertInfo, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """``[name, wait_s]`` -> this trainer's state at its next step boundary (see :meth:`offer_state`), as parts
+        of one uint8 tensor then ``{"step": s}``; ``{"fresh": true}`` if no step was taken yet (start together);
+        ``{"pending": true}`` after ``wait_s``."""
+        try:
+            name, wait = msgpack.unpackb(request.serialized_info, raw=False)
+            if not isinstance(name, str) or not 0 < len(name) <= 128 or not isinstance(wait, (int, float)):
+                raise ValueError
+            wait = min(max(float(wait), 0.0), 60.0)
+        except Exception:
+            yield _reply({"error": "malformed trainer state request"})
+            return
+        loop = asyncio.get_running_loop()
+        found = await loop.run_in_executor(None, self._wait_state, name, wait)
+        if found is None or isinstance(found, str):
+            yield _reply({found or "pending": True})
+            return
+        step, blob = found
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        wire = list(encode_parts(data, "none"))
+        for message in messages(runtime_pb2.ExpertResponse, wire, msgpack.packb({"step": step})):
+            yield message
+
+    def _wait_state(self, name: str, wait: float) -> tuple[int, bytes] | str | None:
+        deadline = time.monotonic() + wait
+        with self._cond:
+            if self.step == 0 and self._last is None:
+                return "fresh"
+            if self._state is not None and name in self._joiners.get(self._state[0], set()):
+                return self._state
+            self._state_wanted.add(name)
+            while time.monotonic() < deadline:
+                if self._state is not None and name in self._joiners.get(self._state[0], set()):
+                    return self._state
+                self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            return None
+
+    def offer_state(self, make: Callable[[], bytes]) -> None:
+        """At a step boundary (this trainer's optimizer step done, its next batch not begun): if other trainers
+        asked for this trainer's state to join (``rpc_state``), hand them ``make()`` (its own parameters,
+        optimizer and schedule, the next step's index) and wait for their parts at the next step."""
+        with self._cond:
+            wanted, self._state_wanted = self._state_wanted, set()
+        if not wanted:
+            return
+        blob = make()
+        with self._cond:
+            self._state = (self.step, blob)
+            self._joiners.setdefault(self.step, set()).update(wanted)
+            for old in [s for s in self._joiners if s < self.step - _HISTORY]:
+                del self._joiners[old]
+            self._cond.notify_all()
+        logger.info(f"Global step {self.step}: {len(wanted)} trainer(s) join with this trainer's state")
+
+    def fetch_state(self) -> tuple[int, bytes] | None:
+        """Join a run in progress: ask the other live trainers, smallest name first, for their state at their next
+        step boundary; returns ``(step index, blob)`` from the first that has taken a step, or ``None`` when none
+        has (the trainers start together). Afterwards this trainer's next global step is that step, and the trainer
+        that gave its state is its first leader (or names the leader)."""
+        live = (self.live_trainers() or set()) - {self.name}
+        for other in sorted(live):
+            try:
+                found = self._fetch_state_from(other)
+            except Exception as e:
+                if self.should_stop():
+                    raise
+                logger.debug(f"Trainer {other[-8:]} did not hand over its state: {type(e).__name__}: {e}")
+                continue
+            if found is not None:
+                step, blob = found
+                self.step = self.joined_at = step
+                self._hinted.add(other)
+                logger.info(f"This trainer joins the run at global step {step} with the current parameters")
+                return found
+        return None
+
+    def _fetch_state_from(self, other: str) -> tuple[int, bytes] | None:
+        stub = self.get_stub(self._p2p(), PeerID.from_base58(other), namespace=self.namespace)
+        deadline, broken = time.monotonic() + 3 * self.timeout + 30.0, 0
+        ask = runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([self.name, _RESULT_WAIT_S]))
+
+        async def state() -> tuple[bytes, list[torch.Tensor]]:
+            return await _first_reply(await stub.rpc_state(ask))
+
+        while True:
+            try:
+                data, tensors = run_coroutine(
+                    asyncio.wait_for(state(), _RESULT_WAIT_S + 30.0),
+                    timeout=_RESULT_WAIT_S + 35.0,
+                    stop=self.should_stop,
+                )
+                broken = 0
+            except Exception:
+                if self.should_stop():
+                    raise
+                broken += 1
+                if broken >= _BROKEN_LIMIT:
+                    raise
+                time.sleep(0.2)
+                continue
+            reply = msgpack.unpackb(data, raw=False)
+            if not isinstance(reply, dict) or reply.get("error"):
+                raise ConnectionError(f"trainer {other[-8:]} refused this trainer's join: {reply}")
+            if reply.get("fresh"):
+                return None
+            if reply.get("pending"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the trainer did not hand over its state to join the run")
+                continue
+            step = reply.get("step")
+            if type(step) is not int or step < 0 or len(tensors) != 1 or tensors[0].dtype != torch.uint8:
+                raise ValueError("malformed trainer state")
+            return step, tensors[0].numpy().tobytes()
 
     def _not_leader(self, step: int) -> dict[str, Any]:
         leader = None if self.finished else self._leader()
