@@ -86,6 +86,34 @@ BENCHMARKS: dict[str, Claim] = {
             "global_batch",
         ),
     ),
+    "fidelity_matrix_trainers": Claim(
+        "fidelity matrix with several trainers: each family in a swarm of K trainers (2 stages, 8-bit; synchronous "
+        "steps, the default) vs Lightning's DDP on K CPU devices, same seed, data shards, global batch and steps; "
+        "`async_max_relative_gap`: the asynchronous mode (`stage_steps=\"async\"`) against the same DDP; "
+        "`by_trainers.K.seed_gaps`: DDP with another seed (the noise floor)",
+        "`max_relative_gap` <= 0.02, trainers' own parameters identical, stage steps equal (one per global step)",
+        (
+            "max_relative_gap",
+            "trainer_params_identical",
+            "stage_steps_equal",
+            "async_max_relative_gap",
+            "meets_target",
+            "trainers",
+            "by_trainers.2.gaps",
+            "by_trainers.2.seed_gaps",
+            "by_trainers.2.async_gaps",
+            "steps",
+            "global_batch",
+        ),
+        beside="fidelity_matrix",
+    ),
+    "swarm_trainers": Claim(
+        "several trainers feeding one swarm (2 stages x 2 peers on loopback, GPT family, batch 16 per trainer): "
+        "samples/s of synchronous steps (DDP's step, the default) against asynchronous ones (`stage_steps=\"async\"`) "
+        "at 1, 2 and 4 trainers, interleaved",
+        "`sync_vs_async` >= 0.9 at 2 and at 4 trainers",
+        ("sync_vs_async_2", "sync_vs_async_4", "meets_target", "samples_per_s", "steps"),
+    ),
     "square_cube": Claim(
         "square-cube law: one Transformer block's forward+backward (1 thread) vs sending its boundary activations "
         "and gradients at 100 Mbit/s and 1 Gbit/s",
