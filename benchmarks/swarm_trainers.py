@@ -1,7 +1,8 @@
 """Does throughput survive fidelity? Several trainers feeding one swarm, synchronous steps against asynchronous.
 
 One swarm of 2 stages x 2 peers on 127.0.0.1 (``devices=4``; the first K peers also train: ``num_trainers=K``) trains
-the fidelity matrix's GPT family (``examples/families.py``), each trainer with the same batch, for K = 1, 2 and 4:
+the fidelity matrix's ALBERT family (``examples/families.py``; ``--family``), each trainer with the same batch, for
+K = 1, 2 and 4:
 
 - ``sync``: ``stage_steps="trainer"``, the default: one global step per global batch (K batches), as DDP's ranks
   (the trainers' own gradients averaged through the step's leader, the stages stepped once by it);
@@ -55,7 +56,7 @@ def one_run(trainers: int, mode: str, args: Any) -> dict[str, Any]:
         "run_id": f"swarm_trainers_{trainers}_{mode}_{os.getpid()}",
     }
     cfg = {
-        "family": "gpt",
+        "family": args.family,
         "batch_size": args.batch,
         "steps": args.steps,
         "seed": 0,
@@ -82,6 +83,11 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=5, help="batches not clocked at the start of a run")
     p.add_argument("--pairs", type=int, default=None, help="sync/async pairs per K (default 2; --quick: 1)")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument(
+        "--family",
+        default="albert",
+        help="the model family (examples/families.py); one without gradient clipping, which the async mode refuses",
+    )
     args = p.parse_args()
     args.steps = args.steps or (30 if args.quick else 80)
     args.pairs = args.pairs or (1 if args.quick else 2)
@@ -112,6 +118,7 @@ def main() -> None:
             "runs": runs,
             "steps": args.steps,
             "batch_per_trainer": args.batch,
+            "family": args.family,
             "warm": args.warm,
             "pairs": args.pairs,
         }

@@ -89,7 +89,7 @@ BENCHMARKS: dict[str, Claim] = {
     "fidelity_matrix_trainers": Claim(
         "fidelity matrix with several trainers: each family in a swarm of K trainers (2 stages, 8-bit; synchronous "
         "steps, the default) vs Lightning's DDP on K CPU devices, same seed, data shards, global batch and steps; "
-        "`async_max_relative_gap`: the asynchronous mode (`stage_steps=\"async\"`) against the same DDP; "
+        '`async_max_relative_gap`: the asynchronous mode (`stage_steps="async"`) against the same DDP; '
         "`by_trainers.K.seed_gaps`: DDP with another seed (the noise floor)",
         "`max_relative_gap` <= 0.02, trainers' own parameters identical, stage steps equal (one per global step)",
         (
@@ -108,8 +108,9 @@ BENCHMARKS: dict[str, Claim] = {
         beside="fidelity_matrix",
     ),
     "swarm_trainers": Claim(
-        "several trainers feeding one swarm (2 stages x 2 peers on loopback, GPT family, batch 16 per trainer): "
-        "samples/s of synchronous steps (DDP's step, the default) against asynchronous ones (`stage_steps=\"async\"`) "
+        "several trainers feeding one swarm (2 stages x 2 peers on loopback, the fidelity matrix's ALBERT, batch 16 "
+        "per trainer): "
+        'samples/s of synchronous steps (DDP\'s step, the default) against asynchronous ones (`stage_steps="async"`) '
         "at 1, 2 and 4 trainers, interleaved",
         "`sync_vs_async` >= 0.9 at 2 and at 4 trainers",
         ("sync_vs_async_2", "sync_vs_async_4", "meets_target", "samples_per_s", "steps"),
