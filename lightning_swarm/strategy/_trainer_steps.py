@@ -243,12 +243,15 @@ class _TrainerDrivenSteps:
         return buffer.getvalue()
 
     def _join_in_progress(self) -> None:
-        """A trainer that starts while the others are training takes their current parameters, optimizer and LR
-        schedule and their global step (Lightning's step count with them), as a DDP rank would hold them."""
+        """Trainers that start together take the initial parameters and buffers of the one with the smallest name
+        (as DDP broadcasts rank 0's); a trainer that starts while the others are training takes their current
+        parameters, optimizer and LR schedule and their global step (Lightning's step count with them), as a DDP
+        rank would hold them."""
         sync = self.peer.trainer_sync
         if sync is None:
             return
-        sync.start()  # from now on this trainer answers the others (a trainer that starts late is not led to)
+        # from now on this trainer answers the others (a trainer that starts late is not led to)
+        sync.start(initial=self._trainer_state())
         joined = sync.fetch_state()
         if joined is None:
             return

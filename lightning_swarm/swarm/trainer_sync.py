@@ -210,13 +210,17 @@ class TrainerSync(ServicerBase):
         self._joiners: dict[int, set[str]] = {}  # step -> trainers that join at it (they loaded its state)
         self._state_wanted: set[str] = set()  # trainers waiting for this one's state (to join late)
         self._state: tuple[int, bytes] | None = None  # the last state offered: (step, blob)
+        self._initial: bytes | None = None  # the state before any step (see start)
         self.finished = False  # this trainer's training ended: it leads no more steps
         self._hinted: set[str] = set()  # leaders other trainers named (a trainer this one had not seen yet)
         self._last: StepResult | None = None
 
     # ------------------------------------------------------------------ life
-    def start(self) -> None:
-        """Serve the other trainers (parts, results, published values, state for joiners)."""
+    def start(self, initial: bytes | None = None) -> None:
+        """Serve the other trainers (parts, results, published values, state for joiners). ``initial``: this
+        trainer's state before any step, which trainers starting with a larger name adopt (as DDP broadcasts rank
+        0's parameters when it wraps the model)."""
+        self._initial = initial
         if self.p2p is None:
             self.p2p = run_coroutine(self._start_p2p(), timeout=60)
 
@@ -272,7 +276,7 @@ class TrainerSync(ServicerBase):
                 continue
             except Exception as e:
                 if self.should_stop():
-                    raise
+                    raise _stopping() from None
                 starting = self._last is None and self.joined_at == 0 and step == 0
                 first = unanswered.setdefault(leader, time.monotonic())
                 if (
@@ -331,7 +335,7 @@ class TrainerSync(ServicerBase):
                 broken = 0
             except Exception:
                 if self.should_stop():
-                    raise
+                    raise _stopping() from None
                 broken += 1
                 if broken >= _BROKEN_LIMIT:
                     raise
@@ -393,12 +397,17 @@ class TrainerSync(ServicerBase):
             with self._cond:
                 waiting = self._waiting_for(rnd, live, step)
                 waited |= {n for n in waiting if n != _UNSEEN}
-                if not waiting or time.monotonic() >= deadline or self.should_stop():
+                if not waiting or time.monotonic() >= deadline:
                     break
+            if self.should_stop():
+                raise _stopping()
+            with self._cond:
                 self._cond.wait(_POLL_S)
         with self._cond:
             missing = sorted(waited - set(rnd.parts))
             rnd.result, rnd.error = self._average(step, rnd, own.header["step_id"], missing)
+            for part in rnd.parts.values():
+                part.grads = []  # averaged: only the names are needed from now on
             self._cond.notify_all()
         if rnd.error is not None:
             raise TrainersDiverged(rnd.error)
@@ -523,7 +532,7 @@ class TrainerSync(ServicerBase):
                     raise
                 except Exception as e:
                     if self.should_stop():
-                        raise
+                        raise _stopping() from None
                     broken += 1
                     if broken >= _BROKEN_LIMIT:
                         raise
@@ -639,8 +648,8 @@ class TrainerSync(ServicerBase):
     def _wait_state(self, name: str, wait: float) -> tuple[int, bytes] | str | None:
         deadline = time.monotonic() + wait
         with self._cond:
-            if self.step == 0 and self._last is None:
-                return "fresh"
+            if self.step == 0 and self._last is None:  # the run starts: this trainer's initial state
+                return (0, self._initial) if self._initial is not None else "fresh"
             if self._state is not None and name in self._joiners.get(self._state[0], set()):
                 return self._state
             self._state_wanted.add(name)
@@ -675,23 +684,30 @@ class TrainerSync(ServicerBase):
         live = (self.live_trainers() or set()) - {self.name}
         for other in sorted(live):
             try:
-                found = self._fetch_state_from(other)
+                found = self._fetch_state_from(other, starting=other < self.name)
             except Exception as e:
                 if self.should_stop():
-                    raise
+                    raise _stopping() from None
                 logger.debug(f"Trainer {other[-8:]} did not hand over its state: {type(e).__name__}: {e}")
                 continue
-            if found is not None:
-                step, blob = found
-                self.step = self.joined_at = step
-                self._hinted.add(other)
+            if found is None:
+                continue
+            step, _ = found
+            if step == 0 and other > self.name:
+                continue  # the run starts: trainers adopt the initial state of the one with the smallest name
+            self.step = self.joined_at = step
+            self._hinted.add(other)
+            if step > 0:
                 logger.info(f"This trainer joins the run at global step {step} with the current parameters")
-                return found
+            return found
         return None
 
-    def _fetch_state_from(self, other: str) -> tuple[int, bytes] | None:
+    def _fetch_state_from(self, other: str, starting: bool = False) -> tuple[int, bytes] | None:
+        """``other``'s state (see :meth:`fetch_state`); ``starting``: the run may be starting, and ``other`` not
+        answering yet (it starts too): asked again for up to ``timeout`` while it is live."""
         stub = self.get_stub(self._p2p(), PeerID.from_base58(other), namespace=self.namespace)
         deadline, broken = time.monotonic() + 3 * self.timeout + 30.0, 0
+        started = time.monotonic()
         ask = runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([self.name, _RESULT_WAIT_S]))
 
         async def state() -> tuple[bytes, list[torch.Tensor]]:
@@ -707,9 +723,10 @@ class TrainerSync(ServicerBase):
                 broken = 0
             except Exception:
                 if self.should_stop():
-                    raise
+                    raise _stopping() from None
                 broken += 1
-                if broken >= _BROKEN_LIMIT:
+                waiting = starting and time.monotonic() - started < self.timeout
+                if broken >= _BROKEN_LIMIT and not (waiting and other in (self.live_trainers() or ())):
                     raise
                 time.sleep(0.2)
                 continue
@@ -822,6 +839,12 @@ def _parse_result(reply: dict[str, Any], tensors: list[torch.Tensor], leader: st
         late=bool(reply.get("late", False)),
         names=[str(n) for n in reply.get("names", [])],
     )
+
+
+def _stopping() -> BaseException:
+    from .routing import PeerStopping
+
+    return PeerStopping("a trainers' step was abandoned: this peer is stopping")
 
 
 def _late(result: StepResult) -> StepResult:
