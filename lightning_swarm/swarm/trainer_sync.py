@@ -284,9 +284,8 @@ class TrainerSync(ServicerBase):
                     and time.monotonic() - first < self.timeout
                     and leader in (self.live_trainers() or ())
                 ):
-                    time.sleep(
-                        0.25
-                    )  # the run starts: a live trainer that does not answer yet is still starting
+                    # the run starts: a live trainer that does not answer yet is still starting
+                    time.sleep(0.25)
                     continue
                 logger.warning(
                     f"Trainer step {step}: the leader {leader[-8:]} did not answer ({type(e).__name__}: {e}); "
