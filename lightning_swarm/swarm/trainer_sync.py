@@ -321,25 +321,11 @@ class TrainerSync(ServicerBase):
                 raise TimeoutError(f"no value {key!r} for step {step_id}")
             return value
         stub = self.get_stub(self._p2p(), PeerID.from_base58(leader), namespace=self.namespace)
-        deadline, broken = time.monotonic() + timeout, 0
+        deadline = time.monotonic() + timeout
+        ask = runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([step_id, key, _RESULT_WAIT_S]))
         while True:
-            ask = runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([step_id, key, _RESULT_WAIT_S]))
-            try:
-                reply = run_coroutine(
-                    stub.rpc_await(ask, timeout=_RESULT_WAIT_S + 30.0),
-                    timeout=_RESULT_WAIT_S + 35.0,
-                    stop=self.should_stop,
-                )
-                found, value = msgpack.unpackb(reply.serialized_info, raw=False, strict_map_key=False)
-                broken = 0
-            except Exception:
-                if self.should_stop():
-                    raise _stopping() from None
-                broken += 1
-                if broken >= _BROKEN_LIMIT:
-                    raise
-                time.sleep(0.2)
-                continue
+            reply = self._asked(lambda: stub.rpc_await(ask, timeout=_RESULT_WAIT_S + 30.0))
+            found, value = msgpack.unpackb(reply.serialized_info, raw=False, strict_map_key=False)
             if found:
                 return value
             if time.monotonic() > deadline:
@@ -502,12 +488,8 @@ class TrainerSync(ServicerBase):
             ask = msgpack.packb([step, self.name, _RESULT_WAIT_S])
             return await _first_reply(await stub.rpc_result(runtime_pb2.ExpertInfo(serialized_info=ask)))
 
-        def call(coro: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
-            data, tensors = run_coroutine(
-                asyncio.wait_for(coro, _RESULT_WAIT_S + 30.0),
-                timeout=_RESULT_WAIT_S + 35.0,
-                stop=self.should_stop,
-            )
+        def retried(make: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
+            data, tensors = self._asked(make)
             reply = msgpack.unpackb(data, raw=False, strict_map_key=False)
             if not isinstance(reply, dict):
                 raise ValueError("malformed trainer step reply")
@@ -520,25 +502,6 @@ class TrainerSync(ServicerBase):
                     raise _NotLeader(hint)
                 raise ConnectionError(str(reply["error"]))
             return reply, tensors
-
-        def retried(make: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
-            """``call(make())``, asked again after a broken stream (a few times in a row at most)."""
-            broken = 0
-            while True:
-                try:
-                    return call(make())
-                except (TrainersDiverged, _NotLeader):
-                    raise
-                except Exception as e:
-                    if self.should_stop():
-                        raise _stopping() from None
-                    broken += 1
-                    if broken >= _BROKEN_LIMIT:
-                        raise
-                    logger.debug(
-                        f"Trainer step {step}: asking the leader again after {type(e).__name__}: {e}"
-                    )
-                    time.sleep(0.2)
 
         retried(contribute)
         while True:
@@ -558,6 +521,27 @@ class TrainerSync(ServicerBase):
         if self.p2p is None:
             raise ConnectionError("this trainer's step exchange is shut down")
         return self.p2p
+
+    def _asked(self, make: Callable[[], Any], keep_trying: Callable[[], bool] = lambda: False) -> Any:
+        """The result of the request ``make()`` (a coroutine) to another trainer, asked again after a broken
+        stream: up to ``_BROKEN_LIMIT`` times in a row, or for as long as ``keep_trying()`` says (a trainer that is
+        still starting); a peer that is stopping stops asking."""
+        broken = 0
+        while True:
+            try:
+                return run_coroutine(
+                    asyncio.wait_for(make(), _RESULT_WAIT_S + 30.0),
+                    timeout=_RESULT_WAIT_S + 35.0,
+                    stop=self.should_stop,
+                )
+            except Exception as e:
+                if self.should_stop():
+                    raise _stopping() from None
+                broken += 1
+                if broken >= _BROKEN_LIMIT and not keep_trying():
+                    raise
+                logger.debug(f"Asking trainer again after {type(e).__name__}: {e}")
+                time.sleep(0.2)
 
     # ------------------------------------------------------------------ handlers
     async def rpc_contribute(
@@ -705,30 +689,21 @@ class TrainerSync(ServicerBase):
         """``other``'s state (see :meth:`fetch_state`); ``starting``: the run may be starting, and ``other`` not
         answering yet (it starts too): asked again for up to ``timeout`` while it is live."""
         stub = self.get_stub(self._p2p(), PeerID.from_base58(other), namespace=self.namespace)
-        deadline, broken = time.monotonic() + 3 * self.timeout + 30.0, 0
-        started = time.monotonic()
+        deadline, started = time.monotonic() + 3 * self.timeout + 30.0, time.monotonic()
         ask = runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([self.name, _RESULT_WAIT_S]))
 
         async def state() -> tuple[bytes, list[torch.Tensor]]:
             return await _first_reply(await stub.rpc_state(ask))
 
+        def starting_up() -> bool:
+            return (
+                starting
+                and time.monotonic() - started < self.timeout
+                and other in (self.live_trainers() or ())
+            )
+
         while True:
-            try:
-                data, tensors = run_coroutine(
-                    asyncio.wait_for(state(), _RESULT_WAIT_S + 30.0),
-                    timeout=_RESULT_WAIT_S + 35.0,
-                    stop=self.should_stop,
-                )
-                broken = 0
-            except Exception:
-                if self.should_stop():
-                    raise _stopping() from None
-                broken += 1
-                waiting = starting and time.monotonic() - started < self.timeout
-                if broken >= _BROKEN_LIMIT and not (waiting and other in (self.live_trainers() or ())):
-                    raise
-                time.sleep(0.2)
-                continue
+            data, tensors = self._asked(state, keep_trying=starting_up)
             reply = msgpack.unpackb(data, raw=False)
             if not isinstance(reply, dict) or reply.get("error"):
                 raise ConnectionError(f"trainer {other[-8:]} refused this trainer's join: {reply}")
