@@ -295,6 +295,10 @@ class TrainerSync(ServicerBase):
         self.step = step + 1
         self._last = result
         self._known.update(result.names)
+        for (
+            name
+        ) in result.names:  # it took part: it answers (every trainer of the step picks the same leader next)
+            self._failed.pop(name, None)
         if result.late:
             self.late_steps += 1
             logger.warning(
