@@ -29,6 +29,7 @@ trainer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import math
@@ -826,17 +827,8 @@ def _stopping() -> BaseException:
 
 
 def _late(result: StepResult) -> StepResult:
-    return StepResult(
-        step=result.step,
-        step_id=result.step_id,
-        leader=result.leader,
-        trainers=result.trainers,
-        missing=result.missing,
-        grads=result.grads,
-        nonfinite=result.nonfinite,
-        late=True,
-        names=result.names,
-    )
+    """``result`` as a trainer whose part came after the step was taken receives it."""
+    return dataclasses.replace(result, late=True)
 
 
 def _reply(body: dict[str, Any]) -> runtime_pb2.ExpertResponse:
