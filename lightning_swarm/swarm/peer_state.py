@@ -18,6 +18,8 @@ from .states import ONLINE
 
 logger = logging.getLogger(__name__)
 
+_LOAD_ATTEMPTS = 3  # state downloads a joiner tries while the stage has other peers
+
 
 class _StageStates:
     """Stage states for checkpoints and resuming (a mixin: its attributes are the peer's)."""
@@ -53,6 +55,14 @@ class _StageStates:
             return
         try:
             loaded = server.load_state_from_peers()
+            for _ in range(
+                _LOAD_ATTEMPTS - 1
+            ):  # a donor that was busy or just left: the stage may have others
+                if loaded or not [
+                    p for p in get_stage_peers(self.dht, self.settings.run_id, stage) if p.peer_id != me
+                ]:
+                    break
+                loaded = server.load_state_from_peers()
             if not loaded:
                 self.partition.check_initialised(stage)
         except BaseException:

@@ -303,6 +303,9 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
                 reuse_state_tensors=self._shared_master or None,
                 matchmaking_time=s.matchmaking_time,
                 averaging_timeout=s.averaging_timeout,
+                # hivemind's default (matchmaking_time) gives up a state download whose next chunk is half a second
+                # late on a loaded host; a stalled sender of an all-reduce is still dropped within averaging_timeout
+                next_chunk_timeout=max(s.matchmaking_time, min(s.request_timeout, s.averaging_timeout)),
                 # hivemind warns (and may deadlock) unless requests time out before matchmaking ends; the optimizer
                 # state is initialized without moving the parameters (see initialize_optimizer_state)
                 averager_opts={
