@@ -1,11 +1,18 @@
 """A private network for benchmark processes: one network namespace per rank, joined by veth pairs through a
 bridge that lives in a namespace of its own, every link shaped by ``tc`` (rate limit, optional delay).
 
+Some ranks can sit behind NAT (``nat_ranks``), as a volunteer's machine behind a home router: such a rank's host
+namespace has a private address (192.168.<rank+1>.2) and reaches the bridge through a router namespace of its own
+whose ``iptables`` MASQUERADE rewrites its connections to the router's address on the bridge
+(10.213.<net>.<rank+1>, the rank's ``public_address``). Nothing on the bridge can open a connection to the rank;
+the rank can open connections out, and their answers come back (connection tracking).
+
 Nothing touches the root namespace's routes: the bridge and all addresses (10.213.<net>.<rank+1>/24) exist
 only inside namespaces this module creates, named ``lsw-<pid>-<suffix>``. They are deleted on ``close()``, at
-interpreter exit and on SIGINT/SIGTERM (deleting a namespace deletes its veth ends).
+interpreter exit and on SIGINT/SIGTERM (deleting a namespace deletes its veth ends); processes started with
+:meth:`VirtualCluster.popen` are killed (their process group) before that.
 
-Needs root (``ip netns``, ``tc``). Used by the benchmarks (through ``benchmarks/_harness/links.py``, which puts
+Needs root (``ip netns``, ``tc``; ``iptables`` for NAT: ``scripts/setup.sh`` installs it). Used by the benchmarks (through ``benchmarks/_harness/links.py``, which puts
 loopback behind the same interface) and by ``tests/test_dslide.py``. Usage::
 
     with VirtualCluster(num_ranks=2, rate_mbit=1000) as net:
@@ -19,6 +26,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Sequence
@@ -64,10 +72,17 @@ class VirtualCluster:
         rate_mbit: link rate in Mbit/s applied in both directions of every rank's link; ``None`` for no limit.
         delay_ms: one-way delay added on every link (netem); 0 for none.
         net: the third octet of the private subnet 10.213.<net>.0/24.
+        nat_ranks: ranks behind NAT, each behind a router namespace of its own (see the module docstring); their
+            access link (host to router) is the shaped one.
     """
 
     def __init__(
-        self, num_ranks: int, rate_mbit: float | None = 1000, delay_ms: float = 0.0, net: int = 0
+        self,
+        num_ranks: int,
+        rate_mbit: float | None = 1000,
+        delay_ms: float = 0.0,
+        net: int = 0,
+        nat_ranks: Sequence[int] = (),
     ) -> None:
         if os.geteuid() != 0:
             raise PermissionError(
@@ -77,6 +92,14 @@ class VirtualCluster:
         if not 1 <= num_ranks <= 200:
             raise ValueError(f"num_ranks must be in 1..200, got {num_ranks}.")
         self.num_ranks = num_ranks
+        self.nat_ranks = frozenset(nat_ranks)
+        if not self.nat_ranks <= set(range(num_ranks)):
+            raise ValueError(f"nat_ranks {sorted(self.nat_ranks)} must be ranks in [0, {num_ranks}).")
+        if self.nat_ranks and shutil.which("iptables") is None:
+            raise RuntimeError(
+                "VirtualCluster(nat_ranks=...) needs the iptables command for NAT: `apt-get install -y iptables` "
+                "(scripts/setup.sh installs it)."
+            )
         self.rate_mbit = rate_mbit
         self.delay_ms = delay_ms
         self.prefix = f"lsw-{os.getpid()}-{net}"
@@ -84,12 +107,24 @@ class VirtualCluster:
         self.subnet = f"10.213.{net}"
         self.ifname = "eth0"
         self._created: list[str] = []
+        self._procs: list[tuple[subprocess.Popen[bytes], bool]] = []  # (process, leads its own group)
         self._closed = False
 
     def rank_ns(self, rank: int) -> str:
         return f"{self.prefix}-{rank}"
 
+    def router_ns(self, rank: int) -> str:
+        """The namespace of the NAT router in front of rank ``rank`` (a rank in ``nat_ranks``)."""
+        return f"{self.prefix}-{rank}-nat"
+
     def address(self, rank: int) -> str:
+        """The address rank ``rank`` has on its own interface (a private one behind NAT)."""
+        if rank in self.nat_ranks:
+            return f"192.168.{rank + 1}.2"
+        return f"{self.subnet}.{rank + 1}"
+
+    def public_address(self, rank: int) -> str:
+        """The address the other ranks see rank ``rank``'s connections come from (its router's, behind NAT)."""
         return f"{self.subnet}.{rank + 1}"
 
     def __enter__(self) -> VirtualCluster:
@@ -110,21 +145,49 @@ class VirtualCluster:
                 ns = self.rank_ns(rank)
                 self._add_ns(ns)
                 outer = f"v{rank}"
-                # Create the pair inside the bridge namespace, then move one end: the root namespace never
-                # holds either end.
-                _run("ip", "-n", self.bridge_ns, "link", "add", outer, "type", "veth", "peer", "name", "tmp0")
-                _run("ip", "-n", self.bridge_ns, "link", "set", "tmp0", "netns", ns)
-                _run("ip", "-n", ns, "link", "set", "tmp0", "name", self.ifname)
-                _run("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", self.ifname)
-                _run("ip", "-n", ns, "link", "set", self.ifname, "up")
-                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                if rank in self.nat_ranks:
+                    router = self.router_ns(rank)
+                    self._add_ns(router)
+                    self._veth(self.bridge_ns, outer, router, "wan", f"{self.public_address(rank)}/24")
+                    self._veth(router, "lan", ns, self.ifname, f"{self.address(rank)}/24")
+                    _run("ip", "-n", router, "addr", "add", f"192.168.{rank + 1}.1/24", "dev", "lan")
+                    _run("ip", "-n", router, "link", "set", "lan", "up")
+                    _run("ip", "-n", ns, "route", "add", "default", "via", f"192.168.{rank + 1}.1")
+                    self._masquerade(router)
+                    self._shape(ns, self.ifname)
+                    self._shape(router, "lan")
+                else:
+                    self._veth(self.bridge_ns, outer, ns, self.ifname, f"{self.address(rank)}/24")
+                    self._shape(ns, self.ifname)
+                    self._shape(self.bridge_ns, outer)
                 _run("ip", "-n", self.bridge_ns, "link", "set", outer, "master", "br0")
                 _run("ip", "-n", self.bridge_ns, "link", "set", outer, "up")
-                self._shape(ns, self.ifname)
-                self._shape(self.bridge_ns, outer)
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _veth(ns_a: str, dev_a: str, ns_b: str, dev_b: str, addr_b: str) -> None:
+        """A veth pair ``dev_a`` (in ``ns_a``) -- ``dev_b`` (in ``ns_b``, address ``addr_b``, up with its lo)."""
+        # Create the pair inside ns_a, then move one end: the root namespace never holds either end.
+        _run("ip", "-n", ns_a, "link", "add", dev_a, "type", "veth", "peer", "name", "tmp0")
+        _run("ip", "-n", ns_a, "link", "set", "tmp0", "netns", ns_b)
+        _run("ip", "-n", ns_b, "link", "set", "tmp0", "name", dev_b)
+        _run("ip", "-n", ns_b, "addr", "add", addr_b, "dev", dev_b)
+        _run("ip", "-n", ns_b, "link", "set", dev_b, "up")
+        _run("ip", "-n", ns_b, "link", "set", "lo", "up")
+
+    @staticmethod
+    def _masquerade(router: str) -> None:
+        """``router`` forwards its LAN's connections out of ``wan`` under its own address, and lets in only their
+        answers (a home router without port forwarding)."""
+        _run("ip", "netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        ipt = ["ip", "netns", "exec", router, "iptables"]
+        _run(*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE")
+        _run(*ipt, "-A", "FORWARD", "-i", "lan", "-o", "wan", "-j", "ACCEPT")
+        _run(*ipt, "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack", "--ctstate",
+             "ESTABLISHED,RELATED", "-j", "ACCEPT")  # fmt: skip
+        _run(*ipt, "-P", "FORWARD", "DROP")
 
     def _add_ns(self, name: str) -> None:
         _run("ip", "netns", "add", name)
@@ -151,6 +214,9 @@ class VirtualCluster:
         if self._closed:
             return
         self._closed = True
+        for proc, leads_group in self._procs:  # a process in a deleted namespace would live on, unreachable
+            kill_group(proc, leads_group)
+        self._procs.clear()
         for name in reversed(self._created):
             _run("ip", "netns", "del", name, check=False)
         self._created.clear()
@@ -160,14 +226,43 @@ class VirtualCluster:
     def popen(
         self, rank: int, cmd: Sequence[str], env: dict[str, str] | None = None, **kwargs: Any
     ) -> subprocess.Popen[bytes]:
-        """Start ``cmd`` inside rank ``rank``'s namespace (gloo is pinned to its veth)."""
+        """Start ``cmd`` inside rank ``rank``'s namespace (gloo is pinned to its veth). Unless ``kwargs`` choose
+        otherwise (``preexec_fn``/``start_new_session``), it leads a process group of its own, killed on
+        :meth:`close`."""
         full_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": self.ifname}
-        return subprocess.Popen(["ip", "netns", "exec", self.rank_ns(rank), *cmd], env=full_env, **kwargs)
+        if "preexec_fn" not in kwargs:
+            kwargs.setdefault("start_new_session", True)
+        leads_group = "preexec_fn" in kwargs or bool(kwargs.get("start_new_session"))
+        proc = subprocess.Popen(["ip", "netns", "exec", self.rank_ns(rank), *cmd], env=full_env, **kwargs)
+        self._procs.append((proc, leads_group))
+        return proc
+
+    def run(self, rank: int, cmd: Sequence[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        """Run ``cmd`` in rank ``rank``'s namespace to its end (killed after ``timeout`` s), output captured."""
+        return subprocess.run(
+            ["ip", "netns", "exec", self.rank_ns(rank), *cmd], capture_output=True, text=True, timeout=timeout
+        )
 
     def tx_bytes(self, rank: int) -> int:
         """Bytes rank ``rank`` has sent on its link so far."""
         out = _run("ip", "-n", self.rank_ns(rank), "-s", "-j", "link", "show", "dev", self.ifname).stdout
         return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+
+
+def kill_group(proc: subprocess.Popen[Any], leads_group: bool = True) -> None:
+    """SIGKILL the process group ``proc`` leads (its helpers too, even once ``proc`` itself has exited; ``proc``
+    alone if ``leads_group`` is False) and reap ``proc``."""
+    try:
+        if leads_group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        elif proc.poll() is None:
+            proc.kill()
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def leftover_namespaces() -> list[str]:
