@@ -14,10 +14,11 @@ from hivemind.p2p import PeerID
 from lightning_swarm.swarm.wire.codec import COMPRESSIONS
 from lightning_swarm.swarm.wire.protocol import check_run_id
 
-__all__ = ["ROLES", "SwarmSettings"]
+__all__ = ["REACHABILITIES", "ROLES", "SwarmSettings"]
 
 ROLES = ("both", "trainer", "server")
 STAGE_STEPS = ("auto", "trainer", "async")
+REACHABILITIES = ("auto", "direct", "relay")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class SwarmSettings:
             the trainer does with Lightning's mixed precision; ``None``: no autocast.
         same_host: stage calls between peers of one machine (and network namespace) go over a Unix socket
             instead of through the p2p daemons (see :mod:`.same_host`); off for a private swarm's servers.
+        reachability: how other peers reach this one: ``"direct"`` (its own addresses: a public host or a
+            forwarded port), ``"relay"`` (behind NAT: through a circuit relay at each of its initial peers, announced
+            in its stage record) or ``"auto"`` (asks an initial peer to dial it back at start-up; ``"relay"`` if that
+            fails). See :mod:`.dht.reachability`.
         identity_path: file holding this peer's private key (created if missing), for a peer id that stays the
             same across restarts (needed to be on other peers' ``allowed_peers``); ``None``: a new key per run.
     """
@@ -79,6 +84,7 @@ class SwarmSettings:
     trainer_timeout: float = 60.0
     autocast: str | None = None
     same_host: bool = True
+    reachability: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
@@ -101,6 +107,10 @@ class SwarmSettings:
         if self.autocast not in (None, "bfloat16", "float16"):
             raise ValueError(
                 f"{name}: autocast must be None, 'bfloat16' or 'float16', got {self.autocast!r}."
+            )
+        if self.reachability not in REACHABILITIES:
+            raise ValueError(
+                f"{name}(reachability={self.reachability!r}) is not supported; use one of {REACHABILITIES}."
             )
         if not isinstance(self.same_host, bool):
             raise ValueError(f"{name}(same_host={self.same_host!r}) must be True or False.")

@@ -270,6 +270,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         peers = parse_stage_peers(found, stage)
         with self._router_lock:
             self.routers[stage].update_peers(peers)
+        self._reach_relayed(peers)
         self._last_refresh[stage] = time.monotonic()
         return peers
 

@@ -3,13 +3,15 @@ applied to the stage's router, and waits for a stage that has no live peer (see 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
 
-from lightning_swarm.swarm.dht.records import parse_stage_peers
+from lightning_swarm.swarm.dht.reachability import dial_relayed
+from lightning_swarm.swarm.dht.records import PeerInfo, parse_stage_peers
 from lightning_swarm.swarm.dht.validation import stage_key
-from lightning_swarm.swarm.loop import STOP_POLL_S
+from lightning_swarm.swarm.loop import STOP_POLL_S, get_loop, in_loop_thread, replicate_p2p, run_coroutine
 from lightning_swarm.swarm.wire.errors import PeerStopping
 
 logger = logging.getLogger(__name__)
@@ -39,10 +41,25 @@ class _StageDiscovery:
                 peers = parse_stage_peers(pending.result(), stage)
                 with self._router_lock:
                     self.routers[stage].update_peers(peers)
+                self._reach_relayed(peers)
             except Exception as e:
                 logger.debug(f"DHT lookup of stage {stage} failed: {e!r}")
         if block and self.routers[stage].num_live() == 0:
             self._wait_polling(start + max_wait)
+
+    def _reach_relayed(self, peers: list[PeerInfo]) -> None:
+        """Connect this peer's daemon, in the background, to the peers among ``peers`` that are behind NAT, through
+        the relays their records name: calls by peer id then find the connection (a no-op when connected; a
+        relayed connection that was cut is opened again at the next lookup)."""
+        relayed = [(p.peer_id, p.relay_addrs) for p in peers if p.relay_addrs and p.peer_id != self.peer_id]
+        if not relayed:
+            return
+        with self._transport_lock:  # the P2P replica the transports share
+            if self._p2p is None and not in_loop_thread():
+                self._p2p = run_coroutine(replicate_p2p(self.dht), timeout=60)
+            p2p = self._p2p
+        if p2p is not None:
+            asyncio.run_coroutine_threadsafe(dial_relayed(p2p, relayed), get_loop())
 
     def _wait_polling(self, deadline: float, future: Any = None) -> None:
         """Wait until ``deadline`` (or until ``future`` is done), polling ``should_stop`` meanwhile: a peer that is

@@ -1,12 +1,14 @@
 """DHT records: which peers serve which stage, and how fast.
 
 Every stage server stores one record under the three-part key ``"{run_id}.stage{k}.0"``, subkeyed by its
-base58 peer id, with value ``[throughput, state, num_stages, measured, figure_time]``: samples per second, the
+base58 peer id, with value ``[throughput, state, num_stages, measured, figure_time, relay_addrs]``: samples per
+second, the
 peer's state (``"joining"`` while it loads the stage's current state, ``"online"`` while it serves, ``"leaving"``
 once it is about to stop or move), the number of stages of the pipeline (so that ``lightning-swarm status`` needs
 no ``--num-stages``), whether the throughput was measured on calls served (``False``: an estimate) and the DHT time
-at which that figure was made. The fields after the throughput are optional: a bare ``[throughput]`` reads as
-online, of unknown origin and age. A trainer lists a stage's swarm with a
+at which that figure was made, and the circuit addresses through which a peer behind NAT is reached (a list of
+``<relay>/p2p/<relay id>/p2p-circuit``; absent or empty: the peer is dialled directly, see :mod:`.reachability`).
+The fields after the throughput are optional: a bare ``[throughput]`` reads as online, of unknown origin and age. A trainer lists a stage's swarm with a
 single ``dht.get(key, latest=True)`` and routes only to online peers. Records expire unless re-announced (see
 ``StageServer``).
 
@@ -48,6 +50,7 @@ from lightning_swarm.swarm.dht.identity import (
     subkey_peer_id,
 )
 from lightning_swarm.swarm.dht.validation import (
+    check_relay_addrs,
     stage_key,
 )
 from lightning_swarm.swarm.states import ONLINE, STATES
@@ -70,6 +73,8 @@ class PeerInfo:
         num_stages: the pipeline's number of stages as the peer announced it (``None`` if it did not).
         measured: whether ``throughput`` was measured on calls served (``False``: an estimate; ``None``: not said).
         figure_time: DHT time at which ``throughput`` was estimated or last measured (``None``: not said).
+        relay_addrs: circuit addresses through which the peer is reached: it is behind NAT, its calls go through
+            a relay (empty: dialled directly).
     """
 
     peer_id: PeerID
@@ -80,6 +85,12 @@ class PeerInfo:
     num_stages: int | None = None
     measured: bool | None = None
     figure_time: float | None = None
+    relay_addrs: tuple[str, ...] = ()
+
+    @property
+    def relayed(self) -> bool:
+        """Whether the peer is reached only through a relay (it says so in its record)."""
+        return bool(self.relay_addrs)
 
 
 def declare_stage_peer(
@@ -93,6 +104,7 @@ def declare_stage_peer(
     num_stages: int | None = None,
     measured: bool | None = None,
     figure_time: float | None = None,
+    relay_addrs: tuple[str, ...] = (),
     timeout: float = 30.0,
 ) -> bool:
     """Announce that ``peer_id`` serves ``stage`` at ``throughput`` samples/s until ``expiration_time``.
@@ -110,6 +122,7 @@ def declare_stage_peer(
         measured: whether ``throughput`` was measured on calls served (``False``: an estimate); announced with
             ``figure_time``, and only with ``num_stages``.
         figure_time: DHT time at which ``throughput`` was estimated or last measured.
+        relay_addrs: circuit addresses of a peer behind NAT (announced only with ``measured`` and ``figure_time``).
         timeout: seconds to wait for the DHT (``TimeoutError`` after that).
 
     Returns:
@@ -122,6 +135,8 @@ def declare_stage_peer(
         value.append(int(num_stages))
         if measured is not None and figure_time is not None:
             value += [bool(measured), float(figure_time)]
+            if relay_addrs:
+                value.append([str(a) for a in relay_addrs])
     identity = identity_of(dht)
     subkey = identity.subkey if identity is not None and identity.peer_id == peer_id else peer_id.to_base58()
     # a bounded wait: a DHT whose helper process died (e.g. SIGTERM to the process group) never answers, and a
@@ -157,17 +172,20 @@ def parse_stage_peers(
         try:
             value, expiration = strip_signature(entry.value), float(entry.expiration_time)
             peer_id = subkey_peer_id(subkey)
-            state, num_stages, measured, figure_time = ONLINE, None, None, None
+            state, num_stages, measured, figure_time, relay_addrs = ONLINE, None, None, None, ()
             if isinstance(value, (list, tuple)):
-                if not 1 <= len(value) <= 5 or len(value) == 4:
+                if not 1 <= len(value) <= 6 or len(value) == 4:
                     raise ValueError(
-                        f"expected [throughput, state, num_stages, measured, figure_time], got {len(value)} fields"
+                        "expected [throughput, state, num_stages, measured, figure_time, relay_addrs], got "
+                        f"{len(value)} fields"
                     )
+                if len(value) == 6:
+                    relay_addrs = tuple(check_relay_addrs(value[5]))
                 if len(value) >= 2:
                     state = value[1]
                 if len(value) >= 3:
                     num_stages = value[2]
-                if len(value) == 5:
+                if len(value) >= 5:
                     measured, figure_time = value[3], value[4]
                     if not isinstance(measured, bool):
                         raise ValueError(f"measured must be a bool, got {measured!r}")
@@ -200,6 +218,7 @@ def parse_stage_peers(
                 num_stages=num_stages,
                 measured=measured,
                 figure_time=figure_time,
+                relay_addrs=relay_addrs,
             )
         )
     peers.sort(key=lambda info: info.peer_id.to_base58())

@@ -49,9 +49,30 @@ class _OwnedSubkey(bytes):
         return value
 
 
+MAX_RELAY_ADDRS = 8
+
+
+def check_relay_addrs(value: Any) -> list[str]:
+    """``value`` if it is a stage record's ``relay_addrs``: at most 8 circuit multiaddrs (``.../p2p-circuit``,
+    text under 256 characters, each through a relay named by ``/p2p/<id>``); raises ``ValueError`` otherwise."""
+    if not isinstance(value, list) or len(value) > MAX_RELAY_ADDRS:
+        raise ValueError(f"relay_addrs must be a list of at most {MAX_RELAY_ADDRS} multiaddrs")
+    for addr in value:
+        if (
+            not isinstance(addr, str)
+            or len(addr) >= 256
+            or not addr.startswith("/")
+            or not addr.endswith("/p2p-circuit")
+            or "/p2p/" not in addr
+        ):
+            raise ValueError(f"relay address {addr!r} is not '<relay>/p2p/<relay id>/p2p-circuit'")
+    return value
+
+
 class _StageValue(list):
     """Schema type of a stage record's value: ``[throughput > 0 (float), state, num_stages >= 1 (int), measured
-    (bool), figure_time (float)]``; the fields after the throughput are optional (the last two together)."""
+    (bool), figure_time (float), relay_addrs (list of circuit multiaddrs)]``; the fields after the throughput are
+    optional (measured and figure_time together, relay_addrs only after them)."""
 
     @classmethod
     def __get_validators__(cls):
@@ -59,15 +80,17 @@ class _StageValue(list):
 
     @classmethod
     def _check(cls, value: Any) -> list:
-        if not isinstance(value, list) or not 1 <= len(value) <= 5 or len(value) == 4:
-            raise ValueError("expected [throughput, state, num_stages, measured, figure_time]")
+        if not isinstance(value, list) or not 1 <= len(value) <= 6 or len(value) == 4:
+            raise ValueError("expected [throughput, state, num_stages, measured, figure_time, relay_addrs]")
         if type(value[0]) is not float or not (math.isfinite(value[0]) and value[0] > 0):
             raise ValueError("throughput must be a positive finite float")
         if len(value) >= 2 and value[1] not in STATES:
             raise ValueError(f"state must be one of {STATES}")
         if len(value) >= 3 and (type(value[2]) is not int or value[2] < 1):
             raise ValueError("num_stages must be a positive int")
-        if len(value) == 5 and (
+        if len(value) == 6:
+            check_relay_addrs(value[5])
+        if len(value) >= 5 and (
             type(value[3]) is not bool or type(value[4]) is not float or not math.isfinite(value[4])
         ):
             raise ValueError("measured must be a bool and figure_time a finite float")

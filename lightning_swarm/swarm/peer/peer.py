@@ -48,6 +48,7 @@ from lightning_swarm.swarm.dht.bootstrap import _env_peers, dht_start_error
 from lightning_swarm.swarm.dht.identity import PeerIdentity, register_identity
 from lightning_swarm.swarm.dht.presence import PeerFailure, Presence, _dht_alive
 from lightning_swarm.swarm.dht.process import SwarmDHT
+from lightning_swarm.swarm.dht.reachability import start_reachable
 from lightning_swarm.swarm.dht.records import get_stage_peers
 from lightning_swarm.swarm.dht.validation import record_validators
 from lightning_swarm.swarm.footprint import before_fork, release_free_memory, share_parameters, trim_footprint
@@ -114,6 +115,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         self.device = device or torch.device("cpu")
         self.dht: hivemind.DHT | None = None
         self.presence: Presence | None = None
+        self.reached = "direct"  # how the swarm reaches this peer: "direct" or "relay" (see start_dht)
         self.partition: Partition | None = None
         self.server: StageServer | None = None
         self.client: SwarmClient | None = None
@@ -239,7 +241,6 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         die_with_parent()
         quiet_routine_logs()  # before hivemind forks its helpers, which inherit the filter
         trim_footprint()  # before the first helper and the first shared tensor
-        before_fork()  # the DHT's process is forked below
         host_maddrs = s.host_maddrs or ["/ip4/127.0.0.1/tcp/0"]
         initial_peers = list(s.initial_peers) or _env_peers()
         if self.local_swarm_size is not None and self.peer_index > 0 and not initial_peers:
@@ -258,15 +259,21 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
             if identity_path is None:
                 identity_path = os.path.join(tmp, "identity.key")
                 identity.save(identity_path)
-            try:
-                self.dht = SwarmDHT(
+
+            def create(daemon_options: dict[str, Any]) -> hivemind.DHT:
+                before_fork()  # the DHT's process is forked here
+                return SwarmDHT(
                     start=True,
                     initial_peers=initial_peers,
                     host_maddrs=host_maddrs,
                     identity_path=identity_path,
                     check_if_identity_free=False,
                     record_validators=record_validators(s.run_id, s.num_stages, identity),
+                    **daemon_options,
                 )
+
+            try:
+                self.dht, self.reached = start_reachable(create, s.reachability, initial_peers)
             except Exception as e:
                 unprotect(identity.peer_id)
                 raise RuntimeError(
@@ -281,7 +288,8 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         self.presence = Presence(self.dht, s.run_id, str(self.dht.peer_id), trainer=self.is_trainer)
         self.presence.start()
         logger.info(
-            f"Swarm peer {self.peer_index} is up{' (private swarm)' if private else ''}: "
+            f"Swarm peer {self.peer_index} is up{' (private swarm)' if private else ''}"
+            f"{' (behind NAT: reached through relays)' if self.reached == 'relay' else ''}: "
             f"{[str(a) for a in self.dht.get_visible_maddrs()]}"
         )
         return self.dht

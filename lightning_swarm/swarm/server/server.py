@@ -78,6 +78,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from lightning_swarm.swarm.dht.auth import is_protected
+from lightning_swarm.swarm.dht.reachability import relay_addrs_of
 from lightning_swarm.swarm.dht.records import declare_stage_peer
 from lightning_swarm.swarm.footprint import before_fork, release_free_memory, zero_grad_view
 from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
@@ -497,6 +498,7 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
                 num_stages=self.settings.num_stages,
                 measured=self.throughput.measured,
                 figure_time=self.throughput.at,
+                relay_addrs=relay_addrs_of(self.dht),
             )
         except Exception as e:
             logger.warning(f"Stage {self.stage} server could not announce itself in the DHT: {e!r}")

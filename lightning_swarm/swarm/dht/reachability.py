@@ -1,0 +1,280 @@
+"""How other peers reach this one: directly, or through a circuit relay when it is behind NAT.
+
+Most volunteers' machines sit behind NAT: nothing outside can open a connection to them, but they can open
+connections out. hivemind's p2p daemon (go-libp2p) speaks circuit relay v2: a peer behind NAT reserves a slot at a
+public peer (every peer serves as a relay by default), and the others reach it through
+``<relay>/p2p/<relay id>/p2p-circuit``. A peer's ``reachability`` (:class:`~lightning_swarm.swarm.SwarmSettings`):
+
+- ``"direct"``: others dial this peer's own addresses (a public host, or a port forwarded to it);
+- ``"relay"``: this peer reserves a slot at each of its initial peers (the swarm's public peers) at start-up and
+  announces the circuit addresses through them in its stage record (:mod:`.records`);
+- ``"auto"`` (default): a swarm peer that has initial peers off this host asks one of them to dial it back from a
+  fresh daemon (:func:`ask_dial_back`, served by every peer: :func:`serve_dial_back`); if that fails the peer is
+  behind NAT and starts again as ``"relay"``. On loopback, or with no initial peers, it is ``"direct"``.
+
+What hivemind 1.1.12 needs for this, done here:
+
+- the daemon's relay client (``-autoRelay``) with its relays as a static list (``-trustedRelays`` with
+  ``-relayDiscovery=0``, a flag hivemind does not pass: see :data:`_STATIC_RELAYS`). With discovery on, go-libp2p
+  waits its boot delay (3 min) before it reserves a slot when it knows fewer than 4 relay candidates;
+- reachability forced private (``-forceReachabilityPrivate``): AutoNAT never decides for addresses in private
+  ranges (10/8, 192.168/16), and without a decision the relay client reserves nothing;
+- the circuit address sent to the daemon with its ``/p2p/`` parts as bare multihashes (:func:`wire_maddr`):
+  hivemind's multiaddr encoder writes them as CIDv1, which the daemon refuses ("length greater than remaining
+  number of bytes in buffer").
+
+Hole punching (DCUtR): the daemon enables it together with AutoNAT (hivemind's default ``auto_nat=True``), but
+go-libp2p starts a hole punch only once the NAT'd host knows its own public address from at least 4 peers'
+observations, and only towards addresses it counts as public; on the test bed, relayed connections were never
+upgraded. The relay carries such a peer's traffic; routing weighs it by the throughput measured through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from google.protobuf.wrappers_pb2 import BytesValue
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from lightning_swarm.swarm.settings import REACHABILITIES
+
+__all__ = [
+    "DIAL_BACK",
+    "REACHABILITIES",
+    "ask_dial_back",
+    "circuit_addrs",
+    "daemon_options",
+    "dial_relayed",
+    "is_local",
+    "relay_addrs_of",
+    "start_reachable",
+    "serve_dial_back",
+    "wire_maddr",
+]
+
+logger = logging.getLogger(__name__)
+
+DIAL_BACK = "SwarmReach.dial_back"
+_DIAL_TIMEOUT = 5.0
+_MAX_ADDRS = 8
+_P2P_CODE, _CIRCUIT_CODE = 0x01A5, 0x0122
+
+# hivemind passes force_reachability through this table as daemon flags: two more rows give the flags it has no
+# argument for (static relays: no discovery, no boot delay)
+_STATIC_RELAYS = "lightning-swarm-relay"
+P2P.FORCE_REACHABILITY_MAPPING.setdefault(
+    _STATIC_RELAYS, {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
+)
+
+
+def is_local(maddr: str) -> bool:
+    """Whether ``maddr`` is an address on this host only (loopback)."""
+    return "/ip4/127." in maddr or "/ip6/::1/" in maddr
+
+
+def daemon_options(reachability: str, relays: Sequence[str]) -> dict[str, Any]:
+    """Keyword arguments for ``hivemind.DHT`` (passed on to ``P2P.create``) for a peer that is ``"direct"`` or
+    ``"relay"`` (through ``relays``, full multiaddrs with ``/p2p/<id>``)."""
+    if reachability == "direct":
+        return {}
+    if reachability == "relay":
+        if not relays:
+            raise ValueError(
+                "reachability='relay' needs relays: give initial_peers (the swarm's public peers serve as relays)."
+            )
+        return {"use_auto_relay": True, "trusted_relays": list(relays), "force_reachability": _STATIC_RELAYS}
+    raise ValueError(f"reachability must be 'direct' or 'relay' here, got {reachability!r}")
+
+
+def circuit_addrs(relays: Iterable[str]) -> tuple[str, ...]:
+    """The addresses through which a peer with a slot at each of ``relays`` is dialled (``<relay>/p2p-circuit``)."""
+    return tuple(f"{r.rstrip('/')}/p2p-circuit" for r in relays if "/p2p/" in r and "p2p-circuit" not in r)
+
+
+def wire_maddr(maddr: str) -> Multiaddr:
+    """``maddr`` as a ``Multiaddr`` whose bytes the daemon reads: ``/p2p/`` values as bare multihashes."""
+    out = b""
+    parts = maddr.strip("/").split("/")
+    i = 0
+    while i < len(parts):
+        name = parts[i]
+        if name == "p2p-circuit":
+            out += _uvarint(_CIRCUIT_CODE)
+            i += 1
+            continue
+        if i + 1 >= len(parts):
+            raise ValueError(f"{maddr!r}: /{name} has no value")
+        if name in ("p2p", "ipfs"):
+            digest = PeerID.from_base58(parts[i + 1]).to_bytes()
+            out += _uvarint(_P2P_CODE) + _uvarint(len(digest)) + digest
+        else:
+            out += Multiaddr(f"/{name}/{parts[i + 1]}").to_bytes()
+        i += 2
+    return _WireMultiaddr(maddr, out)
+
+
+def _uvarint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+class _WireMultiaddr(Multiaddr):
+    """A multiaddr given by its text and its bytes (see :func:`wire_maddr`)."""
+
+    def __init__(self, text: str, data: bytes) -> None:  # noqa: D107 (no parsing: hivemind's would re-encode)
+        self._text, self._bytes = text, data
+
+    def to_bytes(self) -> bytes:
+        return self._bytes
+
+    def __str__(self) -> str:
+        return self._text
+
+    def __repr__(self) -> str:
+        return f"<Multiaddr {self._text}>"
+
+
+async def dial_relayed(
+    p2p: P2P, peers: Iterable[tuple[PeerID, Sequence[str]]], timeout: float = 10.0
+) -> None:
+    """Make ``p2p``'s daemon connect to each relayed peer through its circuit addresses (a no-op for a peer it is
+    already connected to), so that later calls by peer id find a connection. Failures are logged, not raised: the
+    caller's retries and bans handle a peer that cannot be reached."""
+
+    async def one(peer_id: PeerID, addrs: Sequence[str]) -> None:
+        try:
+            maddrs = [wire_maddr(a) for a in addrs]
+            await asyncio.wait_for(p2p._client.connect(peer_id, maddrs), timeout)
+        except Exception as e:
+            logger.debug(f"Could not connect to {peer_id} through its relays {list(addrs)}: {e!r}")
+
+    await asyncio.gather(*(one(peer_id, addrs) for peer_id, addrs in peers if addrs))
+
+
+# ------------------------------------------------------------------------------------------ dial-back service
+_dial_slots: asyncio.Semaphore | None = None
+
+
+async def _dial_back(request: BytesValue, context: P2PContext) -> BytesValue:
+    """Dial the caller at the addresses it lists, from a fresh daemon that has no connection to it (without
+    relays), and say whether that worked and how long the connection took."""
+    global _dial_slots
+    if _dial_slots is None:
+        _dial_slots = asyncio.Semaphore(2)  # a probe costs a daemon start: a few at a time
+    try:
+        addrs = json.loads(request.value.decode())["addrs"]
+        if not isinstance(addrs, list) or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
+            raise ValueError("addrs must be a list of multiaddr strings")
+        maddrs = [Multiaddr(a) for a in addrs[:_MAX_ADDRS] if "p2p-circuit" not in a and not is_local(a)]
+    except Exception as e:
+        return BytesValue(value=json.dumps({"reachable": False, "error": f"bad request: {e}"}).encode())
+    if not maddrs:
+        return BytesValue(value=json.dumps({"reachable": False, "error": "no address off its host"}).encode())
+    async with _dial_slots:
+        probe = await P2P.create(use_relay=False, auto_nat=False, nat_port_map=False)
+        try:
+            start = time.perf_counter()
+            await asyncio.wait_for(probe._client.connect(context.remote_id, maddrs), _DIAL_TIMEOUT)
+            answer = {"reachable": True, "connect_ms": 1000 * (time.perf_counter() - start)}
+        except Exception as e:
+            answer = {"reachable": False, "error": (str(e).strip().splitlines() or [repr(e)])[-1][:300]}
+        finally:
+            await probe.shutdown()
+    return BytesValue(value=json.dumps(answer).encode())
+
+
+async def _register(_dht: Any, node: Any) -> None:
+    await node.p2p._add_protobuf_unary_handler(DIAL_BACK, _dial_back, BytesValue)
+
+
+def serve_dial_back(dht: Any) -> None:
+    """Serve :data:`DIAL_BACK` on ``dht``'s daemon (a ``hivemind.DHT``; the handler runs in its process)."""
+    dht.run_coroutine(_register)
+
+
+async def ask_dial_back(
+    p2p: P2P, peer_id: PeerID, addrs: Sequence[str], timeout: float = 3 * _DIAL_TIMEOUT
+) -> dict[str, Any]:
+    """Ask ``peer_id`` to dial this peer back at ``addrs``: ``{"reachable": bool, "connect_ms"|"error": ...}``.
+    Raises if ``peer_id`` does not answer (not a swarm peer, or gone)."""
+    request = BytesValue(value=json.dumps({"addrs": list(addrs)}).encode())
+    reply = await asyncio.wait_for(
+        p2p._call_unary_protobuf_handler(peer_id, DIAL_BACK, request, BytesValue), timeout
+    )
+    return json.loads(reply.value.decode())
+
+
+# ------------------------------------------------------------------------------------------ start-up
+_RELAY_ADDRS: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def relay_addrs_of(dht: Any) -> tuple[str, ...]:
+    """The circuit addresses ``dht``'s peer is reached through (empty: it is reached directly)."""
+    return _RELAY_ADDRS.get(dht, ())
+
+
+def check_direct(dht: Any, relays: Sequence[str]) -> dict[str, Any] | None:
+    """Ask the peers ``relays`` in turn to dial ``dht``'s peer back at its own addresses; the first answer, or
+    ``None`` if none of them answers."""
+    from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
+
+    addrs = [str(a) for a in dht.get_visible_maddrs(latest=True)]
+
+    async def ask() -> dict[str, Any] | None:
+        p2p = await replicate_p2p(dht)
+        try:
+            for relay in relays:
+                try:
+                    return await ask_dial_back(p2p, PeerID.from_base58(Multiaddr(relay)["p2p"]), addrs)
+                except Exception as e:
+                    logger.debug(f"{relay} did not answer a dial-back request: {e!r}")
+            return None
+        finally:
+            await p2p.shutdown()
+
+    return run_coroutine(ask(), timeout=len(relays) * 4 * _DIAL_TIMEOUT + 10)
+
+
+def start_reachable(
+    create: Callable[[dict[str, Any]], Any], reachability: str, initial_peers: Sequence[str]
+) -> tuple[Any, str]:
+    """Start a DHT with ``create(daemon_kwargs)`` so that the swarm can reach it, per ``reachability`` (see the
+    module docstring); the DHT serves :data:`DIAL_BACK` and remembers its circuit addresses
+    (:func:`relay_addrs_of`). Returns the DHT and how it is reached: ``"direct"`` or ``"relay"``."""
+    relays = [p for p in initial_peers if not is_local(p) and "/p2p/" in p]
+    mode = "direct" if reachability == "auto" else reachability
+    if mode == "relay" and not relays:
+        raise ValueError(
+            "SwarmStrategy(reachability='relay') needs initial_peers off this host (with their /p2p/<peer id>): "
+            "the swarm's public peers serve as relays."
+        )
+    dht = create(daemon_options(mode, relays))
+    if reachability == "auto" and relays:
+        answer = check_direct(dht, relays)
+        if answer is None:
+            logger.warning(
+                f"No initial peer answered a dial-back request ({relays}): assuming this peer is reachable at its "
+                "own addresses. Behind NAT, pass reachability='relay'."
+            )
+        elif not answer.get("reachable"):
+            logger.info(
+                f"This peer cannot be dialled at its own addresses ({answer.get('error')}): it is reached through "
+                f"a relay at {relays}"
+            )
+            dht.shutdown()
+            mode = "relay"
+            dht = create(daemon_options(mode, relays))
+    serve_dial_back(dht)
+    _RELAY_ADDRS[dht] = circuit_addrs(relays) if mode == "relay" else ()
+    return dht, mode
