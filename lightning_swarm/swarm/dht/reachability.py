@@ -176,7 +176,7 @@ async def _dial_back(request: BytesValue, context: P2PContext) -> BytesValue:
         addrs = json.loads(request.value.decode())["addrs"]
         if not isinstance(addrs, list) or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
             raise ValueError("addrs must be a list of multiaddr strings")
-        maddrs = [Multiaddr(a) for a in addrs[:_MAX_ADDRS] if "p2p-circuit" not in a and not is_local(a)]
+        maddrs = [wire_maddr(a) for a in addrs[:_MAX_ADDRS] if "p2p-circuit" not in a and not is_local(a)]
     except Exception as e:
         return BytesValue(value=json.dumps({"reachable": False, "error": f"bad request: {e}"}).encode())
     if not maddrs:

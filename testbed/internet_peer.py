@@ -1,0 +1,177 @@
+"""One swarm peer of an internet-like swarm on the test bed (``testbed.netns`` namespaces, some behind NAT): the
+job that ``tests/test_nat.py`` and ``benchmarks/swarm_internet.py`` start in each host's namespace.
+
+``python testbed/internet_peer.py '<json>'`` with ``"role"``:
+
+- ``"server"``: serves ``stage`` of the small MLP pipeline of ``examples/stage_peer.py`` (``width``, ``blocks``) with
+  a ``StageServer``, its DHT started per ``reachability`` (``lightning_swarm.swarm.dht.reachability``) on
+  ``listen`` (an address of its host). Prints one JSON line once it serves (``peer_id``, ``maddrs``, ``reached``,
+  ``relay_addrs``), then serves until its stdin closes or it is killed; at the end prints ``{"served": ...}``.
+- ``"trainer"``: a ``SwarmClient`` that trains a head and a tail around the pipeline for ``seconds`` (or ``steps``)
+  with batches of ``batch`` rows, then prints one JSON line: steps, samples, losses, and per stage peer the calls
+  it took, their busy seconds, whether the connection to it went through a relay and whether its record says so.
+
+Dies with its parent (``die_with_parent``): a SIGKILLed test takes its peers along.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import hivemind
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from examples.stage_peer import stage_module  # noqa: E402
+from lightning_swarm.swarm.client.client import SwarmClient  # noqa: E402
+from lightning_swarm.swarm.dht.reachability import relay_addrs_of, start_reachable  # noqa: E402
+from lightning_swarm.swarm.lifetime import die_with_parent  # noqa: E402
+from lightning_swarm.swarm.logs import quiet_routine_logs  # noqa: E402
+from lightning_swarm.swarm.loop import run_coroutine  # noqa: E402
+from lightning_swarm.swarm.server import StageServer  # noqa: E402
+from lightning_swarm.swarm.settings import SwarmSettings  # noqa: E402
+
+
+def _settings(cfg: dict[str, Any]) -> SwarmSettings:
+    return SwarmSettings(
+        run_id=cfg.get("run_id", "internet"),
+        num_stages=cfg["num_stages"],
+        compression=cfg.get("compression", "8bit"),
+        target_batch_size=cfg.get("target_batch_size", 256),
+        matchmaking_time=cfg.get("matchmaking_time", 2.0),
+        averaging_timeout=cfg.get("averaging_timeout", 10.0),
+        request_timeout=cfg.get("request_timeout", 10.0),
+        announce_period=cfg.get("announce_period", 1.0),
+        expiration=cfg.get("expiration", 6.0),
+        ban_base_s=cfg.get("ban_base_s", 5.0),
+        no_peers_timeout=cfg.get("no_peers_timeout", 60.0),
+        reachability=cfg.get("reachability", "auto"),
+    )
+
+
+def _start_dht(cfg: dict[str, Any], settings: SwarmSettings) -> tuple[hivemind.DHT, str]:
+    listen = cfg.get("listen", "127.0.0.1")
+
+    def create(options: dict[str, Any]) -> hivemind.DHT:
+        return hivemind.DHT(
+            start=True,
+            initial_peers=cfg.get("initial_peers", []),
+            host_maddrs=[f"/ip4/{listen}/tcp/{cfg.get('port', 0)}"],
+            **options,
+        )
+
+    return start_reachable(create, settings.reachability, cfg.get("initial_peers", []))
+
+
+def serve(cfg: dict[str, Any]) -> None:
+    settings = _settings(cfg)
+    t0 = time.monotonic()
+    dht, reached = _start_dht(cfg, settings)
+    print(f"DHT up in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    server = None
+    if cfg.get("stage") is not None:
+        module = stage_module(cfg["stage"], cfg["width"], cfg["blocks"])
+        server = StageServer(
+            cfg["stage"],
+            module,
+            dht=dht,
+            settings=settings,
+            optimizer_factory=lambda groups: torch.optim.Adam(groups, lr=cfg.get("lr", 1e-3)),
+            throughput=cfg.get("throughput", 100.0),
+        ).start()
+    print(
+        json.dumps(
+            {
+                "peer_id": str(dht.peer_id),
+                "maddrs": [str(a) for a in dht.get_visible_maddrs()],
+                "reached": reached,
+                "relay_addrs": list(relay_addrs_of(dht)),
+            }
+        ),
+        flush=True,
+    )
+    sys.stdin.read()  # serve until the parent closes our stdin (or dies: die_with_parent)
+    if server is not None:
+        server.shutdown()
+    dht.shutdown()
+
+
+def train(cfg: dict[str, Any]) -> None:
+    settings = _settings(cfg)
+    dht, reached = _start_dht(cfg, settings)
+    client = SwarmClient(dht, settings)
+    calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    lock = threading.Lock()
+    for router in client.routers:  # count each peer's timed calls as the router records them
+        observe = router.observe
+
+        def counted(peer_id: Any, samples: float, seconds: float, observe: Any = observe) -> None:
+            with lock:
+                calls[str(peer_id)][0] += 1
+                calls[str(peer_id)][1] += seconds
+            observe(peer_id, samples, seconds)
+
+        router.observe = counted
+    width, batch = cfg["width"], cfg.get("batch", 16)
+    torch.manual_seed(cfg.get("seed", 0))
+    head, tail = nn.Linear(8, width), nn.Linear(width, 1)
+    optimizer = torch.optim.Adam([*head.parameters(), *tail.parameters()], lr=1e-3)
+    losses: list[float] = []
+    errors: list[str] = []
+    relayed: dict[str, bool] = {}
+    start = time.monotonic()
+    deadline = start + cfg.get("seconds", 30.0)
+    while time.monotonic() < deadline and len(losses) < cfg.get("steps", 10**9):
+        x = torch.randn(batch, 8)
+        y = torch.sin(x[:, :1]) + x[:, 1:2]
+        try:
+            h = head(x)
+            for stage in range(settings.num_stages):
+                h = client.call_stage(stage, h)
+            loss = nn.functional.mse_loss(tail(h), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        except Exception as e:  # reported, not hidden: the test asserts there are none
+            errors.append(repr(e)[:300])
+            time.sleep(0.5)
+        if len(losses) % 5 == 1 and client._p2p is not None:  # how the daemon is connected to each peer
+            for info in run_coroutine(client._p2p.list_peers(), timeout=10):
+                relayed[str(info.peer_id)] = all("p2p-circuit" in str(a) for a in info.addrs)
+    elapsed = time.monotonic() - start
+    records = {str(p.peer_id): p.relayed for k in range(settings.num_stages) for p in client.peers(k)}
+    result = {
+        "reached": reached,
+        "steps": len(losses),
+        "samples": len(losses) * batch,
+        "seconds": elapsed,
+        "losses": losses,
+        "errors": errors,
+        "peers": {p: {"calls": n, "busy_s": s, "relayed": relayed.get(p)} for p, (n, s) in calls.items()},
+        "records_relayed": records,
+        "stats": client.stats(),
+    }
+    client.shutdown()
+    print(json.dumps(result), flush=True)
+    dht.shutdown()
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    die_with_parent()
+    quiet_routine_logs()
+    torch.set_num_threads(cfg.get("threads", 1))
+    {"server": serve, "trainer": train}[cfg["role"]](cfg)
+
+
+if __name__ == "__main__":
+    main()

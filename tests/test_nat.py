@@ -1,0 +1,149 @@
+"""Peers behind NAT on the test bed (``testbed.netns``: network namespaces, routers with iptables MASQUERADE):
+servers and trainers that nothing can dial join the swarm through a circuit relay at a public peer
+(``SwarmSettings.reachability``, :mod:`lightning_swarm.swarm.dht.reachability`). Needs root for the namespaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from lightning_swarm.swarm.dht.reachability import circuit_addrs, daemon_options, wire_maddr
+from lightning_swarm.swarm.settings import SwarmSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "testbed" / "internet_peer.py"
+RELAY = "/ip4/10.213.1.1/tcp/31337/p2p/12D3KooWFVSSpTVtDyV5vhfhGpFmjDePJnZHfg7o1xp3qsNgGJuN"
+
+
+def _needs_netns() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces and NAT need root (`ip netns`, `tc`, `iptables`)")
+    if shutil.which("iptables") is None:
+        pytest.skip("NAT needs the iptables command: `apt-get install -y iptables` (scripts/setup.sh does)")
+
+
+def test_reachability_is_one_validated_setting_with_relays_from_the_initial_peers() -> None:
+    assert SwarmSettings().reachability == "auto"
+    with pytest.raises(ValueError, match="reachability='upnp'"):
+        SwarmSettings(reachability="upnp")
+    assert daemon_options("direct", [RELAY]) == {}
+    relay = daemon_options("relay", [RELAY])
+    assert relay["use_auto_relay"] is True and relay["trusted_relays"] == [RELAY]
+    with pytest.raises(ValueError, match="needs relays"):
+        daemon_options("relay", [])
+    assert circuit_addrs([RELAY, "/ip4/1.2.3.4/tcp/1"]) == (f"{RELAY}/p2p-circuit",)
+    # the daemon reads /p2p/ values as bare multihashes, not as hivemind's CIDv1 (0x01 0x72 <multihash>)
+    digest = PeerID.from_base58(RELAY.rsplit("/", 1)[1]).to_bytes()
+    data = wire_maddr(f"{RELAY}/p2p-circuit").to_bytes()
+    assert data == Multiaddr("/ip4/10.213.1.1/tcp/31337").to_bytes() + bytes(
+        [0xA5, 0x03, len(digest)]
+    ) + digest + (bytes([0xA2, 0x02]))
+
+
+def test_nat_testbed_lets_connections_out_and_none_in() -> None:
+    _needs_netns()
+    from testbed import netns
+
+    server = (
+        "import socket, sys\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.bind(('0.0.0.0', 9000)); s.listen(); print('up', flush=True)\n"
+        "c, addr = s.accept(); print(addr[0], flush=True)\n"
+    )
+    dial = (
+        "import socket, sys\nsocket.create_connection((sys.argv[1], 9000), timeout=3); print('connected')\n"
+    )
+    with netns.VirtualCluster(2, rate_mbit=100, net=251, nat_ranks=[1]) as net:
+        names = [net.rank_ns(0), net.rank_ns(1), net.router_ns(1), net.bridge_ns]
+        public = net.popen(0, [sys.executable, "-c", server], stdout=subprocess.PIPE, text=True)
+        natted = net.popen(1, [sys.executable, "-c", server], stdout=subprocess.PIPE, text=True)
+        assert public.stdout.readline().strip() == "up" and natted.stdout.readline().strip() == "up"
+        out = net.run(1, [sys.executable, "-c", dial, net.address(0)])
+        assert out.stdout.strip() == "connected", out.stderr
+        # the public host sees the router's address, not the NAT'd host's own
+        assert public.stdout.readline().strip() == net.public_address(1) != net.address(1)
+        for target in (net.address(1), net.public_address(1)):  # nothing gets in, by either address
+            out = net.run(0, [sys.executable, "-c", dial, target])
+            assert out.returncode != 0, f"{target} was reachable from the public host"
+        leader = natted.pid
+    assert natted.poll() is not None and public.poll() is not None, "the cluster's processes outlived it"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(leader, 0)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listed for name in names)
+
+
+def _start(net, rank: int, cfg: dict) -> tuple[subprocess.Popen, dict]:
+    env = {"PYTHONPATH": str(ROOT)}
+    proc = net.popen(
+        rank,
+        [sys.executable, str(JOB), json.dumps(cfg)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    if not line:
+        raise AssertionError(f"peer on rank {rank} exited: {proc.stderr.read()[-3000:]}")
+    return proc, json.loads(line)
+
+
+@pytest.mark.timeout(420)
+def test_servers_and_trainers_behind_nat_join_through_a_relay() -> None:
+    """A public peer serves stage 0; a server behind NAT serves stage 1; a trainer behind another NAT trains
+    through both. Both NAT'd peers run the default ``reachability="auto"``: each finds that it cannot be dialled,
+    reserves a slot at the public peer and says so; the stage-1 server's record says it is relayed, and the trainer's
+    calls to it go through the relay (no hole punching on the test bed)."""
+    _needs_netns()
+    from testbed import netns
+
+    base = {"num_stages": 2, "width": 32, "blocks": 1, "request_timeout": 20.0}
+    with netns.VirtualCluster(3, rate_mbit=100, net=252, nat_ranks=[1, 2]) as net:
+        public, info0 = _start(net, 0, {**base, "role": "server", "stage": 0, "listen": net.address(0)})
+        assert info0["reached"] == "direct" and info0["relay_addrs"] == []
+        initial = [a for a in info0["maddrs"] if f"/ip4/{net.address(0)}/" in a]
+        natted, info1 = _start(
+            net, 1, {**base, "role": "server", "stage": 1, "listen": "0.0.0.0", "initial_peers": initial}
+        )
+        assert info1["reached"] == "relay"
+        assert info1["relay_addrs"] == [f"{initial[0]}/p2p-circuit"]
+        trainer = net.popen(
+            2,
+            [
+                sys.executable,
+                str(JOB),
+                json.dumps(
+                    {**base, "role": "trainer", "listen": "0.0.0.0", "initial_peers": initial, "seconds": 20}
+                ),
+            ],  # fmt: skip
+            env={"PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        out, err = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, err[-3000:]
+        result = json.loads(out.strip().splitlines()[-1])
+        for proc in (public, natted):
+            proc.stdin.close()
+    assert result["reached"] == "relay", "the NAT'd trainer should have found it cannot be dialled"
+    assert result["errors"] == [] and result["steps"] >= 5, result
+    assert result["records_relayed"] == {info0["peer_id"]: False, info1["peer_id"]: True}
+    served = result["peers"]
+    assert served[info0["peer_id"]]["calls"] >= 10 and served[info1["peer_id"]]["calls"] >= 10, served
+    assert served[info1["peer_id"]]["relayed"] is True, (
+        "calls to the NAT'd server did not go through the relay"
+    )
+    assert served[info0["peer_id"]]["relayed"] is False, "the public server should be dialled directly"
+    losses = result["losses"]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, "the trainer did not train"
