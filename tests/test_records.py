@@ -121,6 +121,32 @@ def test_the_figure_fields_are_checked() -> None:
         raise AssertionError(f"{bad} passed the schema")
 
 
+def test_a_peer_behind_nat_says_so_with_its_circuit_addresses() -> None:
+    from lightning_swarm.swarm.dht.validation import _StageValue
+
+    a, b = IDS[0].to_base58(), IDS[1].to_base58()
+    circuit = f"/ip4/10.0.0.1/tcp/31337/p2p/{b}/p2p-circuit"
+    relayed = [1.0, ONLINE, 4, True, NOW, [circuit]]
+    assert _StageValue._check(relayed) == relayed
+    (peer,) = parse_stage_peers(_listing({a: relayed}), 1, now=NOW)
+    assert peer.relayed and peer.relay_addrs == (circuit,)
+    (direct,) = parse_stage_peers(_listing({a: [1.0, ONLINE, 4, True, NOW]}), 1, now=NOW)
+    assert not direct.relayed and direct.relay_addrs == ()
+    for bad in (
+        [1.0, ONLINE, 4, True, NOW, circuit],  # not a list
+        [1.0, ONLINE, 4, True, NOW, ["/ip4/10.0.0.1/tcp/31337"]],  # not a circuit address
+        [1.0, ONLINE, 4, True, NOW, ["/p2p-circuit"]],  # no relay named
+        [1.0, ONLINE, 4, True, NOW, [circuit] * 9],  # too many
+        [1.0, ONLINE, 4, True, NOW, [circuit], "extra"],
+    ):
+        assert parse_stage_peers(_listing({a: bad}), 1, now=NOW) == [], bad
+        try:
+            _StageValue._check(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} passed the schema")
+
+
 def test_signed_subkeys_read_as_their_owner_and_forged_ones_are_skipped() -> None:
     from lightning_swarm.swarm.dht.identity import PeerIdentity, subkey_peer_id
 
