@@ -58,7 +58,7 @@ def _strategy_settings(config: dict[str, Any], args: argparse.Namespace) -> Any:
     init_args = dict(strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
     known = set(SwarmSettings.__dataclass_fields__)
     values = {k: v for k, v in init_args.items() if k in known}
-    for key in ("run_id", "num_stages", "stage", "compression"):
+    for key in ("run_id", "num_stages", "stage", "compression", "reachability"):
         value = getattr(args, key, None)
         if value is not None:
             values[key] = value
@@ -265,6 +265,13 @@ def main(argv: list[str] | None = None) -> None:
     p_serve.add_argument("--stage", type=int, default=None, help="stage to serve (default: the least served)")
     p_serve.add_argument("--compression", choices=["8bit", "fp16", "none"], default=None)
     p_serve.add_argument("--host-maddrs", nargs="*", default=[], help="addresses to listen on")
+    p_serve.add_argument(
+        "--reachability",
+        choices=["auto", "direct", "relay"],
+        default=None,
+        help="how peers reach this one: auto (default: asks an initial peer to dial it back, else through relays), "
+        "direct (a public address or forwarded port), relay (behind NAT: through the initial peers)",
+    )
     args = parser.parse_args(argv)
     {"serve": serve, "status": status}[args.command](args)
 

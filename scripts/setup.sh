@@ -10,3 +10,5 @@ fi
 python -m pip install -q --upgrade pip
 # one pip call, one resolver pass; torch==2.13.0 is the CPU build on disk
 python -m pip install -q torch==2.13.0 -e ".[test]"
+# iptables for the test bed's NAT (skipped with a message without root or apt-get)
+bash scripts/system_deps.sh

@@ -147,6 +147,12 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             socket instead of through hivemind's p2p daemons, which saves their CPU; calls to other machines, and
             every call of a private swarm (``secret``/``allowed_peers``), go over P2P. Turn it off to send every
             call through the network (a benchmark that shapes loopback, for example).
+        reachability: how the other peers reach this one. ``"auto"`` (default): a peer joining initial peers off
+            this machine asks one of them to dial it back, and if that fails (behind NAT, or listening on loopback
+            only) it is reached through a circuit relay at its initial peers (any public peer of the swarm relays);
+            ``"direct"``: dialled at its own addresses (a public host, or a forwarded port); ``"relay"``: always
+            through the relays, without asking. A relayed peer says so in its stage record; trainers weigh it by
+            the throughput they measure through the relay. ``lightning-swarm doctor`` tells which applies here.
     """
 
     strategy_name = "swarm"
@@ -182,6 +188,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         stage_steps: StageSteps = "auto",
         trainer_timeout: float = _DEFAULTS.trainer_timeout,
         same_host: bool = _DEFAULTS.same_host,
+        reachability: str = _DEFAULTS.reachability,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -225,6 +232,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             stage_steps=stage_steps,
             trainer_timeout=trainer_timeout,
             same_host=same_host,
+            reachability=reachability,
         )
         self._target_batch_size = target_batch_size  # as given: checked against the trainer's step
         if restart_peers < 0:
