@@ -9,6 +9,10 @@
   with its peers, their state (joining, online, leaving) and announced throughput (marked as an estimate until the
   peer has measured calls it served, with the age of the figure), and the pipeline's bottleneck.
   The number of stages is read from the peers' records (``--num-stages`` only for peers that do not announce it).
+- ``lightning-swarm doctor --initial-peers ADDR ... [--host-maddrs ...] [--run-id RUN] [--json]``: whether peers
+  of the swarm can dial this machine, and how (directly, hole-punched, or through a relay at the initial peers),
+  the round-trip time and throughput to every online stage peer (a small echo RPC), and what to change if it
+  cannot join. Exits with 1 if it cannot.
 """
 
 from __future__ import annotations
@@ -155,6 +159,204 @@ def status(args: argparse.Namespace) -> None:
     print(format_status(run_id, peers, num_stages))
 
 
+def doctor(args: argparse.Namespace) -> None:
+    """Say whether this machine can join the swarm and how the swarm reaches it (direct, hole-punched, relayed),
+    the round-trip time and throughput to each stage, and what to change if it cannot join."""
+    import json
+    import tempfile
+
+    from hivemind.p2p import PeerID
+
+    from .swarm.dht.auth import SECRET_ENV, protect
+    from .swarm.dht.bootstrap import INITIAL_PEERS_ENV, _env_peers
+    from .swarm.dht.identity import PeerIdentity
+    from .swarm.dht.process import SwarmDHT
+    from .swarm.dht.reachability import (
+        ask_dial_back,
+        circuit_addrs,
+        daemon_options,
+        dial_relayed,
+        is_local,
+        measure_link,
+        serve_dial_back,
+    )
+    from .swarm.loop import replicate_p2p, run_coroutine
+
+    initial = args.initial_peers or _env_peers()
+    if not initial:
+        raise SystemExit(
+            f"error: doctor needs the address of a peer of the swarm: --initial-peers ADDR, or {INITIAL_PEERS_ENV}."
+        )
+    host_maddrs = args.host_maddrs or ["/ip4/127.0.0.1/tcp/0"]
+    relays = [p for p in initial if not is_local(p) and "/p2p/" in p]
+    askable = relays or [p for p in initial if "/p2p/" in p]
+    run_id = args.run_id or "lightning_swarm"
+    report: dict[str, Any] = {"run_id": run_id, "host_maddrs": host_maddrs, "initial_peers": initial}
+    identity = PeerIdentity()
+    secret = args.secret or os.environ.get(SECRET_ENV) or None
+    if secret is not None:
+        protect(identity.peer_id, secret)
+
+    def ask(dht: Any, addrs: list[str]) -> dict[str, Any] | None:
+        async def go() -> dict[str, Any] | None:
+            p2p = await replicate_p2p(dht)
+            try:
+                for peer in askable:
+                    try:
+                        return await ask_dial_back(p2p, PeerID.from_base58(peer.rsplit("/p2p/", 1)[1]), addrs)
+                    except Exception as e:
+                        report.setdefault("unanswered", []).append(f"{peer}: {e!r}"[:300])
+                return None
+            finally:
+                await p2p.shutdown()
+
+        return run_coroutine(go(), timeout=120)
+
+    dht = None
+    with tempfile.TemporaryDirectory(prefix="swarm-doctor-") as tmp:
+        key = os.path.join(tmp, "identity.key")
+        identity.save(key)
+
+        def start(options: dict[str, Any]) -> Any:
+            return SwarmDHT(
+                start=True,
+                initial_peers=initial,
+                host_maddrs=host_maddrs,
+                identity_path=key,
+                check_if_identity_free=False,
+                **options,
+            )
+
+        try:
+            dht = start(daemon_options("direct", relays))
+            serve_dial_back(dht)
+            own = [str(a) for a in dht.get_visible_maddrs(latest=True)]
+            report["own_addrs"] = own
+            direct = ask(dht, own)
+            report["direct"] = direct
+            if direct is None:
+                report["reached"] = "no answer"
+            elif direct.get("reachable"):
+                report["reached"] = "direct"
+            elif relays:
+                dht.shutdown()
+                dht = start(daemon_options("relay", relays))
+                serve_dial_back(dht)
+                relayed = ask(dht, list(circuit_addrs(relays)))
+                report["relayed"] = relayed
+                ok = relayed is not None and relayed.get("reachable")
+                report["reached"] = relayed.get("via", "relay") if ok and relayed else "unreachable"
+            else:
+                report["reached"] = "unreachable"
+            peers, num_stages = list_swarm(dht, run_id, args.num_stages)
+            report["num_stages"] = num_stages
+            links = []
+
+            async def measure_all() -> None:
+                p2p = await replicate_p2p(dht)
+                try:
+                    await dial_relayed(p2p, [(p.peer_id, p.relay_addrs) for p in peers if p.relay_addrs])
+                    for p in peers:
+                        if p.state != "online":
+                            continue
+                        row: dict[str, Any] = {"stage": p.stage, "peer": str(p.peer_id), "relayed": p.relayed}
+                        try:
+                            row.update(await measure_link(p2p, p.peer_id, nbytes=args.probe_bytes))
+                        except Exception as e:
+                            row["error"] = (str(e).strip().splitlines() or [repr(e)])[-1][:200]
+                        links.append(row)
+                finally:
+                    await p2p.shutdown()
+
+            run_coroutine(measure_all(), timeout=60 + 30 * len(peers))
+            report["stages"] = links
+        except Exception as e:
+            report["reached"] = report.get("reached", "cannot start")
+            report["error"] = (str(e).strip().splitlines() or [repr(e)])[-1][:300]
+        finally:
+            if dht is not None:
+                dht.shutdown()
+    report["advice"] = _doctor_advice(report)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_format_doctor(report))
+    if report["reached"] not in ("direct", "relay", "hole-punched"):
+        raise SystemExit(1)
+
+
+def _doctor_advice(report: dict[str, Any]) -> list[str]:
+    reached, advice = report["reached"], []
+    listening = report["host_maddrs"]
+    if reached == "direct":
+        advice.append("Nothing to change: peers dial this machine directly.")
+    elif reached in ("relay", "hole-punched"):
+        advice.append(
+            "This machine can join: the swarm reaches it through a relay at its initial peers (reachability='auto' "
+            "finds this by itself). Relayed calls are slower; to be dialled directly, listen on a public interface "
+            f"(now {listening}; e.g. --host-maddrs /ip4/0.0.0.0/tcp/31337) and forward that TCP port on the router "
+            "or firewall, then run doctor again."
+        )
+    elif reached == "no answer":
+        advice.append(
+            "No initial peer answered the reachability check: check that the addresses are current (with their "
+            "/p2p/<peer id>) and that those peers run lightning-swarm with this check; for a private swarm pass "
+            "--secret."
+        )
+    elif reached == "cannot start":
+        advice.append(
+            "This machine could not reach the swarm: check --initial-peers, outbound TCP to their ports, and "
+            "--host-maddrs."
+        )
+    else:
+        advice.append(
+            "Peers cannot dial this machine and no relay could carry its calls: give initial peers that are public "
+            "(not on this host), listen on a public interface and forward its port, or check that outbound TCP "
+            "to the initial peers is allowed."
+        )
+    slow = [row for row in report.get("stages", []) if "error" in row]
+    if slow:
+        advice.append(
+            f"{len(slow)} stage peer(s) did not answer the link probe (older versions, or unreachable from here)."
+        )
+    return advice
+
+
+def _format_doctor(report: dict[str, Any]) -> str:
+    reached = report["reached"]
+    how = {
+        "direct": "yes, directly",
+        "relay": "yes, through a relay",
+        "hole-punched": "yes, directly after hole punching",
+    }.get(reached, f"no ({reached})")
+    lines = [f"run {report['run_id']!r}: can peers reach this machine? {how}"]
+    if report.get("own_addrs"):
+        lines.append(f"  listening on: {' '.join(report['own_addrs'])}")
+    direct = report.get("direct") or {}
+    if direct and not direct.get("reachable"):
+        lines.append(f"  a direct dial failed: {direct.get('error')}")
+    if report.get("error"):
+        lines.append(f"  error: {report['error']}")
+    rows = report.get("stages", [])
+    if rows:
+        lines += ["", f"{'stage':>5}  {'via':<6}  {'rtt ms':>7}  {'up Mbit/s':>9}  {'down Mbit/s':>11}  peer"]
+        for row in sorted(rows, key=lambda r: (r["stage"], r["peer"])):
+            via = "relay" if row["relayed"] else "direct"
+            if "error" in row:
+                lines.append(
+                    f"{row['stage']:>5}  {via:<6}  {'-':>7}  {'-':>9}  {'-':>11}  {row['peer']} ({row['error']})"
+                )
+            else:
+                lines.append(
+                    f"{row['stage']:>5}  {via:<6}  {row['rtt_ms']:>7.1f}  {row['up_mbit']:>9.1f}  "
+                    f"{row['down_mbit']:>11.1f}  {row['peer']}"
+                )
+    elif "num_stages" in report:
+        lines.append(f"  no online stage peer of run {report['run_id']!r} found (check --run-id)")
+    lines += ["", *report["advice"]]
+    return "\n".join(lines)
+
+
 def list_swarm(
     dht: Any, run_id: str, num_stages: int | None = None, max_stages: int = 1024
 ) -> tuple[list, int]:
@@ -272,8 +474,24 @@ def main(argv: list[str] | None = None) -> None:
         help="how peers reach this one: auto (default: asks an initial peer to dial it back, else through relays), "
         "direct (a public address or forwarded port), relay (behind NAT: through the initial peers)",
     )
+    p_doctor = sub.add_parser(
+        "doctor",
+        help="can this machine join the swarm, how is it reached, and how fast is each stage from here",
+    )
+    p_doctor.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of peers of the swarm")
+    p_doctor.add_argument("--run-id", dest="run_id", default=None)
+    p_doctor.add_argument("--num-stages", dest="num_stages", type=int, default=None)
+    p_doctor.add_argument(
+        "--host-maddrs",
+        nargs="*",
+        default=[],
+        help="the addresses a peer here would listen on (as for serve)",
+    )
+    p_doctor.add_argument("--secret", default=None, help="a private swarm's secret")
+    p_doctor.add_argument("--probe-bytes", dest="probe_bytes", type=int, default=1 << 20)
+    p_doctor.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parser.parse_args(argv)
-    {"serve": serve, "status": status}[args.command](args)
+    {"serve": serve, "status": status, "doctor": doctor}[args.command](args)
 
 
 if __name__ == "__main__":

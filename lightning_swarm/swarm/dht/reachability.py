@@ -47,12 +47,14 @@ from lightning_swarm.swarm.settings import REACHABILITIES
 
 __all__ = [
     "DIAL_BACK",
+    "ECHO",
     "REACHABILITIES",
     "ask_dial_back",
     "circuit_addrs",
     "daemon_options",
     "dial_relayed",
     "is_local",
+    "measure_link",
     "relay_addrs_of",
     "start_reachable",
     "serve_dial_back",
@@ -62,6 +64,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DIAL_BACK = "SwarmReach.dial_back"
+ECHO = "SwarmReach.echo"
 _DIAL_TIMEOUT = 5.0
 _MAX_ADDRS = 8
 _P2P_CODE, _CIRCUIT_CODE = 0x01A5, 0x0122
@@ -164,11 +167,22 @@ async def dial_relayed(
 
 # ------------------------------------------------------------------------------------------ dial-back service
 _dial_slots: asyncio.Semaphore | None = None
+_ECHO_MAX = 4 << 20  # bytes an echo sends back at most
 
 
-async def _dial_back(request: BytesValue, context: P2PContext) -> BytesValue:
-    """Dial the caller at the addresses it lists, from a fresh daemon that has no connection to it (without
-    relays), and say whether that worked and how long the connection took."""
+async def _remote_is_local(p2p: P2P, peer_id: PeerID) -> bool:
+    """Whether ``p2p``'s daemon is connected to ``peer_id`` over loopback only (the caller runs on this host)."""
+    for info in await p2p.list_peers():
+        if info.peer_id == peer_id:
+            return bool(info.addrs) and all(is_local(str(a)) for a in info.addrs)
+    return False
+
+
+async def _dial_back(p2p: P2P, request: BytesValue, context: P2PContext) -> BytesValue:
+    """Dial the caller at the addresses it lists from a fresh daemon that has no connection to it, and say whether
+    that worked, how long the connection took and how it is connected: ``"direct"``, ``"relay"`` (circuit addresses
+    are dialled through their relay) or ``"hole-punched"`` (a relayed connection that the daemons upgraded to a
+    direct one within a second and a half). Loopback addresses are dialled only for a caller on this host."""
     global _dial_slots
     if _dial_slots is None:
         _dial_slots = asyncio.Semaphore(2)  # a probe costs a daemon start: a few at a time
@@ -176,17 +190,28 @@ async def _dial_back(request: BytesValue, context: P2PContext) -> BytesValue:
         addrs = json.loads(request.value.decode())["addrs"]
         if not isinstance(addrs, list) or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
             raise ValueError("addrs must be a list of multiaddr strings")
-        maddrs = [wire_maddr(a) for a in addrs[:_MAX_ADDRS] if "p2p-circuit" not in a and not is_local(a)]
+        local = await _remote_is_local(p2p, context.remote_id)
+        chosen = [a for a in addrs[:_MAX_ADDRS] if local or not is_local(a)]
+        circuit = bool(chosen) and all("p2p-circuit" in a for a in chosen)
+        maddrs = [wire_maddr(a) for a in chosen if ("p2p-circuit" in a) == circuit]
     except Exception as e:
         return BytesValue(value=json.dumps({"reachable": False, "error": f"bad request: {e}"}).encode())
     if not maddrs:
         return BytesValue(value=json.dumps({"reachable": False, "error": "no address off its host"}).encode())
     async with _dial_slots:
-        probe = await P2P.create(use_relay=False, auto_nat=False, nat_port_map=False)
+        probe = await P2P.create(use_relay=circuit, auto_nat=circuit, nat_port_map=False)
         try:
             start = time.perf_counter()
             await asyncio.wait_for(probe._client.connect(context.remote_id, maddrs), _DIAL_TIMEOUT)
-            answer = {"reachable": True, "connect_ms": 1000 * (time.perf_counter() - start)}
+            answer: dict[str, Any] = {"reachable": True, "connect_ms": 1000 * (time.perf_counter() - start)}
+            answer["via"] = "relay" if circuit else "direct"
+            if circuit:
+                await asyncio.sleep(1.5)  # DCUtR, if it happens, upgrades the connection meanwhile
+                for info in await probe.list_peers():
+                    if info.peer_id == context.remote_id and any(
+                        "p2p-circuit" not in str(a) for a in info.addrs
+                    ):
+                        answer["via"] = "hole-punched"
         except Exception as e:
             answer = {"reachable": False, "error": (str(e).strip().splitlines() or [repr(e)])[-1][:300]}
         finally:
@@ -194,25 +219,59 @@ async def _dial_back(request: BytesValue, context: P2PContext) -> BytesValue:
     return BytesValue(value=json.dumps(answer).encode())
 
 
+async def _echo(request: BytesValue, context: P2PContext) -> BytesValue:
+    """The first 8 bytes of the request (big-endian) say how many bytes to send back (at most 4 MiB)."""
+    size = min(int.from_bytes(request.value[:8], "big"), _ECHO_MAX) if len(request.value) >= 8 else 0
+    return BytesValue(value=bytes(size))
+
+
 async def _register(_dht: Any, node: Any) -> None:
-    await node.p2p._add_protobuf_unary_handler(DIAL_BACK, _dial_back, BytesValue)
+    p2p = node.p2p
+
+    async def dial_back(request: BytesValue, context: P2PContext) -> BytesValue:
+        return await _dial_back(p2p, request, context)
+
+    await p2p._add_protobuf_unary_handler(DIAL_BACK, dial_back, BytesValue)
+    await p2p._add_protobuf_unary_handler(ECHO, _echo, BytesValue)
 
 
 def serve_dial_back(dht: Any) -> None:
-    """Serve :data:`DIAL_BACK` on ``dht``'s daemon (a ``hivemind.DHT``; the handler runs in its process)."""
+    """Serve :data:`DIAL_BACK` and :data:`ECHO` on ``dht``'s daemon (a ``hivemind.DHT``; the handlers run in its
+    process)."""
     dht.run_coroutine(_register)
 
 
 async def ask_dial_back(
     p2p: P2P, peer_id: PeerID, addrs: Sequence[str], timeout: float = 3 * _DIAL_TIMEOUT
 ) -> dict[str, Any]:
-    """Ask ``peer_id`` to dial this peer back at ``addrs``: ``{"reachable": bool, "connect_ms"|"error": ...}``.
+    """Ask ``peer_id`` to dial this peer back at ``addrs``: ``{"reachable": bool, "via"|"connect_ms"|"error": ...}``.
     Raises if ``peer_id`` does not answer (not a swarm peer, or gone)."""
     request = BytesValue(value=json.dumps({"addrs": list(addrs)}).encode())
     reply = await asyncio.wait_for(
         p2p._call_unary_protobuf_handler(peer_id, DIAL_BACK, request, BytesValue), timeout
     )
     return json.loads(reply.value.decode())
+
+
+async def measure_link(
+    p2p: P2P, peer_id: PeerID, nbytes: int = 1 << 20, pings: int = 5, timeout: float = 30.0
+) -> dict[str, float]:
+    """Round-trip time (the least of ``pings`` tiny echoes, ms) and throughput up and down (Mbit/s of an echo
+    carrying ``nbytes`` one way) between ``p2p`` and ``peer_id`` (which serves :data:`ECHO`)."""
+
+    async def echo(send: int, back: int) -> float:
+        request = BytesValue(value=back.to_bytes(8, "big") + bytes(send))
+        start = time.perf_counter()
+        await asyncio.wait_for(p2p._call_unary_protobuf_handler(peer_id, ECHO, request, BytesValue), timeout)
+        return time.perf_counter() - start
+
+    rtt = min([await echo(0, 0) for _ in range(pings)])
+    up, down = await echo(nbytes, 0), await echo(0, nbytes)
+    return {
+        "rtt_ms": 1000 * rtt,
+        "up_mbit": nbytes * 8 / max(up - rtt, 1e-6) / 1e6,
+        "down_mbit": nbytes * 8 / max(down - rtt, 1e-6) / 1e6,
+    }
 
 
 # ------------------------------------------------------------------------------------------ start-up
