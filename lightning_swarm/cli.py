@@ -262,8 +262,20 @@ def doctor(args: argparse.Namespace) -> None:
                         row: dict[str, Any] = {"stage": p.stage, "peer": str(p.peer_id), "relayed": p.relayed}
                         try:
                             row.update(await measure_link(p2p, p.peer_id, nbytes=args.probe_bytes))
+                            if p.relayed:
+                                row["relay_limited"] = False
                         except Exception as e:
                             row["error"] = (str(e).strip().splitlines() or [repr(e)])[-1][:200]
+                            if (
+                                p.relayed
+                            ):  # a relay on go-libp2p's default limits cuts a connection at 128 KiB
+                                await dial_relayed(p2p, [(p.peer_id, p.relay_addrs)])
+                                try:
+                                    row.update(await measure_link(p2p, p.peer_id, nbytes=32 << 10))
+                                    row["relay_limited"] = True
+                                    del row["error"]
+                                except Exception:
+                                    pass
                         links.append(row)
                 finally:
                     await p2p.shutdown()
@@ -314,6 +326,13 @@ def _doctor_advice(report: dict[str, Any]) -> list[str]:
             "(not on this host), listen on a public interface and forward its port, or check that outbound TCP "
             "to the initial peers is allowed."
         )
+    limited = [row for row in report.get("stages", []) if row.get("relay_limited")]
+    if limited:
+        advice.append(
+            f"{len(limited)} relayed stage peer(s) are reached through a relay that cuts each connection after "
+            "128 KiB (its p2p daemon kept go-libp2p's default relay limits): restart that relay peer, or give "
+            "the NAT'd peers more public initial peers to reserve relay slots at."
+        )
     slow = [row for row in report.get("stages", []) if "error" in row]
     if slow:
         advice.append(
@@ -341,7 +360,7 @@ def _format_doctor(report: dict[str, Any]) -> str:
     if rows:
         lines += ["", f"{'stage':>5}  {'via':<6}  {'rtt ms':>7}  {'up Mbit/s':>9}  {'down Mbit/s':>11}  peer"]
         for row in sorted(rows, key=lambda r: (r["stage"], r["peer"])):
-            via = "relay" if row["relayed"] else "direct"
+            via = ("relay!" if row.get("relay_limited") else "relay") if row["relayed"] else "direct"
             if "error" in row:
                 lines.append(
                     f"{row['stage']:>5}  {via:<6}  {'-':>7}  {'-':>9}  {'-':>11}  {row['peer']} ({row['error']})"
@@ -488,7 +507,13 @@ def main(argv: list[str] | None = None) -> None:
         help="the addresses a peer here would listen on (as for serve)",
     )
     p_doctor.add_argument("--secret", default=None, help="a private swarm's secret")
-    p_doctor.add_argument("--probe-bytes", dest="probe_bytes", type=int, default=1 << 20)
+    p_doctor.add_argument(
+        "--probe-bytes",
+        dest="probe_bytes",
+        type=int,
+        default=1 << 20,
+        help="bytes of the throughput probe each way",
+    )
     p_doctor.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parser.parse_args(argv)
     {"serve": serve, "status": status, "doctor": doctor}[args.command](args)

@@ -7,7 +7,8 @@ whose ``iptables`` MASQUERADE rewrites its connections to the router's address o
 (10.213.<net>.<rank+1>, the rank's ``public_address``). Nothing on the bridge can open a connection to the rank;
 the rank can open connections out, and their answers come back (connection tracking).
 
-Nothing touches the root namespace's routes: the bridge and all addresses (10.213.<net>.<rank+1>/24) exist
+Nothing touches the root namespace's routes: the bridge and all addresses (10.213.<net>.<rank+1>/24, or with
+``internet=True`` 192.0.0.<rank+129>/25, which libp2p counts as public) exist
 only inside namespaces this module creates, named ``lsw-<pid>-<suffix>``. They are deleted on ``close()``, at
 interpreter exit and on SIGINT/SIGTERM (deleting a namespace deletes its veth ends); processes started with
 :meth:`VirtualCluster.popen` are killed (their process group) before that.
@@ -72,6 +73,11 @@ class VirtualCluster:
         rate_mbit: link rate in Mbit/s applied in both directions of every rank's link; ``None`` for no limit.
         delay_ms: one-way delay added on every link (netem); 0 for none.
         net: the third octet of the private subnet 10.213.<net>.0/24.
+        internet: give the bridge's hosts addresses that libp2p counts as public (192.0.0.129-254/25, an IANA
+            special-purpose block that is never routed: no real host has one) instead of 10.213.<net>.0/24, which
+            go-libp2p treats as a LAN (AutoNAT never probes it, relays keep their 128 KiB default limit, circuit
+            addresses are not announced). The block exists only on this cluster's bridge: no namespace of it has a
+            route out, so nothing sent to it leaves the test bed.
         nat_ranks: ranks behind NAT, each behind a router namespace of its own (see the module docstring); their
             access link (host to router) is the shaped one.
     """
@@ -83,6 +89,7 @@ class VirtualCluster:
         delay_ms: float = 0.0,
         net: int = 0,
         nat_ranks: Sequence[int] = (),
+        internet: bool = False,
     ) -> None:
         if os.geteuid() != 0:
             raise PermissionError(
@@ -104,7 +111,11 @@ class VirtualCluster:
         self.delay_ms = delay_ms
         self.prefix = f"lsw-{os.getpid()}-{net}"
         self.bridge_ns = f"{self.prefix}-br"
-        self.subnet = f"10.213.{net}"
+        if internet and num_ranks > 126:
+            raise ValueError(f"VirtualCluster(internet=True) holds at most 126 ranks, got {num_ranks}.")
+        self.subnet, self._host0, self._prefix = (
+            ("192.0.0", 129, 25) if internet else (f"10.213.{net}", 1, 24)
+        )
         self.ifname = "eth0"
         self._created: list[str] = []
         self._procs: list[tuple[subprocess.Popen[bytes], bool]] = []  # (process, leads its own group)
@@ -121,11 +132,11 @@ class VirtualCluster:
         """The address rank ``rank`` has on its own interface (a private one behind NAT)."""
         if rank in self.nat_ranks:
             return f"192.168.{rank + 1}.2"
-        return f"{self.subnet}.{rank + 1}"
+        return f"{self.subnet}.{rank + self._host0}"
 
     def public_address(self, rank: int) -> str:
         """The address the other ranks see rank ``rank``'s connections come from (its router's, behind NAT)."""
-        return f"{self.subnet}.{rank + 1}"
+        return f"{self.subnet}.{rank + self._host0}"
 
     def __enter__(self) -> VirtualCluster:
         self.open()
@@ -148,7 +159,9 @@ class VirtualCluster:
                 if rank in self.nat_ranks:
                     router = self.router_ns(rank)
                     self._add_ns(router)
-                    self._veth(self.bridge_ns, outer, router, "wan", f"{self.public_address(rank)}/24")
+                    self._veth(
+                        self.bridge_ns, outer, router, "wan", f"{self.public_address(rank)}/{self._prefix}"
+                    )
                     self._veth(router, "lan", ns, self.ifname, f"{self.address(rank)}/24")
                     _run("ip", "-n", router, "addr", "add", f"192.168.{rank + 1}.1/24", "dev", "lan")
                     _run("ip", "-n", router, "link", "set", "lan", "up")
@@ -157,7 +170,7 @@ class VirtualCluster:
                     self._shape(ns, self.ifname)
                     self._shape(router, "lan")
                 else:
-                    self._veth(self.bridge_ns, outer, ns, self.ifname, f"{self.address(rank)}/24")
+                    self._veth(self.bridge_ns, outer, ns, self.ifname, f"{self.address(rank)}/{self._prefix}")
                     self._shape(ns, self.ifname)
                     self._shape(self.bridge_ns, outer)
                 _run("ip", "-n", self.bridge_ns, "link", "set", outer, "master", "br0")
@@ -237,11 +250,17 @@ class VirtualCluster:
         self._procs.append((proc, leads_group))
         return proc
 
-    def run(self, rank: int, cmd: Sequence[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-        """Run ``cmd`` in rank ``rank``'s namespace to its end (killed after ``timeout`` s), output captured."""
-        return subprocess.run(
-            ["ip", "netns", "exec", self.rank_ns(rank), *cmd], capture_output=True, text=True, timeout=timeout
-        )
+    def run(
+        self, rank: int, cmd: Sequence[str], timeout: float = 30.0, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``cmd`` in rank ``rank``'s namespace to its end, output captured; after ``timeout`` s its process
+        group is killed and ``subprocess.TimeoutExpired`` raised."""
+        proc = self.popen(rank, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            kill_group(proc)  # its helpers too (a DHT, a p2p daemon), whatever happened
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def tx_bytes(self, rank: int) -> int:
         """Bytes rank ``rank`` has sent on its link so far."""

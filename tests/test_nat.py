@@ -34,7 +34,9 @@ def test_reachability_is_one_validated_setting_with_relays_from_the_initial_peer
     assert SwarmSettings().reachability == "auto"
     with pytest.raises(ValueError, match="reachability='upnp'"):
         SwarmSettings(reachability="upnp")
-    assert daemon_options("direct", [RELAY]) == {}
+    assert daemon_options("direct", [RELAY]) == {
+        "force_reachability": "public"
+    }  # relays with the daemon's limits
     relay = daemon_options("relay", [RELAY])
     assert relay["use_auto_relay"] is True and relay["trusted_relays"] == [RELAY]
     with pytest.raises(ValueError, match="needs relays"):
@@ -46,6 +48,41 @@ def test_reachability_is_one_validated_setting_with_relays_from_the_initial_peer
     assert data == Multiaddr("/ip4/10.213.1.1/tcp/31337").to_bytes() + bytes(
         [0xA5, 0x03, len(digest)]
     ) + digest + (bytes([0xA2, 0x02]))
+
+
+@pytest.mark.timeout(300)
+def test_doctor_on_loopback_says_direct_and_measures_the_stage() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cfg = {"role": "server", "stage": 0, "num_stages": 1, "width": 32, "blocks": 1, "listen": "127.0.0.1"}
+    server = subprocess.Popen(
+        [sys.executable, str(JOB), json.dumps(cfg)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        info = json.loads(server.stdout.readline())
+        cmd = [sys.executable, "-m", "lightning_swarm.cli", "doctor", "--run-id", "internet"]
+        out = subprocess.run([*cmd, "--initial-peers", *info["maddrs"], "--json"], env=env, capture_output=True,
+                             text=True, timeout=240)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        assert report["reached"] == "direct" and report["num_stages"] == 1, report
+        (row,) = report["stages"]
+        assert row["peer"] == info["peer_id"] and row["rtt_ms"] > 0 and row["up_mbit"] > 0, row
+        text = subprocess.run([*cmd, "--initial-peers", *info["maddrs"]], env=env, capture_output=True, text=True,
+                              timeout=240).stdout  # fmt: skip
+        assert "can peers reach this machine? yes, directly" in text and "Nothing to change" in text, text
+        # a swarm that is not there: one line of what to check, exit status 1
+        gone = "/ip4/127.0.0.1/tcp/9/p2p/" + info["peer_id"]
+        out = subprocess.run(
+            [*cmd, "--initial-peers", gone], env=env, capture_output=True, text=True, timeout=240
+        )
+        assert out.returncode == 1 and "check --initial-peers" in out.stdout, out.stdout + out.stderr[-2000:]
+    finally:
+        server.stdin.close()
+        server.wait(timeout=60)
 
 
 def test_nat_testbed_lets_connections_out_and_none_in() -> None:
@@ -108,7 +145,7 @@ def test_servers_and_trainers_behind_nat_join_through_a_relay() -> None:
     from testbed import netns
 
     base = {"num_stages": 2, "width": 32, "blocks": 1, "request_timeout": 20.0}
-    with netns.VirtualCluster(3, rate_mbit=100, net=252, nat_ranks=[1, 2]) as net:
+    with netns.VirtualCluster(3, rate_mbit=100, net=252, nat_ranks=[1, 2], internet=True) as net:
         public, info0 = _start(net, 0, {**base, "role": "server", "stage": 0, "listen": net.address(0)})
         assert info0["reached"] == "direct" and info0["relay_addrs"] == []
         initial = [a for a in info0["maddrs"] if f"/ip4/{net.address(0)}/" in a]
@@ -117,6 +154,24 @@ def test_servers_and_trainers_behind_nat_join_through_a_relay() -> None:
         )
         assert info1["reached"] == "relay"
         assert info1["relay_addrs"] == [f"{initial[0]}/p2p-circuit"]
+        doctor = net.run(
+            2,
+            [
+                sys.executable,
+                "-m",
+                "lightning_swarm.cli",
+                "doctor",
+                "--initial-peers",
+                *initial,
+                "--host-maddrs",
+                "/ip4/0.0.0.0/tcp/0",
+                "--run-id",
+                "internet",
+                "--json",
+            ],  # fmt: skip
+            timeout=240,
+            env={"PYTHONPATH": str(ROOT)},
+        )
         trainer = net.popen(
             2,
             [
@@ -136,6 +191,21 @@ def test_servers_and_trainers_behind_nat_join_through_a_relay() -> None:
         result = json.loads(out.strip().splitlines()[-1])
         for proc in (public, natted):
             proc.stdin.close()
+    assert doctor.returncode == 0, doctor.stderr[-3000:]
+    report = json.loads(doctor.stdout.strip().splitlines()[-1])
+    assert report["reached"] == "relay" and report["direct"]["reachable"] is False, report
+    assert "forward that TCP port" in report["advice"][0]
+    links = {row["peer"]: row for row in report["stages"]}
+    assert links.keys() == {info0["peer_id"], info1["peer_id"]}, report
+    assert links[info1["peer_id"]]["relayed"] and not links[info0["peer_id"]]["relayed"]
+    assert isinstance(links[info1["peer_id"]]["relay_limited"], bool)  # see the reachability module: a race
+    for row in links.values():
+        assert "error" not in row, row
+        assert row["rtt_ms"] > 0 and row["up_mbit"] > 1 and row["down_mbit"] > 1, row
+        if not row.get(
+            "relay_limited"
+        ):  # 1 MiB each way on 100 Mbit/s links (through a limited relay: 32 KiB)
+            assert row["up_mbit"] < 150 and row["down_mbit"] < 150, row
     assert result["reached"] == "relay", "the NAT'd trainer should have found it cannot be dialled"
     assert result["errors"] == [] and result["steps"] >= 5, result
     assert result["records_relayed"] == {info0["peer_id"]: False, info1["peer_id"]: True}

@@ -5,7 +5,8 @@ connections out. hivemind's p2p daemon (go-libp2p) speaks circuit relay v2: a pe
 public peer (every peer serves as a relay by default), and the others reach it through
 ``<relay>/p2p/<relay id>/p2p-circuit``. A peer's ``reachability`` (:class:`~lightning_swarm.swarm.SwarmSettings`):
 
-- ``"direct"``: others dial this peer's own addresses (a public host, or a port forwarded to it);
+- ``"direct"``: others dial this peer's own addresses (a public host, or a port forwarded to it); it relays for
+  the peers behind NAT;
 - ``"relay"``: this peer reserves a slot at each of its initial peers (the swarm's public peers) at start-up and
   announces the circuit addresses through them in its stage record (:mod:`.records`);
 - ``"auto"`` (default): a swarm peer that has initial peers off this host asks one of them to dial it back from a
@@ -19,6 +20,12 @@ What hivemind 1.1.12 needs for this, done here:
   waits its boot delay (3 min) before it reserves a slot when it knows fewer than 4 relay candidates;
 - reachability forced private (``-forceReachabilityPrivate``): AutoNAT never decides for addresses in private
   ranges (10/8, 192.168/16), and without a decision the relay client reserves nothing;
+- a directly reachable peer forced public (``-forceReachabilityPublic``): its daemon's relay manager then starts
+  the relay service with the daemon's limits (30 min and 4 GiB per relayed connection) at once. The bundled daemon
+  also starts a relay with go-libp2p's default limits (2 min and 128 KiB per direction) right after its host, and
+  whichever registers last serves: a race, which the configured relay lost in about half of our runs on the test
+  bed. A relay that lost it cuts each relayed connection after 128 KiB; the connection is dialled again at the
+  next lookup, and the calls in flight are retried. ``lightning-swarm doctor`` says which relays are limited.
 - the circuit address sent to the daemon with its ``/p2p/`` parts as bare multihashes (:func:`wire_maddr`):
   hivemind's multiaddr encoder writes them as CIDv1, which the daemon refuses ("length greater than remaining
   number of bytes in buffer").
@@ -86,7 +93,7 @@ def daemon_options(reachability: str, relays: Sequence[str]) -> dict[str, Any]:
     """Keyword arguments for ``hivemind.DHT`` (passed on to ``P2P.create``) for a peer that is ``"direct"`` or
     ``"relay"`` (through ``relays``, full multiaddrs with ``/p2p/<id>``)."""
     if reachability == "direct":
-        return {}
+        return {"force_reachability": "public"}
     if reachability == "relay":
         if not relays:
             raise ValueError(
