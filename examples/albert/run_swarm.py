@@ -8,8 +8,8 @@ Every peer is its own process running ``train.py fit --config configs/peer.yaml`
 runs), joined through a small bootstrap DHT node that this launcher holds: ``stages x peers_per_stage`` server peers
 (each serves one stage), of which the first ``trainers`` also feed data (role ``both``; the first one's progress bar
 is shown). With ``--separate-trainers`` the trainers are peers of their own (role ``trainer``) instead: one more
-process each on the same cores (20 steps, pairs on the change that became `53cbfc7`: 170.3 / 161.9 samples/s
-against 197.1 / 193.1).
+process each on the same cores (in 20-step runs, about 15% slower than
+trainers that serve a stage).
 Because the launcher owns each peer's process, one can die without taking the others down.
 
 When the trainers are done, the same model, data, seed, global batch and number of optimizer steps are trained in
