@@ -90,8 +90,8 @@ from examples.stage_peer import stage_module
 from lightning_swarm.swarm import SwarmClient, SwarmSettings
 from lightning_swarm.swarm.lifetime import die_with_parent
 from lightning_swarm.swarm.logs import quiet_routine_logs
-from lightning_swarm.swarm.protocol import stage_uid
-from lightning_swarm.swarm.stepping import StepCommand
+from lightning_swarm.swarm.training.stepping import StepCommand
+from lightning_swarm.swarm.wire.protocol import stage_uid
 
 ROOT = _harness.ROOT
 PEER = ROOT / "examples" / "stage_peer.py"

@@ -55,7 +55,7 @@ def pipeline_state(model: LightningModule) -> dict[str, torch.Tensor]:
 
 def own_hash(model: LightningModule) -> str:
     """A hash of the parameters outside the pipeline (a trainer's own)."""
-    from lightning_swarm.swarm.trainer_sync import params_hash
+    from lightning_swarm.swarm.training.trainer_sync import params_hash
 
     prefix = f"{model.pipeline}."
     return params_hash([p for name, p in model.named_parameters() if not name.startswith(prefix)])

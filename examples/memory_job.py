@@ -268,7 +268,7 @@ class SaveAtEnd(Callback):
             trainer.save_checkpoint(self.path)
             return
         from lightning_swarm.strategy._checkpointing import fetcher
-        from lightning_swarm.swarm.streamed_checkpoint import resolve_deferred
+        from lightning_swarm.swarm.peer.checkpoint import resolve_deferred
 
         strategy = trainer.strategy
         streamed = peak_rss_rise(lambda: trainer.save_checkpoint(self.path, weights_only=True))

@@ -18,8 +18,8 @@ import time
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_swarm.strategy.launcher import FAILED_CHILD_GRACE_S, RESTART_ENV, _SwarmLauncher
+from lightning_swarm.swarm.dht.presence import PeerFailure
 from lightning_swarm.swarm.lifetime import die_with_parent
-from lightning_swarm.swarm.presence import PeerFailure
 
 
 def _sleep() -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.client import SwarmClient
+from lightning_swarm.swarm.client.client import SwarmClient
 from lightning_swarm.swarm.settings import SwarmSettings
 from tests import _zygote
 from tests._helpers import SMALL_SWARM_STRATEGY, alive

@@ -39,7 +39,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.fidelity_job import buffer_gap, launch, parameter_gap, run  # noqa: E402
-from lightning_swarm.swarm.client import SwarmClient  # noqa: E402
+from lightning_swarm.swarm.client.client import SwarmClient  # noqa: E402
 from lightning_swarm.swarm.server import StageServer  # noqa: E402
 from lightning_swarm.swarm.settings import SwarmSettings  # noqa: E402
 from tests import _zygote  # noqa: E402

@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lightning_swarm.swarm import codec
-from lightning_swarm.swarm.codec import CodecError, PartsDecoder, TooLarge, decode_parts, encode_parts
-from lightning_swarm.swarm.errors import BadRequest
-from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.protocol import StageRequest, parse_request, stage_uid
-from lightning_swarm.swarm.transport import MessageReceiver, encode_request
+from lightning_swarm.swarm.wire import codec
+from lightning_swarm.swarm.wire.codec import CodecError, PartsDecoder, TooLarge, decode_parts, encode_parts
+from lightning_swarm.swarm.wire.errors import BadRequest
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.protocol import StageRequest, parse_request, stage_uid
+from lightning_swarm.swarm.wire.transport import MessageReceiver, encode_request
 
 UID = stage_uid("fuzz", 0)
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

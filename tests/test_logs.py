@@ -195,7 +195,7 @@ import logging, sys, time
 import hivemind
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.mpfuture import MPFuture
-from lightning_swarm.swarm.averaging import _ProgressTracker
+from lightning_swarm.swarm.training.averaging import _ProgressTracker
 
 class StalledLookups:
     # a real DHT whose asynchronous lookups never answer (a busy DHT, or one going away): a tracker shutting down
@@ -266,7 +266,7 @@ def test_a_dht_request_that_cannot_be_read_is_dropped_without_a_pause(dht_class:
     import hivemind
     from hivemind.utils import get_dht_time
 
-    from lightning_swarm.swarm.dht_process import SwarmDHT
+    from lightning_swarm.swarm.dht.process import SwarmDHT
 
     dht = (SwarmDHT if dht_class == "SwarmDHT" else hivemind.DHT)(start=True)
     try:
@@ -301,7 +301,7 @@ def test_a_dht_request_cut_short_by_its_sender_does_not_kill_the_dht_process(dht
     import hivemind
     from hivemind.utils import get_dht_time
 
-    from lightning_swarm.swarm.dht_process import SwarmDHT
+    from lightning_swarm.swarm.dht.process import SwarmDHT
 
     dht = (SwarmDHT if dht_class == "SwarmDHT" else hivemind.DHT)(start=True)
     try:

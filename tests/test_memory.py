@@ -12,7 +12,7 @@ from torch import nn
 
 from examples import memory_job as _memory_job
 from lightning_swarm import SwarmStrategy
-from lightning_swarm.swarm.materialize import RngSnapshot, has_meta, materialize
+from lightning_swarm.swarm.peer.materialize import RngSnapshot, has_meta, materialize
 from tests import _zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

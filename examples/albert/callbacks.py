@@ -20,7 +20,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from lightning_swarm.swarm.records import get_stage_peers
+from lightning_swarm.swarm.dht.records import get_stage_peers
 
 
 def swarm_peer(trainer: Trainer) -> Any:

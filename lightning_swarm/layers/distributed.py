@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .mesh import SocketMesh, _Collective
+from lightning_swarm.layers.mesh import SocketMesh, _Collective
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The SwarmStrategy's checkpoints, stage by stage (see :mod:`lightning_swarm.swarm.streamed_checkpoint`).
+"""The SwarmStrategy's checkpoints, stage by stage (see :mod:`lightning_swarm.swarm.peer.checkpoint`).
 
 Saving: the module's ``state_dict`` names every pipeline tensor with a ``Deferred`` leaf, and the stages' optimizer
 states likewise; the file is written fetching one stage at a time from the swarm, so that no peer ever holds the
@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_swarm.swarm import SwarmPeer
-from lightning_swarm.swarm.partition import stage_state_keys
-from lightning_swarm.swarm.streamed_checkpoint import Deferred
+from lightning_swarm.swarm.peer.checkpoint import Deferred
+from lightning_swarm.swarm.peer.partition import stage_state_keys
 
 _STAGE = "stage"
 _OPTIMIZER = "optimizer"

@@ -93,8 +93,8 @@ def _refuse_before_launch(model: Any, settings: Any) -> None:
     not built yet (``configure_model``) or cannot be found is left to the peers, which say what is wrong."""
     from torch import nn
 
-    from lightning_swarm.swarm.chunking import check_chunkable
-    from lightning_swarm.swarm.partition import find_pipeline
+    from lightning_swarm.swarm.client.chunking import check_chunkable
+    from lightning_swarm.swarm.peer.partition import find_pipeline
 
     if settings.microbatches in ("auto", 1) or not isinstance(model, nn.Module):
         return

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_swarm.strategy._loop_state import gradients_fixed_after_backward
 from lightning_swarm.strategy._refusals import _scaler
-from lightning_swarm.swarm.stepping import hyper_parameters
+from lightning_swarm.swarm.training.stepping import hyper_parameters
 
 
 class _TrainerDrivenSteps:
@@ -158,7 +158,7 @@ class _TrainerDrivenSteps:
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """At a step boundary (the last optimizer step and the schedulers' update after it are done), a trainer
-        that asked to join the run gets this one's state (see ``swarm/trainer_sync.py``)."""
+        that asked to join the run gets this one's state (see ``swarm/training/trainer_sync.py``)."""
         sync = self._peer.trainer_sync if getattr(self, "_peer", None) is not None else None
         if sync is not None and getattr(self, "_stepped", False):
             self._stepped = False
@@ -168,7 +168,7 @@ class _TrainerDrivenSteps:
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's backward. Inside an accumulation window (automatic optimization, a backward outside the
         optimizer step) the stage calls' input gradients may come later: the next microbatch starts while the
-        stages compute them (see :mod:`lightning_swarm.swarm.deferred_grads`). In a step that allows early stage
+        stages compute them (see :mod:`lightning_swarm.swarm.client.deferred_grads`). In a step that allows early stage
         steps, a stage steps as soon as its part of this backward is done."""
         deferred = self._deferred_grads()
         if deferred is not None and self._may_defer(kwargs):
@@ -206,7 +206,7 @@ class _TrainerDrivenSteps:
 
     def _sync_trainers(self, optimizer: Any) -> None:
         """With several trainers: after this trainer's backward, its own parameters' gradients become the average
-        over the trainers of the global step (DDP's all-reduce; see ``swarm/trainer_sync.py``), and the step's id
+        over the trainers of the global step (DDP's all-reduce; see ``swarm/training/trainer_sync.py``), and the step's id
         becomes the leader's, so that every trainer names the same stage step."""
         peer = self.peer
         if peer.trainer_sync is None:
@@ -229,7 +229,7 @@ class _TrainerDrivenSteps:
         return {name: t for name, t in tensors.items() if not name.startswith(prefix)}
 
     def _trainer_state(self) -> bytes:
-        """What a trainer that joins a run in progress needs from this one (see ``swarm/trainer_sync.py``): its own
+        """What a trainer that joins a run in progress needs from this one (see ``swarm/training/trainer_sync.py``): its own
         parameters and buffers, its optimizers' and LR schedulers' states."""
         buffer = io.BytesIO()
         torch.save(

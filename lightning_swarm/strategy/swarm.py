@@ -46,15 +46,15 @@ from lightning_swarm.strategy._trainer_steps import _groups_hyper, _TrainerDrive
 from lightning_swarm.strategy.launcher import _SwarmLauncher, computing_at_once
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
 from lightning_swarm.swarm.allocator import tune_allocator
-from lightning_swarm.swarm.deferred_init import InitRecorder
 from lightning_swarm.swarm.lifetime import (
     die_with_parent,
     interrupt_handled,
     latch_interrupts,
     raise_pending_interrupt,
 )
-from lightning_swarm.swarm.materialize import RngSnapshot
-from lightning_swarm.swarm.streamed_checkpoint import resolve_deferred, save_deferred
+from lightning_swarm.swarm.peer.checkpoint import resolve_deferred, save_deferred
+from lightning_swarm.swarm.peer.deferred_init import InitRecorder
+from lightning_swarm.swarm.peer.materialize import RngSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,9 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         self._peer: SwarmPeer | None = None
         self._failed = False
         self._runs = 0  # fit/validate/test/predict calls so far: each one starts a fresh swarm
-        self._step_id: int | None = None  # the trainer's optimizer step in progress (see swarm/stepping.py)
+        self._step_id: int | None = (
+            None  # the trainer's optimizer step in progress (see swarm/training/stepping.py)
+        )
         self._clip: tuple[str, float] | None = (
             None  # how the step in progress clipped: ("norm", coef)/("value", v)
         )
@@ -242,14 +244,14 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         self._early_step: tuple | None = None  # (step id, optimizer, its hyper-parameters) while allowed
         self._meta_build: RngSnapshot | None = None  # generators' states when a meta build began (see below)
         self._meta_recorder: InitRecorder | None = (
-            None  # what the meta build did (see swarm/deferred_init.py)
+            None  # what the meta build did (see swarm/peer/deferred_init.py)
         )
         self.stage_steps: dict[
             int, int
         ] = {}  # optimizer steps each stage took in the last run, as it replied
         self.early_stage_steps = 0  # of those, commanded before the trainer's backward ended
         # with several trainers: global steps taken, trainer-steps missed in the steps this trainer led, and steps
-        # this trainer's own part came too late for (see swarm/trainer_sync.py)
+        # this trainer's own part came too late for (see swarm/training/trainer_sync.py)
         self.trainer_sync_stats: dict[str, int] = {}
         self.deferred_backwards = 0  # stage-call backwards whose input gradients came after the next forward
 
@@ -402,7 +404,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         storage) while its build is recorded, and at setup each peer gives storage to what it hosts only (its
         stage's blocks and the modules outside the pipeline) and replays the build for them: they get the values
         the model's own code gives them in one process seeded alike, init hooks included (see
-        ``swarm/deferred_init.py``). ``empty_init=False`` builds everything on the device, initialised, as
+        ``swarm/peer/deferred_init.py``). ``empty_init=False`` builds everything on the device, initialised, as
         Lightning does."""
         if empty_init is False:
             with super().tensor_init_context(empty_init=False):

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .footprint import p2pd_env
+from lightning_swarm.swarm.footprint import p2pd_env
 
 __all__ = [
     "bounded",

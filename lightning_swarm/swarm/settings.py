@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from hivemind.p2p import PeerID
 
-from .codec import COMPRESSIONS
-from .protocol import check_run_id
+from lightning_swarm.swarm.wire.codec import COMPRESSIONS
+from lightning_swarm.swarm.wire.protocol import check_run_id
 
 __all__ = ["ROLES", "SwarmSettings"]
 
