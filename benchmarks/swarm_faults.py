@@ -2,7 +2,7 @@
 
 Two comparisons: under repeated kills of a last-stage process, and with one last-stage process at half speed.
 
-The model is ``examples/stage_peer.py``'s small MLP: 2 stages of 2 blocks of ``Linear(256, 256)`` + ``Tanh``
+The model is ``testbed/stage_peer.py``'s small MLP: 2 stages of 2 blocks of ``Linear(256, 256)`` + ``Tanh``
 (``stage_module``, the same initial weights in both jobs), microbatches of 16 random rows, loss ``output.pow(2).mean()``, ``Adam(lr=1e-3)``
 stepping once per 256 samples (the stage peers' ``target_batch_size``). Both jobs run on this box's cores (2 on
 the benchmark machine, shared with everything else on it), over loopback, with one torch thread per process.
@@ -86,15 +86,15 @@ import _harness
 import hivemind
 import torch
 
-from examples.stage_peer import stage_module
 from lightning_swarm.swarm import SwarmClient, SwarmSettings
 from lightning_swarm.swarm.lifetime import die_with_parent
 from lightning_swarm.swarm.logs import quiet_routine_logs
 from lightning_swarm.swarm.training.stepping import StepCommand
 from lightning_swarm.swarm.wire.protocol import stage_uid
+from testbed.stage_peer import stage_module
 
 ROOT = _harness.ROOT
-PEER = ROOT / "examples" / "stage_peer.py"
+PEER = ROOT / "testbed" / "stage_peer.py"
 GPIPE_JOB = ROOT / "benchmarks" / "_harness" / "gpipe_job.py"
 WIDTH, BLOCKS, BATCH, LR, TARGET_BATCH = 256, 2, 16, 1e-3, 256
 TIMEOUTS = {"request_timeout": 15.0, "matchmaking_time": 1.0, "averaging_timeout": 5.0}

@@ -1,7 +1,7 @@
 """The training contract (docs/design/swarm-optimisation.md): with one trainer, a swarm trains what one process
 trains.
 
-Each model family of ``examples/families.py`` (written the way its field writes it: a GPT decoder with a float
+Each model family of ``testbed/families.py`` (written the way its field writes it: a GPT decoder with a float
 causal mask and weight tying, a ViT with cls token and position embedding on the trainer, an encoder with a
 boolean padding mask and dropout, a CNN with BatchNorm) trains 20 optimizer steps twice from the same seed, data
 and batch: in one plain Lightning process, and in a local swarm of 2 peer processes on 127.0.0.1 (one trainer,
@@ -38,10 +38,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from examples.fidelity_job import buffer_gap, launch, parameter_gap, run  # noqa: E402
 from lightning_swarm.swarm.client.client import SwarmClient  # noqa: E402
 from lightning_swarm.swarm.server import StageServer  # noqa: E402
 from lightning_swarm.swarm.settings import SwarmSettings  # noqa: E402
+from testbed.fidelity_job import buffer_gap, launch, parameter_gap, run  # noqa: E402
 from tests import _zygote  # noqa: E402
 
 STEPS = 20
