@@ -154,7 +154,6 @@ def peer_cmd(config: str, role: str, stage: int | None, history: Path | None, ex
         cmd.append(f"{S}.stage={stage}")
     if history is not None:
         callbacks = [
-            {"class_path": "examples.albert.callbacks.SwarmProgressBar"},
             {
                 "class_path": "examples.albert.callbacks.TrainingHistory",
                 "init_args": {"path": str(history), "progress_every": 1},  # the launcher follows the steps
@@ -327,7 +326,6 @@ def run_baseline(args: argparse.Namespace, extra: list[str], steps: int) -> dict
         "--trainer.enable_model_summary=false",
     ]
     callbacks = [
-        {"class_path": "examples.albert.callbacks.SwarmProgressBar"},
         {"class_path": "examples.albert.callbacks.TrainingHistory", "init_args": {"path": str(history)}},
     ]
     cmd += [f"--trainer.callbacks={json.dumps(callbacks)}", f"--model.num_groups={args.stages}", *keep]
