@@ -107,18 +107,3 @@ def remote_exception(error: ErrorReply, stage: int, peer: Any) -> RemoteStageErr
         message = f"Peer {peer} could not serve stage {stage} ({error.category}): {error.type_name}: {error.message}"
         cls = RemoteStageError
     return cls(message, error, stage, peer)
-
-
-class PeerStopping(SystemExit):
-    """This peer was asked to stop (SIGTERM) while a call waited for a stage: unwind at once, quietly.
-
-    A ``SystemExit`` (exit status 0, like Lightning's ``SIGTERMException``), so that no ``except Exception`` on
-    the way retries it and the interpreter ends without a traceback.
-    """
-
-    def __init__(self, message: str = "") -> None:
-        super().__init__()
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
