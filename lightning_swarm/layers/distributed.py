@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_swarm.layers.mesh import SocketMesh, _Collective
+from lightning_swarm.layers.mesh import Collective, SocketMesh
 
 
 @dataclass
@@ -160,7 +160,7 @@ class ShardGroup:
         its completion for up to :attr:`spin_s` first; its errors and timeout are the process group's."""
         if work is None:
             return
-        if isinstance(work, _Collective):  # the mesh's own wait spins (see spin_now) or blocks in select
+        if isinstance(work, Collective):  # the mesh's own wait spins (see spin_now) or blocks in select
             work.wait()
             return
         if not work.is_completed():

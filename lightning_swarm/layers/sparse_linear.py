@@ -392,7 +392,7 @@ class SparseLSHLinear(nn.Module):
         per_sample = self.active_set == "per_sample"
         k, num_rows = self.num_active, x.size(0) if per_sample else 1
         if labels is not None:
-            distinct = _distinct_labels(labels if per_sample else labels.reshape(1, -1))
+            distinct = distinct_labels(labels if per_sample else labels.reshape(1, -1))
             if int(distinct.max()) > k:
                 what = "a sample has" if per_sample else "the batch has"
                 raise ValueError(
@@ -516,7 +516,7 @@ class SparseLSHLinear(nn.Module):
             )
 
 
-def _distinct_labels(labels: Tensor) -> Tensor:
+def distinct_labels(labels: Tensor) -> Tensor:
     """Number of distinct non-padding labels per row of a ``[R, Y]`` tensor."""
     if labels.size(1) == 0:
         return torch.zeros(labels.size(0), dtype=torch.long)

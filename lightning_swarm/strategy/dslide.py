@@ -44,7 +44,7 @@ would write (full layers and optimizer state), streamed shard by shard to rank 0
 LightningModule, and a sharded run on any number of ranks resumes from it (memory-mapped: each rank reads its
 rows). With ``checkpoint_every_n_steps`` the strategy also writes sharded checkpoints (a folder, each rank its own
 part), and with ``max_restarts`` a ``devices=N`` job comes back from the last one when a rank dies
-(``lightning_swarm.strategy._dslide_restarts``).
+(``lightning_swarm.strategy.dslide_restarts``).
 """
 
 from __future__ import annotations
@@ -96,13 +96,13 @@ from lightning_swarm.layers.shard_plan import (
     streamed_optimizer_state,
 )
 from lightning_swarm.layers.sparse_linear import SparseLSHLinear
-from lightning_swarm.strategy._dslide_restarts import (
+from lightning_swarm.strategy.dslide_restarts import (
     FAILED_AT_ENV,
     RESTART_ENV,
     AutoCheckpoint,
     RestartingLauncher,
 )
-from lightning_swarm.strategy._loop_state import gradients_fixed_after_backward, logs_written_this_step
+from lightning_swarm.strategy.loop_state import gradients_fixed_after_backward, logs_written_this_step
 
 log = logging.getLogger(__name__)
 

@@ -63,8 +63,8 @@ from hivemind.proto import runtime_pb2
 
 from lightning_swarm.swarm.wire.codec import CodecError
 from lightning_swarm.swarm.wire.errors import (
-    _MAX_MESSAGE,
     COMPUTE,
+    MAX_MESSAGE,
     REQUEST,
     UNAVAILABLE,
     BadRequest,
@@ -315,7 +315,7 @@ def parse_reply(header: bytes, tensors: list[torch.Tensor]) -> StageReply:
     if isinstance(fields, list) and len(fields) == 5 and fields[0] == "error" and type(fields[1]) is int:
         _, request_id, category, type_name, message = fields
         if category in _CATEGORIES and isinstance(type_name, str) and isinstance(message, str):
-            return StageReply(request_id, error=ErrorReply(category, type_name[:100], message[:_MAX_MESSAGE]))
+            return StageReply(request_id, error=ErrorReply(category, type_name[:100], message[:MAX_MESSAGE]))
     if isinstance(fields, list) and len(fields) == 4 and fields[0] == "ok" and type(fields[1]) is int:
         if isinstance(fields[2], bytes) and type(fields[3]) is bool:
             return StageReply(fields[1], outputs=Payload.from_wire(fields[2], tensors), kept=fields[3])
