@@ -85,7 +85,9 @@ def save_streamed(
             for _ in _chunks(tensor, shard_group, chunk_bytes):
                 pass
         return 0
-    buffer, storages, keys = io.BytesIO(), {}, {}
+    buffer = io.BytesIO()
+    storages: dict[str, Any] = {}
+    keys: dict[int, str] = {}
     with warnings.catch_warnings():
         warnings.simplefilter(
             "ignore", UserWarning
@@ -102,7 +104,7 @@ def save_streamed(
             write_record(
                 archive,
                 f"data/{keys[id(tensor)]}",
-                (memoryview(c.numpy()).cast("B") for c in _chunks(tensor, shard_group, chunk_bytes)),
+                (memoryview(c.numpy()).cast("B") for c in _chunks(tensor, shard_group, chunk_bytes)),  # type: ignore[arg-type]
             )
         write_version_record(archive)
     os.replace(tmp, path)

@@ -115,7 +115,7 @@ def save_deferred(obj: Any, path: str | os.PathLike, fetch: Callable[[Hashable],
                     tensor = state[leaf.key].detach().cpu().contiguous()
                     leaf.shape, leaf.dtype = tuple(tensor.shape), tensor.dtype
                     flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0)
-                    write_record(archive, f"data/{keys[id(leaf)]}", [memoryview(flat.numpy()).cast("B")])
+                    write_record(archive, f"data/{keys[id(leaf)]}", [memoryview(flat.numpy()).cast("B")])  # type: ignore[arg-type]
                 del state, tensor, flat
             buffer, storages = io.BytesIO(), {}
             with warnings.catch_warnings():
