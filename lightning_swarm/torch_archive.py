@@ -39,7 +39,7 @@ def storage_bytes(storage: Any) -> memoryview:
     """The bytes of ``storage`` (moved to the CPU if needed), without a copy on the CPU."""
     flat = torch.empty(0, dtype=torch.uint8)
     flat.set_(storage.cpu() if storage.device.type != "cpu" else storage)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def write_record(archive: zipfile.ZipFile, name: str, chunks: Iterable[Any]) -> None:
@@ -73,7 +73,14 @@ def write_version_record(archive: zipfile.ZipFile) -> None:
 def rebuild_as_tensor(storage: Any, shape: tuple[int, ...]) -> tuple[Any, tuple[Any, ...]]:
     """A pickle reduction that rebuilds a contiguous tensor of ``shape`` from ``storage`` (a persistent id's
     object), as ``torch.save`` pickles a tensor."""
-    args = (storage, 0, tuple(shape), contiguous_stride(tuple(shape)), False, collections.OrderedDict())
+    args: tuple[Any, ...] = (
+        storage,
+        0,
+        tuple(shape),
+        contiguous_stride(tuple(shape)),
+        False,
+        collections.OrderedDict(),
+    )
     return (torch._utils._rebuild_tensor_v2, args)
 
 

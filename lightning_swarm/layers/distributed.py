@@ -189,7 +189,7 @@ class ShardGroup:
         if queued is None:
             return True
         fresh = probe is not None and now - probe[0] <= 2 * CONTENTION_WINDOW_S + self.spin_s
-        if fresh and (queued - probe[1]) / 1e9 > CONTENDED_FRACTION * (now - probe[0]):
+        if fresh and probe is not None and (queued - probe[1]) / 1e9 > CONTENDED_FRACTION * (now - probe[0]):
             self._probe, self._blocked_until = None, now + CONTENTION_BACKOFF_S
             return True
         # a new window: after a full one that was not contended, the first, or one that ended long ago

@@ -80,7 +80,7 @@ class MeshError(RuntimeError):
 
 def _payload(tensor: Tensor) -> memoryview:
     """The bytes of a contiguous ``tensor`` (any dtype, empty too), sharing its memory."""
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 class Collective:

@@ -59,6 +59,8 @@ class ShardedLayer(nn.Module):
         shard_slices: parameter name -> ``(lo, hi)`` of this rank along its shard dimension.
     """
 
+    init_seed: int
+
     shard_group: ShardGroup
     shard_dims: dict[str, int]
     full_shapes: dict[str, tuple[int, ...]]
@@ -69,7 +71,7 @@ class ShardedLayer(nn.Module):
         shard_group: ShardGroup,
         lo: int,
         hi: int,
-        full: nn.Module,
+        full: SparseInputLinear | SparseLSHLinear,
         layout: dict[str, tuple[int, tuple[int, ...]]],
     ) -> None:
         """Record how each parameter is split (``layout``: name -> (shard dim, shape of the whole layer's)) and
@@ -178,6 +180,7 @@ class ShardedSparseInputLinear(SparseInputLinear, ShardedLayer):
         self.in_features, self.row_offset = total, lo
         self._init_shard(shard_group, lo, hi, full, {"weight": (0, (total, full.out_features))})
         if full.bias is not None:
+            assert self.bias is not None
             with torch.no_grad():
                 self.bias.copy_(full.bias)
                 if shard_group.world_size > 1:

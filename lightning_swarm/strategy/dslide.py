@@ -59,7 +59,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -322,8 +322,8 @@ class DSlideStrategy(DDPStrategy):
         self.model_to_device()
         self._ensure_plan().sync_replicated()
         if self._checkpoint_every is not None and trainer.training:
-            if not any(isinstance(c, AutoCheckpoint) for c in trainer.callbacks):
-                trainer.callbacks.append(
+            if not any(isinstance(c, AutoCheckpoint) for c in trainer.callbacks):  # type: ignore[attr-defined]
+                trainer.callbacks.append(  # type: ignore[attr-defined]
                     AutoCheckpoint(self._checkpoint_every, self.checkpoint_dir, self._save_sharded)
                 )
         if trainer.state.fn == TrainerFn.FITTING:
@@ -338,7 +338,7 @@ class DSlideStrategy(DDPStrategy):
             yield
 
     @override
-    def _setup_model(self, model: Module) -> Module:
+    def _setup_model(self, model: Module) -> Module:  # type: ignore[override]  # no DDP wrapper
         # No DistributedDataParallel: sharded layers talk through their own collectives and the replicated
         # parameters are reduced in `post_backward`.
         return model
@@ -371,7 +371,7 @@ class DSlideStrategy(DDPStrategy):
         if trainer is None or not trainer.training or not self._resume_in_epoch:
             return 0
         self._resume_in_epoch = False
-        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
 
     def _trainer(self) -> pl.Trainer | None:
         return self.lightning_module.trainer if self.lightning_module is not None else None
@@ -391,7 +391,7 @@ class DSlideStrategy(DDPStrategy):
         # that received SIGTERM says so when it fetches its next batch, and every rank raises Lightning's
         # SIGTERMException at the same step, a step or two later.
         self._sigterm_received = False
-        epoch_loop._broadcast_sigterm_tensor = self._raise_if_sigterm_agreed
+        epoch_loop._broadcast_sigterm_tensor = self._raise_if_sigterm_agreed  # type: ignore[union-attr]
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -498,7 +498,7 @@ class DSlideStrategy(DDPStrategy):
         return self._plan.streamed_state_dict()
 
     @override
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         # Lightning restores the model before `setup`: shard it first (collective) if that has not happened yet.
         plan = self._ensure_plan()
         if self._loaded_sharded:  # this rank's own rows, saved by this rank's predecessor
@@ -545,7 +545,7 @@ class DSlideStrategy(DDPStrategy):
         return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self._plan is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             optimizer.load_state_dict(

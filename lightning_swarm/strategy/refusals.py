@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -16,13 +17,9 @@ def grad_scaler(plugin: Any) -> Any:
 def refuse_weight_copies(trainer: Trainer) -> None:
     """Callbacks that keep their own copy of the model's weights (SWA, EMA) would average only the trainer-side
     parameters: the pipeline's live on the stages. Refused at setup, with one line."""
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
-    try:
-        from lightning.pytorch.callbacks import WeightAveraging
-    except ImportError:  # Lightning before 2.5
-        WeightAveraging = StochasticWeightAveraging  # noqa: N806
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
             raise ValueError(
                 f"When using the SwarmStrategy, the {type(callback).__name__} callback is not supported: it keeps a "
@@ -31,7 +28,7 @@ def refuse_weight_copies(trainer: Trainer) -> None:
             )
 
 
-def refuse_for_swarm_steps(trainer: Trainer, plugin: Any, optimizers: list[Any] = ()) -> None:
+def refuse_for_swarm_steps(trainer: Trainer, plugin: Any, optimizers: Sequence[Any] = ()) -> None:
     """With ``stage_steps="async"`` (several trainers) the stages step on their own: settings that need the
     trainer's step on the stages are refused at setup, with one line."""
     fix = "use stage_steps='trainer' (the default: the stages step with the trainers)"

@@ -156,13 +156,13 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
         self,
         pipeline: str | None = None,
         num_stages: int = _DEFAULTS.num_stages,
-        role: Role = _DEFAULTS.role,
+        role: Role = "both",
         stage: int | None = None,
         num_trainers: int | None = None,
         initial_peers: list[str] | None = None,
         host_maddrs: list[str] | None = None,
         run_id: str = _DEFAULTS.run_id,
-        compression: Compression = _DEFAULTS.compression,
+        compression: Compression = "8bit",
         target_batch_size: int | None = None,
         request_timeout: float = _DEFAULTS.request_timeout,
         no_peers_timeout: float = _DEFAULTS.no_peers_timeout,
@@ -433,6 +433,7 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
             assert self.lightning_module is not None
             self.lightning_module.trainer.should_stop = True
         else:
+            assert self.lightning_module is not None
             loader = getattr(self.lightning_module.trainer, "train_dataloader", None)
             batch_size = getattr(loader, "batch_size", None)
             if isinstance(batch_size, int) and not self._batch_checked:  # before any stage call
@@ -625,7 +626,7 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+        strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").splitlines()[0])
 
 
 def _autocast_dtype(plugin: Any) -> str | None:

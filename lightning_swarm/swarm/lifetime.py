@@ -248,7 +248,7 @@ def _wrap_subprocess_exec() -> None:
         return await original(*args, **kwargs)
 
     create_subprocess_exec._dies_with_parent = True  # type: ignore[attr-defined]
-    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec  # type: ignore[assignment]
+    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
 
 
 def _keep_new_sessions() -> None:

@@ -124,7 +124,7 @@ class Presence:
         self.phase = TRAINING
         identity = identity_of(dht)
         signed = identity is not None and identity.peer_id.to_base58() == peer_name
-        self._subkey: bytes | str = identity.subkey if signed else peer_name
+        self._subkey: bytes | str = identity.subkey if signed and identity is not None else peer_name
         self.seen: set[str] = set()  # every peer ever seen in this run
         self.seen_trainers: set[str] = set()
         self.failure: PeerFailure | None = None  # the earliest failure another peer published

@@ -7,7 +7,7 @@ from __future__ import annotations
 import builtins
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from lightning_swarm.swarm.wire.codec import CodecError
 
@@ -106,4 +106,4 @@ def remote_exception(error: ErrorReply, stage: int, peer: Any) -> RemoteStageErr
     else:
         message = f"Peer {peer} could not serve stage {stage} ({error.category}): {error.type_name}: {error.message}"
         cls = RemoteStageError
-    return cls(message, error, stage, peer)
+    return cast(type[RemoteStageError], cls)(message, error, stage, peer)

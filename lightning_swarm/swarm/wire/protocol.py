@@ -172,6 +172,7 @@ class StageRequest:
     epoch: int | None = None
 
     def payloads(self) -> list[Payload]:
+        assert self.inputs is not None, "a request is encoded with its inputs"
         return [self.inputs] if self.grad_outputs is None else [self.inputs, self.grad_outputs]
 
 
@@ -189,7 +190,7 @@ def fp32_bytes(request: StageRequest, reply: StageReply, lean: bool = False) -> 
     """What a call's floating-point tensors (the request's inputs and output gradients, the reply's outputs) take
     as float32: the bytes its boundaries would move without compression (``lean``: a backward sent without its
     inputs)."""
-    payloads = (request.inputs, request.grad_outputs, reply.outputs)
+    payloads: tuple[Payload | None, ...] = (request.inputs, request.grad_outputs, reply.outputs)
     if lean:
         payloads = payloads[1:]
     return 4 * sum(t.numel() for p in payloads if p is not None for t in p.tensors if t.is_floating_point())
