@@ -11,8 +11,8 @@ from typing import Any
 from lightning_swarm.swarm.dht.reachability import dial_relayed
 from lightning_swarm.swarm.dht.records import PeerInfo, parse_stage_peers
 from lightning_swarm.swarm.dht.validation import stage_key
+from lightning_swarm.swarm.lifetime import PeerStopping
 from lightning_swarm.swarm.loop import STOP_POLL_S, get_loop, in_loop_thread, replicate_p2p, run_coroutine
-from lightning_swarm.swarm.wire.errors import PeerStopping
 
 logger = logging.getLogger(__name__)
 
