@@ -8,7 +8,8 @@ job that ``tests/test_nat.py`` and ``benchmarks/swarm_internet.py`` start in eac
   ``listen`` (an address of its host). Prints one JSON line once it serves (``peer_id``, ``maddrs``, ``reached``,
   ``relay_addrs``), then serves until its stdin closes or it is killed; at the end prints ``{"served": ...}``.
 - ``"trainer"``: a ``SwarmClient`` that trains a head and a tail around the pipeline for ``seconds`` (or ``steps``)
-  with batches of ``batch`` rows, then prints one JSON line: steps, samples, losses, and per stage peer the calls
+  with batches of ``batch`` rows (or from wall time ``begin`` to ``until``), then prints one JSON line: steps,
+  samples, losses, each step's end and length, failed steps' times, and per stage peer the calls
   it took, their busy seconds, whether the connection to it went through a relay and whether its record says so.
 
 Dies with its parent (``die_with_parent``): a SIGKILLed test takes its peers along.
@@ -31,6 +32,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.stage_peer import stage_module  # noqa: E402
+
 from lightning_swarm.swarm.client.client import SwarmClient  # noqa: E402
 from lightning_swarm.swarm.dht.reachability import relay_addrs_of, start_reachable  # noqa: E402
 from lightning_swarm.swarm.lifetime import die_with_parent  # noqa: E402
@@ -125,13 +127,19 @@ def train(cfg: dict[str, Any]) -> None:
     head, tail = nn.Linear(8, width), nn.Linear(width, 1)
     optimizer = torch.optim.Adam([*head.parameters(), *tail.parameters()], lr=1e-3)
     losses: list[float] = []
+    steps_at: list[tuple[float, float]] = []  # (wall time at its end, seconds) of every step done
     errors: list[str] = []
+    errors_at: list[float] = []
     relayed: dict[str, bool] = {}
     start = time.monotonic()
-    deadline = start + cfg.get("seconds", 30.0)
-    while time.monotonic() < deadline and len(losses) < cfg.get("steps", 10**9):
+    deadline = cfg["until"] if "until" in cfg else time.time() + cfg.get("seconds", 30.0)  # wall time
+    if "begin" in cfg:  # trainers of one run start together, once every peer is up
+        time.sleep(max(0.0, cfg["begin"] - time.time()))
+        start = time.monotonic()
+    while time.time() < deadline and len(losses) < cfg.get("steps", 10**9):
         x = torch.randn(batch, 8)
         y = torch.sin(x[:, :1]) + x[:, 1:2]
+        began = time.time()
         try:
             h = head(x)
             for stage in range(settings.num_stages):
@@ -141,8 +149,10 @@ def train(cfg: dict[str, Any]) -> None:
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+            steps_at.append((time.time(), time.time() - began))
         except Exception as e:  # reported, not hidden: the test asserts there are none
             errors.append(repr(e)[:300])
+            errors_at.append(time.time())
             time.sleep(0.5)
         if len(losses) % 5 == 1 and client._p2p is not None:  # how the daemon is connected to each peer
             for info in run_coroutine(client._p2p.list_peers(), timeout=10):
@@ -156,6 +166,9 @@ def train(cfg: dict[str, Any]) -> None:
         "seconds": elapsed,
         "losses": losses,
         "errors": errors,
+        "errors_at": errors_at,
+        "steps_at": steps_at,
+        "batch": batch,
         "peers": {p: {"calls": n, "busy_s": s, "relayed": relayed.get(p)} for p, (n, s) in calls.items()},
         "records_relayed": records,
         "stats": client.stats(),
