@@ -3,13 +3,14 @@ job that ``tests/test_nat.py`` and ``benchmarks/swarm_internet.py`` start in eac
 
 ``python testbed/internet_peer.py '<json>'`` with ``"role"``:
 
-- ``"server"``: serves ``stage`` of the small MLP pipeline of ``examples/stage_peer.py`` (``width``, ``blocks``) with
+- ``"server"``: serves ``stage`` of the small MLP pipeline of ``testbed/stage_peer.py`` (``width``, ``blocks``) with
   a ``StageServer``, its DHT started per ``reachability`` (``lightning_swarm.swarm.dht.reachability``) on
   ``listen`` (an address of its host). Prints one JSON line once it serves (``peer_id``, ``maddrs``, ``reached``,
   ``relay_addrs``), then serves until its stdin closes or it is killed; at the end prints ``{"served": ...}``.
 - ``"trainer"``: a ``SwarmClient`` that trains a head and a tail around the pipeline for ``seconds`` (or ``steps``)
   with batches of ``batch`` rows (or from wall time ``begin`` to ``until``), then prints one JSON line: steps,
-  samples, losses, each step's end and length, failed steps' times, and per stage peer the calls
+  samples, losses, each step's end and length, failed steps' times, and per stage peer the calls (with
+  ``wait_go``: prints ``{"ready": true}`` once it can train and reads ``<begin> <until>`` from stdin first)
   it took, their busy seconds, whether the connection to it went through a relay and whether its record says so.
 
 Dies with its parent (``die_with_parent``): a SIGKILLed test takes its peers along.
@@ -31,8 +32,6 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from examples.stage_peer import stage_module  # noqa: E402
-
 from lightning_swarm.swarm.client.client import SwarmClient  # noqa: E402
 from lightning_swarm.swarm.dht.reachability import relay_addrs_of, start_reachable  # noqa: E402
 from lightning_swarm.swarm.lifetime import die_with_parent  # noqa: E402
@@ -40,6 +39,7 @@ from lightning_swarm.swarm.logs import quiet_routine_logs  # noqa: E402
 from lightning_swarm.swarm.loop import run_coroutine  # noqa: E402
 from lightning_swarm.swarm.server import StageServer  # noqa: E402
 from lightning_swarm.swarm.settings import SwarmSettings  # noqa: E402
+from testbed.stage_peer import stage_module  # noqa: E402
 
 
 def _settings(cfg: dict[str, Any]) -> SwarmSettings:
@@ -133,6 +133,12 @@ def train(cfg: dict[str, Any]) -> None:
     relayed: dict[str, bool] = {}
     start = time.monotonic()
     deadline = cfg["until"] if "until" in cfg else time.time() + cfg.get("seconds", 30.0)  # wall time
+    if cfg.get(
+        "wait_go"
+    ):  # say it is ready, then wait for the wall times to train between: "<begin> <until>"
+        print(json.dumps({"ready": True}), flush=True)
+        cfg["begin"], cfg["until"] = (float(v) for v in sys.stdin.readline().split())
+        deadline = cfg["until"]
     if "begin" in cfg:  # trainers of one run start together, once every peer is up
         time.sleep(max(0.0, cfg["begin"] - time.time()))
         start = time.monotonic()

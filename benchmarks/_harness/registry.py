@@ -132,6 +132,29 @@ BENCHMARKS: dict[str, Claim] = {
         ),
         root=True,
     ),
+    "swarm_internet": Claim(
+        "python benchmarks/swarm_internet.py --quick",
+        "volunteers on an internet-like test bed: 9 hosts in network namespaces on 100 Mbit/s links (no added "
+        "latency), 2 stage servers and 1 trainer behind NAT (iptables MASQUERADE), the rest public, default "
+        "reachability ('auto'); a 2-stage MLP; then one public stage server SIGKILLed every kill period and a new "
+        "one started half a period later",
+        "all NAT'd servers serve; `retained` >= 0.75, `samples_lost` 0, `hangs` 0; full run: "
+        "`rss_growth_mb_per_hour` <= 50",
+        (
+            "nat_peers_serving",
+            "nat_servers",
+            "relay_share_of_calls",
+            "throughput_relayed_vs_direct",
+            "retained",
+            "samples_lost",
+            "hangs",
+            "kills",
+            "healthy_samples_per_s",
+            "churn_samples_per_s",
+            "rss_growth_mb_per_hour",
+        ),
+        root=True,
+    ),
     "swarm_faults": Claim(
         "python benchmarks/swarm_faults.py --quick --width 2048 --blocks 4",
         "swarm (2 stages x 2 peers, one trainer) vs torch GPipe (2 ranks) restarted from checkpoints every N steps "
