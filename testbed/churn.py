@@ -39,7 +39,8 @@ class ChurnEvent:
 
 @dataclass
 class Churn:
-    """Kill one managed peer every ``kill_every`` s, start a new one ``rejoin_after`` s later (see the module).
+    """Kill one managed peer every ``kill_every`` s (at ``kill_every``, twice that... after :meth:`begin`), start a
+    new one ``rejoin_after`` s after each kill (see the module).
 
     Args:
         start: starts a peer for a slot and returns its process (it should lead its own process group: the kill
@@ -87,7 +88,11 @@ class Churn:
             return dict(self.procs)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.kill_every):
+        kills = 0
+        while not self._stop.wait(max(0.0, self._t0 + (kills + 1) * self.kill_every - time.monotonic())):
+            kills += (
+                1  # on the clock of the schedule: a slow start of a replacement does not delay the next kill
+            )
             with self._lock:
                 alive = [slot for slot, proc in self.procs.items() if proc.poll() is None]
                 if not alive:
