@@ -6,7 +6,8 @@ The job is ``testbed/dslide_fault_job.py``: ``Trainer(strategy=DSlideStrategy(ch
 max_restarts=...), devices=4)`` on synthetic Amazon-670K-shaped data (``--width wide``: 20,000 features -> 64 ReLU
 -> 20,000 labels, batch 64; ``small`` with ``--quick``: 300 -> 16 -> 400, batch 16), one torch thread per rank, all
 ranks on this box's cores over loopback. In the job's restart ``r``, rank 2 sends itself SIGKILL at the start of
-step ``(r + 1) x N``; the strategy's rank 0 kills what is left of the job and starts it again, and every rank
+step ``(r + 1) x N``; the strategy's supervisor (the process started) kills what is left of the job and starts it
+again, and every rank
 resumes from the last sharded checkpoint (each rank wrote its own rows). What a user of plain Lightning would do
 instead is the same by hand: notice, restart, pass ``ckpt_path``.
 
