@@ -12,7 +12,7 @@ its sockets closed by the kernel); the strategy then brings the job back from it
 is the uninterrupted reference: the same network, data order and steps in one plain process.
 
 Under ``torchrun --nnodes=M --nproc-per-node=N/M --max-restarts=R`` give ``--nodes M --max-restarts 0``:
-``devices=N/M, num_nodes=M``, torchrun restarts the ranks (``r`` is then ``TORCHELASTIC_RESTART_COUNT``).
+``devices=N/M, num_nodes=M``, torchrun restarts the ranks (``r`` is then the restart number the ranks agree on).
 
 The job validates before and after ``fit``. Rank 0 writes the trained model to ``DIR/final.ckpt`` and
 ``DIR/result.json`` at the end: the steps done, the validation P@1 before and after, the wall time from the first
@@ -67,7 +67,7 @@ class KillAt(Callback):
         self.rank, self.steps = rank, steps
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, i: int) -> None:
-        restart = int(os.environ.get(RESTART_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        restart = int(os.environ.get(RESTART_ENV) or 0)
         if (
             trainer.global_rank == self.rank
             and restart < len(self.steps)

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lightning_swarm.layers.checkpoint import load_sharded
+from lightning_swarm.strategy._dslide_restarts import join_torchrun_job
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "testbed" / "dslide_fault_job.py"
@@ -169,3 +172,69 @@ def test_a_job_that_keeps_losing_ranks_stops_after_max_restarts(tmp_path: Path) 
     assert [r["restart"] for r in records] == [1, 1] and records[0]["steps_redone"] == 1
     assert not (out / "result.json").exists()
     assert _ours(out) == [], "a rank of the job outlived it"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(600)
+def test_under_torchrun_on_two_nodes_a_sigkilled_rank_brings_the_job_back(tmp_path: Path) -> None:
+    """Two torchrun agents (two "nodes" of 2 ranks, a c10d rendezvous on 127.0.0.1, ``--max-restarts=2``); rank 2
+    SIGKILLs itself at step 13. The agents restart their ranks (each counts the restart differently: the other
+    node's ranks were still healthy when it saw the rendezvous change), the ranks agree that the job restarted and
+    resume from its checkpoint of step 10: ``max_steps`` completed, 3 steps redone, the uninterrupted run's P@1."""
+    out, reference = tmp_path / "killed", tmp_path / "reference"
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PYTHONWARNINGS": "ignore",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "LOGLEVEL": "INFO",
+    }
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2"]
+    torchrun += ["--max-restarts=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+    torchrun += ["--rdzv-id=dslide-test", "--monitor-interval=0.2", str(JOB), "--out", str(out)]
+    torchrun += ["--ranks", "4", "--nodes", "2", "--steps", str(STEPS), "--every", str(EVERY)]
+    torchrun += ["--kill-rank", "2", "--kill-steps", str(KILL_AT), "--max-restarts", "0"]
+    procs = {"reference": _job(reference, 1, "")}
+    for node in range(2):
+        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed with the process's output)
+        procs[f"node{node}"] = subprocess.Popen(
+            torchrun, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+        )
+    _wait(procs, tmp_path)
+    assert _ours(out) == [], "a rank of the job outlived it"
+    logs = "".join((tmp_path / f"node{node}.log").read_text() for node in range(2))
+    assert "restart_count=1" in logs  # torchrun restarted the ranks (not the strategy)
+    result, plain = (json.loads((o / "result.json").read_text()) for o in (out, reference))
+    assert result["global_step"] == STEPS and result["world_size"] == 4
+    (record,) = result["restarts"]
+    assert record == {
+        "restart": 1,
+        "lost": "rank 2 ended without a report (killed, or its node lost)",
+        "failed_at_step": KILL_AT,
+        "resumed_from_step": 10,
+        "steps_redone": 3,
+        "checkpoint": str(out / "checkpoints" / "step=000000010"),
+        "time": record["time"],
+    }
+    assert "rank 2 ended without a report (killed, or its node lost) at step 13; restart 1 of 2" in logs
+    assert result["p_at_1"] == plain["p_at_1"]
+    final = torch.load(out / "final.ckpt", weights_only=True)["state_dict"]
+    for name, tensor in torch.load(reference / "final.ckpt", weights_only=True)["state_dict"].items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_under_torchrun_a_shared_rendezvous_store_is_refused_with_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's shared store keeps the keys of the attempt before: a restarted rank would read stale addresses.
+    The strategy says what to set instead of failing in gloo."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    with pytest.raises(RuntimeError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        join_torchrun_job(SimpleNamespace(global_rank=0, world_size=2), tmp_path)  # type: ignore[arg-type]

@@ -55,7 +55,8 @@ from lightning_swarm.swarm.lifetime import dies_with_this_process
 log = logging.getLogger(__name__)
 
 RESTART_ENV = "LIGHTNING_SWARM_DSLIDE_RESTART"
-"""How many times the supervisor has restarted this job (0 in the first run; set in every rank it starts)."""
+"""How many times this job has been restarted (0 in the first run): set in every rank by the supervisor, or under
+torchrun agreed by the ranks (the most any of torchrun's agents counted)."""
 JOB_ENV = "LIGHTNING_SWARM_DSLIDE_JOB"
 """The job's token: its checkpoints carry it, and a restarted rank resumes from the newest that does."""
 FAILED_AT_ENV = "LIGHTNING_SWARM_DSLIDE_FAILED_AT"
@@ -64,7 +65,7 @@ KEEP = 2  # complete checkpoints kept: the newest can be the one being written w
 JOB_FILE = "job"  # in a checkpoint folder: the token of the job that wrote it
 FAILURES = "failures"  # in the checkpoint folder: rank<r>.json, the step a rank failed at and why
 GRACE_S = 5.0  # after a rank's death, seconds the others get to fail and report before they are killed
-_STORE_KEY = "lightning_swarm/dslide_job"  # in torchrun's rendezvous store: the job's token
+_STORE_KEY = "lightning_swarm/dslide_job"  # under torchrun, in the store of an attempt
 
 
 def checkpoint_folders(directory: Path, world_size: int, job: str | None = None) -> list[tuple[int, Path]]:
@@ -186,11 +187,12 @@ class RestartingLauncher(_SubprocessScriptLauncher):
         self, trainer: pl.Trainer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``fit``'s arguments with ``ckpt_path`` set to the job's newest complete checkpoint, if it has one."""
-        job = os.environ.get(JOB_ENV) or _torchrun_job()
+        directory = self._checkpoint_dir(trainer)
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            join_torchrun_job(trainer, directory)
+        job = os.environ.get(JOB_ENV)
         if job is None:
             return args, kwargs
-        os.environ[JOB_ENV] = job
-        directory = self._checkpoint_dir(trainer)
         complete = checkpoint_folders(directory, trainer.world_size, job)
         if "TORCHELASTIC_RESTART_COUNT" in os.environ and trainer.global_rank == 0:
             _record_torchrun_restart(directory, trainer.world_size, job, complete[-1] if complete else None)
@@ -402,7 +404,7 @@ def _record_torchrun_restart(
     steps = [report["step"] for report in reports]
     _record_restart(
         directory,
-        int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+        int(os.environ.get(RESTART_ENV) or 0),
         int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0),
         lost,
         max(steps) if steps else None,
@@ -411,19 +413,44 @@ def _record_torchrun_restart(
     )
 
 
-def _torchrun_job() -> str | None:
-    """The job's token under torchrun, agreed through the rendezvous store its agents keep across restarts
-    (the first rank to ask sets it); ``None`` elsewhere."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
+def join_torchrun_job(trainer: pl.Trainer, directory: Path) -> None:
+    """Under torchrun, set :data:`JOB_ENV` to the job's token on every rank.
+
+    torchrun's agents count restarts each for itself (an agent whose ranks still looked healthy when another node
+    restarted does not count it), so the ranks agree through this attempt's store: the job is a restarted one if
+    any rank's ``TORCHELASTIC_RESTART_COUNT`` says so. A job's first attempt gets a new token, which rank 0 keeps in
+    ``directory/torchrun-job``; a restarted one reads it there.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(
+        os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0
+    ):
+        raise RuntimeError(
+            "When using the DSlideStrategy under `torchrun --max-restarts`, give torchrun the environment variable "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: in the store torchrun shares across restarts, a restarted rank "
+            "reads the addresses of the attempt before (gloo fails to connect)."
+        )
+    rank, world_size = trainer.global_rank, trainer.world_size
+    # this attempt's store, the one the process group will use (rank 0 hosts it; the group reuses the server)
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=60),
+        is_master=rank == 0,
+        timeout=timedelta(seconds=300),
+        wait_for_workers=False,
+        multi_tenant=True,
     )
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return store.compare_set(f"{_STORE_KEY}/{run}", "", secrets.token_hex(8)).decode()
+    store.set(f"{_STORE_KEY}/restart/{rank}", os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0")
+    restart = max(int(store.get(f"{_STORE_KEY}/restart/{r}")) for r in range(world_size))
+    os.environ[RESTART_ENV] = str(restart)
+    if rank == 0:
+        kept = directory / "torchrun-job"
+        job = _read(kept) if restart else None
+        if job is None:
+            job = secrets.token_hex(8)
+            directory.mkdir(parents=True, exist_ok=True)
+            kept.write_text(job)
+        store.set(f"{_STORE_KEY}/job", job)
+    os.environ[JOB_ENV] = store.get(f"{_STORE_KEY}/job").decode()
 
 
 def _read(path: Path) -> str | None:
