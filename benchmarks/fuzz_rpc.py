@@ -43,10 +43,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from torch import nn
 
-from lightning_swarm.swarm._loop import run_coroutine
-from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.protocol import StageRequest, StageService, parse_reply, stage_uid
-from lightning_swarm.swarm.transport import MessageReceiver, encode_request
+from lightning_swarm.swarm.loop import run_coroutine
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.protocol import StageRequest, StageService, parse_reply, stage_uid
+from lightning_swarm.swarm.wire.transport import MessageReceiver, encode_request
 
 RUN_ID, WIDTH, LIMIT = "fuzz", 64, 64 * 1024 * 1024
 UID = stage_uid(RUN_ID, 0)
@@ -62,11 +62,11 @@ def serve() -> None:
     """The child: one stage server until stdin closes; prints its peer id, multiaddrs and pid as JSON."""
     import hivemind
 
-    from lightning_swarm.swarm.guards import BadPeers
     from lightning_swarm.swarm.lifetime import die_with_parent
     from lightning_swarm.swarm.logs import quiet_routine_logs
     from lightning_swarm.swarm.server import StageServer
     from lightning_swarm.swarm.settings import SwarmSettings
+    from lightning_swarm.swarm.wire.guards import BadPeers
 
     die_with_parent()
     quiet_routine_logs()

@@ -1,7 +1,7 @@
 """Check the fast 8-bit kernel against bitsandbytes' on every float32 value a block can normalise to.
 
 bitsandbytes' quantizer divides each value by its block's absmax and maps the result v (a float32 in [-1, 1],
-or NaN) to a code. The fast kernel (``lightning_swarm/swarm/quantize/_q8.c``) looks that mapping up in a table built from
+or NaN) to a code. The fast kernel (``lightning_swarm/swarm/wire/quantize/_q8.c``) looks that mapping up in a table built from
 bitsandbytes' own kernel, assuming that the code changes at most once among the floats sharing their top 16
 bits. This script checks the assumption where it matters: all 2,130,706,434 floats in [-1, 1] (both zeros
 included), quantized in blocks whose absmax is 1, by both kernels. Unit tests check random data, edge values and
@@ -25,9 +25,9 @@ import time
 import _harness
 import torch
 
-from lightning_swarm.swarm import quantize
-from lightning_swarm.swarm.quantize import bnb as quantize_bnb
-from lightning_swarm.swarm.quantize import fast as quantize_fast
+from lightning_swarm.swarm.wire import quantize
+from lightning_swarm.swarm.wire.quantize import bnb as quantize_bnb
+from lightning_swarm.swarm.wire.quantize import fast as quantize_fast
 
 CHUNK = 1 << 24  # values per round (64 MB of float32)
 ONE = 0x3F800000  # bit pattern of 1.0: the non-negative floats <= 1 are the patterns 0..ONE
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--speed-only", action="store_true", help="only time the kernels (a few seconds)")
     args = parser.parse_args()
     report = _harness.Report("quantizer_speed" if args.speed_only else "quantizer_exhaustive", args.out)
-    fast = quantize_fast._fast_kernel()
+    fast = quantize_fast.fast_kernel()
     if fast is None:
         raise SystemExit(
             "the fast kernel is not available here (no C compiler, or LIGHTNING_SWARM_NATIVE_CODEC=0)"
@@ -82,7 +82,7 @@ def main() -> None:
     if args.speed_only:
         report.finish(timings)
         return
-    kernel, _ = quantize_bnb._native_kernels()
+    kernel, _ = quantize_bnb.native_kernels()
     start = time.time()
     checked = mismatches = 0
     worst = None

@@ -64,7 +64,7 @@ def boundary_bytes(d: int, tokens: int, seq_len: int, codec: str) -> int:
     """Bytes the swarm's codec puts on the wire for one microbatch's boundary: activations and their gradients."""
     import torch
 
-    from lightning_swarm.swarm.codec import encode_tensor, nbytes
+    from lightning_swarm.swarm.wire.codec import encode_tensor, nbytes
 
     g = torch.Generator().manual_seed(d)
     shape = (tokens // seq_len, seq_len, d)

@@ -14,7 +14,7 @@ fp32 echo):
 - ``raw_stream_echo``: the same 1 MiB as a raw fp32 buffer through one long-lived echo stream, one message each
   way: the transport the swarm's channels use, and the baseline of the headline ``ratio_vs_stream_echo``;
 - ``hop_8bit_same_host`` (loopback only): the 8-bit hop through the server's same-host Unix socket
-  (``lightning_swarm/swarm/same_host.py``) instead of the two p2p daemons, which the other hops cross
+  (``lightning_swarm/swarm/wire/same_host.py``) instead of the two p2p daemons, which the other hops cross
   (``same_host=False``); reported as ``hop_ms_same_host`` and ``ratio_same_host_vs_p2p``;
 - ``raw_echo``: the same through a unary echo handler (the plain way to call a hivemind peer; reported as
   ``overhead_ratio``, which mixes the codec's gain with the stream's).
@@ -54,8 +54,8 @@ from hivemind.proto import runtime_pb2
 from torch import nn
 
 from lightning_swarm.swarm import StageServer, SwarmClient, SwarmSettings
-from lightning_swarm.swarm._loop import replicate_p2p, run_coroutine
-from lightning_swarm.swarm.codec import COMPRESSIONS, encode_tensor, nbytes
+from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
+from lightning_swarm.swarm.wire.codec import COMPRESSIONS, encode_tensor, nbytes
 
 RUN_ID = "swarm_hop_bench"
 SHAPE = (64, 4096)  # 262144 floats = 1 MiB of fp32

@@ -155,7 +155,7 @@ def run_swarm(
     import hivemind
 
     from lightning_swarm.swarm import SwarmClient
-    from lightning_swarm.swarm.records import get_stage_peers
+    from lightning_swarm.swarm.dht.records import get_stage_peers
 
     run_id = f"rebalance-{tag}-{os.getpid()}"
     procs: dict[str, subprocess.Popen] = {}

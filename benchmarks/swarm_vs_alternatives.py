@@ -239,7 +239,7 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
         # the namespace variant are started apart, so "auto" cannot know there is only one trainer
         "stage_steps": "trainer",
         # the global batch per trainer step, cut into the same microbatches as GPipe's, which flow through the
-        # stages at once (lightning_swarm/swarm/pipelining.py)
+        # stages at once (lightning_swarm/swarm/client/pipelining.py)
         "microbatches": m,
     }
     num_nodes, devices = 1, 1
@@ -416,7 +416,7 @@ def calibrate_worker(args: argparse.Namespace, cfg: dict) -> None:
     import torch
     from lightning.pytorch import seed_everything
 
-    from lightning_swarm.swarm.codec import encode_tensor, nbytes
+    from lightning_swarm.swarm.wire.codec import encode_tensor, nbytes
 
     torch.set_num_threads(1)
     seed_everything(0)
@@ -576,7 +576,7 @@ def run_variant(variant: str, link: float | None, cfg: dict, root: Path, index: 
         with _harness.link(2, link, net=index) as net:
             pin = [["taskset", "-c", "0"], ["taskset", "-c", "1"]]  # one core per "machine"
             if variant == "swarm":
-                from lightning_swarm.swarm.identity import PeerIdentity
+                from lightning_swarm.swarm.dht.identity import PeerIdentity
 
                 key = str(out / "peer_a.key")
                 identity = PeerIdentity()
@@ -922,7 +922,7 @@ def main() -> None:
     ddp_steps = cfg.get("ddp_global_steps", cfg["global_steps"])
     summary["timed_samples_per_run_ddp"] = summary["global_batch"] * (ddp_steps - cfg["warmup_steps"])
     per_link = summary["per_link"]
-    summary["targets"] = {  # issue 25's
+    summary["targets"] = {  # the registry's targets
         **{
             f"speedup_vs_gpipe_{name}>=1": (per_link.get(name, {}).get("speedup_vs_gpipe") or 0) >= 1
             for name in per_link

@@ -96,6 +96,7 @@ def serve(args: argparse.Namespace) -> None:
     peer.start_dht()
     try:
         peer.join(module, [optimizer], training=True)
+        assert peer.dht is not None
         addrs = " ".join(str(a) for a in peer.dht.get_visible_maddrs())
         print(
             f"Serving stage {peer.stage} of run {peer.settings.run_id!r}. Peers can join with: {addrs}",
@@ -111,16 +112,16 @@ def status(args: argparse.Namespace) -> None:
 
     import tempfile
 
-    from .swarm.auth import SECRET_ENV, protect, unprotect
-    from .swarm.bootstrap import INITIAL_PEERS_ENV, _env_peers
+    from lightning_swarm.swarm.dht.auth import SECRET_ENV, protect, unprotect
+    from lightning_swarm.swarm.dht.bootstrap import INITIAL_PEERS_ENV, _env_peers
 
     args.initial_peers = args.initial_peers or _env_peers()
     if not args.initial_peers:
         raise SystemExit(
             f"error: status needs the address of any peer of the swarm: --initial-peers ADDR, or {INITIAL_PEERS_ENV}."
         )
-    from .swarm.dht_process import SwarmDHT
-    from .swarm.identity import PeerIdentity
+    from lightning_swarm.swarm.dht.identity import PeerIdentity
+    from lightning_swarm.swarm.dht.process import SwarmDHT
 
     run_id = args.run_id or "lightning_swarm"
     identity = PeerIdentity()
@@ -160,7 +161,7 @@ def list_swarm(
 ) -> tuple[list, int]:
     """Every announced peer of run ``run_id`` (all states) and the number of stages: ``num_stages`` if given,
     else the largest one the peers announce, else the stages up to the first one without any peer."""
-    from lightning_swarm.swarm.records import get_stage_peers
+    from lightning_swarm.swarm.dht.records import get_stage_peers
     from lightning_swarm.swarm.states import STATES
 
     peers: list = []

@@ -50,8 +50,8 @@ def free_port() -> int:
 
 def local_dhts(count: int) -> list[hivemind.DHT]:
     """``count`` DHT nodes on 127.0.0.1, the later ones bootstrapped from the first: the peers' ``SwarmDHT``
-    (hivemind's, surviving a request whose sender exited: see ``swarm/dht_process.py``)."""
-    from lightning_swarm.swarm.dht_process import SwarmDHT
+    (hivemind's, surviving a request whose sender exited: see ``swarm/dht/process.py``)."""
+    from lightning_swarm.swarm.dht.process import SwarmDHT
 
     first = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     nodes = [first]

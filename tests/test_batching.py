@@ -17,13 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.batching import mixes_rows
-from lightning_swarm.swarm.client import SwarmClient
-from lightning_swarm.swarm.errors import COMPUTE, UNAVAILABLE
-from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.protocol import StageReply, StageRequest, stage_uid
+from lightning_swarm.swarm.client.client import SwarmClient
 from lightning_swarm.swarm.server import StageServer
+from lightning_swarm.swarm.server.batching import mixes_rows
 from lightning_swarm.swarm.settings import SwarmSettings
+from lightning_swarm.swarm.wire.errors import COMPUTE, UNAVAILABLE
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.protocol import StageReply, StageRequest, stage_uid
 from tests._helpers import local_dhts
 
 RUN_ID = "batching"

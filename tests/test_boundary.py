@@ -16,7 +16,7 @@ from lightning_swarm.swarm.boundary import (
     compression_aware,
     end_boundaries,
 )
-from lightning_swarm.swarm.client import SwarmClient
+from lightning_swarm.swarm.client.client import SwarmClient
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
 

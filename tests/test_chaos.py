@@ -1,6 +1,6 @@
 """Chaos: servers SIGKILLed mid-forward, mid-backward and mid-averaging while a trainer trains through the swarm.
 
-Peers are real processes on 127.0.0.1 (``examples/stage_peer.py``); the trainer runs here with a :class:`SwarmClient`.
+Peers are real processes on 127.0.0.1 (``testbed/stage_peer.py``); the trainer runs here with a :class:`SwarmClient`.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.client import SwarmClient
+from lightning_swarm.swarm.client.client import SwarmClient
 from lightning_swarm.swarm.settings import SwarmSettings
 from tests import _zygote
 from tests._helpers import SMALL_SWARM_STRATEGY, alive
 
 ROOT = Path(__file__).resolve().parents[1]
-PEER = ROOT / "examples" / "stage_peer.py"
+PEER = ROOT / "testbed" / "stage_peer.py"
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL chaos on Linux")
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from lightning_swarm.swarm import quantize
-from lightning_swarm.swarm.codec import (
+from lightning_swarm.swarm.wire import quantize
+from lightning_swarm.swarm.wire.codec import (
     COMPRESSIONS,
     CodecError,
     all_finite,
@@ -17,10 +17,10 @@ from lightning_swarm.swarm.codec import (
     encode_tensor,
     nbytes,
 )
-from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.quantize import bnb as quantize_bnb
-from lightning_swarm.swarm.quantize import fast as quantize_fast
-from lightning_swarm.swarm.quantize import threads as quantize_threads
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.quantize import bnb as quantize_bnb
+from lightning_swarm.swarm.wire.quantize import fast as quantize_fast
+from lightning_swarm.swarm.wire.quantize import threads as quantize_threads
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 OTHER_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
@@ -204,7 +204,7 @@ def _deep(depth: int) -> list:
 
 
 def test_parts_decode_like_one_message_and_stream_one_by_one() -> None:
-    from lightning_swarm.swarm import codec
+    from lightning_swarm.swarm.wire import codec
 
     g = torch.Generator().manual_seed(3)
     for shape in [(64, 4096), (3 * codec.PART_ELEMENTS + 5,), (7, codec.PART_ELEMENTS // 7 + 1)]:
@@ -299,7 +299,7 @@ def test_received_tensor_is_resent_without_requantizing() -> None:
 
 def test_8bit_parts_carry_their_own_wire_tag() -> None:
     """Our 8-bit layout is not hivemind's BLOCKWISE_8BIT: a message tagged with hivemind's value is refused."""
-    from lightning_swarm.swarm.codec import WIRE_8BIT
+    from lightning_swarm.swarm.wire.codec import WIRE_8BIT
 
     msg = encode_tensor(torch.randn(4096), "8bit")
     assert msg.compression == WIRE_8BIT != runtime_pb2.CompressionType.BLOCKWISE_8BIT
@@ -351,10 +351,10 @@ def test_importing_the_engine_has_no_side_effects() -> None:
     code = (
         "import warnings, torch, hivemind, bitsandbytes, lightning.pytorch  # these may set their own filters\n"
         "before = list(warnings.filters)\n"
-        "import lightning_swarm.swarm, lightning_swarm.swarm.codec, lightning_swarm.swarm.quantize as q\n"
+        "import lightning_swarm.swarm, lightning_swarm.swarm.wire.codec, lightning_swarm.swarm.wire.quantize as q\n"
         "assert warnings.filters == before, 'import changed the warning filters'\n"
         "import torch\n"
-        "from lightning_swarm.swarm.codec import encode_tensor\n"
+        "from lightning_swarm.swarm.wire.codec import encode_tensor\n"
         "try:\n"
         "    encode_tensor(torch.randn(100000), '8bit')\n"
         "except ValueError as e:\n"
@@ -375,7 +375,7 @@ def test_first_use_of_the_codec_prints_nothing_from_bitsandbytes() -> None:
 
     code = (
         "import torch\n"
-        "from lightning_swarm.swarm.codec import decode_tensor, encode_tensor\n"
+        "from lightning_swarm.swarm.wire.codec import decode_tensor, encode_tensor\n"
         "x = torch.randn(100000)\n"
         "assert (decode_tensor(encode_tensor(x, '8bit')) - x).abs().max() < 0.1\n"
     )
@@ -434,10 +434,10 @@ def test_fast_8bit_kernel_gives_bitsandbytes_bytes_on_edge_values(
 def test_fast_8bit_kernel_matches_bitsandbytes_around_every_threshold() -> None:
     """Each table threshold and each bucket edge, and the floats two steps either side of them, get bitsandbytes'
     own code (``benchmarks/quantizer_exhaustive.py`` checks every float in [-1, 1])."""
-    fast = quantize_fast._fast_kernel()
+    fast = quantize_fast.fast_kernel()
     if fast is None:
         pytest.skip("no C compiler: the codec runs bitsandbytes' kernels themselves")
-    kernel, _ = quantize_bnb._native_kernels()
+    kernel, _ = quantize_bnb.native_kernels()
     threshold = fast.thresholds[torch.isfinite(fast.thresholds)]
     assert (
         threshold.numel() >= 200
@@ -467,7 +467,7 @@ def test_native_codec_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_finiteness_of_a_decoded_8bit_tensor_comes_from_its_scales() -> None:
-    from lightning_swarm.swarm import codec
+    from lightning_swarm.swarm.wire import codec
 
     x = torch.randn(4 * quantize.BLOCKSIZE, generator=torch.Generator().manual_seed(8))
     msg = encode_tensor(x, "8bit")
@@ -519,7 +519,7 @@ def test_fast_kernel_is_never_built_or_loaded_where_others_can_write(
 def test_tensors_decode_and_check_under_inference_mode(compression: str) -> None:
     """Lightning's validate/test/predict run under torch.inference_mode: inference tensors have no version
     counter, so nothing about them can be remembered, but decoding and checking them must work."""
-    from lightning_swarm.swarm import codec
+    from lightning_swarm.swarm.wire import codec
 
     x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
     msg = encode_tensor(x, compression)
@@ -539,8 +539,8 @@ def test_tensors_decode_and_check_under_inference_mode(compression: str) -> None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_a_float_mask_with_infinities_survives_8bit_compression_exactly(dtype: torch.dtype) -> None:
     """Quantized, a causal mask's 0/-inf blocks would arrive as NaN and +inf (an infinite block scale): the parts
-    that hold an infinity travel raw, the finite parts of the same tensor still in 8 bits (issue 23)."""
-    from lightning_swarm.swarm.codec import PART_ELEMENTS, WIRE_8BIT, encode_parts
+    that hold an infinity travel raw, the finite parts of the same tensor still in 8 bits."""
+    from lightning_swarm.swarm.wire.codec import PART_ELEMENTS, WIRE_8BIT, encode_parts
 
     mask = torch.nn.Transformer.generate_square_subsequent_mask(64).to(dtype)
     (decoded,) = decode_parts(list(encode_parts(mask, "8bit")))

@@ -1,4 +1,4 @@
-"""Deferred input gradients (lightning_swarm/swarm/deferred_grads.py) on autograd itself: a node whose backward is
+"""Deferred input gradients (lightning_swarm/swarm/client/deferred_grads.py) on autograd itself: a node whose backward is
 computed by the client's threads hands its inputs' gradients to the flush, and the gradients of the layers below
 it come out as in one synchronous backward, with a residual path around it too; a failed backward raises at the
 flush. (The swarm end to end: tests/test_contract.py's accumulation cases.)"""
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from lightning_swarm.swarm.deferred_grads import DeferredGrads, client_pool, finish_backward
+from lightning_swarm.swarm.client.deferred_grads import DeferredGrads, client_pool, finish_backward
 
 
 class _Client:

@@ -1,5 +1,5 @@
 """A model built on meta is replayed, not re-initialised: every tensor a peer keeps gets what the model's own code
-gives it in one process (``lightning_swarm/swarm/deferred_init.py``), whatever that code does - init hooks after
+gives it in one process (``lightning_swarm/swarm/peer/deferred_init.py``), whatever that code does - init hooks after
 the build, bare parameters, buffers computed in ``__init__``, tied weights, ``nn.MultiheadAttention``, and the
 ``torch.nn.init`` functions that do nothing on meta (``trunc_normal_``, ``orthogonal_``)."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.deferred_init import InitRecorder, replay
-from lightning_swarm.swarm.materialize import RngSnapshot
+from lightning_swarm.swarm.peer.deferred_init import InitRecorder, replay
+from lightning_swarm.swarm.peer.materialize import RngSnapshot
 
 
 class Block(nn.Module):

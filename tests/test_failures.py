@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_swarm.swarm.identity import PeerIdentity
-from lightning_swarm.swarm.validation import failure_key, record_validators
+from lightning_swarm.swarm.dht.identity import PeerIdentity
+from lightning_swarm.swarm.dht.validation import failure_key, record_validators
 from tests import _zygote
 from tests._helpers import SMALL_SWARM_STRATEGY, alive, run_launcher_job
 

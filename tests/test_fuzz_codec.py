@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lightning_swarm.swarm import codec
-from lightning_swarm.swarm.codec import CodecError, PartsDecoder, TooLarge, decode_parts, encode_parts
-from lightning_swarm.swarm.errors import BadRequest
-from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.protocol import StageRequest, parse_request, stage_uid
-from lightning_swarm.swarm.transport import MessageReceiver, encode_request
+from lightning_swarm.swarm.wire import codec
+from lightning_swarm.swarm.wire.codec import CodecError, PartsDecoder, TooLarge, decode_parts, encode_parts
+from lightning_swarm.swarm.wire.errors import BadRequest
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.protocol import StageRequest, parse_request, stage_uid
+from lightning_swarm.swarm.wire.transport import MessageReceiver, encode_request
 
 UID = stage_uid("fuzz", 0)
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -196,7 +196,7 @@ def test_the_request_decoder_raises_only_bad_request(header, parts, keep) -> Non
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_non_finite_activations_and_gradients_are_bad_requests(value: float) -> None:
     """NaN is refused everywhere; an infinity in an input that requires grad (an activation) and in an output
-    gradient. (Until issue 23 every input was refused: a float mask's -inf too, see the next test.)"""
+    gradient. A float mask's -inf is allowed: see the next test."""
     for backward, requires_grad in ((False, True), (True, True), (True, False)):
         good = _valid_request(backward, requires_grad)
         tensors = decode_parts(good.tensors)

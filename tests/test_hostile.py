@@ -22,16 +22,16 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import runtime_pb2
 from torch import nn
 
-from lightning_swarm.swarm._loop import run_coroutine
-from lightning_swarm.swarm.averaging import _GradientAverager
-from lightning_swarm.swarm.client import SwarmClient
-from lightning_swarm.swarm.errors import RequestRefused
-from lightning_swarm.swarm.guards import BadPeers
-from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.protocol import StageReply, StageRequest, StageService, parse_reply, stage_uid
+from lightning_swarm.swarm.client.client import SwarmClient
+from lightning_swarm.swarm.loop import run_coroutine
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
-from lightning_swarm.swarm.transport import MessageReceiver, encode_request
+from lightning_swarm.swarm.training.averaging import _GradientAverager
+from lightning_swarm.swarm.wire.errors import RequestRefused
+from lightning_swarm.swarm.wire.guards import BadPeers
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.protocol import StageReply, StageRequest, StageService, parse_reply, stage_uid
+from lightning_swarm.swarm.wire.transport import MessageReceiver, encode_request
 
 RUN_ID = "hostile"
 UID = stage_uid(RUN_ID, 0)

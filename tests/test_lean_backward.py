@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.errors import BadRequest, NotKept, ProtocolError
-from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.protocol import (
+from lightning_swarm.swarm.wire.errors import BadRequest, NotKept, ProtocolError
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.protocol import (
     StageReply,
     StageRequest,
     encode_reply_header,

@@ -49,7 +49,7 @@ def test_a_state_download_from_a_dead_donor_is_one_warning_line_and_real_errors_
 
 def test_a_zero_weight_round_that_found_no_partner_is_not_an_error() -> None:
     """hivemind's optimizer logs a failed round it joined with zero weight ("tagging along") with a traceback at
-    ERROR; when its partner was killed that is routine (the CI run of d4acbea printed one in the killed-peer test)."""
+    ERROR; when its partner was killed that is routine (CI printed one in the killed-peer test)."""
     from hivemind.averaging.partition import AllreduceException
 
     def _tag_along_with_zero_weight(error: BaseException) -> None:  # the frame hivemind's record carries
@@ -71,7 +71,7 @@ def test_a_zero_weight_round_that_found_no_partner_is_not_an_error() -> None:
 def test_an_incomplete_state_download_is_one_warning_line() -> None:
     """hivemind's optimizer logs an IndexError from ``load_optimizer_state`` (a downloaded state with fewer optimizer
     statistics than its metadata lists) at ERROR with a traceback, then retries; it logs the opposite mismatch as a
-    WARNING. Seen once in CI in the 4-peer LM test (`8edc61f`)."""
+    WARNING. Seen once in CI in the 4-peer LM test."""
 
     def load_optimizer_state(error: BaseException) -> None:  # the frame hivemind's record carries
         raise error
@@ -195,7 +195,7 @@ import logging, sys, time
 import hivemind
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.mpfuture import MPFuture
-from lightning_swarm.swarm.averaging import _ProgressTracker
+from lightning_swarm.swarm.training.averaging import _ProgressTracker
 
 class StalledLookups:
     # a real DHT whose asynchronous lookups never answer (a busy DHT, or one going away): a tracker shutting down
@@ -266,7 +266,7 @@ def test_a_dht_request_that_cannot_be_read_is_dropped_without_a_pause(dht_class:
     import hivemind
     from hivemind.utils import get_dht_time
 
-    from lightning_swarm.swarm.dht_process import SwarmDHT
+    from lightning_swarm.swarm.dht.process import SwarmDHT
 
     dht = (SwarmDHT if dht_class == "SwarmDHT" else hivemind.DHT)(start=True)
     try:
@@ -301,7 +301,7 @@ def test_a_dht_request_cut_short_by_its_sender_does_not_kill_the_dht_process(dht
     import hivemind
     from hivemind.utils import get_dht_time
 
-    from lightning_swarm.swarm.dht_process import SwarmDHT
+    from lightning_swarm.swarm.dht.process import SwarmDHT
 
     dht = (SwarmDHT if dht_class == "SwarmDHT" else hivemind.DHT)(start=True)
     try:

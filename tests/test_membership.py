@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
-from lightning_swarm.swarm.records import get_stage_peers
+from lightning_swarm.swarm.dht.records import get_stage_peers
 from lightning_swarm.swarm.states import LEAVING, ONLINE, STATES
 
 _runs = itertools.count()

@@ -1,4 +1,4 @@
-"""Several microbatches in flight (``microbatches``, see ``lightning_swarm/swarm/chunking.py``): a stage call cut
+"""Several microbatches in flight (``microbatches``, see ``lightning_swarm/swarm/client/chunking.py``): a stage call cut
 into row chunks sent at once gives the result of the same chunks sent one after another, spreads over the peers of
 a stage, and is refused for a pipeline with batch normalisation. Real stage servers and clients over hivemind's
 DHT/P2P on 127.0.0.1 (the helpers of ``test_stage_server``), and a local swarm of Lightning peers."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.chunking import chunk_bounds, rows_mixing_module, split_plan
-from lightning_swarm.swarm.partition import Partition
-from lightning_swarm.swarm.payload import Payload
+from lightning_swarm.swarm.client.chunking import chunk_bounds, rows_mixing_module, split_plan
+from lightning_swarm.swarm.peer.partition import Partition
+from lightning_swarm.swarm.wire.payload import Payload
 from tests.test_contract import TOLERANCE, run
 from tests.test_stage_calls import SEQ, VOCAB, Decoder
 from tests.test_stage_server import _client, _run_id, _serve

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.partition import Partition, StageBlocks, find_pipeline, split_stages
+from lightning_swarm.swarm.peer.partition import Partition, StageBlocks, find_pipeline, split_stages
 from lightning_swarm.swarm.settings import SwarmSettings
 
 

@@ -2,7 +2,7 @@
 
 import random
 
-from lightning_swarm.swarm.rebalance import (
+from lightning_swarm.swarm.peer.rebalance import (
     PeerLoad,
     choose_stage,
     next_check,

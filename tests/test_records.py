@@ -7,7 +7,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from lightning_swarm.cli import format_status
-from lightning_swarm.swarm.records import parse_stage_peers
+from lightning_swarm.swarm.dht.records import parse_stage_peers
 from lightning_swarm.swarm.states import JOINING, LEAVING, ONLINE, STATES
 
 NOW = 1_000.0
@@ -110,7 +110,7 @@ def test_the_figure_fields_are_checked() -> None:
         [1.0, ONLINE, 4, True, float("inf")],
     ):
         assert parse_stage_peers(_listing({a: bad}), 1, now=NOW) == [], bad
-    from lightning_swarm.swarm.validation import _StageValue
+    from lightning_swarm.swarm.dht.validation import _StageValue
 
     assert _StageValue._check([1.0, ONLINE, 4, False, NOW]) == [1.0, ONLINE, 4, False, NOW]
     for bad in ([1.0, ONLINE, 4, True], [1.0, ONLINE, 4, 0, NOW], [1.0, ONLINE, 4, True, 3]):
@@ -122,7 +122,7 @@ def test_the_figure_fields_are_checked() -> None:
 
 
 def test_signed_subkeys_read_as_their_owner_and_forged_ones_are_skipped() -> None:
-    from lightning_swarm.swarm.identity import PeerIdentity, subkey_peer_id
+    from lightning_swarm.swarm.dht.identity import PeerIdentity, subkey_peer_id
 
     owner, other = PeerIdentity(), PeerIdentity()
     assert subkey_peer_id(owner.subkey) == owner.peer_id

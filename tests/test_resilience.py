@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.client import MIN_ATTEMPT_TIMEOUT_S, SwarmClient
-from lightning_swarm.swarm.errors import UNAVAILABLE
-from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.presence import Presence
-from lightning_swarm.swarm.protocol import StageRequest, stage_uid
-from lightning_swarm.swarm.routing import PeerStopping
+from lightning_swarm.swarm.client.client import MIN_ATTEMPT_TIMEOUT_S, SwarmClient
+from lightning_swarm.swarm.dht.presence import Presence
+from lightning_swarm.swarm.lifetime import PeerStopping
 from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.states import FINISHED
-from lightning_swarm.swarm.transport import encode_request
+from lightning_swarm.swarm.wire.errors import UNAVAILABLE
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.protocol import StageRequest, stage_uid
+from lightning_swarm.swarm.wire.transport import encode_request
 from tests.test_stage_server import _client, _run_id, _serve
 
 

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 from hivemind.p2p import PeerID
 
-from lightning_swarm.swarm.records import PeerInfo
-from lightning_swarm.swarm.routing import NoPeersError, StageRouter
+from lightning_swarm.swarm.client.routing import NoPeersError, StageRouter
+from lightning_swarm.swarm.dht.records import PeerInfo
 
 
 def _peer(i: int) -> PeerID:

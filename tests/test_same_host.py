@@ -1,4 +1,4 @@
-"""The same-host path (``lightning_swarm/swarm/same_host.py``): stage calls between peers of one machine over a
+"""The same-host path (``lightning_swarm/swarm/wire/same_host.py``): stage calls between peers of one machine over a
 Unix socket, with real DHTs, P2P and stage servers on 127.0.0.1."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.swarm._loop import run_coroutine
-from lightning_swarm.swarm.auth import protect, unprotect
-from lightning_swarm.swarm.same_host import HELLO, SameHostStub, socket_path
+from lightning_swarm.swarm.dht.auth import protect, unprotect
+from lightning_swarm.swarm.loop import run_coroutine
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
+from lightning_swarm.swarm.wire.same_host import HELLO, SameHostStub, socket_path
 from tests._helpers import local_dhts
 from tests.test_stage_server import _client, _run_id, _serve
 
@@ -175,7 +175,7 @@ def test_peers_in_another_network_namespace_do_not_find_the_sockets(dhts, cleanu
         server = _serve(cleanup, dhts["server1"], _run_id("same-host-ns"), nn.Linear(3, 3))
         here = socket_path(server.peer_id, server.uid)
         code = (
-            "import sys\nfrom hivemind.p2p import PeerID\nfrom lightning_swarm.swarm.same_host import socket_path\n"
+            "import sys\nfrom hivemind.p2p import PeerID\nfrom lightning_swarm.swarm.wire.same_host import socket_path\n"
             "print(socket_path(PeerID.from_base58(sys.argv[1]), sys.argv[2]))\n"
         )
         cmd = [

@@ -1,4 +1,4 @@
-"""The same-host sum (``lightning_swarm/swarm/same_host_sum.py``): the peers of a stage on one machine sum a step's
+"""The same-host sum (``lightning_swarm/swarm/wire/same_host_sum.py``): the peers of a stage on one machine sum a step's
 gradients through shared memory. Real threads exchanging real files; the stage servers' use of it is in
 ``tests/test_stepping.py`` (``[shared-memory]``)."""
 
@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from lightning_swarm.swarm import same_host_sum
-from lightning_swarm.swarm.same_host import socket_path
-from lightning_swarm.swarm.same_host_sum import (
+from lightning_swarm.swarm.wire import same_host_sum
+from lightning_swarm.swarm.wire.same_host import socket_path
+from lightning_swarm.swarm.wire.same_host_sum import (
     SameHostSumFailed,
     _directories,
     _tag,

@@ -22,16 +22,16 @@ from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
-from lightning_swarm.swarm._loop import run_coroutine
-from lightning_swarm.swarm.averaging import _StateAverager
-from lightning_swarm.swarm.bootstrap import dht_start_error
-from lightning_swarm.swarm.client import SwarmClient
-from lightning_swarm.swarm.identity import PeerIdentity, RecordSigner, subkey_peer_id
-from lightning_swarm.swarm.protocol import stage_uid
-from lightning_swarm.swarm.records import get_stage_peers
+from lightning_swarm.swarm.client.client import SwarmClient
+from lightning_swarm.swarm.dht.bootstrap import dht_start_error
+from lightning_swarm.swarm.dht.identity import PeerIdentity, RecordSigner, subkey_peer_id
+from lightning_swarm.swarm.dht.records import get_stage_peers
+from lightning_swarm.swarm.dht.validation import presence_key, stage_key, swarm_keys
+from lightning_swarm.swarm.loop import run_coroutine
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.states import ONLINE, STATES
-from lightning_swarm.swarm.validation import presence_key, stage_key, swarm_keys
+from lightning_swarm.swarm.training.averaging import _StateAverager
+from lightning_swarm.swarm.wire.protocol import stage_uid
 
 pytestmark = pytest.mark.timeout(120)
 _runs = itertools.count()
@@ -289,7 +289,7 @@ def test_stage_count_mismatch_between_peers_of_a_run(honest_and_hostile) -> None
 
 
 def test_more_stages_than_blocks_and_unknown_pipeline() -> None:
-    from lightning_swarm.swarm.partition import Partition
+    from lightning_swarm.swarm.peer.partition import Partition
 
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"Cannot split 2 blocks into 3 stages.*num_stages <= 2"):

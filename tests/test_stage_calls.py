@@ -1,5 +1,5 @@
 # ruff: noqa: F811 (the fixtures of test_stage_server, imported, are the tests' parameters)
-"""What a stage call means (issue 23): data inputs, refusals, train/eval mode and dropout replay.
+"""What a stage call means: data inputs, refusals, train/eval mode and dropout replay.
 
 Real stage servers and clients over hivemind's DHT/P2P on 127.0.0.1 (the fixtures and helpers of
 ``test_stage_server``), or in process (``local_servers``), against the same modules run in one process:
@@ -22,11 +22,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.batching import merge_key
-from lightning_swarm.swarm.errors import RemoteStageError, RequestRefused
-from lightning_swarm.swarm.partition import Partition
-from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.protocol import StageRequest, stage_uid
+from lightning_swarm.swarm.peer.partition import Partition
+from lightning_swarm.swarm.server.batching import merge_key
+from lightning_swarm.swarm.wire.errors import RemoteStageError, RequestRefused
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.protocol import StageRequest, stage_uid
 from tests.test_stage_server import _client, _run_id, _serve
 
 VOCAB, WIDTH, SEQ = 50, 32, 40  # SEQ x SEQ = 1600 mask elements: above the codec's lossless threshold

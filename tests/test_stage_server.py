@@ -20,16 +20,16 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import runtime_pb2
 from torch import nn
 
-from lightning_swarm.swarm import quantize
-from lightning_swarm.swarm._loop import run_coroutine
-from lightning_swarm.swarm.client import SwarmClient
-from lightning_swarm.swarm.errors import RemoteStageError
-from lightning_swarm.swarm.payload import Payload
-from lightning_swarm.swarm.protocol import StageRequest, parse_reply, stage_uid
-from lightning_swarm.swarm.routing import NoPeersError
-from lightning_swarm.swarm.same_host import SameHostStub
+from lightning_swarm.swarm.client.client import SwarmClient
+from lightning_swarm.swarm.client.routing import NoPeersError
+from lightning_swarm.swarm.loop import run_coroutine
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
+from lightning_swarm.swarm.wire import quantize
+from lightning_swarm.swarm.wire.errors import RemoteStageError
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.protocol import StageRequest, parse_reply, stage_uid
+from lightning_swarm.swarm.wire.same_host import SameHostStub
 
 _run_ids = itertools.count()
 
@@ -295,7 +295,7 @@ def test_errors_of_the_stage_code_reach_the_trainer_at_once(dhts, cleanup, where
     with pytest.raises(ValueError, match="user backward exploded") as info:
         y.sum().backward()
     assert isinstance(info.value, RemoteStageError) and info.value.is_compute_error and info.value.stage == 0
-    from lightning_swarm.swarm.codec import CodecError
+    from lightning_swarm.swarm.wire.codec import CodecError
 
     with pytest.raises(CodecError, match="cannot cross a stage boundary"):  # the caller's own mistake
         client.call_stage(0, torch.zeros(2, 4, dtype=torch.float8_e4m3fn))
@@ -316,7 +316,7 @@ def test_no_peers_raises_after_bounded_wait(dhts, cleanup) -> None:
 
 def _request_message(run_id: str, inputs: Payload, kind: str = "forward", uid: str | None = None, **header):
     """One channel request message, built the way the client builds it (then tampered with by the caller)."""
-    from lightning_swarm.swarm.transport import encode_request
+    from lightning_swarm.swarm.wire.transport import encode_request
 
     request = StageRequest(kind, uid or stage_uid(run_id, 0), inputs, request_id=header.pop("request_id", 7))
     metadata, encoded = encode_request(request, "none")
@@ -331,7 +331,7 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(
 ) -> None:
     import msgpack
 
-    from lightning_swarm.swarm.transport import _Channel
+    from lightning_swarm.swarm.wire.transport import _Channel
 
     run_id = _run_id("channel")
     module = nn.Linear(3, 3)
@@ -405,7 +405,7 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(
     torch.testing.assert_close(reply.outputs.rebuild(), module(x0), atol=1e-6, rtol=0)
     channel.close()
     # the other RPCs refuse a wrong stage too
-    from lightning_swarm.swarm.transport import TransportError, decode_payload_stream
+    from lightning_swarm.swarm.wire.transport import TransportError, decode_payload_stream
 
     stub = client._transport(server.peer_id, 0).stub
     wrong = runtime_pb2.ExpertUID(uid="other.stage0")
@@ -752,8 +752,8 @@ def test_stage_output_is_forwarded_without_requantizing(dhts, cleanup) -> None:
 def test_malformed_and_expired_records_are_skipped(dhts) -> None:
     from hivemind.utils.timed_storage import get_dht_time
 
-    from lightning_swarm.swarm.records import declare_stage_peer, get_stage_peers
-    from lightning_swarm.swarm.validation import stage_key
+    from lightning_swarm.swarm.dht.records import declare_stage_peer, get_stage_peers
+    from lightning_swarm.swarm.dht.validation import stage_key
 
     run_id = _run_id("records")
     dht = dhts["server1"]
@@ -770,7 +770,7 @@ def test_malformed_and_expired_records_are_skipped(dhts) -> None:
     # an entry whose expiration has passed (the DHT may still hand it out) is not a live peer
     from hivemind.utils.timed_storage import ValueWithExpiration
 
-    from lightning_swarm.swarm.records import parse_stage_peers
+    from lightning_swarm.swarm.dht.records import parse_stage_peers
 
     listing = ValueWithExpiration(
         {
@@ -787,7 +787,7 @@ def test_malformed_and_expired_records_are_skipped(dhts) -> None:
 def test_stage_server_steps_with_the_users_parameter_groups(dhts, cleanup) -> None:
     """Each of the user's parameter groups keeps its own hyper-parameters on the stage server (before, every
     parameter was stepped with ``optimizer.defaults``)."""
-    from lightning_swarm.swarm.optimizer_template import stage_optimizer
+    from lightning_swarm.swarm.training.optimizer_template import stage_optimizer
 
     torch.manual_seed(0)
     whole = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
@@ -851,7 +851,7 @@ class TimedStage(nn.Module):
 def test_throughput_is_announced_in_samples_per_second_of_forward_and_backward(dhts, cleanup) -> None:
     """One unit from the first estimate onwards: forward-only calls do not move it, and the first measured
     forward + backward replaces the estimate (before, forward-only timings were averaged into it)."""
-    from lightning_swarm.swarm.records import get_stage_peers
+    from lightning_swarm.swarm.dht.records import get_stage_peers
 
     run_id = _run_id("throughput")
     server = _serve(cleanup, dhts["server1"], run_id, TimedStage(), throughput=1000.0)

@@ -1,4 +1,4 @@
-"""Trainer-driven stage steps (``swarm/stepping.py``) on real stage servers over hivemind's P2P on 127.0.0.1:
+"""Trainer-driven stage steps (``swarm/training/stepping.py``) on real stage servers over hivemind's P2P on 127.0.0.1:
 a remote peer steps exactly as a local torch optimizer with the commanded hyper-parameters, a retried command is
 applied once, malformed commands are refused without harm, and a server that steps on its own says so."""
 
@@ -18,13 +18,18 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from torch import nn
 
-from lightning_swarm.swarm._loop import run_coroutine
-from lightning_swarm.swarm.client import SwarmClient
-from lightning_swarm.swarm.client_commands import _tensors_agree
-from lightning_swarm.swarm.protocol import stage_uid
+from lightning_swarm.swarm.client.client import SwarmClient
+from lightning_swarm.swarm.client.commands import _tensors_agree
+from lightning_swarm.swarm.loop import run_coroutine
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
-from lightning_swarm.swarm.stepping import StepCommand, hyper_parameters, parse_command, parse_step_reply
+from lightning_swarm.swarm.training.stepping import (
+    StepCommand,
+    hyper_parameters,
+    parse_command,
+    parse_step_reply,
+)
+from lightning_swarm.swarm.wire.protocol import stage_uid
 from tests._helpers import local_dhts
 
 _ids = itertools.count()
@@ -214,7 +219,7 @@ def test_with_several_trainers_the_stages_take_the_trainers_schedule_for_their_n
 def _two_peer_stage(dhts, cleanup, matchmaking_time: float, averaging_timeout: float, same_host: bool = True):
     """Two server peers of one stage (on the module's server DHT and a third DHT), a client, the modules' common
     initial weights in a reference module, and the run id. ``same_host``: the peers sum named rounds through
-    shared memory (``swarm/same_host_sum.py``), else through hivemind's all-reduce."""
+    shared memory (``swarm/wire/same_host_sum.py``), else through hivemind's all-reduce."""
     trainer_dht, server_dht = dhts
     third = hivemind.DHT(
         start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=trainer_dht.get_visible_maddrs()
@@ -405,12 +410,12 @@ def test_a_peer_that_missed_a_step_catches_up_before_it_serves(dhts, cleanup):
 
 
 def test_a_stage_steps_early_only_once_every_call_of_the_step_had_its_backward():
-    """The bookkeeping behind early stage steps (swarm/early_steps.py): a stage fires once its open calls all
+    """The bookkeeping behind early stage steps (swarm/training/early_steps.py): a stage fires once its open calls all
     returned while armed, once per step; a call without a backward (its output unused, or a chunk sent ahead)
     keeps its stage from firing; calls that returned before the arming (outside the step's backward) never fire;
     a second backward of a call (retain_graph) does not count, nor does the backward of a call opened before the
-    step began (deferred from the accumulation window, see swarm/deferred_grads.py)."""
-    from lightning_swarm.swarm.early_steps import OpenGradCalls
+    step began (deferred from the accumulation window, see swarm/client/deferred_grads.py)."""
+    from lightning_swarm.swarm.training.early_steps import OpenGradCalls
 
     fired: list[int] = []
     calls = OpenGradCalls()

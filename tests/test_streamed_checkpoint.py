@@ -1,4 +1,4 @@
-"""Writing a checkpoint stage by stage (``lightning_swarm.swarm.streamed_checkpoint``): the file is what
+"""Writing a checkpoint stage by stage (``lightning_swarm.swarm.peer.checkpoint``): the file is what
 ``torch.save`` writes, loads with plain and memory-mapped ``torch.load``, and the writer holds one stage's tensors
 at a time (the previous stage's are freed before the next is fetched)."""
 
@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from lightning_swarm.swarm.streamed_checkpoint import Deferred, resolve_deferred, save_deferred
+from lightning_swarm.swarm.peer.checkpoint import Deferred, resolve_deferred, save_deferred
 
 
 def _stages() -> dict:

@@ -8,9 +8,9 @@ launcher starts the children the same way (same command, same environment variab
 - a child that dies is reported once and the others carry on; with ``restart_peers=K`` it is started again (at
   most K times per peer) and the new process joins the running swarm as a replacement;
 - a child that *fails* (exits with an error status: its run raised an exception) ends the swarm, as in DDP. The
-  failing peer tells every peer through the DHT (see ``swarm/presence.py``), and they raise its error; a child that
+  failing peer tells every peer through the DHT (see ``swarm/dht/presence.py``), and they raise its error; a child that
   exits with an error before it could (e.g. in the user's script before ``fit``) is raised in this process by
-  :meth:`_SwarmLauncher.raise_failed_child`, which passes it on to the others. It is not restarted;
+  :meth:`SwarmLauncher.raise_failed_child`, which passes it on to the others. It is not restarted;
 - every child dies with the launching process, on every exit path: the kernel SIGKILLs it if the launcher dies
   (``PR_SET_PDEATHSIG``), and a launcher that exits normally first waits a bounded time for its children to
   finish their run, then stops the ones still running.
@@ -36,8 +36,8 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
 from lightning_swarm.swarm.allocator import allocator_env
+from lightning_swarm.swarm.dht.presence import PeerFailure
 from lightning_swarm.swarm.lifetime import describe_exit, exec_children, set_parent_death_signal
-from lightning_swarm.swarm.presence import PeerFailure
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def computing_at_once(peers: int, trainers: int, settings: Any) -> int:
     return 1 if takes_turns else peers
 
 
-class _SwarmLauncher(_SubprocessScriptLauncher):
+class SwarmLauncher(_SubprocessScriptLauncher):
     """Starts the N - 1 other peers of a local swarm as copies of this script; survives their deaths.
 
     Args:
@@ -194,7 +194,7 @@ class _SwarmLauncher(_SubprocessScriptLauncher):
         super().kill(signum)
 
     def raise_failed_child(self) -> None:
-        """Raise, once, a :class:`~lightning_swarm.swarm.presence.PeerFailure` for a child that exited with an error
+        """Raise, once, a :class:`~lightning_swarm.swarm.dht.presence.PeerFailure` for a child that exited with an error
         ``FAILED_CHILD_GRACE_S`` seconds ago or more (by then, an error it published has reached this peer)."""
         failed = self._failed_child
         if failed is None or self._failed_child_raised or time.monotonic() - failed[3] < FAILED_CHILD_GRACE_S:

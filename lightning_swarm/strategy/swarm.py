@@ -25,36 +25,37 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_swarm.strategy._checkpointing import (
+from lightning_swarm.strategy.checkpointing import (
     deferred_optimizer_states,
     deferred_state_dict,
     fetcher,
     local_state_dict,
     optimizer_state_bytes,
 )
-from lightning_swarm.strategy._loop_state import logs_written_this_step
-from lightning_swarm.strategy._refusals import (
-    _refuse_before_launch,
-    _refuse_closure_optimizers,
-    _refuse_for_several_trainers,
-    _refuse_for_swarm_steps,
-    _refuse_weight_copies,
-    _scaler,
+from lightning_swarm.strategy.launcher import SwarmLauncher, computing_at_once
+from lightning_swarm.strategy.loop_state import logs_written_this_step
+from lightning_swarm.strategy.progress import SwarmProgress
+from lightning_swarm.strategy.refusals import (
+    grad_scaler,
+    refuse_before_launch,
+    refuse_closure_optimizers,
+    refuse_for_several_trainers,
+    refuse_for_swarm_steps,
+    refuse_weight_copies,
 )
-from lightning_swarm.strategy._schedules import follow_swarm_epochs
-from lightning_swarm.strategy._trainer_steps import _groups_hyper, _TrainerDrivenSteps
-from lightning_swarm.strategy.launcher import _SwarmLauncher, computing_at_once
+from lightning_swarm.strategy.schedules import follow_swarm_epochs
+from lightning_swarm.strategy.trainer_steps import TrainerDrivenSteps, groups_hyper
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
 from lightning_swarm.swarm.allocator import tune_allocator
-from lightning_swarm.swarm.deferred_init import InitRecorder
 from lightning_swarm.swarm.lifetime import (
     die_with_parent,
     interrupt_handled,
     latch_interrupts,
     raise_pending_interrupt,
 )
-from lightning_swarm.swarm.materialize import RngSnapshot
-from lightning_swarm.swarm.streamed_checkpoint import resolve_deferred, save_deferred
+from lightning_swarm.swarm.peer.checkpoint import resolve_deferred, save_deferred
+from lightning_swarm.swarm.peer.deferred_init import InitRecorder
+from lightning_swarm.swarm.peer.materialize import RngSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ _STAGES_KEY = "swarm_stages"  # a checkpoint's entry with the stages' optimizer 
 _DEFAULTS = SwarmSettings()  # the one source of the defaults below
 
 
-class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
+class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
     """SWARM parallelism: the model's pipeline of blocks is cut into stages, each served by a swarm of hivemind
     peers; every microbatch takes a throughput-weighted random path through one peer per stage.
 
@@ -155,13 +156,13 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         self,
         pipeline: str | None = None,
         num_stages: int = _DEFAULTS.num_stages,
-        role: Role = _DEFAULTS.role,
+        role: Role = "both",
         stage: int | None = None,
         num_trainers: int | None = None,
         initial_peers: list[str] | None = None,
         host_maddrs: list[str] | None = None,
         run_id: str = _DEFAULTS.run_id,
-        compression: Compression = _DEFAULTS.compression,
+        compression: Compression = "8bit",
         target_batch_size: int | None = None,
         request_timeout: float = _DEFAULTS.request_timeout,
         no_peers_timeout: float = _DEFAULTS.no_peers_timeout,
@@ -234,22 +235,25 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         self._peer: SwarmPeer | None = None
         self._failed = False
         self._runs = 0  # fit/validate/test/predict calls so far: each one starts a fresh swarm
-        self._step_id: int | None = None  # the trainer's optimizer step in progress (see swarm/stepping.py)
+        self._step_id: int | None = (
+            None  # the trainer's optimizer step in progress (see swarm/training/stepping.py)
+        )
         self._clip: tuple[str, float] | None = (
             None  # how the step in progress clipped: ("norm", coef)/("value", v)
         )
         self._batch_checked = False
+        self._progress = SwarmProgress()
         self._early_step: tuple | None = None  # (step id, optimizer, its hyper-parameters) while allowed
         self._meta_build: RngSnapshot | None = None  # generators' states when a meta build began (see below)
         self._meta_recorder: InitRecorder | None = (
-            None  # what the meta build did (see swarm/deferred_init.py)
+            None  # what the meta build did (see swarm/peer/deferred_init.py)
         )
         self.stage_steps: dict[
             int, int
         ] = {}  # optimizer steps each stage took in the last run, as it replied
         self.early_stage_steps = 0  # of those, commanded before the trainer's backward ended
         # with several trainers: global steps taken, trainer-steps missed in the steps this trainer led, and steps
-        # this trainer's own part came too late for (see swarm/trainer_sync.py)
+        # this trainer's own part came too late for (see swarm/training/trainer_sync.py)
         self.trainer_sync_stats: dict[str, int] = {}
         self.deferred_backwards = 0  # stage-call backwards whose input gradients came after the next forward
 
@@ -296,13 +300,13 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally and self.num_processes > 1:
-            self._launcher = _SwarmLauncher(
+            self._launcher = SwarmLauncher(
                 self.cluster_environment,
                 self.num_processes,
                 self.num_nodes,
                 restart_peers=self.restart_peers,
                 exit_timeout=self.settings.linger_timeout + 30.0,
-                precheck=lambda model: _refuse_before_launch(model, self.settings),
+                precheck=lambda model: refuse_before_launch(model, self.settings),
                 computing_at_once=computing_at_once(self.num_processes, self._local_trainers, self.settings),
             )
 
@@ -345,10 +349,10 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         """Whether this process got SIGTERM during the run (Lightning's flag): the peer's waits end at once, and
         Lightning stops the run after the current step. A Ctrl-C that Python swallowed (in a weakref callback) is
         raised here, on the main thread (see ``lifetime.latch_interrupts``); so is the error of a local peer process
-        that failed before it could tell the swarm (see ``_SwarmLauncher.raise_failed_child``). The peer polls this
+        that failed before it could tell the swarm (see ``SwarmLauncher.raise_failed_child``). The peer polls this
         through ``SwarmPeer.should_stop``, which also raises another peer's published failure."""
         raise_pending_interrupt()
-        if isinstance(self._launcher, _SwarmLauncher):
+        if isinstance(self._launcher, SwarmLauncher):
             self._launcher.raise_failed_child()
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
@@ -356,7 +360,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        _refuse_weight_copies(trainer)
+        refuse_weight_copies(trainer)
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
@@ -369,9 +373,9 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
-            _refuse_closure_optimizers(self.optimizers)
+            refuse_closure_optimizers(self.optimizers)
             if self.peer.is_trainer and self.peer.drives_stages and self.peer.num_trainers != 1:
-                _refuse_for_several_trainers(self.lightning_module, self.peer.num_trainers)
+                refuse_for_several_trainers(self.lightning_module, self.peer.num_trainers)
         optimizers = self.peer.join(
             self.lightning_module, self.optimizers if fitting else [], training=fitting
         )
@@ -380,7 +384,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         self.setup_precision_plugin()
         self._step_id, self._clip, self._batch_checked = None, None, False
         if fitting and self.peer.is_trainer and not self.peer.drives_stages:
-            _refuse_for_swarm_steps(trainer, self.precision_plugin, self.optimizers)
+            refuse_for_swarm_steps(trainer, self.precision_plugin, self.optimizers)
             follow_swarm_epochs(self.lr_scheduler_configs, self.peer.swarm_epoch)
         if fitting and self.peer.drives_stages:
             self._install_clipping()
@@ -402,7 +406,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         storage) while its build is recorded, and at setup each peer gives storage to what it hosts only (its
         stage's blocks and the modules outside the pipeline) and replays the build for them: they get the values
         the model's own code gives them in one process seeded alike, init hooks included (see
-        ``swarm/deferred_init.py``). ``empty_init=False`` builds everything on the device, initialised, as
+        ``swarm/peer/deferred_init.py``). ``empty_init=False`` builds everything on the device, initialised, as
         Lightning does."""
         if empty_init is False:
             with super().tensor_init_context(empty_init=False):
@@ -429,32 +433,45 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             assert self.lightning_module is not None
             self.lightning_module.trainer.should_stop = True
         else:
+            assert self.lightning_module is not None
             loader = getattr(self.lightning_module.trainer, "train_dataloader", None)
             batch_size = getattr(loader, "batch_size", None)
             if isinstance(batch_size, int) and not self._batch_checked:  # before any stage call
                 self._check_target_batch_size(batch_size)
             self.peer.wait_for_stages_at_start()
             self._join_in_progress()
+            settings = self.peer.settings
+            self._progress.start(self.peer.dht, settings.run_id, settings.num_stages)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self.peer.should_stop()  # raises another peer's failure between steps, too
+        batch_size = None
         if args:
             batch_size = extract_batch_size(args[0])
             self.peer.note_batch_size(batch_size)
             if not self._batch_checked:
                 self._check_target_batch_size(batch_size)
         output = super().training_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        if not logs_written_this_step(self.lightning_module):
-            return output  # ~30 counters: logged at every step they cost the trainer ~3 ms per step
-        for name, value in self.peer.stats().items():
-            # the stages' averaging rounds show on the progress bar: averaging that never happens is visible
-            bar = name.endswith("/rounds")
-            self.lightning_module.log(
-                name, value, on_step=True, on_epoch=False, reduce_fx="max", prog_bar=bar
-            )
+        self._progress.step_done(batch_size)
+        self._log_swarm_metrics()
         return output
+
+    def _log_swarm_metrics(self) -> None:
+        """Log the progress-bar figures (``progress.py``: samples/s, live peers per stage, bytes on the wire,
+        averaging rounds) at every step, so that any Lightning progress bar shows them; the rest of the peer's
+        counters only at the steps whose logs the logger writes (~30 of them: logged at every step they would cost
+        the trainer ~3 ms per step)."""
+        module = self.lightning_module
+        assert module is not None
+        stats = self.peer.stats()
+        bar = self._progress.metrics(stats)
+        for name, value in bar.items():
+            module.log(name, value, on_step=True, on_epoch=False, reduce_fx="max", prog_bar=True)
+        if logs_written_this_step(module):
+            for name, value in stats.items():
+                if name not in bar:
+                    module.log(name, value, on_step=True, on_epoch=False, reduce_fx="max")
 
     @override
     def optimizer_step(self, optimizer: Optimizable, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -467,7 +484,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         raw = getattr(optimizer, "_optimizer", optimizer)
         raw = getattr(raw, "opt", raw)  # the trainers' hivemind optimizer wraps the torch one
         index = 0 if len(self.optimizers) == 1 else self._optimizer_index(optimizer)
-        peer.send_stage_hyper(index, _groups_hyper(raw))
+        peer.send_stage_hyper(index, groups_hyper(raw))
         return output
 
     @override
@@ -563,7 +580,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         if isinstance(exception, KeyboardInterrupt):
             interrupt_handled()
         published = self._peer is not None and self._peer.publish_failure(exception)
-        if published and isinstance(self._launcher, _SwarmLauncher):
+        if published and isinstance(self._launcher, SwarmLauncher):
             self._launcher.swarm_failed = True  # its children stop too: it need not wait long for them
 
     @override
@@ -573,7 +590,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         )  # our clipping hook (see _install_clipping)
         for optimizer in (*self.optimizers, *self._lightning_optimizers):
             optimizer.__dict__.pop("zero_grad", None)  # see _mirror_zero_grad
-        scaler = _scaler(self.precision_plugin)
+        scaler = grad_scaler(self.precision_plugin)
         if scaler is not None:
             scaler.__dict__.pop("unscale_", None)  # see _install_loss_scaling
         peer, self._peer = self._peer, None
@@ -609,7 +626,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+        strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").splitlines()[0])
 
 
 def _autocast_dtype(plugin: Any) -> str | None:

@@ -8,15 +8,15 @@ may see. The layers underneath: ``quantize`` (8-bit kernel) -> ``codec`` (tensor
 beside them.
 """
 
-from lightning_swarm.swarm.client import SwarmClient
-from lightning_swarm.swarm.codec import CodecError
-from lightning_swarm.swarm.errors import RemoteStageError, RequestRefused
-from lightning_swarm.swarm.partition import Partition
-from lightning_swarm.swarm.peer import SwarmPeer
-from lightning_swarm.swarm.presence import PeerFailure
-from lightning_swarm.swarm.routing import NoPeersError
+from lightning_swarm.swarm.client.client import SwarmClient
+from lightning_swarm.swarm.client.routing import NoPeersError
+from lightning_swarm.swarm.dht.presence import PeerFailure
+from lightning_swarm.swarm.peer.partition import Partition
+from lightning_swarm.swarm.peer.peer import SwarmPeer
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
+from lightning_swarm.swarm.wire.codec import CodecError
+from lightning_swarm.swarm.wire.errors import RemoteStageError, RequestRefused
 
 __all__ = [
     "CodecError",

@@ -39,7 +39,7 @@ import sys
 
 import torch
 
-from .allocator import tune_allocator
+from lightning_swarm.swarm.allocator import tune_allocator
 
 __all__ = [
     "before_fork",

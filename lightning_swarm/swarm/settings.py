@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from hivemind.p2p import PeerID
 
-from .codec import COMPRESSIONS
-from .protocol import check_run_id
+from lightning_swarm.swarm.wire.codec import COMPRESSIONS
+from lightning_swarm.swarm.wire.protocol import check_run_id
 
 __all__ = ["ROLES", "SwarmSettings"]
 
@@ -88,7 +88,7 @@ class SwarmSettings:
 
     def replace(self, **changes: object) -> SwarmSettings:
         """A copy with ``changes`` applied (validated again)."""
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]  # validated by __post_init__
 
     def _validate(self) -> None:
         name = "SwarmStrategy"

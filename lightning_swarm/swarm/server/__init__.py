@@ -8,7 +8,7 @@
 The overrides of hivemind's private averaging API are in :mod:`..averaging`, the optimizers in :mod:`..optim`.
 """
 
-from .applied import AppliedRequests, TooLate
-from .server import StageServer
+from lightning_swarm.swarm.server.applied import AppliedRequests, TooLate
+from lightning_swarm.swarm.server.server import StageServer
 
 __all__ = ["AppliedRequests", "StageServer", "TooLate"]

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..payload import Payload
+from lightning_swarm.swarm.wire.payload import Payload
 
 __all__ = ["Kept", "all_finite", "buffers_kept", "exclusive", "leaves_of", "seeded_rng"]
 

@@ -15,10 +15,11 @@ import msgpack
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from ..codec import CodecError, TooLarge
-from ..errors import REQUEST, UNAVAILABLE, BadRequest, ErrorReply, Misrouted
-from ..payload import Payload
-from ..protocol import (
+from lightning_swarm.swarm.training.stepping import parse_command
+from lightning_swarm.swarm.wire.codec import CodecError, TooLarge
+from lightning_swarm.swarm.wire.errors import REQUEST, UNAVAILABLE, BadRequest, ErrorReply, Misrouted
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.protocol import (
     MAX_MESSAGE_BYTES,
     MAX_REQUEST_MESSAGES,
     MAX_REQUEST_TENSORS,
@@ -27,8 +28,7 @@ from ..protocol import (
     encode_reply_header,
     parse_request,
 )
-from ..stepping import parse_command
-from ..transport import MESSAGE_BYTES, SPLIT_ABOVE, MessageReceiver, messages
+from lightning_swarm.swarm.wire.transport import MESSAGE_BYTES, SPLIT_ABOVE, MessageReceiver, messages
 
 logger = logging.getLogger(__name__)
 

@@ -77,30 +77,30 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
-from .._loop import replicate_p2p, run_coroutine
-from ..auth import is_protected
-from ..averaging import _GradientAverager, _StateAverager
-from ..batching import RequestBatcher, mixes_rows
-from ..footprint import before_fork, release_free_memory, zero_grad_view
-from ..guards import BadPeers, StageSchemas
-from ..optim import OptimizerFactory, _make_initialized, _StageOptimizer
-from ..protocol import (
+from lightning_swarm.swarm.dht.auth import is_protected
+from lightning_swarm.swarm.dht.records import declare_stage_peer
+from lightning_swarm.swarm.footprint import before_fork, release_free_memory, zero_grad_view
+from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
+from lightning_swarm.swarm.server.applied import AppliedRequests
+from lightning_swarm.swarm.server.batching import RequestBatcher, mixes_rows
+from lightning_swarm.swarm.server.compute import Kept
+from lightning_swarm.swarm.server.connection_handler import ConnectionHandler
+from lightning_swarm.swarm.server.stage_backend import StageBackend
+from lightning_swarm.swarm.server.stepper import _EPOCH_POLL_S, Stepper
+from lightning_swarm.swarm.server.weight_grads import DeferredWeights, split_enabled
+from lightning_swarm.swarm.settings import SwarmSettings
+from lightning_swarm.swarm.states import JOINING, LEAVING, ONLINE, STATES
+from lightning_swarm.swarm.throughput import Throughput
+from lightning_swarm.swarm.training.averaging import _GradientAverager, _StateAverager
+from lightning_swarm.swarm.training.optimizers import OptimizerFactory, _make_initialized, _StageOptimizer
+from lightning_swarm.swarm.wire.guards import BadPeers, StageSchemas
+from lightning_swarm.swarm.wire.protocol import (
     MAX_REQUEST_BYTES,
     StageService,
     stage_uid,
     warm_up_codec,
 )
-from ..records import declare_stage_peer
-from ..same_host import SameHostListener, socket_path
-from ..settings import SwarmSettings
-from ..states import JOINING, LEAVING, ONLINE, STATES
-from ..throughput import Throughput
-from .applied import AppliedRequests
-from .compute import Kept
-from .connection_handler import ConnectionHandler
-from .stage_backend import StageBackend
-from .stepper import _EPOCH_POLL_S, Stepper
-from .weight_grads import DeferredWeights, split_enabled
+from lightning_swarm.swarm.wire.same_host import SameHostListener, socket_path
 
 _SERVING_THREADS = 16  # with batching: calls being parsed, waiting for the compute thread or encoding at once
 
@@ -162,7 +162,7 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         self.optimizer_factory, self.param_groups = optimizer_factory, param_groups
         self.uid = stage_uid(settings.run_id, stage)
         if throughput is None:
-            from ..throughput import estimate_throughput
+            from lightning_swarm.swarm.throughput import estimate_throughput
 
             throughput = estimate_throughput(module, self.device)
         self.throughput = Throughput(throughput)

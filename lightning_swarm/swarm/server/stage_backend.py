@@ -12,19 +12,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batching import concat_payloads, merge_key, split_payload
-from ..codec import CodecError, check_encodable
-from ..errors import COMPUTE, REQUEST, UNAVAILABLE, BadRequest, Misrouted, NotKept
-from ..guards import check_finite, check_grad_outputs, check_outputs
-from ..payload import Payload
-from ..protocol import (
+from lightning_swarm.swarm.server.applied import TooLate
+from lightning_swarm.swarm.server.batching import concat_payloads, merge_key, split_payload
+from lightning_swarm.swarm.server.compute import (
+    Kept,
+    all_finite,
+    buffers_kept,
+    exclusive,
+    leaves_of,
+    seeded_rng,
+)
+from lightning_swarm.swarm.server.connection_handler import _error
+from lightning_swarm.swarm.server.weight_grads import WeightWork, split_backward
+from lightning_swarm.swarm.wire.codec import CodecError, check_encodable
+from lightning_swarm.swarm.wire.errors import COMPUTE, REQUEST, UNAVAILABLE, BadRequest, Misrouted, NotKept
+from lightning_swarm.swarm.wire.guards import check_finite, check_grad_outputs, check_outputs
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.protocol import (
     StageReply,
     StageRequest,
 )
-from .applied import TooLate
-from .compute import Kept, all_finite, buffers_kept, exclusive, leaves_of, seeded_rng
-from .connection_handler import _error
-from .weight_grads import WeightWork, split_backward
 
 logger = logging.getLogger(__name__)
 

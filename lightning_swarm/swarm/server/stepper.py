@@ -16,7 +16,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import PeerID
 
-from ..averaging import (
+from lightning_swarm.swarm.training.averaging import (
     NamedGroupFailed,
     _GradientAverager,
     _NamedGroups,
@@ -25,8 +25,8 @@ from ..averaging import (
     _StateAverager,
     named_group_id,
 )
-from ..same_host_sum import SameHostSumFailed, on_one_host, sum_on_host
-from ..stepping import StepCommand
+from lightning_swarm.swarm.training.stepping import StepCommand
+from lightning_swarm.swarm.wire.same_host_sum import SameHostSumFailed, on_one_host, sum_on_host
 
 logger = logging.getLogger(__name__)
 
