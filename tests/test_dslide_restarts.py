@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lightning_swarm.layers.checkpoint import load_sharded
-from lightning_swarm.strategy._dslide_restarts import join_torchrun_job
+from lightning_swarm.strategy.dslide_restarts import join_torchrun_job
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "testbed" / "dslide_fault_job.py"
