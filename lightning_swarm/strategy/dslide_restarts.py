@@ -64,7 +64,9 @@ FAILED_AT_ENV = "LIGHTNING_SWARM_DSLIDE_FAILED_AT"
 KEEP = 2  # complete checkpoints kept: the newest can be the one being written when a rank dies
 JOB_FILE = "job"  # in a checkpoint folder: the token of the job that wrote it
 FAILURES = "failures"  # in the checkpoint folder: rank<r>.json, the step a rank failed at and why
-GRACE_S = 5.0  # after a rank's death, seconds the others get to fail and report before they are killed
+GRACE_S = (
+    5.0  # after a rank's death, the most seconds the others get to fail and report before they are killed
+)
 _STORE_KEY = "lightning_swarm/dslide_job"  # under torchrun, in the store of an attempt
 
 
@@ -220,7 +222,11 @@ class RestartingLauncher(_SubprocessScriptLauncher):
         try:
             folder = self._checkpoint_dir(trainer) / FAILURES
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+            partial = folder / f".rank{trainer.global_rank}.json.partial"
+            partial.write_text(json.dumps(report))
+            partial.replace(
+                folder / f"rank{trainer.global_rank}.json"
+            )  # whole: the supervisor may kill on sight
         except OSError as e:  # the record only: the error itself is what matters
             log.warning("DSlideStrategy: rank %d could not report its failure: %r", trainer.global_rank, e)
 
@@ -234,10 +240,11 @@ class RestartingLauncher(_SubprocessScriptLauncher):
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_stop_signal)
         restart, failed_at, port = self.restarts, None, self.cluster_environment.main_port
+        _take_reports(directory, job)  # none of this job's yet: what is there is an earlier job's
         while True:
             started = time.time()
             self._start_ranks(restart, failed_at, port)
-            codes, killed = self._watch()
+            codes, killed = self._watch(directory / FAILURES)
             if all(code == 0 for code in codes):
                 _end(0)
             failed_at = time.time()
@@ -296,10 +303,11 @@ class RestartingLauncher(_SubprocessScriptLauncher):
             for rank in range(self.num_processes)
         ]
 
-    def _watch(self) -> tuple[list[int | None], set[int]]:
-        """Wait until every rank has ended: once one fails, the others get :data:`GRACE_S` to fail too (and report
-        their step), then are killed; after SIGTERM or SIGINT here, ``child_exit_timeout``. Returns the ranks' exit
-        codes and the ranks killed here."""
+    def _watch(self, reports: Path) -> tuple[list[int | None], set[int]]:
+        """Wait until every rank has ended: once one fails, the others are killed as soon as each has ended or
+        reported its step in ``reports`` (they fail at once in their next collective), after :data:`GRACE_S` at
+        most; after SIGTERM or SIGINT here, ``child_exit_timeout``. Returns the ranks' exit codes and the ranks
+        killed here."""
         killed: set[int] = set()
         failed: float | None = None
         stopping: float | None = None
@@ -315,8 +323,13 @@ class RestartingLauncher(_SubprocessScriptLauncher):
                 for proc in self.procs:
                     if proc.poll() is None:
                         proc.send_signal(signal.SIGTERM)
-            if (failed is not None and now - failed > GRACE_S) or (
-                stopping is not None and now - stopping > self._child_exit_timeout
+            settled = failed is not None and all(
+                code is not None or (reports / f"rank{rank}.json").exists() for rank, code in enumerate(codes)
+            )
+            if (
+                settled
+                or (failed is not None and now - failed > GRACE_S)
+                or (stopping is not None and now - stopping > self._child_exit_timeout)
             ):
                 for rank, proc in enumerate(self.procs):
                     if proc.poll() is None:
