@@ -376,7 +376,9 @@ def test_a_peer_that_missed_a_step_catches_up_before_it_serves(dhts, cleanup):
     assert first._pending_backwards == 1 and second._pending_backwards == 0
     replies = client.step_stage(0, StepCommand(stage_uid(run_id, 0), 42, groups={0: {"lr": 0.1}}))
     assert [r["epoch"] for r in replies] == [1] and second.optimizer.local_epoch == 0
-    client.stage_epochs[0] = 1  # what a trainer peer records from its step's replies (SwarmPeer.step_stages)
+    client.stage_epochs[0] = (
+        1  # what a trainer peer records from its step's replies (TrainerSteps.step_stages)
+    )
     with client._router_lock:
         router.report_success(second.peer_id)
     # a stage's state (a checkpoint, the final model) comes from the peer with the newest epoch, not the stale one

@@ -69,7 +69,7 @@ def fetcher(peer: SwarmPeer) -> Callable[[Hashable], dict[str, Tensor]]:
             return {_OPTIMIZER_KEY: torch.frombuffer(bytearray(data), dtype=torch.uint8)}
         partition = peer.partition
         assert partition is not None
-        return partition.full_state_keys(peer.gather_stage_states(stages=[stage]))
+        return partition.full_state_keys(peer.stage_states.gather_stage_states(stages=[stage]))
 
     return fetch
 

@@ -18,6 +18,7 @@ stage's blocks again (a peer that migrates, or blocks that were built on ``meta`
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -278,6 +279,14 @@ class Partition:
         # per stage, the parameters that materialize() could not initialise (their modules have no
         # reset_parameters()): they must come from a peer of the stage (see check_initialised)
         self.uninitialised: dict[int, list[str]] = {}
+        # the pipeline's parameters as the partition found them, before release() and materialize() give the
+        # blocks new ones: (parameter, owning module id, name); an optimizer made before still holds them (weak
+        # references: a released block's tensors are freed)
+        self._original = [
+            (weakref.ref(p), id(m), name)
+            for m in self.container.modules()
+            for name, p in m.named_parameters(recurse=False)
+        ]
 
     @property
     def num_stages(self) -> int:
@@ -286,6 +295,16 @@ class Partition:
     @property
     def is_sequential(self) -> bool:
         return isinstance(self.container, nn.Sequential)
+
+    def original_parameters(self) -> dict[int, tuple[int, str]]:
+        """``id(parameter) -> (id(owning module), name)`` of the pipeline's parameters from when this partition was
+        made that are still alive (held by an optimizer made before the blocks were reallocated)."""
+        live = {}
+        for ref, owner, name in self._original:
+            p = ref()
+            if p is not None:
+                live[id(p)] = (owner, name)
+        return live
 
     def stage_module(self, stage: int) -> nn.Module:
         return build_stage_module(self.container, self.stages[stage])
