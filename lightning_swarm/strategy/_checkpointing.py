@@ -65,7 +65,7 @@ def fetcher(peer: SwarmPeer) -> Callable[[Hashable], dict[str, Tensor]]:
         kind, stage = group  # type: ignore[misc]
         if kind == _OPTIMIZER:
             assert peer.client is not None
-            data = peer.client.fetch_optimizer_state(stage)
+            data = peer.client.commands.fetch_optimizer_state(stage)
             return {_OPTIMIZER_KEY: torch.frombuffer(bytearray(data), dtype=torch.uint8)}
         partition = peer.partition
         assert partition is not None

@@ -92,7 +92,7 @@ class StageStates:
             )
         self.wait_for_stages()  # a local swarm's other peers may still be starting
         for stage, data in states.items():
-            if not client.load_optimizer_state(stage, data):
+            if not client.commands.load_optimizer_state(stage, data):
                 raise RuntimeError(
                     f"SwarmStrategy: no peer of stage {stage} is online to restore its optimizer state from the "
                     "checkpoint; start the stage's servers before resuming."

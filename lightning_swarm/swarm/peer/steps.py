@@ -143,9 +143,9 @@ class TrainerSteps:
         if not stages:
             return {}
         if len(stages) == 1:
-            return {stages[0]: client.step_stage(stages[0], make(stages[0]))}
+            return {stages[0]: client.commands.step_stage(stages[0], make(stages[0]))}
         with ThreadPoolExecutor(max_workers=len(stages), thread_name_prefix="swarm-step") as pool:
-            futures = {k: pool.submit(client.step_stage, k, make(k)) for k in stages}
+            futures = {k: pool.submit(client.commands.step_stage, k, make(k)) for k in stages}
             return {k: f.result() for k, f in futures.items()}
 
     # ------------------------------------------------------------------ several trainers (see .trainer_sync)
@@ -290,7 +290,7 @@ class TrainerSteps:
                 epoch=self._stage_epochs.get(stage, 0),
             )
             self._early_steps[stage] = run_in_thread(
-                lambda: client.step_stage(stage, command), f"swarm-early-step-{stage}"
+                lambda: client.commands.step_stage(stage, command), f"swarm-early-step-{stage}"
             )
 
         client.grad_calls.arm(fire)
