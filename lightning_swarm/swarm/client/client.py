@@ -51,11 +51,12 @@ from lightning_swarm.swarm.client.pipelining import PipelineRun
 from lightning_swarm.swarm.client.routing import NoPeersError, StageRouter
 from lightning_swarm.swarm.client.stage_autograd import DUMMY, StageCall, StageFunction, moved
 from lightning_swarm.swarm.dht.records import PeerInfo
+from lightning_swarm.swarm.lifetime import PeerStopping
 from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
 from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.training.early_steps import OpenGradCalls
 from lightning_swarm.swarm.wire.codec import CodecError, check_encodable
-from lightning_swarm.swarm.wire.errors import PeerStopping, ProtocolError, RemoteStageError, remote_exception
+from lightning_swarm.swarm.wire.errors import ProtocolError, RemoteStageError, remote_exception
 from lightning_swarm.swarm.wire.guards import check_outputs
 from lightning_swarm.swarm.wire.payload import EncodedPayload, Payload
 from lightning_swarm.swarm.wire.protocol import (

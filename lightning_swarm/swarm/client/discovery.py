@@ -16,9 +16,9 @@ from hivemind.utils.mpfuture import MPFuture
 from lightning_swarm.swarm.client.routing import StageRouter
 from lightning_swarm.swarm.dht.records import PeerInfo, parse_stage_peers
 from lightning_swarm.swarm.dht.validation import stage_key
+from lightning_swarm.swarm.lifetime import PeerStopping
 from lightning_swarm.swarm.loop import STOP_POLL_S
 from lightning_swarm.swarm.settings import SwarmSettings
-from lightning_swarm.swarm.wire.errors import PeerStopping
 
 logger = logging.getLogger(__name__)
 
