@@ -231,7 +231,9 @@ class StageCommands:
         def attempt(peer_id: PeerID) -> bytes:
             if peer_id == self.client.peer_id and stage in self.client.local_servers:
                 return self.client.local_servers[stage].optimizer_state()
-            parts, token, total = [], None, None
+            parts: list[bytes] = []
+            token: int | None = None
+            total: int | None = None
             while total is None or sum(map(len, parts)) < total:
                 offset = sum(map(len, parts))
                 reply = self._optimizer_rpc(peer_id, stage, {"op": "get", "offset": offset, "token": token})

@@ -348,7 +348,9 @@ class SwarmPeer:
         )
         stage = self.state.stage = self._choose_stage()
         hosted = partition.stage_blocks(stage) if self.is_server else []
-        others = {id(m) for block in partition.container if block not in hosted for m in block.modules()}
+        others = {
+            id(m) for block in partition.container.children() if block not in hosted for m in block.modules()
+        }
         self.built_on_meta = has_meta(partition.container)
         if rng is None:
             # built on meta by the user's own code (or nothing is on meta): every peer starts from a seed of the run
@@ -434,7 +436,8 @@ class SwarmPeer:
         single peer announcing a wrong count does not keep everyone out)."""
         assert self.dht is not None
         s = self.settings
-        same, others = 0, {}
+        same = 0
+        others: dict[int, list[str]] = {}
         for stage in range(s.num_stages):
             for p in get_stage_peers(self.dht, s.run_id, stage, states=STATES):
                 if p.num_stages is None or p.num_stages == s.num_stages:
