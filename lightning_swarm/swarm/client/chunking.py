@@ -187,7 +187,7 @@ class _ChunkedStageFunction(torch.autograd.Function):
             return (None, None, *([None] * len(ctx.input_meta)))
         bounds = state.bounds
 
-        def chunk_backward(i: int) -> list[torch.Tensor]:
+        def chunk_backward(i: int) -> list[torch.Tensor | None]:
             lo, hi = bounds[i], bounds[i + 1]
             grads = [None if g is None else g.detach()[lo:hi] for g in grad_outputs]
             expected = [
@@ -228,11 +228,15 @@ def join_input_grads(
     grads_in = []
     for j, ((device, dtype, shape), split) in enumerate(zip(input_meta, diff_plan, strict=True)):
         parts = [
-            torch.zeros((bounds[i + 1] - bounds[i], *shape[1:]) if split else shape, dtype=dtype)
-            if chunk[j] is None
-            else chunk[j]
+            _zeros_if_none(
+                chunk[j], (bounds[i + 1] - bounds[i], *shape[1:]) if split else tuple(shape), dtype
+            )
             for i, chunk in enumerate(per_chunk)
         ]
         parts = [p.to(device=device, dtype=dtype) for p in parts]
         grads_in.append(torch.cat(parts, dim=0) if split else torch.stack(parts).sum(dim=0))
     return grads_in
+
+
+def _zeros_if_none(grad: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype) if grad is None else grad

@@ -407,6 +407,7 @@ class SwarmClient:
                 if encoded[0] is None:
                     encoded[0] = encode_request(request, self.settings.compression, reuse_inputs=reuse)
                 if request.kind == "backward":
+                    assert timeout is not None
                     request.commit_by = time.time() + (1 - COMMIT_MARGIN) * timeout
                     payloads = encoded[0][1]
                     encoded[0] = (encode_request_header(request, *payloads), payloads)
@@ -432,6 +433,7 @@ class SwarmClient:
                 served.append(peer_id)
             return reply.outputs
 
+        assert request.inputs is not None
         outputs = self.with_retries(stage, request.inputs.batch_size(), attempt, prefer=prefer)
         return outputs, (None if encoded[0] is None else encoded[0][1][0])
 

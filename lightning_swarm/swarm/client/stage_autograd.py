@@ -184,7 +184,7 @@ def _through_earlier_calls(
     for t, g in zip(inputs, grads, strict=True):
         if g is None:
             continue
-        node = t.grad_fn
+        node: Any = t.grad_fn
         if isinstance(getattr(node, "call", None), StageCall):
             grads_out: list[torch.Tensor | None] = [None] * node.num_outputs
             grads_out[t.output_nr] = g
