@@ -1,26 +1,77 @@
-"""A ``SwarmClient``'s peer discovery: DHT lookups of a stage's peers, started when the listing is stale and
-applied to the stage's router, and waits for a stage that has no live peer (see :mod:`.client`)."""
+"""A ``SwarmClient``'s peer discovery (a part of :class:`~.client.SwarmClient`): DHT lookups of a stage's peers,
+started when the listing is stale and applied to the stage's router, and waits for a stage that has no live peer."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from lightning_swarm.swarm.dht.reachability import dial_relayed
+import hivemind
+from hivemind.p2p import PeerID
+from hivemind.utils.mpfuture import MPFuture
+
+from lightning_swarm.swarm.client.routing import StageRouter
 from lightning_swarm.swarm.dht.records import PeerInfo, parse_stage_peers
 from lightning_swarm.swarm.dht.validation import stage_key
 from lightning_swarm.swarm.lifetime import PeerStopping
-from lightning_swarm.swarm.loop import STOP_POLL_S, get_loop, in_loop_thread, replicate_p2p, run_coroutine
+from lightning_swarm.swarm.loop import STOP_POLL_S
+from lightning_swarm.swarm.settings import SwarmSettings
 
 logger = logging.getLogger(__name__)
 
 
-class _StageDiscovery:
-    """A ``SwarmClient``'s peer discovery (a mixin: its attributes are the client's)."""
+class StageDiscovery:
+    """Who serves each stage, as the DHT says: keeps the stages' routers' peer lists fresh.
 
-    def _maybe_refresh(self, stage: int, block: bool = False, max_wait: float = 0.0) -> None:
+    Args:
+        dht: this peer's running hivemind DHT.
+        settings: the swarm's settings (``run_id``, ``refresh_period``, ``request_timeout``).
+        routers: the client's router of each stage, updated with what the lookups find.
+        router_lock: the client's lock of the routers.
+        should_stop: polled while waiting; once it returns True a wait raises :class:`~.errors.PeerStopping`.
+        on_found: called with the peers of every lookup applied (the client connects to relayed ones).
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        settings: SwarmSettings,
+        routers: list[StageRouter],
+        router_lock: threading.Lock,
+        should_stop: Callable[[], bool],
+        on_found: Callable[[list[PeerInfo]], None] | None = None,
+    ) -> None:
+        self.dht, self.settings, self.run_id = dht, settings, settings.run_id
+        self.routers, self.router_lock, self.should_stop = routers, router_lock, should_stop
+        self._last_refresh = [-float("inf")] * len(routers)
+        self._pending: list[MPFuture | None] = [None] * len(routers)
+        self.on_found = on_found or (lambda peers: None)
+
+    def lookup(self, stage: int) -> list[PeerInfo]:
+        """The live peers of ``stage`` (one fresh DHT lookup, applied to its router)."""
+        # bounded: a DHT process that died never answers
+        found = self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True).result(
+            timeout=self.settings.request_timeout
+        )
+        peers = parse_stage_peers(found, stage)
+        with self.router_lock:
+            self.routers[stage].update_peers(peers)
+        self.on_found(peers)
+        self._last_refresh[stage] = time.monotonic()
+        return peers
+
+    def live_peers(self, stage: int) -> list[PeerID]:
+        """The peers of ``stage`` that are not banned, after applying a finished lookup (and starting one when the
+        listing is stale)."""
+        self.refresh(stage)
+        with self.router_lock:
+            router = self.routers[stage]
+            return [p for p in router.peers if not router.is_banned(p)]
+
+    def refresh(self, stage: int, block: bool = False, max_wait: float = 0.0) -> None:
         """Start a DHT lookup when the listing is stale and apply finished ones.
 
         With ``block``, always look up, wait for the answer, and if the stage still has no live peer, sleep out
@@ -39,27 +90,13 @@ class _StageDiscovery:
             self._pending[stage] = None
             try:
                 peers = parse_stage_peers(pending.result(), stage)
-                with self._router_lock:
+                with self.router_lock:
                     self.routers[stage].update_peers(peers)
-                self._reach_relayed(peers)
+                self.on_found(peers)
             except Exception as e:
                 logger.debug(f"DHT lookup of stage {stage} failed: {e!r}")
         if block and self.routers[stage].num_live() == 0:
             self._wait_polling(start + max_wait)
-
-    def _reach_relayed(self, peers: list[PeerInfo]) -> None:
-        """Connect this peer's daemon, in the background, to the peers among ``peers`` that are behind NAT, through
-        the relays their records name: calls by peer id then find the connection (a no-op when connected; a
-        relayed connection that was cut is opened again at the next lookup)."""
-        relayed = [(p.peer_id, p.relay_addrs) for p in peers if p.relay_addrs and p.peer_id != self.peer_id]
-        if not relayed:
-            return
-        with self._transport_lock:  # the P2P replica the transports share
-            if self._p2p is None and not in_loop_thread():
-                self._p2p = run_coroutine(replicate_p2p(self.dht), timeout=60)
-            p2p = self._p2p
-        if p2p is not None:
-            asyncio.run_coroutine_threadsafe(dial_relayed(p2p, relayed), get_loop())
 
     def _wait_polling(self, deadline: float, future: Any = None) -> None:
         """Wait until ``deadline`` (or until ``future`` is done), polling ``should_stop`` meanwhile: a peer that is
