@@ -168,11 +168,11 @@ def doctor(args: argparse.Namespace) -> None:
 
     from hivemind.p2p import PeerID
 
-    from .swarm.dht.auth import SECRET_ENV, protect
-    from .swarm.dht.bootstrap import INITIAL_PEERS_ENV, _env_peers
-    from .swarm.dht.identity import PeerIdentity
-    from .swarm.dht.process import SwarmDHT
-    from .swarm.dht.reachability import (
+    from lightning_swarm.swarm.dht.auth import SECRET_ENV, protect
+    from lightning_swarm.swarm.dht.bootstrap import INITIAL_PEERS_ENV, env_peers
+    from lightning_swarm.swarm.dht.identity import PeerIdentity
+    from lightning_swarm.swarm.dht.process import SwarmDHT
+    from lightning_swarm.swarm.dht.reachability import (
         ask_dial_back,
         circuit_addrs,
         daemon_options,
@@ -181,9 +181,9 @@ def doctor(args: argparse.Namespace) -> None:
         measure_link,
         serve_dial_back,
     )
-    from .swarm.loop import replicate_p2p, run_coroutine
+    from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
 
-    initial = args.initial_peers or _env_peers()
+    initial = args.initial_peers or env_peers()
     if not initial:
         raise SystemExit(
             f"error: doctor needs the address of a peer of the swarm: --initial-peers ADDR, or {INITIAL_PEERS_ENV}."
