@@ -172,7 +172,8 @@ def parse_stage_peers(
         try:
             value, expiration = strip_signature(entry.value), float(entry.expiration_time)
             peer_id = subkey_peer_id(subkey)
-            state, num_stages, measured, figure_time, relay_addrs = ONLINE, None, None, None, ()
+            state, num_stages, measured, figure_time = ONLINE, None, None, None
+            relay_addrs: tuple[str, ...] = ()
             if isinstance(value, (list, tuple)):
                 if not 1 <= len(value) <= 6 or len(value) == 4:
                     raise ValueError(
