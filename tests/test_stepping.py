@@ -111,7 +111,7 @@ def test_a_remote_stage_steps_as_a_torch_optimizer_with_the_commanded_hyper_para
     served = server.state_dict_local()
     for key, value in reference.state_dict().items():
         assert torch.allclose(served[key], value, atol=1e-6), key
-    assert server.steps == 3
+    assert server.stepper.steps == 3
 
 
 class _NaNForLargeInputs(torch.autograd.Function):
@@ -157,14 +157,14 @@ def test_a_trainer_driven_step_whose_gradients_are_not_finite_is_skipped_whole(d
         client.call_stage(0, x.requires_grad_()).sum().backward()
     with caplog.at_level(logging.WARNING, logger="lightning_swarm.swarm.server"):
         (reply,) = client.step_stage(0, StepCommand(stage_uid(run_id, 0), 1))
-    assert reply["finite"] is False and server.steps == 0
+    assert reply["finite"] is False and server.stepper.steps == 0
     assert torch.equal(server.state_dict_local()["w"], before)
     assert any("not finite; this stage skips the step" in r.getMessage() for r in caplog.records)
     client.call_stage(
         0, torch.ones(2, 4, requires_grad=True)
     ).sum().backward()  # the next step is whole again
     (reply,) = client.step_stage(0, StepCommand(stage_uid(run_id, 0), 2))
-    assert reply["finite"] is True and server.steps == 1
+    assert reply["finite"] is True and server.stepper.steps == 1
     torch.testing.assert_close(server.state_dict_local()["w"], before - 0.1 * 2.0)
 
 
@@ -193,7 +193,7 @@ def test_malformed_step_commands_are_refused_and_the_server_keeps_serving(dhts, 
         assert parsed["epoch"] == -1 and parsed["error"], data
     with pytest.raises(ValueError, match="phase"):
         parse_command(msgpack.packb({**good, "phase": "explode"}), uid)
-    assert server.steps == 0
+    assert server.stepper.steps == 0
     # still serving and stepping
     client.call_stage(0, torch.randn(2, 4, requires_grad=True)).sum().backward()
     assert client.step_stage(0, StepCommand(uid, 7))[0]["epoch"] == 1
@@ -213,7 +213,7 @@ def test_with_several_trainers_the_stages_take_the_trainers_schedule_for_their_n
     assert server.optimizer is not None
     stage_groups = server.optimizer.state_averager.optimizer.param_groups
     assert [g["lr"] for g in stage_groups] == [0.025, 0.5]
-    assert server.steps == 0  # a hyper-parameter update is no step
+    assert server.stepper.steps == 0  # a hyper-parameter update is no step
 
 
 def _two_peer_stage(dhts, cleanup, matchmaking_time: float, averaging_timeout: float, same_host: bool = True):
@@ -272,7 +272,7 @@ def _backwards_on_both(client, servers, reference) -> None:
         reference(x).pow(2).sum().backward()
         client.call_stage(0, x.clone().requires_grad_()).pow(2).sum().backward()
     opt.step()
-    assert all(s._pending_backwards > 0 for s in servers), "the calls did not reach both peers"
+    assert all(s.shared.pending_backwards > 0 for s in servers), "the calls did not reach both peers"
 
 
 def _assert_stepped_as_one(servers, reference) -> None:
@@ -280,7 +280,7 @@ def _assert_stepped_as_one(servers, reference) -> None:
         served = server.state_dict_local()
         for key, value in reference.state_dict().items():
             assert torch.allclose(served[key], value, atol=1e-6), key
-        assert server.steps == 1 and server.averaged_rounds >= 1
+        assert server.stepper.steps == 1 and server.stepper.averaged_rounds >= 1
 
 
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "hivemind"])
@@ -326,7 +326,9 @@ def test_two_peers_of_a_stage_redo_a_sum_they_disagree_on_and_step_as_one(dhts, 
     assert len(replies) == 2 and {r["group"] for r in replies} == {2}
     _assert_stepped_as_one(servers, reference)
     # the redo (the second attempt) went through hivemind in both cases: it works where the peers failed to meet
-    assert [s.same_host_rounds for s in servers] == [0, 0] and all(s.averaged_rounds == 1 for s in servers)
+    assert [s.stepper.same_host_rounds for s in servers] == [0, 0] and all(
+        s.stepper.averaged_rounds == 1 for s in servers
+    )
 
 
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "hivemind"])
@@ -345,11 +347,11 @@ def test_the_peers_a_trainer_names_sum_without_matchmaking(dhts, cleanup, same_h
     assert time.monotonic() - started < settings.matchmaking_time / 2
     assert len(replies) == 2 and {r["group"] for r in replies} == {2}
     _assert_stepped_as_one(servers, reference)
-    assert [s.same_host_rounds for s in servers] == ([1, 1] if same_host else [0, 0])
+    assert [s.stepper.same_host_rounds for s in servers] == ([1, 1] if same_host else [0, 0])
     # a named partner that never comes: the round fails within averaging_timeout, not matchmaking_time
     absent = PeerID.from_base58("QmUF1j7CVgoe7s3PsFxon3eEQFGBBgRWDkB4sq2UMgCEYA")
     client.call_stage(0, torch.randn(8, 4, requires_grad=True)).sum().backward()
-    server = next(s for s in servers if s._pending_backwards > 0)
+    server = next(s for s in servers if s.shared.pending_backwards > 0)
     group = [server.peer_id.to_bytes(), absent.to_bytes()]
     started = time.monotonic()
     reply = server.step_command(StepCommand(uid, 43, phase="norm", peers=2, group=group))
@@ -373,7 +375,7 @@ def test_a_peer_that_missed_a_step_catches_up_before_it_serves(dhts, cleanup):
     reference(x).pow(2).sum().backward()
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     client.call_stage(0, x.clone().requires_grad_()).pow(2).sum().backward()
-    assert first._pending_backwards == 1 and second._pending_backwards == 0
+    assert first.shared.pending_backwards == 1 and second.shared.pending_backwards == 0
     replies = client.step_stage(0, StepCommand(stage_uid(run_id, 0), 42, groups={0: {"lr": 0.1}}))
     assert [r["epoch"] for r in replies] == [1] and second.optimizer.local_epoch == 0
     client.stage_epochs[0] = 1  # what a trainer peer records from its step's replies (SwarmPeer.step_stages)

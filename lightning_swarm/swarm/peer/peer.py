@@ -70,7 +70,7 @@ from lightning_swarm.swarm.peer.steps import _TrainerSteps
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.states import DEPARTING, FINISHED, LEAVING, STATES, TRAINING
-from lightning_swarm.swarm.training.optimizer_template import _OptimizerTemplate
+from lightning_swarm.swarm.training.optimizer_template import OptimizerTemplate
 from lightning_swarm.swarm.training.trainer_sync import StepResult, TrainerSync
 from lightning_swarm.swarm.wire.errors import RemoteStageError
 
@@ -133,7 +133,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         self._swarm_epoch, self._epoch_read_at = 0, -float("inf")
         self._sent_hyper: dict[int, dict[int, dict[str, Any]]] = {}
         self._info_poller: threading.Thread | None = None
-        self._stage_optimizer: _OptimizerTemplate | None = None
+        self._stage_optimizer: OptimizerTemplate | None = None
         # the pipeline's parameters before prepare() reallocated them: (parameter, owning module id, name); an
         # optimizer made before that still holds them (weak references: a released block's tensors are freed)
         self._pipeline_before: list[tuple[weakref.ref, int, str]] = []
@@ -367,7 +367,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         assert self.partition is not None and self.stage is not None
         mixer = check_chunkable(self.partition.container, s.microbatches)
         if training and optimizers:  # before the trainer's optimizers lose the pipeline's parameters
-            self._stage_optimizer = _OptimizerTemplate(
+            self._stage_optimizer = OptimizerTemplate(
                 optimizers, self.partition.container, before=self._live_pipeline_before()
             )
         local_servers = {}

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_swarm.swarm.wire.payload import Payload
 
-__all__ = ["Kept", "all_finite", "buffers_kept", "exclusive", "leaves_of", "seeded_rng"]
+__all__ = ["Kept", "all_finite", "buffers_kept", "exclusive", "leaves_of", "module_device", "seeded_rng"]
 
 # the generators are the process's: two servers of one process (tests; a trainer that serves a stage) read and set
 # their states one at a time (two threads in torch's Generator.get_state at once hung a test, each waiting for the
@@ -62,6 +62,15 @@ def buffers_kept(module: nn.Module, training: bool) -> Iterator[None]:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module lives: the device of its first parameter (or buffer); the CPU for a module with neither."""
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")
 
 
 def leaves_of(inputs: Payload, device: torch.device) -> list[torch.Tensor]:

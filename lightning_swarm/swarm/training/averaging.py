@@ -227,26 +227,23 @@ class _StartsInAnyThread:
         super().run()  # type: ignore[misc]
 
 
-class _StateAverager(_StartsInAnyThread, _GuardedAveraging, TrainingStateAverager, _LoadProbe):
+class StageStateAverager(_StartsInAnyThread, _GuardedAveraging, TrainingStateAverager, _LoadProbe):
     """hivemind's state averager of a stage, telling whether a joiner's download succeeded, and serving downloads
     of a consistent state: hivemind increments the epoch before the optimizer step and reads the parameters
     without the optimizer's lock, so a download during a step could get the old parameters under the new epoch.
-    Trainer-driven steps hold :func:`_state_lock` over the whole step; downloads take it too."""
+    Trainer-driven steps hold :attr:`state_lock` over the whole step; downloads take it too (hivemind serves a
+    download from the host process, where the stage steps)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.state_lock = threading.RLock()  # before hivemind's constructor, which may start the averager
+        super().__init__(*args, **kwargs)
 
     def get_current_state(self) -> Any:
-        with _state_lock(self):
+        with self.state_lock:
             return super().get_current_state()
 
 
-def _state_lock(averager: Any) -> Any:
-    """The lock that makes a stage's optimizer step and a download of its state exclusive (one per averager)."""
-    lock = averager.__dict__.get("_swarm_state_lock")
-    if lock is None:
-        lock = averager.__dict__.setdefault("_swarm_state_lock", threading.RLock())
-    return lock
-
-
-class _NamedGroups:
+class NamedGroups:
     """All-reduce rounds among peers that a trainer names (:meth:`sum_in_named_group`), instead of a group found
     by hivemind's matchmaking, which waits for ``matchmaking_time`` every round: a trainer that commands a
     stage's peers to step knows who they are, and gives them the round's id and the order of its members."""
@@ -315,7 +312,7 @@ class _NamedGroups:
             yield message
 
 
-class _GradientAverager(_StartsInAnyThread, _NamedGroups, _GuardedAveraging, GradientAverager):
+class StageGradientAverager(_StartsInAnyThread, NamedGroups, _GuardedAveraging, GradientAverager):
     """hivemind's gradient averager, startable from any thread, guarded against hostile contributions (see
     :class:`_RobustPartReducer`), and counting each backward the server sums into one optimizer step.
 
@@ -347,7 +344,7 @@ class _GradientAverager(_StartsInAnyThread, _NamedGroups, _GuardedAveraging, Gra
             grad_acc.add_(grad_buf.to(grad_acc.device))
 
 
-class _ProgressTracker(ProgressTracker):
+class SwarmProgressTracker(ProgressTracker):
     """hivemind's progress tracker, whose thread finishes its event loop's tasks before it ends.
 
     hivemind 1.1.12 stops the tracker's loop as soon as its two coroutines return, leaving the DHT lookup or store
@@ -376,7 +373,7 @@ class _ProgressTracker(ProgressTracker):
                 self.shutdown_complete.set()
 
 
-def _no_partner(error: BaseException) -> bool:
+def no_partner(error: BaseException) -> bool:
     """Whether an averaging round failed only because no partner showed up (expected now and then), as opposed
     to a broken round (shape mismatch, a reducer's exception, a peer that sent garbage)."""
     return "could not find a group" in str(error)

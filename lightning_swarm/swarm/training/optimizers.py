@@ -13,7 +13,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from lightning_swarm.swarm.footprint import share_optimizer_state, zero_grad_view
-from lightning_swarm.swarm.training.averaging import _no_partner, _ProgressTracker, _StateAverager
+from lightning_swarm.swarm.training.averaging import StageStateAverager, SwarmProgressTracker, no_partner
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +55,10 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 class HivemindOptimizer(hivemind.Optimizer):
-    """``hivemind.Optimizer`` whose progress tracker finishes its tasks at shutdown (:class:`_ProgressTracker`)."""
+    """``hivemind.Optimizer`` whose progress tracker finishes its tasks at shutdown (:class:`SwarmProgressTracker`)."""
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
-        return _ProgressTracker(
+        return SwarmProgressTracker(
             dht=self.dht,
             prefix=self.run_id,
             target_batch_size=target_batch_size,
@@ -69,8 +69,8 @@ class HivemindOptimizer(hivemind.Optimizer):
         )
 
 
-class _StageOptimizer(HivemindOptimizer):
-    """hivemind's ``Optimizer`` with a :class:`_StateAverager`, which does not pre-schedule a gradient averaging
+class StageOptimizer(HivemindOptimizer):
+    """hivemind's ``Optimizer`` with a :class:`StageStateAverager`, which does not pre-schedule a gradient averaging
     round while its progress tracker sees no other peer of the stage: hivemind would run matchmaking for
     ``matchmaking_time`` before every step only to cancel it (no partner), costing the averager, DHT and p2p
     daemon CPU on every step. Once another peer reports progress, rounds are pre-scheduled as before; a round
@@ -116,7 +116,7 @@ class _StageOptimizer(HivemindOptimizer):
                 maybe_step_control.result(self.averaging_timeout)
                 self.rounds += 1
             except BaseException as e:
-                if not (_no_partner(e) or self.aborted):
+                if not (no_partner(e) or self.aborted):
                     logger.error(f"{self.run_id}: averaging gradients failed: {e!r}; using local gradients")
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
@@ -150,7 +150,7 @@ class _StageOptimizer(HivemindOptimizer):
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
         if self._reuse_state_tensors is not None:
             kwargs.setdefault("reuse_tensors", self._reuse_state_tensors)
-        return _StateAverager(
+        return StageStateAverager(
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,
@@ -167,7 +167,7 @@ class _StageOptimizer(HivemindOptimizer):
         )
 
 
-def _make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Optimizer:
+def make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Optimizer:
     optimizer = factory(params)
     initialize_optimizer_state(optimizer)
     share_optimizer_state(optimizer)
