@@ -12,6 +12,7 @@ from lightning.pytorch.cli import LightningCLI
 
 import lightning_swarm
 from lightning_swarm import SwarmStrategy
+from lightning_swarm.swarm import SwarmSettings
 from tests import _zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +48,8 @@ def test_registered_names_and_defaults():
     trainer = Trainer(strategy="swarm", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, SwarmStrategy)
     assert trainer.strategy.settings.compression == "8bit"
+    # the strategy's defaults are the engine's: one source of defaults
+    assert SwarmStrategy().settings == SwarmSettings()
     trainer = Trainer(strategy="swarm", accelerator="swarm", devices=1, logger=False)
     assert isinstance(trainer.accelerator, lightning_swarm.SwarmAccelerator)
 
