@@ -10,14 +10,16 @@ import math
 import secrets
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
+from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
 
 import msgpack
+import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from lightning_swarm.swarm.server.stage_backend import error_reply
-from lightning_swarm.swarm.training.stepping import parse_command
+from lightning_swarm.swarm.settings import SwarmSettings
+from lightning_swarm.swarm.training.stepping import StepCommand, parse_command
 from lightning_swarm.swarm.wire.codec import CodecError, TooLarge
 from lightning_swarm.swarm.wire.errors import REQUEST, UNAVAILABLE, BadRequest, Misrouted
 from lightning_swarm.swarm.wire.guards import BadPeers
@@ -28,14 +30,12 @@ from lightning_swarm.swarm.wire.protocol import (
     MAX_REQUEST_TENSORS,
     OPTIMIZER_PART_BYTES,
     StageReply,
+    StageRequest,
     StageService,
     encode_reply_header,
     parse_request,
 )
 from lightning_swarm.swarm.wire.transport import MESSAGE_BYTES, SPLIT_ABOVE, MessageReceiver, messages
-
-if TYPE_CHECKING:
-    from lightning_swarm.swarm.server.server import StageServer
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,26 @@ _MAX_OPTIMIZER_BYTES = 64 << 30
 _OPTIMIZER_TRANSFERS = 4
 _tokens = itertools.count(secrets.randbits(62))
 _MAX_CALLS_PER_PEER = 32  # calls of one remote peer being received or served at once (a trainer's threads)
+
+
+class ServedStage(Protocol):
+    """What a :class:`ConnectionHandler` needs of the server whose calls it receives (a ``StageServer``)."""
+
+    stage: int
+    uid: str
+    settings: SwarmSettings
+
+    def handle(self, request: StageRequest) -> StageReply: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def state_dict_local(self) -> dict[str, torch.Tensor]: ...
+
+    def step_command(self, command: StepCommand) -> dict[str, Any]: ...
+
+    def optimizer_state(self) -> bytes: ...
+
+    def load_optimizer_state(self, data: bytes) -> None: ...
 
 
 class ConnectionHandler(StageService):
@@ -59,7 +79,7 @@ class ConnectionHandler(StageService):
         max_request_bytes: the decoded tensors of one request may take this many bytes.
     """
 
-    def __init__(self, server: StageServer, bad_peers: BadPeers, max_request_bytes: int) -> None:
+    def __init__(self, server: ServedStage, bad_peers: BadPeers, max_request_bytes: int) -> None:
         self.server, self.bad_peers, self.max_request_bytes = server, bad_peers, max_request_bytes
         self.stage, self.uid, self.settings = server.stage, server.uid, server.settings
         self.executor: ThreadPoolExecutor | None = None
