@@ -7,6 +7,9 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -23,6 +26,7 @@ from lightning_swarm.swarm.client.commands import _tensors_agree
 from lightning_swarm.swarm.loop import run_coroutine
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
+from lightning_swarm.swarm.states import LEAVING
 from lightning_swarm.swarm.training.stepping import (
     StepCommand,
     hyper_parameters,
@@ -461,3 +465,42 @@ def test_peers_sums_must_agree_tensor_by_tensor():
     for bad in ({"sq_norms": "1"}, {"sq_norms": [1.0, True]}, {"sq_norms": [[1.0]]}):
         with pytest.raises(ValueError, match="sq_norms"):
             parse_step_reply(msgpack.packb({"epoch": 1, **bad}))
+
+
+def test_a_peer_whose_gradient_averager_dies_mid_round_leaves_the_stage_and_nothing_waits_on_it(
+    dhts, cleanup, caplog
+):
+    """The gradient averager of one of a stage's two peers is SIGKILLed during an averaging round, while it holds
+    the averaged tensors' lock (its partner never comes): the peer's step command is answered with an error within
+    a poll period of the death, not after the round's timeout (nor never, on the lock). The peer says so once and
+    leaves the stage (announced, calls refused, its optimizer shut down, nothing waiting on the dead helper), and
+    the trainer steps the stage's other peer alone."""
+    caplog.set_level(logging.WARNING)
+    servers, client, reference, settings, run_id = _two_peer_stage(
+        dhts, cleanup, matchmaking_time=1.0, averaging_timeout=30.0, same_host=False
+    )
+    _backwards_on_both(client, servers, reference)
+    uid = stage_uid(run_id, 0)
+    victim, other = servers
+    averager = victim.optimizer.grad_averager
+    absent = PeerID.from_base58("QmUF1j7CVgoe7s3PsFxon3eEQFGBBgRWDkB4sq2UMgCEYA")
+    group = [victim.peer_id.to_bytes(), absent.to_bytes()]
+    threading.Timer(1.0, os.kill, (averager.pid, signal.SIGKILL)).start()
+    started = time.monotonic()
+    reply = victim.step_command(StepCommand(uid, 42, phase="norm", peers=2, group=group))
+    assert "error" in reply and "died" in reply["error"], reply
+    assert time.monotonic() - started < 10.0  # the round would have waited 30 s for the absent partner
+    assert "error" in victim.step_command(StepCommand(uid, 43, phase="norm", peers=2, group=group))
+    deadline = time.monotonic() + 30
+    while victim.optimizer is not None:  # announced leaving, drained, shut its optimizer down
+        assert time.monotonic() < deadline, "the peer did not leave the stage"
+        time.sleep(0.2)
+    assert victim.state == LEAVING and not victim.backend.accepting
+    replies = client.step_stage(0, StepCommand(uid, 44, groups={0: {"lr": 0.1}}))
+    assert len(replies) == 1 and other.stepper.steps == 1
+    started = time.monotonic()
+    victim.release_training_state()
+    victim.shutdown()
+    assert time.monotonic() - started < 10.0
+    deaths = [r for r in caplog.records if "died during the run" in r.getMessage()]
+    assert len(deaths) == 1 and deaths[0].levelno == logging.WARNING, [r.getMessage() for r in deaths]

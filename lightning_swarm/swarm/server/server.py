@@ -75,7 +75,8 @@ from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from lightning_swarm.swarm.dht.auth import is_protected
-from lightning_swarm.swarm.dht.records import declare_stage_peer
+from lightning_swarm.swarm.dht.records import declare_stage_peer, get_stage_peers
+from lightning_swarm.swarm.lifetime import settle_dead_helpers
 from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
 from lightning_swarm.swarm.server.compute import module_device
 from lightning_swarm.swarm.server.connection_handler import ConnectionHandler
@@ -194,6 +195,7 @@ class StageServer:
         self.p2p: P2P | None = None
         self._same_host: SameHostListener | None = None  # see ..same_host
         self._dht_gone_reported = False
+        self._helper_gone = False  # a helper process of the stage's optimizer died (see _watch_helpers)
         self._stop = threading.Event()
         self._announcer: threading.Thread | None = None
         self._started = False
@@ -406,9 +408,47 @@ class StageServer:
         except Exception as e:
             logger.warning(f"Stage {self.stage} server could not announce itself in the DHT: {e!r}")
 
+    def _watch_helpers(self) -> None:
+        """Within a poll period of a helper process of the stage's optimizer dying (an averager killed, say), say so
+        once and act: a stage that other peers serve is left cleanly (announced, calls drained, the optimizer shut
+        down; the peer trains on, and its run ends as any other); a stage that only this peer serves is served on
+        without the helper (its steps need no other peer)."""
+        found = None if self._helper_gone else self.stepper.dead_helper()
+        if found is None:
+            return
+        self._helper_gone = True
+        name, helper = found
+        what = f"stage {self.stage} {name}"
+        settled = settle_dead_helpers([(what, helper)])  # hivemind's shutdown of it is skipped from now on
+        what = settled[0] if settled else f"{what} (a thread)"
+        try:
+            others = [
+                p
+                for p in get_stage_peers(self.dht, self.settings.run_id, self.stage)
+                if p.peer_id != self.peer_id
+            ]
+        except Exception as e:  # the DHT is gone too: nobody to hand the stage to
+            logger.debug(f"Stage {self.stage} server: could not list the stage's peers: {e!r}")
+            others = []
+        if not others:
+            self.stepper.failed = None
+            logger.warning(
+                f"Stage {self.stage} server: hivemind helper process {what} died during the run; no other peer "
+                "serves the stage, so this peer serves it on without it"
+            )
+            return
+        logger.warning(
+            f"Stage {self.stage} server: hivemind helper process {what} died during the run; this peer leaves the "
+            f"stage to its {len(others)} other peer(s) and trains on"
+        )
+        self.stepper.fail(f"its {name} died")
+        self.drain()
+        self.stepper.release()
+
     def _announce_loop(self) -> None:
         next_announce = time.monotonic() + self.settings.announce_period
         while not self._stop.wait(EPOCH_POLL_S):
+            self._watch_helpers()
             if time.monotonic() >= next_announce:
                 self._announce()
                 next_announce = time.monotonic() + self.settings.announce_period

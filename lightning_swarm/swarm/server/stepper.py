@@ -25,10 +25,13 @@ from lightning_swarm.swarm.footprint import before_fork, release_free_memory, ze
 from lightning_swarm.swarm.server.shared import SharedState
 from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.training.averaging import (
+    HelperDied,
     NamedGroupFailed,
     NamedGroups,
     StageGradientAverager,
     StageStateAverager,
+    WatchedAverager,
+    helper_alive,
     named_group_id,
     no_partner,
 )
@@ -68,6 +71,7 @@ class Stepper:
         self.steps = 0  # optimizer steps this server took (trainer-driven or swarm-driven)
         self.averaged_rounds = 0  # steps whose gradients were summed with other peers of the stage
         self.same_host_rounds = 0  # of which through shared memory (see ..same_host_sum)
+        self.failed: str | None = None  # why this stepper takes no more steps (a helper process died)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._master_versions: tuple[int, ...] | None = None  # see refresh_parameters
@@ -84,6 +88,26 @@ class Stepper:
         return self.dht.peer_id
 
     # ---- lifecycle ----
+
+    def dead_helper(self) -> tuple[str, Any] | None:
+        """``(name, helper)`` of a helper of the stage's optimizer that died: an averager's process, or the progress
+        tracker's thread; ``None`` while they all live (or there is no optimizer)."""
+        opt = self.shared.optimizer
+        if opt is None:
+            return None
+        for name in ("grad_averager", "state_averager"):
+            averager = getattr(opt, name, None)
+            if averager is not None and averager.pid is not None and not helper_alive(averager):
+                return name.replace("_", " "), averager
+        tracker = getattr(opt, "tracker", None)
+        if tracker is not None and tracker.ident is not None and not tracker.is_alive():
+            # (the run's end shuts the optimizer down only after it is no longer shared: not a death)
+            return ("progress tracker", tracker) if self.shared.optimizer is opt else None
+        return None
+
+    def fail(self, reason: str) -> None:
+        """This stepper lost a helper process (``reason``): from now on it refuses step commands."""
+        self.failed = reason
 
     def create_optimizer(
         self, groups: list[dict[str, Any]], optimizer_factory: OptimizerFactory | None, joining: bool
@@ -224,6 +248,8 @@ class Stepper:
                 if self.shared.refresh_pending_since is not None:
                     with self.step_lock:
                         self.refresh_parameters(defer=True)
+            except HelperDied as e:  # the server sees it too, and says what it does about it
+                logger.info(f"Stage {self.stage}: optimizer step failed: {e}")
             except Exception as e:  # a failed round must not end the stepper; the next one may succeed
                 logger.error(f"Stage {self.stage}: optimizer step failed: {e!r}; its gradients were dropped")
 
@@ -336,7 +362,16 @@ class Stepper:
     def step_command(self, command: StepCommand) -> dict[str, Any]:
         """Run one phase of a trainer's step command (see :mod:`.stepping`); returns the reply (``epoch``,
         ``finite`` of the step's gradients and, in phase ``"norm"``, their ``sq_norm``). Never applies a
-        ``step_id`` twice."""
+        ``step_id`` twice. A stepper that lost a helper process (:meth:`fail`) refuses: the trainer steps the
+        stage's other peers without this one."""
+        if self.failed is None:
+            try:
+                return self._step_command(command)
+            except HelperDied as e:
+                self.failed = str(e)
+        return {"epoch": -1, "error": f"stage {self.stage} on this peer takes no steps: {self.failed}"}
+
+    def _step_command(self, command: StepCommand) -> dict[str, Any]:
         opt = self.shared.optimizer
         if opt is None or not self.shared.trained:
             return {"epoch": 0, "sq_norm": 0.0, "finite": True, "steps": self.steps}
@@ -444,6 +479,8 @@ class Stepper:
         try:
             with self._writing_served():
                 opt.load_state_from_peers()
+        except HelperDied as e:  # the server sees it too, and says what it does about it
+            logger.info(f"Stage {self.stage}: could not load the stage's state from its peers: {e}")
         except Exception as e:
             logger.warning(f"Stage {self.stage}: could not load the stage's state from its peers: {e!r}")
         self.refresh_parameters()
@@ -561,6 +598,8 @@ class Stepper:
                 buffer.copy_(grad) if grad is not None else buffer.zero_()
         try:
             group = self._one_round(averager, command)
+        except HelperDied:
+            raise
         except Exception as e:
             group = None
             if not no_partner(e):  # a broken round (shapes, a reducer's failure...), not a missing partner
@@ -597,12 +636,20 @@ class Stepper:
             except NamedGroupFailed as e:
                 logger.info(f"Stage {self.stage}: the round with the peers the trainer named failed ({e})")
                 return None
-        control = DecentralizedAverager.step(averager, weight=1.0, timeout=s.averaging_timeout, wait=False)
+        # one round (not hivemind's GradientAverager.step, which accumulates): the bounded one where it exists
+        round_step = (
+            WatchedAverager.step if isinstance(averager, WatchedAverager) else DecentralizedAverager.step
+        )
+        control = round_step(averager, weight=1.0, timeout=s.averaging_timeout, wait=False)
         looking = time.monotonic() + 3 * s.matchmaking_time + 2.0
         while not control.done():
             if not control.began_allreduce and time.monotonic() > looking:
                 control.cancel()
                 return None
+            if not helper_alive(averager):
+                raise HelperDied(
+                    f"stage {self.stage}'s gradient averager (pid {averager.pid}) died in a round"
+                )
             try:
                 control.result(timeout=0.05)
             except TimeoutError:  # concurrent.futures.TimeoutError is TimeoutError

@@ -13,7 +13,12 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from lightning_swarm.swarm.footprint import share_optimizer_state, zero_grad_view
-from lightning_swarm.swarm.training.averaging import StageStateAverager, SwarmProgressTracker, no_partner
+from lightning_swarm.swarm.training.averaging import (
+    HelperDied,
+    StageStateAverager,
+    SwarmProgressTracker,
+    no_partner,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +147,38 @@ class StageOptimizer(HivemindOptimizer):
                 self.grad_averager.shutdown()
             return
         super().shutdown()
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        # hivemind's Optimizer.load_state_from_peers, except that a helper process that died ends it
+        # (:class:`HelperDied`) instead of being retried forever
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self._tag_along_with_zero_weight(self.scheduled_grads)
+            self.scheduled_grads = None
+        self.state_averager.step(wait_for_delayed_updates=True)
+        with self.tracker.pause_updates():
+            while True:
+                try:
+                    self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                    if self.grad_averager is not None:
+                        self.grad_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                    break
+                except (KeyboardInterrupt, HelperDied):
+                    raise
+                except BaseException as e:
+                    logger.exception(f"Failed to load state from peers: {e}, retrying ...")
+                    continue
+            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
+                logger.log(
+                    self.status_loglevel, f"Catching up with collaboration step {self.tracker.global_epoch}"
+                )
+                self.state_averager.local_epoch = self.tracker.global_epoch
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+            if self.use_gradient_averaging:
+                self.grad_averager.reset_accumulated_grads_()
+                if not self.client_mode:
+                    self.grad_averager.state_sharing_priority = self.local_epoch
 
     def __init__(self, *args: Any, reuse_state_tensors: bool | None = None, **kwargs: Any) -> None:
         self._reuse_state_tensors = reuse_state_tensors  # None: hivemind's default
