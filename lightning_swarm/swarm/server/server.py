@@ -421,15 +421,13 @@ class StageServer:
         what = f"stage {self.stage} {name}"
         settled = settle_dead_helpers([(what, helper)])  # hivemind's shutdown of it is skipped from now on
         what = settled[0] if settled else f"{what} (a thread)"
-        try:
-            others = [
-                p
-                for p in get_stage_peers(self.dht, self.settings.run_id, self.stage)
-                if p.peer_id != self.peer_id
-            ]
-        except Exception as e:  # the DHT is gone too: nobody to hand the stage to
+        others = []
+        try:  # (a DHT that is gone too leaves nobody to hand the stage to)
+            if _dht_alive(self.dht):
+                peers = get_stage_peers(self.dht, self.settings.run_id, self.stage)
+                others = [p for p in peers if p.peer_id != self.peer_id]
+        except Exception as e:
             logger.debug(f"Stage {self.stage} server: could not list the stage's peers: {e!r}")
-            others = []
         if not others:
             self.stepper.failed = None
             logger.warning(
@@ -441,7 +439,7 @@ class StageServer:
             f"Stage {self.stage} server: hivemind helper process {what} died during the run; this peer leaves the "
             f"stage to its {len(others)} other peer(s) and trains on"
         )
-        self.stepper.fail(f"its {name} died")
+        self.stepper.failed = f"its {name} died"
         self.drain()
         self.stepper.release()
 

@@ -105,10 +105,6 @@ class Stepper:
             return ("progress tracker", tracker) if self.shared.optimizer is opt else None
         return None
 
-    def fail(self, reason: str) -> None:
-        """This stepper lost a helper process (``reason``): from now on it refuses step commands."""
-        self.failed = reason
-
     def create_optimizer(
         self, groups: list[dict[str, Any]], optimizer_factory: OptimizerFactory | None, joining: bool
     ) -> None:
@@ -362,7 +358,7 @@ class Stepper:
     def step_command(self, command: StepCommand) -> dict[str, Any]:
         """Run one phase of a trainer's step command (see :mod:`.stepping`); returns the reply (``epoch``,
         ``finite`` of the step's gradients and, in phase ``"norm"``, their ``sq_norm``). Never applies a
-        ``step_id`` twice. A stepper that lost a helper process (:meth:`fail`) refuses: the trainer steps the
+        ``step_id`` twice. A stepper that lost a helper process (:attr:`failed`) refuses: the trainer steps the
         stage's other peers without this one."""
         if self.failed is None:
             try:
