@@ -27,8 +27,10 @@ def seeded_rng(seed: int | None, device: torch.device) -> Iterator[list[bool]]:
     afterwards (the server's own stream, and an in-process trainer's, do not move); ``None``: unseeded, as they
     are. Yields ``[drew]``, set on exit to whether the body drew random numbers from them."""
     cuda = device.type == "cuda" and torch.cuda.is_available()
-    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
-    generators = [torch.default_generator] + ([torch.cuda.default_generators[index]] if cuda else [])
+    generators = [torch.default_generator]
+    if cuda:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generators.append(torch.cuda.default_generators[index])
     drew = [False]
     with _RNG_LOCK:
         saved = None if seed is None else [generator.get_state() for generator in generators]
@@ -68,8 +70,8 @@ def module_device(module: nn.Module) -> torch.device:
     """Where a module lives: the device of its first parameter (or buffer); the CPU for a module with neither."""
     for tensor in module.parameters():
         return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
+    for buffer in module.buffers():
+        return buffer.device
     return torch.device("cpu")
 
 

@@ -305,8 +305,8 @@ class ConnectionHandler(StageService):
                     type(total) is not int
                     or not 0 < total <= _MAX_OPTIMIZER_BYTES
                     or token is None
-                    or len(data) > OPTIMIZER_PART_BYTES
-                    or offset + len(data) > total
+                    or len(data) > OPTIMIZER_PART_BYTES  # type: ignore[arg-type]  # (bytes, checked above)
+                    or offset + len(data) > total  # type: ignore[arg-type]
                 ):
                     raise BadRequest(
                         "expected a part of at most OPTIMIZER_PART_BYTES within total, under a token"
@@ -329,6 +329,7 @@ class ConnectionHandler(StageService):
                     downloads[token] = blob
                     while len(downloads) > _OPTIMIZER_TRANSFERS:
                         downloads.pop(next(iter(downloads)))
+                assert token is not None
                 reply: dict[str, Any] = {
                     "state": blob[offset : offset + OPTIMIZER_PART_BYTES],
                     "total": len(blob),
@@ -337,6 +338,9 @@ class ConnectionHandler(StageService):
                 if offset + OPTIMIZER_PART_BYTES >= len(blob):
                     downloads.pop(token, None)
             else:
+                assert (
+                    isinstance(data, bytes) and isinstance(total, int) and isinstance(token, int)
+                )  # (checked)
                 key = (context.remote_id, token)
                 buffer = uploads.get(key)
                 if buffer is None:

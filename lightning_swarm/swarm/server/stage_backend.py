@@ -9,7 +9,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -199,14 +199,15 @@ class StageBackend:
     def _serve_one(self, request: StageRequest) -> StageReply:
         """Serve one request on its own; never raises."""
         try:
+            inputs = _inputs(request)
             if request.kind == "forward":
                 keep = request.forward_id if request.forward_id == request.request_id else None
-                outputs = self._forward(request.inputs, keep, request.training, request.seed)
+                outputs = self._forward(inputs, keep, request.training, request.seed)
                 kept = keep is not None and self.shared.kept.inputs(keep) is not None
             else:
                 assert request.grad_outputs is not None
                 outputs = self._backward(
-                    request.inputs,
+                    inputs,
                     request.grad_outputs,
                     request.request_id,
                     request.commit_by,
@@ -215,7 +216,7 @@ class StageBackend:
                     request.seed,
                 )
                 kept = False
-            self.schemas.learn(request.inputs.tensors)
+            self.schemas.learn(inputs.tensors)
             return StageReply(request.request_id, outputs=outputs, kept=kept)
         except BadRequest as e:
             logger.debug(f"Stage {self.stage}: rejected a request: {e}")
@@ -283,8 +284,8 @@ class StageBackend:
         computation, under the first request's seed; ``None`` if the results cannot be split or committed per
         request, or if a train-mode run drew random numbers (each call's dropout masks must come from its own
         seed): the caller serves them one by one. Raises whatever the merged computation raised."""
-        rows = [request.inputs.batch_size() for request in requests]
-        inputs = concat_payloads([request.inputs for request in requests])
+        rows = [_inputs(request).batch_size() for request in requests]
+        inputs = concat_payloads([_inputs(request) for request in requests])
         training, seed = requests[0].training, requests[0].seed
         if requests[0].kind == "forward":
             merged = self._forward(inputs, None, training, seed)
@@ -314,7 +315,7 @@ class StageBackend:
                     replies.append(error_reply(request.request_id, COMPUTE, e))
         for request, reply in zip(requests, replies, strict=True):
             if reply.error is None:
-                self.schemas.learn(request.inputs.tensors)
+                self.schemas.learn(_inputs(request).tensors)
         return replies
 
     def _forward(
@@ -505,7 +506,7 @@ class StageBackend:
         if not roots or not (wanted or trained):
             return [None] * (len(wanted) + len(trained))
         try:  # gradients are returned, not accumulated in .grad: the stepper owns the optimizer's
-            return list(torch.autograd.grad(roots, wanted + trained, root_grads, allow_unused=True))
+            return list(torch.autograd.grad(roots, [*wanted, *trained], root_grads, allow_unused=True))
         except (MemoryError, torch.OutOfMemoryError):
             raise
         except Exception as e:
@@ -615,6 +616,12 @@ class _NonFinite(FloatingPointError):
         )
 
 
+def _inputs(request: StageRequest) -> Payload:
+    """A request's inputs (a backward sent without them has its kept forward's by now, see ``handle``)."""
+    assert request.inputs is not None
+    return request.inputs
+
+
 def error_reply(request_id: int, category: str, error: BaseException) -> StageReply:
     """The reply to request ``request_id`` that failed with ``error`` (see :mod:`..wire.errors` for categories)."""
     return StageReply(request_id, error=ErrorReply.from_exception(error, category))
@@ -637,7 +644,7 @@ def _roots(outputs: list[torch.Tensor], grads: Any) -> tuple[list[torch.Tensor],
     return [o for o, _ in pairs], [g for _, g in pairs]
 
 
-def _filled(wanted: list[torch.Tensor], results: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+def _filled(wanted: list[torch.Tensor], results: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
     """The input gradients sent back: zeros for an input that got none."""
     return tuple(g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=False))
 

@@ -180,7 +180,7 @@ class Stepper:
         self._stop.set()
         self.shared.wake.set()
         opt = self.shared.optimizer
-        if abort and hasattr(opt, "abort"):
+        if abort and isinstance(opt, StageOptimizer):
             opt.abort()
         if self._thread is not None:  # a round in progress ends within averaging_timeout; do not wait longer
             rounds = self.settings.averaging_timeout + self.settings.matchmaking_time

@@ -189,7 +189,7 @@ class _GuardedAllReduceRunner(AllReduceRunner):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        plain = self.tensor_part_reducer
+        plain = self.tensor_part_reducer  # type: ignore[has-type]
         self.tensor_part_reducer = _RobustPartReducer(
             plain.part_shapes, plain.num_senders, list(self.sender_peer_ids)
         )
@@ -208,7 +208,7 @@ class _GuardedAllReduceRunner(AllReduceRunner):
                 raise AllreduceException(f"peer {peer_ids[peer_index]} returned a non-finite average")
             register(peer_index, part_index, part)
 
-        container.register_processed_part = register_checked  # type: ignore[method-assign]
+        container.register_processed_part = register_checked
 
 
 class _GuardedAveraging:
@@ -229,7 +229,7 @@ class _GuardedAveraging:
             **kwargs,
         )
         running = self._running_groups  # type: ignore[attr-defined]
-        assert group_id in running, f"Group id {group_id} was not registered in _register_allreduce_group"
+        assert group_id in running, f"Group id {group_id!r} was not registered in _register_allreduce_group"
         running[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:  # type: ignore[attr-defined]
             async for tensor, update in azip(as_aiter(*tensors), runner):
@@ -341,7 +341,7 @@ class WatchedAverager(DecentralizedAverager):
     @allow_state_sharing.setter
     def allow_state_sharing(self, value: bool) -> None:
         if helper_alive(self):
-            DecentralizedAverager.allow_state_sharing.fset(self, value)  # type: ignore[attr-defined]
+            DecentralizedAverager.allow_state_sharing.fset(self, value)
         else:
             self._allow_state_sharing.value = value
 
@@ -352,7 +352,7 @@ class WatchedAverager(DecentralizedAverager):
     @state_sharing_priority.setter
     def state_sharing_priority(self, value: float) -> None:
         if helper_alive(self):
-            DecentralizedAverager.state_sharing_priority.fset(self, value)  # type: ignore[attr-defined]
+            DecentralizedAverager.state_sharing_priority.fset(self, value)
         else:
             self._state_sharing_priority.value = value
 
@@ -418,9 +418,9 @@ class NamedGroups:
                         tensors,
                         group,
                         peer_fractions=fractions,
-                        tensor_infos=self.tensor_infos,
+                        tensor_infos=self.tensor_infos,  # type: ignore[attr-defined]
                         weight=1.0,
-                        **kwargs,  # type: ignore[attr-defined]
+                        **kwargs,
                     )
 
             with self._register_allreduce_group(group):  # type: ignore[attr-defined]
@@ -476,7 +476,7 @@ class StageGradientAverager(
         super().__init__(parameters, *args, averaged_grads=averaged_grads, **kwargs)
 
     def accumulate_grads_(self, batch_size: int) -> None:
-        if self._anchor_batch_size is None:
+        if self._anchor_batch_size is None:  # type: ignore[has-type]
             self._anchor_batch_size = batch_size
         self.local_samples_accumulated += batch_size
         self.local_times_accumulated += self.backwards

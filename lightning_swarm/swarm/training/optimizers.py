@@ -110,7 +110,7 @@ class StageOptimizer(HivemindOptimizer):
         peer's shutdown does not wait for it."""
         self.aborted = True
         self.average_state_every = 2**62  # no new state averaging round either
-        for control in (self.scheduled_grads, self.scheduled_state):
+        for control in (self.scheduled_grads, self.scheduled_state):  # type: ignore[has-type]
             if control is not None and not control.done():
                 control.cancel()
 
@@ -131,7 +131,7 @@ class StageOptimizer(HivemindOptimizer):
         ``averaging_timeout`` for such a round, and at the end of a run its partners are leaving too (or have
         cancelled theirs), so each peer of a stage with several peers waited the whole timeout."""
         if run_over or self.aborted:
-            for control in (self.scheduled_grads, self.scheduled_state):
+            for control in (self.scheduled_grads, self.scheduled_state):  # type: ignore[has-type]
                 if control is not None and not control.done():
                     control.cancel()
             self.scheduled_grads = self.scheduled_state = None
