@@ -267,4 +267,5 @@ def test_shutdown_steps_are_bounded_and_dead_helpers_are_reported_once(caplog) -
         [("stage 0 state averager", killed), ("trainer state averager", ended), ("x", None)]
     )
     assert dead == [f"stage 0 state averager (pid {killed.pid}, signal 9)"]
+    assert settle_dead_helpers([("stage 0 state averager", killed)]) == []  # each death is reported once
     killed.shutdown()  # replaced: hivemind would log an error for a process already gone

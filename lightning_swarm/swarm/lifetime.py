@@ -335,7 +335,11 @@ def settle_dead_helpers(helpers: list[tuple[str, Any]], daemon_gone: bool = Fals
     the dead daemon and print tracebacks."""
     dead = []
     for name, process in helpers:
-        if process is None or getattr(process, "pid", None) is None or process.shutdown is _nothing:
+        if (
+            process is None
+            or getattr(process, "pid", None) is None
+            or getattr(process, "shutdown", None) is _nothing
+        ):
             continue  # (settled already: reported once)
         try:
             alive = process.is_alive()
