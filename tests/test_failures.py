@@ -171,7 +171,7 @@ def test_a_peer_whose_helper_died_exits_when_training_ends(tmp_path, helper) -> 
     - a helper of its stage's optimizer (the gradient averager killed during an averaging round, which it holds the
       averaged tensors' lock for; the state averager; the progress tracker): peer 0 leaves the stage to the stage's
       other peer and trains on; every peer trains every step and peer 0 exits with the others."""
-    steps = 16
+    steps = 12
     strategy = {**_STRATEGY, "run_id": "killed_" + helper.replace(" ", "_")}
     if helper.startswith("grad averager"):
         strategy["same_host"] = (
@@ -180,7 +180,7 @@ def test_a_peer_whose_helper_died_exits_when_training_ends(tmp_path, helper) -> 
     cfg = {
         "devices": 4,
         "max_steps": steps,
-        "kill_helper": {"rank": 0, "step": 4, **_HELPERS[helper]},
+        "kill_helper": {"rank": 0, "step": 3, **_HELPERS[helper]},
         "strategy": strategy,
     }
     code, stderr, ends, left = _run(tmp_path, cfg, timeout=240)
