@@ -498,7 +498,7 @@ def test_a_peer_whose_gradient_averager_dies_mid_round_leaves_the_stage_and_noth
         assert time.monotonic() < deadline, "the peer did not leave the stage"
         time.sleep(0.2)
     assert victim.state == LEAVING and not victim.backend.accepting
-    replies = client.step_stage(0, StepCommand(uid, 44, groups={0: {"lr": 0.1}}))
+    replies = client.commands.step_stage(0, StepCommand(uid, 44, groups={0: {"lr": 0.1}}))
     assert len(replies) == 1 and other.stepper.steps == 1
     started = time.monotonic()
     victim.release_training_state()
