@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_swarm.strategy._loop_state import gradients_fixed_after_backward
-from lightning_swarm.strategy._refusals import _scaler
+from lightning_swarm.strategy._refusals import _refuse_zero_grad_after_backward, _scaler
 from lightning_swarm.swarm.training.stepping import hyper_parameters
 
 
@@ -39,12 +39,16 @@ class _TrainerDrivenSteps:
         """Manual optimization: ``optimizer.zero_grad()`` also drops the gradients the stages hold for that
         optimizer's pipeline parameters (under automatic optimization every backward is followed by a step,
         which consumes them). Both the optimizer and its ``LightningOptimizer`` wrapper (what
-        ``self.optimizers()`` returns) get the mirrored ``zero_grad``."""
+        ``self.optimizers()`` returns) get the mirrored ``zero_grad``. With several trainers every trainer's call
+        carries the same id (see ``TrainerSync.zero_step_id``) and the stages apply the first; a call after a
+        backward of the same step is refused (the stages could not tell which trainers' gradients to drop)."""
         wrappers = self._lightning_optimizers
         for index, optimizer in enumerate(self.optimizers):
             original = type(optimizer).zero_grad.__get__(optimizer)
 
             def zero_grad(set_to_none: bool = True, _index: int = index, _original: Any = original) -> None:
+                if self.peer.trainer_sync is not None and self._backwards_since_sync:
+                    _refuse_zero_grad_after_backward(self.peer.num_trainers)
                 _original(set_to_none=set_to_none)
                 self.peer.zero_stage_grads(_index)
 
@@ -100,24 +104,28 @@ class _TrainerDrivenSteps:
     ) -> None:
         if clip_val is None or clip_val <= 0:
             return
+        # manual optimization clips before optimizer.step(): with several trainers, the step's exchange comes
+        # first, so that the clipping sees the averaged gradients (DDP's, reduced during the backward)
+        self._sync_trainers(optimizer)
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        index = self._optimizer_index(raw)
         algorithm = GradClipAlgorithmType(algorithm)
         if algorithm == GradClipAlgorithmType.VALUE:
             original(optimizer, clip_val, algorithm)
-            self._clip = ("value", float(clip_val))
+            self._clip = (index, "value", float(clip_val))
             return
-        raw = getattr(optimizer, "_optimizer", optimizer)
         grads = [p.grad for group in raw.param_groups for p in group["params"] if p.grad is not None]
         local = sum(float(g.detach().float().pow(2).sum()) for g in grads)
         scaler = _scaler(self.precision_plugin)
         scale = 1.0 / float(scaler.get_scale()) if scaler is not None else 1.0
         scale *= self.peer.stage_grad_factor
-        stages = self.peer.stage_grad_sq_norm(self._current_step_id(), self._optimizer_index(raw), scale)
+        stages = self.peer.stage_grad_sq_norm(self._current_step_id(), index, scale)
         total = math.sqrt(local + stages)
         coef = min(1.0, float(clip_val) / (total + 1e-6))  # as torch.nn.utils.clip_grad_norm_
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
-        self._clip = ("norm", coef)
+        self._clip = (index, "norm", coef)
 
     def _driven_optimizer_step(
         self, step: Callable[..., Any], optimizer: Any, closure: Any, model: Any, **kwargs: Any
@@ -129,7 +137,8 @@ class _TrainerDrivenSteps:
         index = self._optimizer_index(raw)
         scaler = _scaler(self.precision_plugin)
         scale = float(scaler.get_scale()) if scaler is not None else None
-        self._clip = None
+        if self._clip is not None and self._clip[0] != index:
+            self._clip = None  # another optimizer's (manual optimization clips before the step)
         self.peer.begin_step()  # forget the stage calls so far
         # the stages may step as soon as their backwards are done (one trainer: nobody else adds to their gradients)
         if self.peer.trainer_sync is None and gradients_fixed_after_backward(self):
@@ -140,15 +149,15 @@ class _TrainerDrivenSteps:
             self._early_step = None
         skipped = scaler is not None and scale is not None and float(scaler.get_scale()) < scale
         step_id, clip = self._current_step_id(), self._clip
-        self._step_id, self._clip = None, None
+        self._step_id, self._clip, self._synced = None, None, None
         sync = self.peer.trainer_sync
         self.peer.step_stages(
             step_id,
             index,
             _groups_hyper(raw),
             grad_scale=self.peer.stage_grad_factor / (scale if scale else 1.0),
-            clip_coef=clip[1] if clip is not None and clip[0] == "norm" else None,
-            clip_value=clip[1] if clip is not None and clip[0] == "value" else None,
+            clip_coef=clip[2] if clip is not None and clip[1] == "norm" else None,
+            clip_value=clip[2] if clip is not None and clip[1] == "value" else None,
             skip=skipped,
         )
         self._stepped = (
@@ -170,6 +179,14 @@ class _TrainerDrivenSteps:
         optimizer step) the stage calls' input gradients may come later: the next microbatch starts while the
         stages compute them (see :mod:`lightning_swarm.swarm.client.deferred_grads`). In a step that allows early stage
         steps, a stage steps as soon as its part of this backward is done."""
+        if self.peer.trainer_sync is not None:
+            if self._synced is not None:
+                raise ValueError(
+                    "When using the SwarmStrategy with several trainers, a backward between clip_gradients() and "
+                    "optimizer.step() is not supported: clipping took the step's gradients of every trainer "
+                    "already. Clip after the step's last manual_backward()."
+                )
+            self._backwards_since_sync += 1
         deferred = self._deferred_grads()
         if deferred is not None and self._may_defer(kwargs):
             deferred.begin()
@@ -205,17 +222,22 @@ class _TrainerDrivenSteps:
             self._in_optimizer_step = False
 
     def _sync_trainers(self, optimizer: Any) -> None:
-        """With several trainers: after this trainer's backward, its own parameters' gradients become the average
-        over the trainers of the global step (DDP's all-reduce; see ``swarm/training/trainer_sync.py``), and the step's id
-        becomes the leader's, so that every trainer names the same stage step."""
+        """With several trainers: after this trainer's backward, the gradients of its own parameters in
+        ``optimizer`` become the average over the trainers of the global step (DDP's all-reduce; see
+        ``swarm/training/trainer_sync.py``), and the step's id becomes the one every trainer derives from the global
+        step and the optimizer, so that all name the same stage step. Once per optimizer step (manual clipping
+        exchanges before the step)."""
         peer = self.peer
         if peer.trainer_sync is None:
             return
         raw = getattr(optimizer, "_optimizer", optimizer)
+        index = self._optimizer_index(raw)
+        if self._synced == index:
+            return
         params = [p for group in raw.param_groups for p in group["params"]]
-        result = peer.sync_trainers([p.grad for p in params], self._current_step_id(), params)
+        result = peer.sync_trainers([p.grad for p in params], index, params)
         assert result is not None
-        self._step_id = result.step_id
+        self._step_id, self._synced, self._backwards_since_sync = result.step_id, index, 0
         for p, grad in zip(params, result.grads, strict=True):
             # a copy: clipping scales the gradients in place, and the step's result is served to the other trainers
             p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype, copy=True)
@@ -232,11 +254,13 @@ class _TrainerDrivenSteps:
         """What a trainer that joins a run in progress needs from this one (see ``swarm/training/trainer_sync.py``): its own
         parameters and buffers, its optimizers' and LR schedulers' states."""
         buffer = io.BytesIO()
+        loop = self.lightning_module.trainer.fit_loop.epoch_loop
         torch.save(
             {
                 "tensors": {name: t.detach().cpu() for name, t in self._own_tensors().items()},
                 "optimizers": [opt.state_dict() for opt in self.optimizers],
                 "schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
+                "batches_that_stepped": loop._batches_that_stepped,
             },
             buffer,
         )
@@ -271,11 +295,15 @@ class _TrainerDrivenSteps:
         for config, saved in zip(self.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
             config.scheduler._last_lr = [group["lr"] for group in config.scheduler.optimizer.param_groups]
-        # Lightning's step count (max_steps, the schedule's intervals, logging) continues from the swarm's
+        # Lightning's step count (max_steps, the schedule's intervals, logging) continues from the swarm's: its
+        # optimizer steps are the global steps (manual optimization: every optimizer's), its batches the leader's
         loop = self.lightning_module.trainer.fit_loop.epoch_loop
-        loop.automatic_optimization.optim_progress.optimizer.step.total.ready = step
-        loop.automatic_optimization.optim_progress.optimizer.step.total.completed = step
-        loop._batches_that_stepped = step
+        if self.lightning_module.automatic_optimization:
+            progress = loop.automatic_optimization.optim_progress.optimizer.step.total
+        else:
+            progress = loop.manual_optimization.optim_step_progress.total
+        progress.ready = progress.completed = step
+        loop._batches_that_stepped = int(state.get("batches_that_stepped", step))
 
     def on_train_end(self) -> None:
         """Training stopped between two optimizer steps (``trainer.should_stop``): the stage backwards still in

@@ -36,7 +36,6 @@ from lightning_swarm.strategy._loop_state import logs_written_this_step
 from lightning_swarm.strategy._refusals import (
     _refuse_before_launch,
     _refuse_closure_optimizers,
-    _refuse_for_several_trainers,
     _refuse_for_swarm_steps,
     _refuse_weight_copies,
     _scaler,
@@ -237,9 +236,12 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         self._step_id: int | None = (
             None  # the trainer's optimizer step in progress (see swarm/training/stepping.py)
         )
-        self._clip: tuple[str, float] | None = (
-            None  # how the step in progress clipped: ("norm", coef)/("value", v)
-        )
+        # how the step in progress clipped: (optimizer index, "norm", coef) or (optimizer index, "value", v)
+        self._clip: tuple[int, str, float] | None = None
+        # with several trainers: the optimizer whose global step was exchanged and not taken yet (manual clipping
+        # exchanges before the step), and this trainer's backwards since its last exchange
+        self._synced: int | None = None
+        self._backwards_since_sync = 0
         self._batch_checked = False
         self._early_step: tuple | None = None  # (step id, optimizer, its hyper-parameters) while allowed
         self._meta_build: RngSnapshot | None = None  # generators' states when a meta build began (see below)
@@ -372,8 +374,6 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             _refuse_closure_optimizers(self.optimizers)
-            if self.peer.is_trainer and self.peer.drives_stages and self.peer.num_trainers != 1:
-                _refuse_for_several_trainers(self.lightning_module, self.peer.num_trainers)
         optimizers = self.peer.join(
             self.lightning_module, self.optimizers if fitting else [], training=fitting
         )
@@ -381,6 +381,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             self.optimizers = optimizers
         self.setup_precision_plugin()
         self._step_id, self._clip, self._batch_checked = None, None, False
+        self._synced, self._backwards_since_sync = None, 0
         if fitting and self.peer.is_trainer and not self.peer.drives_stages:
             _refuse_for_swarm_steps(trainer, self.precision_plugin, self.optimizers)
             follow_swarm_epochs(self.lr_scheduler_configs, self.peer.swarm_epoch)
