@@ -60,7 +60,9 @@ class Net(LightningModule):
         if self.cfg.get("zero_after_backward"):
             second.zero_grad()
         if self.cfg.get("manual_clip"):  # clipping by the norm of the first optimizer's parameters
-            self.clip_gradients(first, gradient_clip_val=self.cfg["manual_clip"], gradient_clip_algorithm="norm")
+            self.clip_gradients(
+                first, gradient_clip_val=self.cfg["manual_clip"], gradient_clip_algorithm="norm"
+            )
         first.step()
         if batch_idx % 2 == 1:  # the pipeline's second half steps every other batch
             second.step()
