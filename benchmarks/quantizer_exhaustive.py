@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--speed-only", action="store_true", help="only time the kernels (a few seconds)")
     args = parser.parse_args()
     report = _harness.Report("quantizer_speed" if args.speed_only else "quantizer_exhaustive", args.out)
-    fast = quantize_fast._fast_kernel()
+    fast = quantize_fast.fast_kernel()
     if fast is None:
         raise SystemExit(
             "the fast kernel is not available here (no C compiler, or LIGHTNING_SWARM_NATIVE_CODEC=0)"
@@ -82,7 +82,7 @@ def main() -> None:
     if args.speed_only:
         report.finish(timings)
         return
-    kernel, _ = quantize_bnb._native_kernels()
+    kernel, _ = quantize_bnb.native_kernels()
     start = time.time()
     checked = mismatches = 0
     worst = None

@@ -267,7 +267,7 @@ class SaveAtEnd(Callback):
         if not self.compare:
             trainer.save_checkpoint(self.path)
             return
-        from lightning_swarm.strategy._checkpointing import fetcher
+        from lightning_swarm.strategy.checkpointing import fetcher
         from lightning_swarm.swarm.peer.checkpoint import resolve_deferred
 
         strategy = trainer.strategy

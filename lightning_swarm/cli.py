@@ -96,6 +96,7 @@ def serve(args: argparse.Namespace) -> None:
     peer.start_dht()
     try:
         peer.join(module, [optimizer], training=True)
+        assert peer.dht is not None
         addrs = " ".join(str(a) for a in peer.dht.get_visible_maddrs())
         print(
             f"Serving stage {peer.stage} of run {peer.settings.run_id!r}. Peers can join with: {addrs}",

@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 import lightning_swarm  # noqa: E402,F401
 from examples.amazon670k.data import XCData, XCDataModule, XCDataset, collate_sparse  # noqa: E402
 from examples.amazon670k.model import XCModel  # noqa: E402
-from lightning_swarm.strategy._dslide_restarts import RESTART_ENV  # noqa: E402
 from lightning_swarm.strategy.dslide import DSlideStrategy  # noqa: E402
+from lightning_swarm.strategy.dslide_restarts import RESTART_ENV  # noqa: E402
 
 WIDTHS = {  # (features, labels, hidden, active, bits, tables, training samples, held-out samples, batch)
     "small": (300, 400, 16, 48, 4, 6, 800, 200, 16),

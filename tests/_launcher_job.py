@@ -17,7 +17,7 @@ import time
 
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-from lightning_swarm.strategy.launcher import FAILED_CHILD_GRACE_S, RESTART_ENV, _SwarmLauncher
+from lightning_swarm.strategy.launcher import FAILED_CHILD_GRACE_S, RESTART_ENV, SwarmLauncher
 from lightning_swarm.swarm.dht.presence import PeerFailure
 from lightning_swarm.swarm.lifetime import die_with_parent
 
@@ -26,7 +26,7 @@ def _sleep() -> None:
     time.sleep(120)
 
 
-def _raised(launcher: _SwarmLauncher) -> str | None:
+def _raised(launcher: SwarmLauncher) -> str | None:
     try:
         launcher.raise_failed_child()
     except PeerFailure as e:
@@ -35,7 +35,7 @@ def _raised(launcher: _SwarmLauncher) -> str | None:
 
 
 def main(out: str, mode: str) -> None:
-    launcher = _SwarmLauncher(
+    launcher = SwarmLauncher(
         LightningEnvironment(), 3, 1, restart_peers=1, exit_timeout=60, poll_interval=0.2
     )
 

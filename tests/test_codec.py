@@ -434,10 +434,10 @@ def test_fast_8bit_kernel_gives_bitsandbytes_bytes_on_edge_values(
 def test_fast_8bit_kernel_matches_bitsandbytes_around_every_threshold() -> None:
     """Each table threshold and each bucket edge, and the floats two steps either side of them, get bitsandbytes'
     own code (``benchmarks/quantizer_exhaustive.py`` checks every float in [-1, 1])."""
-    fast = quantize_fast._fast_kernel()
+    fast = quantize_fast.fast_kernel()
     if fast is None:
         pytest.skip("no C compiler: the codec runs bitsandbytes' kernels themselves")
-    kernel, _ = quantize_bnb._native_kernels()
+    kernel, _ = quantize_bnb.native_kernels()
     threshold = fast.thresholds[torch.isfinite(fast.thresholds)]
     assert (
         threshold.numel() >= 200

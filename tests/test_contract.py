@@ -234,12 +234,12 @@ def test_callbacks_that_copy_the_weights_are_refused_with_one_line():
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
 
-    from lightning_swarm.strategy.swarm import _refuse_weight_copies
+    from lightning_swarm.strategy.swarm import refuse_weight_copies
 
     for callback in (StochasticWeightAveraging(swa_lrs=0.01), EMAWeightAveraging()):
         trainer = Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[callback])
         with pytest.raises(ValueError, match=f"the {type(callback).__name__} callback is not supported") as e:
-            _refuse_weight_copies(trainer)
+            refuse_weight_copies(trainer)
         assert "\n" not in str(e.value)
 
 

@@ -14,9 +14,10 @@ from torch import nn
 
 from lightning_swarm.swarm.client.client import MIN_ATTEMPT_TIMEOUT_S, SwarmClient
 from lightning_swarm.swarm.dht.presence import Presence
+from lightning_swarm.swarm.lifetime import PeerStopping
 from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.states import FINISHED
-from lightning_swarm.swarm.wire.errors import UNAVAILABLE, PeerStopping
+from lightning_swarm.swarm.wire.errors import UNAVAILABLE
 from lightning_swarm.swarm.wire.payload import Payload
 from lightning_swarm.swarm.wire.protocol import StageRequest, stage_uid
 from lightning_swarm.swarm.wire.transport import encode_request

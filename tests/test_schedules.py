@@ -4,7 +4,7 @@ check, two trainers in a local swarm, is ``tests/test_contract.py::test_with_sev
 import pytest
 import torch
 
-from lightning_swarm.strategy._schedules import SwarmEpochScheduler, follow_swarm_epochs
+from lightning_swarm.strategy.schedules import SwarmEpochScheduler, follow_swarm_epochs
 
 
 def _optimizer() -> torch.optim.Optimizer:

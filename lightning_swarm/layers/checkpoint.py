@@ -13,13 +13,9 @@ Free of Lightning.
 
 from __future__ import annotations
 
-import collections
 import io
 import json
 import os
-import pickle
-import struct
-import sys
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -31,9 +27,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_swarm.layers.distributed import ShardGroup, shard_range
+from lightning_swarm.torch_archive import (
+    StoragePickler,
+    numel_of,
+    rebuild_as_tensor,
+    storage_bytes,
+    storage_type_of,
+    write_format_records,
+    write_record,
+    write_version_record,
+)
 
 _CHUNK_BYTES = 16 << 20  # bytes moved and written at once per sharded tensor
-_ALIGN = 64  # torch.save aligns storage records to 64 bytes (what torch.load(mmap=True) expects)
 
 
 @dataclass
@@ -80,7 +85,9 @@ def save_streamed(
             for _ in _chunks(tensor, shard_group, chunk_bytes):
                 pass
         return 0
-    buffer, storages, keys = io.BytesIO(), {}, {}
+    buffer = io.BytesIO()
+    storages: dict[str, Any] = {}
+    keys: dict[int, str] = {}
     with warnings.catch_warnings():
         warnings.simplefilter(
             "ignore", UserWarning
@@ -89,19 +96,17 @@ def save_streamed(
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.partial"
     with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
-        _record(archive, "data.pkl", [buffer.getvalue()])
-        _record(archive, ".format_version", [b"1"])
-        _record(archive, ".storage_alignment", [str(_ALIGN).encode()])
-        _record(archive, "byteorder", [sys.byteorder.encode()])
+        write_record(archive, "data.pkl", [buffer.getvalue()])
+        write_format_records(archive)
         for key, storage in storages.items():
-            _record(archive, f"data/{key}", [_storage_bytes(storage)])
+            write_record(archive, f"data/{key}", [storage_bytes(storage)])
         for tensor in streamed:
-            _record(
+            write_record(
                 archive,
                 f"data/{keys[id(tensor)]}",
-                (memoryview(c.numpy()).cast("B") for c in _chunks(tensor, shard_group, chunk_bytes)),
+                (memoryview(c.numpy()).cast("B") for c in _chunks(tensor, shard_group, chunk_bytes)),  # type: ignore[arg-type]
             )
-        _record(archive, "version", [b"3\n"])
+        write_version_record(archive)
     os.replace(tmp, path)
     return os.path.getsize(path)
 
@@ -165,86 +170,33 @@ def _global(group: ShardGroup, rank: int) -> int:
     return rank if group.group is None else dist.get_global_rank(group.group, rank)
 
 
-class _Pickler(pickle.Pickler):
-    """``torch.save``'s pickling: storages become persistent ids ``("storage", type, key, "cpu", numel)``; a
-    StreamedTensor is pickled as the whole tensor it stands for, with a storage record that is streamed later."""
+class _Pickler(StoragePickler):
+    """``torch.save``'s pickling, with a StreamedTensor pickled as the whole tensor it stands for, with a storage
+    record that is streamed later."""
 
     def __init__(self, file: io.BytesIO, storages: dict[str, Any], keys: dict[int, str]) -> None:
-        super().__init__(file, protocol=2)
-        self.storages, self.keys = storages, keys
-        self._ids: dict[Any, str] = {}
+        super().__init__(file, storages)
+        self.keys = keys
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, StreamedTensor):
-            numel = 1
-            for size in obj.full_shape:
-                numel *= size
-            stride = _stride(obj.full_shape)
-            return (
-                torch._utils._rebuild_tensor_v2,
-                (
-                    _Placeholder(obj, numel),
-                    0,
-                    tuple(obj.full_shape),
-                    stride,
-                    False,
-                    collections.OrderedDict(),
-                ),
+            return rebuild_as_tensor(
+                _Placeholder(obj, numel_of(tuple(obj.full_shape))), tuple(obj.full_shape)
             )
         return NotImplemented
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Placeholder):
-            key = self._ids.setdefault(id(obj.tensor), str(len(self._ids)))
+            key = self.key_for(id(obj.tensor))
             self.keys[id(obj.tensor)] = key
-            storage_type = getattr(
-                torch, torch.TypedStorage(0, dtype=obj.tensor.local.dtype)._pickle_storage_type()
-            )
-            return ("storage", storage_type, key, "cpu", obj.numel)
-        if isinstance(obj, torch.storage.TypedStorage):
-            storage = obj._untyped_storage
-            key = self._ids.setdefault(storage._cdata, str(len(self._ids)))
-            self.storages[key] = storage
-            return ("storage", getattr(torch, obj._pickle_storage_type()), key, "cpu", obj._size())
-        if torch.is_storage(obj):
-            key = self._ids.setdefault(obj._cdata, str(len(self._ids)))
-            self.storages[key] = obj
-            return ("storage", torch.UntypedStorage, key, "cpu", obj.nbytes())
-        return None
+            return ("storage", storage_type_of(obj.tensor.local.dtype), key, "cpu", obj.numel)
+        return super().persistent_id(obj)
 
 
 @dataclass
 class _Placeholder:
     tensor: StreamedTensor
     numel: int
-
-
-def _stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    return tuple(reversed(stride))
-
-
-def _storage_bytes(storage: Any) -> memoryview:
-    flat = torch.empty(0, dtype=torch.uint8)
-    flat.set_(storage.cpu() if storage.device.type != "cpu" else storage)
-    return memoryview(flat.numpy()).cast("B")
-
-
-def _record(archive: zipfile.ZipFile, name: str, chunks: Any) -> None:
-    """One uncompressed record whose data starts at a multiple of ``_ALIGN`` bytes (padding in an extra field)."""
-    info = zipfile.ZipInfo(f"archive/{name}", date_time=(1980, 1, 1, 0, 0, 0))
-    info.compress_type = zipfile.ZIP_STORED
-    start = (
-        archive.fp.tell() + 30 + len(info.filename.encode()) + 20 + 4
-    )  # header, name, zip64 extra, pad header
-    pad = -start % _ALIGN
-    info.extra = struct.pack("<HH", 0x4246, pad) + b"\0" * pad  # 'FB': the id torch uses for its padding
-    with archive.open(info, "w", force_zip64=True) as out:
-        for chunk in chunks:
-            out.write(chunk)
 
 
 # ----------------------------------------------------------------------------------------- sharded checkpoints

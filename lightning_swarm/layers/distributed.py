@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_swarm.layers.mesh import SocketMesh, _Collective
+from lightning_swarm.layers.mesh import Collective, SocketMesh
 
 
 @dataclass
@@ -160,7 +160,7 @@ class ShardGroup:
         its completion for up to :attr:`spin_s` first; its errors and timeout are the process group's."""
         if work is None:
             return
-        if isinstance(work, _Collective):  # the mesh's own wait spins (see spin_now) or blocks in select
+        if isinstance(work, Collective):  # the mesh's own wait spins (see spin_now) or blocks in select
             work.wait()
             return
         if not work.is_completed():
@@ -189,7 +189,7 @@ class ShardGroup:
         if queued is None:
             return True
         fresh = probe is not None and now - probe[0] <= 2 * CONTENTION_WINDOW_S + self.spin_s
-        if fresh and (queued - probe[1]) / 1e9 > CONTENDED_FRACTION * (now - probe[0]):
+        if fresh and probe is not None and (queued - probe[1]) / 1e9 > CONTENDED_FRACTION * (now - probe[0]):
             self._probe, self._blocked_until = None, now + CONTENTION_BACKOFF_S
             return True
         # a new window: after a full one that was not contended, the first, or one that ended long ago

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 
-def _label_positions(ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+def label_positions(ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """Column of each label in its row of ``ids`` and whether it was found there."""
     if ids.size(0) > 1 and ids.stride(0) == 0:  # one active set shared by the batch: search once
         sorted_ids, perm = ids[0].sort()
@@ -44,7 +44,7 @@ def active_set_loss(ids: Tensor, logits: Tensor, labels: Tensor) -> Tensor:
             f"{labels.dtype} of shape {tuple(labels.shape)}."
         )
     valid = labels >= 0
-    pos, found = _label_positions(ids, labels)
+    pos, found = label_positions(ids, labels)
     if bool((valid & ~found).any()):
         raise ValueError(
             "active_set_loss: some labels are not in the active set ids; compute the loss on the training "

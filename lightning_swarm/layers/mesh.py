@@ -80,10 +80,10 @@ class MeshError(RuntimeError):
 
 def _payload(tensor: Tensor) -> memoryview:
     """The bytes of a contiguous ``tensor`` (any dtype, empty too), sharing its memory."""
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-class _Collective:
+class Collective:
     """One collective in flight: this rank's part on its way to every other rank, theirs on the way here."""
 
     def __init__(
@@ -176,7 +176,7 @@ class SocketMesh:
             conn.setblocking(False)
         self.peers = sorted(self.conns)
         self._sends: dict[int, deque[list[Any]]] = {p: deque() for p in self.peers}
-        self._recvs: dict[int, deque[_Collective]] = {p: deque() for p in self.peers}
+        self._recvs: dict[int, deque[Collective]] = {p: deque() for p in self.peers}
         # per peer: the header being read, its bytes read, the payload bytes read
         self._rx: dict[int, list[Any]] = {p: [bytearray(_HEADER.size), 0, 0] for p in self.peers}
 
@@ -336,12 +336,12 @@ class SocketMesh:
         )
 
     # ----------------------------------------------------------------------------------------- collectives
-    def start_all_gather(self, tensor: Tensor) -> _Collective:
+    def start_all_gather(self, tensor: Tensor) -> Collective:
         """Start gathering every rank's ``tensor`` (the same shape and dtype on every rank): after ``wait()``,
         ``handle.parts[r]`` is rank ``r``'s."""
-        return _Collective(self, tensor, None)
+        return Collective(self, tensor, None)
 
-    def start_all_reduce(self, tensor: Tensor, reduce: Callable[[Tensor, Tensor], Tensor]) -> _Collective:
+    def start_all_reduce(self, tensor: Tensor, reduce: Callable[[Tensor, Tensor], Tensor]) -> Collective:
         """Start an in-place all-reduce of ``tensor``: when it completes, ``tensor`` holds the parts reduced in rank
         order with ``reduce(accumulated, part)`` (which may update ``accumulated`` in place)."""
 
@@ -351,7 +351,7 @@ class SocketMesh:
                 out = reduce(out, part)
             tensor.copy_(out)
 
-        return _Collective(self, tensor, finish)
+        return Collective(self, tensor, finish)
 
     # ----------------------------------------------------------------------------------------- progress
     def _progress(self) -> bool:
@@ -415,12 +415,12 @@ class SocketMesh:
                 state[2] += n
         return moved
 
-    def _complete(self, collective: _Collective) -> None:
+    def _complete(self, collective: Collective) -> None:
         collective.done = True
         if collective.finish is not None:
             collective.finish(collective.parts)
 
-    def _wait_for(self, collective: _Collective) -> None:
+    def _wait_for(self, collective: Collective) -> None:
         deadline = time.monotonic() + self.timeout_s
         spin_until = time.perf_counter() + self._spin()
         while not collective.done:

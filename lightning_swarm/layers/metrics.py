@@ -28,6 +28,9 @@ class PrecisionAtK(Metric):
         ks: the cut-offs ``k`` to report, each a positive integer.
     """
 
+    precision_sum: torch.Tensor  # states
+    num_samples: torch.Tensor
+
     full_state_update = False
     higher_is_better = True
     is_differentiable = False

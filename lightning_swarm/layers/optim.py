@@ -109,6 +109,7 @@ class LazyAdam(Optimizer):
         state["step"] += 1
         bias1 = 1.0 - beta1 ** state["step"]
         bias2_sqrt = (1.0 - beta2 ** state["step"]) ** 0.5
+        assert p.grad is not None
         if p.grad.is_sparse:
             self._sparse_update(p, state, lr / bias1, beta1, beta2, eps, bias2_sqrt)
         else:
@@ -128,6 +129,7 @@ class LazyAdam(Optimizer):
         eps: float,
         bias2_sqrt: float,
     ) -> None:
+        assert p.grad is not None
         grad = p.grad.coalesce()  # sums repeated rows
         rows = grad.indices()[0]
         g = grad.values()

@@ -65,7 +65,7 @@ class ShardPlan:
         params = [p for p in self.replicated_parameters() if p.grad is not None]
         if not params or self.shard_group.world_size == 1:
             return
-        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params]
+        grads = [_dense(p.grad) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.shard_group.all_reduce_(flat, "replicated_grad_all_reduce")
         offset = 0
@@ -313,3 +313,8 @@ def batch_fingerprint(batch: Any) -> int:
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
     return (int(round(total * 1024)) * 1_000_003 + count) % (1 << 61)
+
+
+def _dense(grad: Tensor | None) -> Tensor:
+    assert grad is not None
+    return grad.to_dense() if grad.is_sparse else grad

@@ -37,11 +37,11 @@ from torch import Tensor, nn
 from lightning_swarm.layers.checkpoint import StreamedTensor
 from lightning_swarm.layers.distributed import ShardGroup, shard_range, shard_sizes, sum_over_ranks_plus_bias
 from lightning_swarm.layers.init import skip_init
-from lightning_swarm.layers.loss import _label_positions
+from lightning_swarm.layers.loss import label_positions
 from lightning_swarm.layers.sparse_input import SparseInputLinear
 from lightning_swarm.layers.sparse_linear import (
     SparseLSHLinear,
-    _distinct_labels,
+    distinct_labels,
     gather_rows,
     top_priorities,
 )
@@ -59,6 +59,8 @@ class ShardedLayer(nn.Module):
         shard_slices: parameter name -> ``(lo, hi)`` of this rank along its shard dimension.
     """
 
+    init_seed: int
+
     shard_group: ShardGroup
     shard_dims: dict[str, int]
     full_shapes: dict[str, tuple[int, ...]]
@@ -69,7 +71,7 @@ class ShardedLayer(nn.Module):
         shard_group: ShardGroup,
         lo: int,
         hi: int,
-        full: nn.Module,
+        full: SparseInputLinear | SparseLSHLinear,
         layout: dict[str, tuple[int, tuple[int, ...]]],
     ) -> None:
         """Record how each parameter is split (``layout``: name -> (shard dim, shape of the whole layer's)) and
@@ -178,6 +180,7 @@ class ShardedSparseInputLinear(SparseInputLinear, ShardedLayer):
         self.in_features, self.row_offset = total, lo
         self._init_shard(shard_group, lo, hi, full, {"weight": (0, (total, full.out_features))})
         if full.bias is not None:
+            assert self.bias is not None
             with torch.no_grad():
                 self.bias.copy_(full.bias)
                 if shard_group.world_size > 1:
@@ -311,7 +314,7 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         if logits.size(1):
             local_max = logits.max(dim=1).values
             local_sum = (logits - local_max.unsqueeze(1)).exp_().sum(dim=1)
-            pos, _ = _label_positions(ids, labels)  # own labels are always in the shard's active set
+            pos, _ = label_positions(ids, labels)  # own labels are always in the shard's active set
             label_logits = logits.gather(1, pos).masked_fill(~own, 0.0)
         else:
             local_max = logits.new_full((batch,), -math.inf)
@@ -359,7 +362,7 @@ class ShardedSparseLSHLinear(SparseLSHLinear, ShardedLayer):
         """
         per_sample = self.active_set == "per_sample"
         k, num_rows = self.num_active, x.size(0) if per_sample else 1
-        distinct = _distinct_labels(labels if per_sample else labels.reshape(1, -1))
+        distinct = distinct_labels(labels if per_sample else labels.reshape(1, -1))
         if distinct.numel() and int(distinct.max()) > k:
             raise ValueError(
                 f"ShardedSparseLSHLinear: {int(distinct.max())} distinct labels but num_active={k}; labels must "

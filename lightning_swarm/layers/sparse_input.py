@@ -39,6 +39,7 @@ class SparseInputLinear(nn.Module):
         # `[row_offset, row_offset + rows)` of the weight (lightning_swarm.layers.init); the bias is whole.
         self.born_sharded = group is not None and in_features >= group.world_size
         if self.born_sharded:
+            assert group is not None
             self.row_offset, hi = shard_range(in_features, group.rank, group.world_size)
             rows = hi - self.row_offset
         self.in_features, self.out_features = in_features, out_features

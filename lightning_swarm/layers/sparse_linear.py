@@ -53,13 +53,13 @@ class _GatherRows(torch.autograd.Function):
     """``weight[ids]`` whose gradient is a ``sparse_coo`` tensor holding only the gathered rows."""
 
     @staticmethod
-    def forward(ctx, weight: Tensor, ids: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, weight: Tensor, ids: Tensor) -> Tensor:
         ctx.save_for_backward(ids)
         ctx.weight_shape = weight.shape
         return weight.index_select(0, ids)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         (ids,) = ctx.saved_tensors
         sparse = torch.sparse_coo_tensor(
             ids.unsqueeze(0), grad.contiguous(), ctx.weight_shape, check_invariants=False
@@ -143,6 +143,8 @@ class SparseLSHLinear(nn.Module):
             ``row_offset + out_features``).
     """
 
+    num_steps: Tensor  # a buffer
+
     def __init__(
         self,
         in_features: int,
@@ -168,6 +170,7 @@ class SparseLSHLinear(nn.Module):
             group is not None and row_offset == 0 and total_out is None and out_features >= group.world_size
         )
         if self.born_sharded:
+            assert group is not None
             total_out = out_features
             row_offset, hi = shard_range(out_features, group.rank, group.world_size)
             out_features = hi - row_offset
@@ -392,7 +395,7 @@ class SparseLSHLinear(nn.Module):
         per_sample = self.active_set == "per_sample"
         k, num_rows = self.num_active, x.size(0) if per_sample else 1
         if labels is not None:
-            distinct = _distinct_labels(labels if per_sample else labels.reshape(1, -1))
+            distinct = distinct_labels(labels if per_sample else labels.reshape(1, -1))
             if int(distinct.max()) > k:
                 what = "a sample has" if per_sample else "the batch has"
                 raise ValueError(
@@ -479,12 +482,13 @@ class SparseLSHLinear(nn.Module):
 
     def _exact_topk(self, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         chunk = max(k, (1 << 24) // max(x.size(0), 1))  # [B, chunk] scores <= 64 MB
-        best_s = best_i = None
+        best_s: Tensor | None = None
+        best_i: Tensor | None = None
         for lo in range(0, self.out_features, chunk):
             s = torch.addmm(self.bias[lo : lo + chunk], x, self.weight[lo : lo + chunk].t())
             top_s, top_i = s.topk(min(k, s.size(1)), dim=1)
             top_i += lo + self.row_offset
-            if best_s is not None:
+            if best_s is not None and best_i is not None:
                 top_s, pick = torch.cat([best_s, top_s], 1).topk(k, dim=1)
                 top_i = torch.cat([best_i, top_i], 1).gather(1, pick)
             best_s, best_i = top_s, top_i
@@ -516,7 +520,7 @@ class SparseLSHLinear(nn.Module):
             )
 
 
-def _distinct_labels(labels: Tensor) -> Tensor:
+def distinct_labels(labels: Tensor) -> Tensor:
     """Number of distinct non-padding labels per row of a ``[R, Y]`` tensor."""
     if labels.size(1) == 0:
         return torch.zeros(labels.size(0), dtype=torch.long)

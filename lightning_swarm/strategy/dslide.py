@@ -44,7 +44,7 @@ would write (full layers and optimizer state), streamed shard by shard to rank 0
 LightningModule, and a sharded run on any number of ranks resumes from it (memory-mapped: each rank reads its
 rows). With ``checkpoint_every_n_steps`` the strategy also writes sharded checkpoints (a folder, each rank its own
 part), and with ``max_restarts`` a ``devices=N`` job comes back from the last one when a rank dies
-(``lightning_swarm.strategy._dslide_restarts``).
+(``lightning_swarm.strategy.dslide_restarts``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -96,13 +96,13 @@ from lightning_swarm.layers.shard_plan import (
     streamed_optimizer_state,
 )
 from lightning_swarm.layers.sparse_linear import SparseLSHLinear
-from lightning_swarm.strategy._dslide_restarts import (
+from lightning_swarm.strategy.dslide_restarts import (
     FAILED_AT_ENV,
     RESTART_ENV,
     AutoCheckpoint,
     RestartingLauncher,
 )
-from lightning_swarm.strategy._loop_state import gradients_fixed_after_backward, logs_written_this_step
+from lightning_swarm.strategy.loop_state import gradients_fixed_after_backward, logs_written_this_step
 
 log = logging.getLogger(__name__)
 
@@ -324,8 +324,8 @@ class DSlideStrategy(DDPStrategy):
         self.model_to_device()
         self._ensure_plan().sync_replicated()
         if self._checkpoint_every is not None and trainer.training:
-            if not any(isinstance(c, AutoCheckpoint) for c in trainer.callbacks):
-                trainer.callbacks.append(
+            if not any(isinstance(c, AutoCheckpoint) for c in trainer.callbacks):  # type: ignore[attr-defined]
+                trainer.callbacks.append(  # type: ignore[attr-defined]
                     AutoCheckpoint(self._checkpoint_every, self.checkpoint_dir, self._save_sharded)
                 )
         if trainer.state.fn == TrainerFn.FITTING:
@@ -340,7 +340,7 @@ class DSlideStrategy(DDPStrategy):
             yield
 
     @override
-    def _setup_model(self, model: Module) -> Module:
+    def _setup_model(self, model: Module) -> Module:  # type: ignore[override]  # no DDP wrapper
         # No DistributedDataParallel: sharded layers talk through their own collectives and the replicated
         # parameters are reduced in `post_backward`.
         return model
@@ -373,7 +373,7 @@ class DSlideStrategy(DDPStrategy):
         if trainer is None or not trainer.training or not self._resume_in_epoch:
             return 0
         self._resume_in_epoch = False
-        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
 
     def _trainer(self) -> pl.Trainer | None:
         return self.lightning_module.trainer if self.lightning_module is not None else None
@@ -393,7 +393,7 @@ class DSlideStrategy(DDPStrategy):
         # that received SIGTERM says so when it fetches its next batch, and every rank raises Lightning's
         # SIGTERMException at the same step, a step or two later.
         self._sigterm_received = False
-        epoch_loop._broadcast_sigterm_tensor = self._raise_if_sigterm_agreed
+        epoch_loop._broadcast_sigterm_tensor = self._raise_if_sigterm_agreed  # type: ignore[union-attr]
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -500,7 +500,7 @@ class DSlideStrategy(DDPStrategy):
         return self._plan.streamed_state_dict()
 
     @override
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         # Lightning restores the model before `setup`: shard it first (collective) if that has not happened yet.
         plan = self._ensure_plan()
         if self._loaded_sharded:  # this rank's own rows, saved by this rank's predecessor
@@ -547,7 +547,7 @@ class DSlideStrategy(DDPStrategy):
         return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self._plan is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             optimizer.load_state_dict(

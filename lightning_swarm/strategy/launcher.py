@@ -10,7 +10,7 @@ launcher starts the children the same way (same command, same environment variab
 - a child that *fails* (exits with an error status: its run raised an exception) ends the swarm, as in DDP. The
   failing peer tells every peer through the DHT (see ``swarm/dht/presence.py``), and they raise its error; a child that
   exits with an error before it could (e.g. in the user's script before ``fit``) is raised in this process by
-  :meth:`_SwarmLauncher.raise_failed_child`, which passes it on to the others. It is not restarted;
+  :meth:`SwarmLauncher.raise_failed_child`, which passes it on to the others. It is not restarted;
 - every child dies with the launching process, on every exit path: the kernel SIGKILLs it if the launcher dies
   (``PR_SET_PDEATHSIG``), and a launcher that exits normally first waits a bounded time for its children to
   finish their run, then stops the ones still running.
@@ -56,7 +56,7 @@ def computing_at_once(peers: int, trainers: int, settings: Any) -> int:
     return 1 if takes_turns else peers
 
 
-class _SwarmLauncher(_SubprocessScriptLauncher):
+class SwarmLauncher(_SubprocessScriptLauncher):
     """Starts the N - 1 other peers of a local swarm as copies of this script; survives their deaths.
 
     Args:

@@ -25,24 +25,24 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_swarm.strategy._checkpointing import (
+from lightning_swarm.strategy.checkpointing import (
     deferred_optimizer_states,
     deferred_state_dict,
     fetcher,
     local_state_dict,
     optimizer_state_bytes,
 )
-from lightning_swarm.strategy._loop_state import logs_written_this_step
-from lightning_swarm.strategy._refusals import (
-    _refuse_before_launch,
-    _refuse_closure_optimizers,
-    _refuse_for_swarm_steps,
-    _refuse_weight_copies,
-    _scaler,
+from lightning_swarm.strategy.launcher import SwarmLauncher, computing_at_once
+from lightning_swarm.strategy.loop_state import logs_written_this_step
+from lightning_swarm.strategy.refusals import (
+    grad_scaler,
+    refuse_before_launch,
+    refuse_closure_optimizers,
+    refuse_for_swarm_steps,
+    refuse_weight_copies,
 )
-from lightning_swarm.strategy._schedules import follow_swarm_epochs
-from lightning_swarm.strategy._trainer_steps import _groups_hyper, _TrainerDrivenSteps
-from lightning_swarm.strategy.launcher import _SwarmLauncher, computing_at_once
+from lightning_swarm.strategy.schedules import follow_swarm_epochs
+from lightning_swarm.strategy.trainer_steps import TrainerDrivenSteps, groups_hyper
 from lightning_swarm.swarm import SwarmPeer, SwarmSettings
 from lightning_swarm.swarm.allocator import tune_allocator
 from lightning_swarm.swarm.lifetime import (
@@ -64,7 +64,7 @@ _STAGES_KEY = "swarm_stages"  # a checkpoint's entry with the stages' optimizer 
 _DEFAULTS = SwarmSettings()  # the one source of the defaults below
 
 
-class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
+class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
     """SWARM parallelism: the model's pipeline of blocks is cut into stages, each served by a swarm of hivemind
     peers; every microbatch takes a throughput-weighted random path through one peer per stage.
 
@@ -154,13 +154,13 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         self,
         pipeline: str | None = None,
         num_stages: int = _DEFAULTS.num_stages,
-        role: Role = _DEFAULTS.role,
+        role: Role = "both",
         stage: int | None = None,
         num_trainers: int | None = None,
         initial_peers: list[str] | None = None,
         host_maddrs: list[str] | None = None,
         run_id: str = _DEFAULTS.run_id,
-        compression: Compression = _DEFAULTS.compression,
+        compression: Compression = "8bit",
         target_batch_size: int | None = None,
         request_timeout: float = _DEFAULTS.request_timeout,
         no_peers_timeout: float = _DEFAULTS.no_peers_timeout,
@@ -300,13 +300,13 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally and self.num_processes > 1:
-            self._launcher = _SwarmLauncher(
+            self._launcher = SwarmLauncher(
                 self.cluster_environment,
                 self.num_processes,
                 self.num_nodes,
                 restart_peers=self.restart_peers,
                 exit_timeout=self.settings.linger_timeout + 30.0,
-                precheck=lambda model: _refuse_before_launch(model, self.settings),
+                precheck=lambda model: refuse_before_launch(model, self.settings),
                 computing_at_once=computing_at_once(self.num_processes, self._local_trainers, self.settings),
             )
 
@@ -349,10 +349,10 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         """Whether this process got SIGTERM during the run (Lightning's flag): the peer's waits end at once, and
         Lightning stops the run after the current step. A Ctrl-C that Python swallowed (in a weakref callback) is
         raised here, on the main thread (see ``lifetime.latch_interrupts``); so is the error of a local peer process
-        that failed before it could tell the swarm (see ``_SwarmLauncher.raise_failed_child``). The peer polls this
+        that failed before it could tell the swarm (see ``SwarmLauncher.raise_failed_child``). The peer polls this
         through ``SwarmPeer.should_stop``, which also raises another peer's published failure."""
         raise_pending_interrupt()
-        if isinstance(self._launcher, _SwarmLauncher):
+        if isinstance(self._launcher, SwarmLauncher):
             self._launcher.raise_failed_child()
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
@@ -360,7 +360,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        _refuse_weight_copies(trainer)
+        refuse_weight_copies(trainer)
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
@@ -373,7 +373,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
-            _refuse_closure_optimizers(self.optimizers)
+            refuse_closure_optimizers(self.optimizers)
         optimizers = self.peer.join(
             self.lightning_module, self.optimizers if fitting else [], training=fitting
         )
@@ -383,7 +383,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         self._step_id, self._clip, self._batch_checked = None, None, False
         self._synced, self._backwards_since_sync = None, 0
         if fitting and self.peer.is_trainer and not self.peer.drives_stages:
-            _refuse_for_swarm_steps(trainer, self.precision_plugin, self.optimizers)
+            refuse_for_swarm_steps(trainer, self.precision_plugin, self.optimizers)
             follow_swarm_epochs(self.lr_scheduler_configs, self.peer.swarm_epoch)
         if fitting and self.peer.drives_stages:
             self._install_clipping()
@@ -432,6 +432,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
             assert self.lightning_module is not None
             self.lightning_module.trainer.should_stop = True
         else:
+            assert self.lightning_module is not None
             loader = getattr(self.lightning_module.trainer, "train_dataloader", None)
             batch_size = getattr(loader, "batch_size", None)
             if isinstance(batch_size, int) and not self._batch_checked:  # before any stage call
@@ -470,7 +471,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         raw = getattr(optimizer, "_optimizer", optimizer)
         raw = getattr(raw, "opt", raw)  # the trainers' hivemind optimizer wraps the torch one
         index = 0 if len(self.optimizers) == 1 else self._optimizer_index(optimizer)
-        peer.send_stage_hyper(index, _groups_hyper(raw))
+        peer.send_stage_hyper(index, groups_hyper(raw))
         return output
 
     @override
@@ -566,7 +567,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         if isinstance(exception, KeyboardInterrupt):
             interrupt_handled()
         published = self._peer is not None and self._peer.publish_failure(exception)
-        if published and isinstance(self._launcher, _SwarmLauncher):
+        if published and isinstance(self._launcher, SwarmLauncher):
             self._launcher.swarm_failed = True  # its children stop too: it need not wait long for them
 
     @override
@@ -576,7 +577,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
         )  # our clipping hook (see _install_clipping)
         for optimizer in (*self.optimizers, *self._lightning_optimizers):
             optimizer.__dict__.pop("zero_grad", None)  # see _mirror_zero_grad
-        scaler = _scaler(self.precision_plugin)
+        scaler = grad_scaler(self.precision_plugin)
         if scaler is not None:
             scaler.__dict__.pop("unscale_", None)  # see _install_loss_scaling
         peer, self._peer = self._peer, None
@@ -612,7 +613,7 @@ class SwarmStrategy(_TrainerDrivenSteps, ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+        strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").splitlines()[0])
 
 
 def _autocast_dtype(plugin: Any) -> str | None:

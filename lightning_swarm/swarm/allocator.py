@@ -20,6 +20,7 @@ import ctypes
 import logging
 import os
 import sys
+from collections.abc import Mapping
 
 __all__ = ["ALLOCATOR_ENV", "ALLOCATOR_OPT_OUT", "allocator_env", "tune_allocator"]
 
@@ -37,10 +38,11 @@ ALLOCATOR_OPT_OUT = "LIGHTNING_SWARM_ALLOCATOR"  # "default": leave glibc's allo
 _tuned_in_pid: int | None = None
 
 
-def allocator_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+def allocator_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables of :data:`ALLOCATOR_ENV` to add to a child's environment (``environ``, default this process's):
     none where it already chooses glibc's allocator settings or opts out (``LIGHTNING_SWARM_ALLOCATOR=default``)."""
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        environ = os.environ
     if not sys.platform.startswith("linux") or environ.get(ALLOCATOR_OPT_OUT, "").lower() == "default":
         return {}
     if any(k in environ for k in ALLOCATOR_ENV) or "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):

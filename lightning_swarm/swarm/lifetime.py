@@ -248,7 +248,7 @@ def _wrap_subprocess_exec() -> None:
         return await original(*args, **kwargs)
 
     create_subprocess_exec._dies_with_parent = True  # type: ignore[attr-defined]
-    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec  # type: ignore[assignment]
+    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
 
 
 def _keep_new_sessions() -> None:
@@ -352,3 +352,18 @@ def settle_dead_helpers(helpers: list[tuple[str, Any]], daemon_gone: bool = Fals
 
 def _nothing() -> None:
     pass
+
+
+class PeerStopping(SystemExit):
+    """This peer was asked to stop (SIGTERM) while a call waited for a stage: unwind at once, quietly.
+
+    A ``SystemExit`` (exit status 0, like Lightning's ``SIGTERMException``), so that no ``except Exception`` on
+    the way retries it and the interpreter ends without a traceback.
+    """
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__()
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

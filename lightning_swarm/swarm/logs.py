@@ -193,7 +193,7 @@ def _sender_gone_is_a_connection_error() -> None:
             ) from error
 
     _detach._lightning_swarm = True  # type: ignore[attr-defined]
-    resource_sharer.DupFd.detach = _detach
+    resource_sharer.DupFd.detach = _detach  # type: ignore[method-assign]
 
 
 def _in_resource_sharer(tb: Any) -> bool:

@@ -92,7 +92,7 @@ def run_coroutine(
             raise
         if stopping:
             future.cancel()
-            from lightning_swarm.swarm.wire.errors import PeerStopping
+            from lightning_swarm.swarm.lifetime import PeerStopping
 
             raise PeerStopping("a swarm call was abandoned: this peer is stopping")
 

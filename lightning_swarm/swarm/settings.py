@@ -88,7 +88,7 @@ class SwarmSettings:
 
     def replace(self, **changes: object) -> SwarmSettings:
         """A copy with ``changes`` applied (validated again)."""
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]  # validated by __post_init__
 
     def _validate(self) -> None:
         name = "SwarmStrategy"

@@ -53,11 +53,12 @@ from lightning_swarm.swarm.client.routing import NoPeersError, StageRouter
 from lightning_swarm.swarm.client.stage_autograd import _DUMMY, _moved, _StageCall, _StageFunction
 from lightning_swarm.swarm.dht.records import PeerInfo, parse_stage_peers
 from lightning_swarm.swarm.dht.validation import stage_key
+from lightning_swarm.swarm.lifetime import PeerStopping
 from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
 from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.training.early_steps import OpenGradCalls
 from lightning_swarm.swarm.wire.codec import CodecError, check_encodable
-from lightning_swarm.swarm.wire.errors import PeerStopping, ProtocolError, RemoteStageError, remote_exception
+from lightning_swarm.swarm.wire.errors import ProtocolError, RemoteStageError, remote_exception
 from lightning_swarm.swarm.wire.guards import check_outputs
 from lightning_swarm.swarm.wire.payload import EncodedPayload, Payload
 from lightning_swarm.swarm.wire.protocol import (

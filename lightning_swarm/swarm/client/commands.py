@@ -16,9 +16,10 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from lightning_swarm.swarm.client.routing import NoPeersError
+from lightning_swarm.swarm.lifetime import PeerStopping
 from lightning_swarm.swarm.loop import run_coroutine
 from lightning_swarm.swarm.training.stepping import StepCommand, parse_step_reply
-from lightning_swarm.swarm.wire.errors import PeerStopping, ProtocolError
+from lightning_swarm.swarm.wire.errors import ProtocolError
 from lightning_swarm.swarm.wire.protocol import (
     OPTIMIZER_PART_BYTES,
     stage_uid,

@@ -9,8 +9,8 @@ from typing import Any
 
 from lightning_swarm.swarm.dht.records import parse_stage_peers
 from lightning_swarm.swarm.dht.validation import stage_key
+from lightning_swarm.swarm.lifetime import PeerStopping
 from lightning_swarm.swarm.loop import STOP_POLL_S
-from lightning_swarm.swarm.wire.errors import PeerStopping
 
 logger = logging.getLogger(__name__)
 

@@ -169,6 +169,7 @@ class RecordSigner(RecordValidatorBase):
         if not isinstance(value, list):
             return record.value  # not a swarm record: the validators reject it
         unsigned = MSGPackSerializer.dumps(value)
+        assert self._private_key is not None  # an owner has its key
         return MSGPackSerializer.dumps(value + [self._private_key.sign(self._message(record, unsigned))])
 
     def validate(self, record: DHTRecord) -> bool:

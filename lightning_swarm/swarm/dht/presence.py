@@ -42,7 +42,7 @@ from hivemind.utils import get_dht_time
 from lightning_swarm.swarm.dht.identity import identity_of, strip_signature, subkey_peer_id
 from lightning_swarm.swarm.dht.validation import failure_key, presence_key
 from lightning_swarm.swarm.states import TRAINING
-from lightning_swarm.swarm.wire.errors import _remote_class
+from lightning_swarm.swarm.wire.errors import remote_class
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class PeerFailure(RuntimeError):
 
 def peer_failure(type_name: str, message: str, origin: str) -> PeerFailure:
     """The exception this peer raises for another peer's failure (a subclass of the built-in type, if any)."""
-    cls: Any = _remote_class(type_name, PeerFailure, prefix="Peer")
+    cls: Any = remote_class(type_name, PeerFailure, prefix="Peer")
     return cls(type_name, message, origin)
 
 
@@ -124,7 +124,7 @@ class Presence:
         self.phase = TRAINING
         identity = identity_of(dht)
         signed = identity is not None and identity.peer_id.to_base58() == peer_name
-        self._subkey: bytes | str = identity.subkey if signed else peer_name
+        self._subkey: bytes | str = identity.subkey if signed and identity is not None else peer_name
         self.seen: set[str] = set()  # every peer ever seen in this run
         self.seen_trainers: set[str] = set()
         self.failure: PeerFailure | None = None  # the earliest failure another peer published

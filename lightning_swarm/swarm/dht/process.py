@@ -53,7 +53,7 @@ class SwarmDHT(hivemind.DHT):
     """``hivemind.DHT`` whose process drops an unreadable request without pausing (see the module docstring)."""
 
     def run(self) -> None:  # in the DHT's own process
-        self._inner_pipe = _SkipUnreadable(self._inner_pipe)
+        self._inner_pipe: Any = _SkipUnreadable(self._inner_pipe)
         super().run()
 
     async def _skip_unreadable_request(self) -> None:

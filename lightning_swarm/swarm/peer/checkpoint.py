@@ -14,10 +14,8 @@ Free of Lightning.
 
 from __future__ import annotations
 
-import collections
 import io
 import os
-import sys
 import warnings
 import zipfile
 from collections.abc import Callable, Hashable, Iterator
@@ -27,7 +25,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_swarm.layers.checkpoint import _ALIGN, _Pickler, _record, _storage_bytes, _stride
+from lightning_swarm.torch_archive import (
+    StoragePickler,
+    numel_of,
+    rebuild_as_tensor,
+    storage_bytes,
+    storage_type_of,
+    write_format_records,
+    write_record,
+    write_version_record,
+)
 
 
 @dataclass(eq=False)
@@ -99,9 +106,7 @@ def save_deferred(obj: Any, path: str | os.PathLike, fetch: Callable[[Hashable],
     tmp = f"{path}.partial"
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
-            _record(archive, ".format_version", [b"1"])
-            _record(archive, ".storage_alignment", [str(_ALIGN).encode()])
-            _record(archive, "byteorder", [sys.byteorder.encode()])
+            write_format_records(archive)
             for group, members in groups.items():
                 state = fetch(group)
                 for leaf in members:
@@ -110,18 +115,18 @@ def save_deferred(obj: Any, path: str | os.PathLike, fetch: Callable[[Hashable],
                     tensor = state[leaf.key].detach().cpu().contiguous()
                     leaf.shape, leaf.dtype = tuple(tensor.shape), tensor.dtype
                     flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0)
-                    _record(archive, f"data/{keys[id(leaf)]}", [memoryview(flat.numpy()).cast("B")])
+                    write_record(archive, f"data/{keys[id(leaf)]}", [memoryview(flat.numpy()).cast("B")])  # type: ignore[arg-type]
                 del state, tensor, flat
-            buffer, storages, ids = io.BytesIO(), {}, {}
+            buffer, storages = io.BytesIO(), {}
             with warnings.catch_warnings():
                 warnings.simplefilter(
                     "ignore", UserWarning
                 )  # TypedStorage is deprecated, but torch pickles it
-                _DeferredPickler(buffer, storages, ids, keys).dump(obj)
+                _DeferredPickler(buffer, storages, keys).dump(obj)
             for key, storage in storages.items():
-                _record(archive, f"data/{key}", [_storage_bytes(storage)])
-            _record(archive, "data.pkl", [buffer.getvalue()])
-            _record(archive, "version", [b"3\n"])
+                write_record(archive, f"data/{key}", [storage_bytes(storage)])
+            write_record(archive, "data.pkl", [buffer.getvalue()])
+            write_version_record(archive)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -136,27 +141,22 @@ class _DeferredStorage:
     numel: int
 
 
-class _DeferredPickler(_Pickler):
+class _DeferredPickler(StoragePickler):
     """``torch.save``'s pickling, with a Deferred leaf pickled as the tensor whose record was written already."""
 
-    def __init__(self, file: io.BytesIO, storages: dict[str, Any], ids: dict[int, str], keys: dict[int, str]):
-        super().__init__(file, storages, ids)
+    def __init__(self, file: io.BytesIO, storages: dict[str, Any], keys: dict[int, str]):
+        super().__init__(file, storages)
         self.deferred_keys = keys
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Deferred):
-            numel = 1
-            for size in obj.shape:
-                numel *= size
-            storage = _DeferredStorage(obj, self.deferred_keys[id(obj)], numel)
-            args = (storage, 0, obj.shape, _stride(obj.shape), False, collections.OrderedDict())
-            return (torch._utils._rebuild_tensor_v2, args)
-        return super().reducer_override(obj)
+            storage = _DeferredStorage(obj, self.deferred_keys[id(obj)], numel_of(obj.shape))
+            return rebuild_as_tensor(storage, obj.shape)
+        return NotImplemented
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _DeferredStorage):
             dtype = obj.leaf.dtype
             assert dtype is not None
-            storage_type = getattr(torch, torch.TypedStorage(0, dtype=dtype)._pickle_storage_type())
-            return ("storage", storage_type, obj.key, "cpu", obj.numel)
+            return ("storage", storage_type_of(dtype), obj.key, "cpu", obj.numel)
         return super().persistent_id(obj)

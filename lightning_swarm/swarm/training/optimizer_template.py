@@ -108,6 +108,6 @@ class _OptimizerTemplate:
         cls, defaults = self.cls, self.defaults
 
         def make(params: Any) -> torch.optim.Optimizer:
-            return cls(params, **defaults)
+            return cls(params, **defaults)  # type: ignore[arg-type]  # the class's own keyword arguments
 
         return make, groups

@@ -238,7 +238,7 @@ def hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if isinstance(value, numbers.Number) and not isinstance(value, (bool, int, float)):
-            value = float(value)  # numpy scalars
+            value = float(value)  # type: ignore[arg-type]  # numpy scalars
         if isinstance(value, tuple):
             value = list(value)
         if _hyper_value(value):

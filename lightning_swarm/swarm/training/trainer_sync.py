@@ -853,7 +853,7 @@ def _parse_result(reply: dict[str, Any], tensors: list[torch.Tensor], leader: st
 
 
 def _stopping() -> BaseException:
-    from lightning_swarm.swarm.wire.errors import PeerStopping
+    from lightning_swarm.swarm.lifetime import PeerStopping
 
     return PeerStopping("a trainers' step was abandoned: this peer is stopping")
 

@@ -320,6 +320,8 @@ class PartsDecoder:
         self._bounds: list[int] = []
         self._parts: list[runtime_pb2.Tensor] = []
         self._decoded: list[torch.Tensor] = []
+        self._finite = True  # the tensor in progress: every part so far was 8-bit with scales that fit
+        self._lossy = _NONE  # the lossy compression of its parts (all the same), if any
 
     def feed(self, msg: runtime_pb2.Tensor) -> None:
         """Decode one part (the first part of a tensor starts a new one); raises only ``CodecError``."""
@@ -349,6 +351,7 @@ class PartsDecoder:
             self._lossy = msg.compression
         index = len(self._decoded)
         numel = self._bounds[index + 1] - self._bounds[index]
+        assert self._first is not None
         with one_thread():  # dequantizing is a cheap table lookup: never worth a parallel region
             self._decoded.append(
                 _decode_part(msg.buffer, msg.compression, self._dtype, self._first.dtype, numel)
@@ -400,7 +403,7 @@ class PartsDecoder:
         self._first, self._dtype, self._shape = msg, dtype, shape
         self._bounds = part_bounds(numel, chunks)
         self._finite = True
-        self._lossy = _NONE  # the lossy compression of its parts (all the same), if any
+        self._lossy = _NONE
 
     def _complete(self) -> None:
         first, decoded, parts = self._first, self._decoded, self._parts

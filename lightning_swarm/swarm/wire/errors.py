@@ -7,14 +7,14 @@ from __future__ import annotations
 import builtins
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from lightning_swarm.swarm.wire.codec import CodecError
 
 COMPUTE, REQUEST, UNAVAILABLE = "compute", "request", "unavailable"
 
 
-_MAX_MESSAGE = 4096
+MAX_MESSAGE = 4096
 
 
 class BadRequest(ValueError):
@@ -45,7 +45,7 @@ class ErrorReply:
 
     @classmethod
     def from_exception(cls, error: BaseException, category: str) -> ErrorReply:
-        return cls(category, type(error).__name__, str(error)[:_MAX_MESSAGE])
+        return cls(category, type(error).__name__, str(error)[:MAX_MESSAGE])
 
 
 class RemoteStageError(RuntimeError):
@@ -81,7 +81,7 @@ class RequestRefused(RemoteStageError):
 
 
 @functools.cache
-def _remote_class(
+def remote_class(
     type_name: str, origin: type[RuntimeError] = RemoteStageError, prefix: str = "Remote"
 ) -> type[RuntimeError]:
     """``origin`` (the kind of remote error), combined with the built-in exception type ``type_name`` if it is one
@@ -99,26 +99,11 @@ def remote_exception(error: ErrorReply, stage: int, peer: Any) -> RemoteStageErr
     """The exception a trainer raises for an error reply from ``peer`` serving ``stage``."""
     if error.category == COMPUTE:
         message = f"Stage {stage} raised {error.type_name}: {error.message} (on peer {peer})"
-        cls = _remote_class(error.type_name)
+        cls = remote_class(error.type_name)
     elif error.category == REQUEST:
         message = f"Peer {peer} refused the call of stage {stage}: {error.type_name}: {error.message}"
         cls = RequestRefused
     else:
         message = f"Peer {peer} could not serve stage {stage} ({error.category}): {error.type_name}: {error.message}"
         cls = RemoteStageError
-    return cls(message, error, stage, peer)
-
-
-class PeerStopping(SystemExit):
-    """This peer was asked to stop (SIGTERM) while a call waited for a stage: unwind at once, quietly.
-
-    A ``SystemExit`` (exit status 0, like Lightning's ``SIGTERMException``), so that no ``except Exception`` on
-    the way retries it and the interpreter ends without a traceback.
-    """
-
-    def __init__(self, message: str = "") -> None:
-        super().__init__()
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
+    return cast(type[RemoteStageError], cls)(message, error, stage, peer)

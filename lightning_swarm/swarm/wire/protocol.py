@@ -63,8 +63,8 @@ from hivemind.proto import runtime_pb2
 
 from lightning_swarm.swarm.wire.codec import CodecError
 from lightning_swarm.swarm.wire.errors import (
-    _MAX_MESSAGE,
     COMPUTE,
+    MAX_MESSAGE,
     REQUEST,
     UNAVAILABLE,
     BadRequest,
@@ -172,6 +172,7 @@ class StageRequest:
     epoch: int | None = None
 
     def payloads(self) -> list[Payload]:
+        assert self.inputs is not None, "a request is encoded with its inputs"
         return [self.inputs] if self.grad_outputs is None else [self.inputs, self.grad_outputs]
 
 
@@ -189,7 +190,7 @@ def fp32_bytes(request: StageRequest, reply: StageReply, lean: bool = False) -> 
     """What a call's floating-point tensors (the request's inputs and output gradients, the reply's outputs) take
     as float32: the bytes its boundaries would move without compression (``lean``: a backward sent without its
     inputs)."""
-    payloads = (request.inputs, request.grad_outputs, reply.outputs)
+    payloads: tuple[Payload | None, ...] = (request.inputs, request.grad_outputs, reply.outputs)
     if lean:
         payloads = payloads[1:]
     return 4 * sum(t.numel() for p in payloads if p is not None for t in p.tensors if t.is_floating_point())
@@ -315,7 +316,7 @@ def parse_reply(header: bytes, tensors: list[torch.Tensor]) -> StageReply:
     if isinstance(fields, list) and len(fields) == 5 and fields[0] == "error" and type(fields[1]) is int:
         _, request_id, category, type_name, message = fields
         if category in _CATEGORIES and isinstance(type_name, str) and isinstance(message, str):
-            return StageReply(request_id, error=ErrorReply(category, type_name[:100], message[:_MAX_MESSAGE]))
+            return StageReply(request_id, error=ErrorReply(category, type_name[:100], message[:MAX_MESSAGE]))
     if isinstance(fields, list) and len(fields) == 4 and fields[0] == "ok" and type(fields[1]) is int:
         if isinstance(fields[2], bytes) and type(fields[3]) is bool:
             return StageReply(fields[1], outputs=Payload.from_wire(fields[2], tensors), kept=fields[3])

@@ -124,7 +124,7 @@ def _read(paths: list[str], size: int, deadline: float) -> torch.Tensor | None:
                     f"a partner's gradients have {got // 4} values, this peer's {size}: the peers' stages differ"
                 )
             values = torch.empty(size, dtype=torch.float32)
-            view, done = memoryview(values.numpy()).cast("B"), 0
+            view, done = memoryview(values.numpy()).cast("B"), 0  # type: ignore[arg-type]
             while done < len(view):
                 n = f.readinto(view[done:])
                 if not n:
@@ -165,7 +165,7 @@ def sum_on_host(
     try:
         with open(written, "wb") as f:
             for t in own:
-                f.write(memoryview(t.numpy()).cast("B"))
+                f.write(memoryview(t.numpy()).cast("B"))  # type: ignore[arg-type]
         for link in links:
             os.link(written, link)
     except OSError as e:

@@ -9,12 +9,12 @@ import logging
 import torch
 
 from lightning_swarm.swarm.wire.quantize.blocks import BLOCKSIZE
-from lightning_swarm.swarm.wire.quantize.bnb import _native_kernels, _run_native, dynamic_code
+from lightning_swarm.swarm.wire.quantize.bnb import dynamic_code, native_kernels, run_native
 from lightning_swarm.swarm.wire.quantize.fast import (
-    _fast_kernel,
+    fast_kernel,
 )
 from lightning_swarm.swarm.wire.quantize.threads import (
-    _Shares,
+    Shares,
     helper_count,
     one_thread,
     quantizations,
@@ -32,7 +32,7 @@ def quantize_to_buffer(source: torch.Tensor) -> bytes:
     numel = flat.numel()
     num_blocks = -(numel // -BLOCKSIZE)
     header = BLOCKSIZE.to_bytes(4, "little")
-    kernel, _ = _native_kernels()
+    kernel, _ = native_kernels()
     if kernel is None or flat.dtype != torch.float32:
         with one_thread():
             codes, absmax = torch.ops.bitsandbytes.quantize_blockwise.default(flat, dynamic_code(), BLOCKSIZE)
@@ -42,24 +42,24 @@ def quantize_to_buffer(source: torch.Tensor) -> bytes:
     buffer[:4] = torch.tensor(list(header), dtype=torch.uint8)
     base, data = buffer.data_ptr(), flat.data_ptr()
     absmax, codes = base + 4, base + 4 + 4 * num_blocks
-    fast, code = _fast_kernel(), dynamic_code().data_ptr()
+    fast, code = fast_kernel(), dynamic_code().data_ptr()
 
     def share(lo: int, hi: int) -> None:
         if fast is not None:
             fast.quantize(data, absmax, codes, lo, hi, BLOCKSIZE)
         else:
-            _run_native(
+            run_native(
                 kernel, code, data + 4 * lo, absmax + 4 * (lo // BLOCKSIZE), codes + lo, BLOCKSIZE, hi - lo
             )
 
-    _Shares(share, numel, helper_count()).run()
+    Shares(share, numel, helper_count()).run()
     return buffer.numpy().tobytes()
 
 
 def dequantize_buffer(buffer: bytes, blocksize: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`quantize_to_buffer` (the caller has validated the buffer's length and block size)."""
     num_blocks = -(numel // -blocksize)
-    _, kernel = _native_kernels()
+    _, kernel = native_kernels()
     if kernel is None or dtype != torch.float32:
         view = memoryview(buffer)
         absmax = torch.frombuffer(bytearray(view[4 : 4 + 4 * num_blocks]), dtype=torch.float32)
@@ -73,12 +73,12 @@ def dequantize_buffer(buffer: bytes, blocksize: int, numel: int, dtype: torch.dt
     base = ctypes.cast(ctypes.c_char_p(buffer), ctypes.c_void_p).value
     assert base is not None
     out = torch.empty(numel, dtype=torch.float32)
-    fast = _fast_kernel()
+    fast = fast_kernel()
     if fast is not None:
         fast.dequantize(base + 4 + 4 * num_blocks, base + 4, out.data_ptr(), numel, blocksize)
         return out
     # memory-bound: one thread, no helpers
-    _run_native(
+    run_native(
         kernel,
         dynamic_code().data_ptr(),
         base + 4 + 4 * num_blocks,

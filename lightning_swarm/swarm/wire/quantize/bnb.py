@@ -39,7 +39,7 @@ def dynamic_code() -> torch.Tensor:
 
 
 @functools.cache
-def _native_kernels() -> tuple[Any, Any]:
+def native_kernels() -> tuple[Any, Any]:
     """bitsandbytes' CPU kernels for float32 blockwise (de)quantization; ``(None, None)`` where unavailable."""
     try:
         _import_bitsandbytes()
@@ -53,7 +53,7 @@ def _native_kernels() -> tuple[Any, Any]:
     )
 
 
-def _run_native(kernel: Any, code: int, source: int, middle: int, out: int, blocksize: int, n: int) -> None:
+def run_native(kernel: Any, code: int, source: int, middle: int, out: int, blocksize: int, n: int) -> None:
     """One call of a bitsandbytes CPU kernel on one OpenMP thread of the caller: ``quantize(code, A, absmax, out,
     blocksize, n)`` or ``dequantize(code, codes, absmax, out, blocksize, n)`` (pointers as integers)."""
     with one_thread():

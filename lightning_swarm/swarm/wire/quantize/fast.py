@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from lightning_swarm.swarm.wire.quantize.blocks import BLOCKSIZE
-from lightning_swarm.swarm.wire.quantize.bnb import _native_kernels, _run_native, dynamic_code
+from lightning_swarm.swarm.wire.quantize.bnb import dynamic_code, native_kernels, run_native
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def _reference_codes(kernel: Any, values: torch.Tensor) -> torch.Tensor:
 
     def run(data: torch.Tensor, absmax: torch.Tensor, codes: torch.Tensor) -> None:
         code = dynamic_code().data_ptr()
-        _run_native(
+        run_native(
             kernel, code, data.data_ptr(), absmax.data_ptr(), codes.data_ptr(), BLOCKSIZE, data.numel()
         )
 
@@ -260,12 +260,12 @@ def _self_check(fast: _FastKernel, kernel: Any, dekernel: Any) -> bool:
     ours_max, theirs_max = torch.empty(blocks), torch.empty(blocks)
     fast.quantize(x.data_ptr(), ours_max.data_ptr(), ours.data_ptr(), 0, n, BLOCKSIZE)
     code = dynamic_code().data_ptr()
-    _run_native(kernel, code, x.data_ptr(), theirs_max.data_ptr(), theirs.data_ptr(), BLOCKSIZE, n)
+    run_native(kernel, code, x.data_ptr(), theirs_max.data_ptr(), theirs.data_ptr(), BLOCKSIZE, n)
     if not (torch.equal(ours, theirs) and ours_max.view(torch.int32).equal(theirs_max.view(torch.int32))):
         return False
     out_ours, out_theirs = torch.empty(n), torch.empty(n)  # NaN decodes to NaN: compared bit for bit below
     fast.dequantize(ours.data_ptr(), ours_max.data_ptr(), out_ours.data_ptr(), n, BLOCKSIZE)
-    _run_native(dekernel, code, ours.data_ptr(), ours_max.data_ptr(), out_theirs.data_ptr(), BLOCKSIZE, n)
+    run_native(dekernel, code, ours.data_ptr(), ours_max.data_ptr(), out_theirs.data_ptr(), BLOCKSIZE, n)
     return out_ours.view(torch.int32).equal(out_theirs.view(torch.int32))
 
 
@@ -275,7 +275,7 @@ _fast_lock = threading.Lock()
 _fast_state: dict[str, Any] = {}
 
 
-def _fast_kernel() -> _FastKernel | None:
+def fast_kernel() -> _FastKernel | None:
     """The fast kernel, built on first use; ``None`` if turned off, not buildable, or not bit-identical here."""
     setting = os.environ.get(NATIVE_ENV, "1").strip()
     if setting not in ("0", "1"):
@@ -291,7 +291,7 @@ def _fast_kernel() -> _FastKernel | None:
 
 
 def _load_fast_kernel() -> _FastKernel | None:
-    kernel, dekernel = _native_kernels()
+    kernel, dekernel = native_kernels()
     if kernel is None or dekernel is None or BLOCKSIZE > _MAX_BLOCK:
         return None
     lib = _compile()
@@ -309,4 +309,4 @@ def _load_fast_kernel() -> _FastKernel | None:
 
 def using_fast_kernel() -> bool:
     """Whether 8-bit (de)quantization of float32 tensors runs the fast kernel in this process."""
-    return _fast_kernel() is not None
+    return fast_kernel() is not None

@@ -119,7 +119,7 @@ def part_bounds(numel: int, chunks: int) -> list[int]:
     return [min(numel, (units * i // chunks) * BLOCKSIZE) for i in range(chunks + 1)]
 
 
-class _Shares:
+class Shares:
     """Block-aligned shares of one quantization, done by whichever thread claims them first.
 
     ``kernel(lo, hi)`` quantizes elements ``[lo, hi)`` (block-aligned) into their final place. The caller waits

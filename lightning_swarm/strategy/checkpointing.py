@@ -9,7 +9,7 @@ stage a peer does not serve are never read into its memory.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -62,7 +62,7 @@ def fetcher(peer: SwarmPeer) -> Callable[[Hashable], dict[str, Tensor]]:
     the module's keys), or one stage's optimizer state."""
 
     def fetch(group: Hashable) -> dict[str, Tensor]:
-        kind, stage = group  # type: ignore[misc]
+        kind, stage = cast(tuple[str, int], group)
         if kind == _OPTIMIZER:
             assert peer.client is not None
             data = peer.client.fetch_optimizer_state(stage)

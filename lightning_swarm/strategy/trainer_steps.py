@@ -13,12 +13,12 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_swarm.strategy._loop_state import gradients_fixed_after_backward
-from lightning_swarm.strategy._refusals import _refuse_zero_grad_after_backward, _scaler
+from lightning_swarm.strategy.loop_state import gradients_fixed_after_backward
+from lightning_swarm.strategy.refusals import grad_scaler, refuse_zero_grad_after_backward
 from lightning_swarm.swarm.training.stepping import hyper_parameters
 
 
-class _TrainerDrivenSteps:
+class TrainerDrivenSteps:
     """The ``SwarmStrategy``'s part of trainer-driven stage steps (a mixin: its attributes are the strategy's)."""
 
     def _current_step_id(self) -> int:
@@ -48,7 +48,7 @@ class _TrainerDrivenSteps:
 
             def zero_grad(set_to_none: bool = True, _index: int = index, _original: Any = original) -> None:
                 if self.peer.trainer_sync is not None and self._backwards_since_sync:
-                    _refuse_zero_grad_after_backward(self.peer.num_trainers)
+                    refuse_zero_grad_after_backward(self.peer.num_trainers)
                 _original(set_to_none=set_to_none)
                 self.peer.zero_stage_grads(_index)
 
@@ -62,7 +62,7 @@ class _TrainerDrivenSteps:
         finite (the ``"norm"`` phase), and a backward whose loss-scaled gradients overflowed before reaching a
         stage counts too; either marks the step as skipped in the scaler (which then lowers the scale), and the
         stages drop that step's gradients with it."""
-        scaler = _scaler(self.precision_plugin)
+        scaler = grad_scaler(self.precision_plugin)
         client = self.peer.client
         if scaler is None or client is None:
             return
@@ -116,7 +116,7 @@ class _TrainerDrivenSteps:
             return
         grads = [p.grad for group in raw.param_groups for p in group["params"] if p.grad is not None]
         local = sum(float(g.detach().float().pow(2).sum()) for g in grads)
-        scaler = _scaler(self.precision_plugin)
+        scaler = grad_scaler(self.precision_plugin)
         scale = 1.0 / float(scaler.get_scale()) if scaler is not None else 1.0
         scale *= self.peer.stage_grad_factor
         stages = self.peer.stage_grad_sq_norm(self._current_step_id(), index, scale)
@@ -135,14 +135,14 @@ class _TrainerDrivenSteps:
         allowed, a stage steps already during the backward (see :meth:`backward`)."""
         raw = getattr(optimizer, "_optimizer", optimizer)
         index = self._optimizer_index(raw)
-        scaler = _scaler(self.precision_plugin)
+        scaler = grad_scaler(self.precision_plugin)
         scale = float(scaler.get_scale()) if scaler is not None else None
         if self._clip is not None and self._clip[0] != index:
             self._clip = None  # another optimizer's (manual optimization clips before the step)
         self.peer.begin_step()  # forget the stage calls so far
         # the stages may step as soon as their backwards are done (one trainer: nobody else adds to their gradients)
         if self.peer.trainer_sync is None and gradients_fixed_after_backward(self):
-            self._early_step = (self._current_step_id(), index, lambda: _groups_hyper(raw))
+            self._early_step = (self._current_step_id(), index, lambda: groups_hyper(raw))
         try:
             output = step(optimizer, closure, model, **kwargs)
         finally:
@@ -154,7 +154,7 @@ class _TrainerDrivenSteps:
         self.peer.step_stages(
             step_id,
             index,
-            _groups_hyper(raw),
+            groups_hyper(raw),
             grad_scale=self.peer.stage_grad_factor / (scale if scale else 1.0),
             clip_coef=clip[2] if clip is not None and clip[1] == "norm" else None,
             clip_value=clip[2] if clip is not None and clip[1] == "value" else None,
@@ -351,6 +351,6 @@ class _TrainerDrivenSteps:
             )
 
 
-def _groups_hyper(optimizer: Any) -> dict[int, dict[str, Any]]:
+def groups_hyper(optimizer: Any) -> dict[int, dict[str, Any]]:
     """The hyper-parameters of each of ``optimizer``'s parameter groups, as a step command carries them."""
     return {g: hyper_parameters(group) for g, group in enumerate(optimizer.param_groups)}

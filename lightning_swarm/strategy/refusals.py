@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch import Trainer
 
 
-def _scaler(plugin: Any) -> Any:
+def grad_scaler(plugin: Any) -> Any:
     """The precision plugin's enabled loss scaler (``16-mixed``), or ``None``."""
     scaler = getattr(plugin, "scaler", None)
     return scaler if scaler is not None and scaler.is_enabled() else None
 
 
-def _refuse_weight_copies(trainer: Trainer) -> None:
+def refuse_weight_copies(trainer: Trainer) -> None:
     """Callbacks that keep their own copy of the model's weights (SWA, EMA) would average only the trainer-side
     parameters: the pipeline's live on the stages. Refused at setup, with one line."""
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
-    try:
-        from lightning.pytorch.callbacks import WeightAveraging
-    except ImportError:  # Lightning before 2.5
-        WeightAveraging = StochasticWeightAveraging  # noqa: N806
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
             raise ValueError(
                 f"When using the SwarmStrategy, the {type(callback).__name__} callback is not supported: it keeps a "
@@ -31,7 +28,7 @@ def _refuse_weight_copies(trainer: Trainer) -> None:
             )
 
 
-def _refuse_for_swarm_steps(trainer: Trainer, plugin: Any, optimizers: list[Any] = ()) -> None:
+def refuse_for_swarm_steps(trainer: Trainer, plugin: Any, optimizers: Sequence[Any] = ()) -> None:
     """With ``stage_steps="async"`` (several trainers) the stages step on their own: settings that need the
     trainer's step on the stages are refused at setup, with one line."""
     fix = "use stage_steps='trainer' (the default: the stages step with the trainers)"
@@ -46,7 +43,7 @@ def _refuse_for_swarm_steps(trainer: Trainer, plugin: Any, optimizers: list[Any]
             "When using the SwarmStrategy with stage_steps='async' (several trainers), gradient_clip_val is not "
             f"supported: the stages step on their own and cannot clip by the whole model; {fix}, or clip nothing."
         )
-    if _scaler(plugin) is not None:
+    if grad_scaler(plugin) is not None:
         raise ValueError(
             "When using the SwarmStrategy with stage_steps='async' (several trainers), precision='16-mixed' is not "
             f"supported: the stages cannot unscale gradients of several trainers' loss scales; {fix}, or use "
@@ -54,7 +51,7 @@ def _refuse_for_swarm_steps(trainer: Trainer, plugin: Any, optimizers: list[Any]
         )
 
 
-def _refuse_closure_optimizers(optimizers: list[Any]) -> None:
+def refuse_closure_optimizers(optimizers: list[Any]) -> None:
     """An optimizer whose ``step`` needs a closure (``torch.optim.LBFGS``) re-evaluates the model inside its step:
     the stages' optimizers step on the servers, where no closure can run the trainer's loss. Refused at setup."""
     import inspect
@@ -73,7 +70,7 @@ def _refuse_closure_optimizers(optimizers: list[Any]) -> None:
             )
 
 
-def _refuse_zero_grad_after_backward(trainers: int | None) -> None:
+def refuse_zero_grad_after_backward(trainers: int | None) -> None:
     """With several trainers stepping as DDP's ranks, manual optimization: an ``optimizer.zero_grad()`` after a
     backward of the same step is refused, with one line. The stages hold one sum of every trainer's gradients; a
     zero_grad that no step separates from the backwards before it would have to wait for every trainer's backwards
@@ -88,7 +85,7 @@ def _refuse_zero_grad_after_backward(trainers: int | None) -> None:
     )
 
 
-def _refuse_before_launch(model: Any, settings: Any) -> None:
+def refuse_before_launch(model: Any, settings: Any) -> None:
     """What the launching process can refuse before it starts the other peers of a local swarm (each peer checks
     again when it joins): a pipeline that mixes rows cut into ``microbatches`` chunks. A model whose pipeline is
     not built yet (``configure_model``) or cannot be found is left to the peers, which say what is wrong."""

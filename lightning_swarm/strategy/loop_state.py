@@ -9,7 +9,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_swarm.strategy._refusals import _scaler
+from lightning_swarm.strategy.refusals import grad_scaler
 
 
 def logs_written_this_step(module: Any) -> bool:
@@ -37,7 +37,7 @@ def gradients_fixed_after_backward(strategy: Any, also: tuple[str, ...] = ()) ->
     trainer = module.trainer if module is not None else None
     if trainer is None or not module.automatic_optimization or len(strategy.optimizers) != 1:
         return False
-    if _scaler(strategy.precision_plugin) is not None or trainer.gradient_clip_val:
+    if grad_scaler(strategy.precision_plugin) is not None or trainer.gradient_clip_val:
         return False
     own = ("optimizer_step", "on_before_optimizer_step", "configure_gradient_clipping", *also)
     if any(is_overridden(hook, module, LightningModule) for hook in own):
