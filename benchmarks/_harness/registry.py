@@ -90,18 +90,22 @@ BENCHMARKS: dict[str, Claim] = {
         "fidelity matrix with several trainers: each family in a swarm of K trainers (2 stages, 8-bit; synchronous "
         "steps, the default) vs Lightning's DDP on K CPU devices, same seed, data shards, global batch and steps; "
         '`async_max_relative_gap`: the asynchronous mode (`stage_steps="async"`) against the same DDP; '
-        "`by_trainers.K.seed_gaps`: DDP with another seed (the noise floor)",
+        "`uncompressed_max_relative_gap`: the synchronous mode with uncompressed boundaries (the step's own cost, "
+        "the 8-bit codec's rounding aside); `by_trainers.K.seed_gaps`: DDP with another seed (the noise floor)",
         "`max_relative_gap` <= 0.02, trainers' own parameters identical, stage steps equal (one per global step)",
         (
             "max_relative_gap",
             "trainer_params_identical",
             "stage_steps_equal",
             "async_max_relative_gap",
+            "uncompressed_max_relative_gap",
             "meets_target",
             "trainers",
             "by_trainers.2.gaps",
             "by_trainers.2.seed_gaps",
             "by_trainers.2.async_gaps",
+            "by_trainers.2.uncompressed_gaps",
+            "by_trainers.4.gaps",
             "steps",
             "global_batch",
         ),
