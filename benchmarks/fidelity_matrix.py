@@ -32,7 +32,8 @@ with uncompressed boundaries (``compression="none"``: what the synchronous step 
 rounding aside; ``uncompressed_gaps``). The gap of a family is ``|held_out_swarm - held_out_ddp| / held_out_ddp``; ``trainer_params_identical``: the trainers' own parameters
 (outside the pipeline) hash alike on every trainer at the end; ``stage_steps_equal``: the stages stepped once per
 global step. The full run (no ``--quick``) adds 4 trainers against DDP on 4 devices. Written to
-``runs/fidelity_matrix_trainers/fidelity_matrix_trainers.json``.
+``runs/fidelity_matrix_trainers/fidelity_matrix_trainers.json`` (the full run:
+``runs/fidelity_matrix_trainers_full/fidelity_matrix_trainers_full.json``).
 
 Last stdout line: one JSON object with ``families``, ``max_relative_gap``, ``gaps``, ``stage_steps_equal``,
 ``held_out_single``, ``held_out_swarm``, ``stage_steps``, ``trainer_steps``, ... (targets: gap <= 0.02, stage
@@ -167,7 +168,8 @@ def compare_trainers(family: str, trainers: int, args: argparse.Namespace) -> di
 
 def trainers_report(args: argparse.Namespace, families: list[str], counts: list[int]) -> None:
     """The several-trainers matrix (see the module's docstring)."""
-    report = _harness.Report("fidelity_matrix_trainers", args.out)
+    # the full run (200 steps of batch 64) keeps its own report beside the quick one's
+    report = _harness.Report("fidelity_matrix_trainers" + ("" if args.quick else "_full"), args.out)
     started = time.monotonic()
     rows: dict[str, dict[str, Any]] = {}
     for k in counts:

@@ -111,6 +111,32 @@ BENCHMARKS: dict[str, Claim] = {
         ),
         beside="fidelity_matrix",
     ),
+    "fidelity_matrix_trainers_full": Claim(
+        "fidelity matrix with several trainers, the full run (200 steps of global batch 64; `families`: those run): "
+        "each family in a swarm of K trainers (2 stages, 8-bit; synchronous steps) vs Lightning's DDP on K CPU "
+        "devices, same seed, data shards, global batch and steps; `uncompressed_max_relative_gap`: the synchronous "
+        "mode with uncompressed boundaries; `by_trainers.K.seed_gaps`: DDP with another seed (the noise floor)",
+        "`max_relative_gap` <= 0.02, trainers' own parameters identical, stage steps equal (one per global step)",
+        (
+            "max_relative_gap",
+            "trainer_params_identical",
+            "stage_steps_equal",
+            "async_max_relative_gap",
+            "uncompressed_max_relative_gap",
+            "meets_target",
+            "families",
+            "trainers",
+            "by_trainers.2.gaps",
+            "by_trainers.2.seed_gaps",
+            "by_trainers.2.uncompressed_gaps",
+            "by_trainers.4.gaps",
+            "by_trainers.4.seed_gaps",
+            "by_trainers.4.uncompressed_gaps",
+            "steps",
+            "global_batch",
+        ),
+        beside="fidelity_matrix_trainers",
+    ),
     "swarm_trainers": Claim(
         "several trainers feeding one swarm (2 stages x 2 peers on loopback, the fidelity matrix's ALBERT, batch 16 "
         "per trainer): "
