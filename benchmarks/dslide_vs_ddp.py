@@ -317,8 +317,8 @@ def main() -> None:
     if not args.quick:
         plan += [("ddp_sparse_4_link", "ddp_sparse", 4, rate), ("ddp_4_link", "ddp", 4, rate)]
     steps = {"ddp": (2, 1)} if args.quick else {"ddp": (6, 2)}
-    # 35 timed steps either way (a rebuild of the hash tables comes at step 50): with 12 (the quick runs' count up to
-    # 2026-12-05) a 2-rank round moved by 2 ms of ~31 from run to run, more than the changes it measures
+    # 35 timed steps either way (a rebuild of the hash tables comes at step 50): with 12 a 2-rank
+    # round moved by 2 ms of ~31 from run to run, more than the changes it measures
     sparse_steps = (40, 5)
     tries: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="dslide_vs_ddp_") as tmp:

@@ -1,6 +1,6 @@
-"""Does a swarm train every kind of model as one process does? The fidelity matrix of issue 23.
+"""Does a swarm train every kind of model as one process does? The fidelity matrix.
 
-Each model family of ``examples/families.py`` (a GPT decoder with a float causal mask and weight tying; a ViT with
+Each model family of ``testbed/families.py`` (a GPT decoder with a float causal mask and weight tying; a ViT with
 cls token and position embedding on the trainer; an encoder over padded sequences with dropout 0.1, a linear LR
 warm-up and gradient clipping at norm 1; a CNN with BatchNorm; ALBERT) trains twice from the same seed, data,
 global batch and number of optimizer steps:
@@ -39,7 +39,7 @@ Last stdout line: one JSON object with ``families``, ``max_relative_gap``, ``gap
 ``held_out_single``, ``held_out_swarm``, ``stage_steps``, ``trainer_steps``, ... (targets: gap <= 0.02, stage
 steps equal). Also written, with commit, date and load average, to ``runs/fidelity_matrix/fidelity_matrix.json``
 (``--out``), and the loss curves to ``runs/fidelity_matrix/loss_curves.png``. ``--quick``: 40 steps of batch 32 (under 5
-minutes on 2 idle cores); default: 200 steps of batch 64 (issue 23's ViT report).
+minutes on 2 idle cores); default: 200 steps of batch 64.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ from typing import Any
 import _harness
 
 from examples.albert.plot import smooth
-from examples.families import FAMILIES
-from examples.fidelity_job import buffer_gap, launch, parameter_gap, run
+from testbed.families import FAMILIES
+from testbed.fidelity_job import buffer_gap, launch, parameter_gap, run
 
 TARGET_GAP = 0.02
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w]*\.)*[A-Za-z_]\w*(Error|Exception|Interrupt): ")

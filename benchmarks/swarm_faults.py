@@ -2,7 +2,7 @@
 
 Two comparisons: under repeated kills of a last-stage process, and with one last-stage process at half speed.
 
-The model is ``examples/stage_peer.py``'s small MLP: 2 stages of 2 blocks of ``Linear(256, 256)`` + ``Tanh``
+The model is ``testbed/stage_peer.py``'s small MLP: 2 stages of 2 blocks of ``Linear(256, 256)`` + ``Tanh``
 (``stage_module``, the same initial weights in both jobs), microbatches of 16 random rows, loss ``output.pow(2).mean()``, ``Adam(lr=1e-3)``
 stepping once per 256 samples (the stage peers' ``target_batch_size``). Both jobs run on this box's cores (2 on
 the benchmark machine, shared with everything else on it), over loopback, with one torch thread per process.
@@ -10,10 +10,14 @@ the benchmark machine, shared with everything else on it), over loopback, with o
 - **Swarm**: 2 stages x 2 server peers (``stage_peer.py`` processes; each has a DHT helper and a p2p daemon), and
   one trainer (this process) keeping ``--concurrency`` microbatches in flight, each routed whole
   (``microbatches=1``: GPipe's microbatch size) through one peer per stage (forward, then backward; a failed call is
-  retried on the other peer of the stage). Its figure is
-  samples of the microbatches completed. (A killed peer also loses the gradients it accumulated since the
-  stage's last averaging round, at most ``target_batch_size`` = 256 samples:
-  ``throughput_faults_swarm_conservative`` subtracts that bound for every kill.)
+  retried on the other peer of the stage). Its figure is committed samples, as GPipe's: the samples of the
+  optimizer steps that both stages took, counting only the microbatches whose gradients the step could hold. A
+  microbatch that failed does not count, nor does any microbatch of a step that failed; and since a killed stage-1
+  peer takes with it the gradients it accumulated since the step began, a step during which a peer was killed
+  counts only the microbatches completed after the kill (a lower bound: those that went to the surviving peer
+  before it are left out too). ``throughput_faults_swarm_completed`` is the count of every completed microbatch,
+  for reference. (With ``--swarm-steps async`` the trainer does not see the stages' steps: its figure is the
+  completed microbatches less ``target_batch_size`` = 256 samples per kill, the most a killed peer can hold.)
 - **GPipe**: ``torch.distributed.pipelining.ScheduleGPipe`` over gloo on 127.0.0.1, 2 ranks (one per stage) of
   one torch thread each, on the same 2 cores (not pinned, like the swarm's processes): one rank per core, no
   data-parallel replica and no standby rank (``benchmarks/_harness/gpipe_job.py``): a pipeline
@@ -43,7 +47,9 @@ job restarted as above. ``speedup_vs_gpipe_faults`` = ``throughput_faults_swarm`
 a cgroup (v1, ``/sys/fs/cgroup/cpu/swarm_bench_slow_<pid>``, removed at the end) capped at half a core
 (``cpu.cfs_quota_us`` 50000 per 100000). Swarm: stage 0 has one peer, stage 1 the slow peer and a normal one:
 the swarm's answer to a slow machine is a second peer on its stage, and a single stage-0 peer keeps the rest as
-GPipe's (one process per stage). GPipe is given the same processes: its stage-1 rank is the slow one.
+GPipe's (one process per stage). GPipe is given the same machines: its stage-1 rank is the slow one; and since a
+user of GPipe would rather leave the slow machine out, GPipe is also run on the fast processes alone (one normal
+process per stage, no checkpoints): ``speedup_vs_gpipe_hetero_fast_only``.
 ``speedup_vs_gpipe_hetero`` = swarm samples/s / GPipe samples/s (target >= 1.3), where GPipe checkpoints every N
 steps as in the fault phase (the N tuned for the kill period: a job that expects kills saves, killed or not);
 ``speedup_vs_gpipe_hetero_no_checkpoints`` is the same against GPipe without checkpoints (a job that expects no
@@ -86,15 +92,15 @@ import _harness
 import hivemind
 import torch
 
-from examples.stage_peer import stage_module
 from lightning_swarm.swarm import SwarmClient, SwarmSettings
 from lightning_swarm.swarm.lifetime import die_with_parent
 from lightning_swarm.swarm.logs import quiet_routine_logs
 from lightning_swarm.swarm.training.stepping import StepCommand
 from lightning_swarm.swarm.wire.protocol import stage_uid
+from testbed.stage_peer import stage_module
 
 ROOT = _harness.ROOT
-PEER = ROOT / "examples" / "stage_peer.py"
+PEER = ROOT / "testbed" / "stage_peer.py"
 GPIPE_JOB = ROOT / "benchmarks" / "_harness" / "gpipe_job.py"
 WIDTH, BLOCKS, BATCH, LR, TARGET_BATCH = 256, 2, 16, 1e-3, 256
 TIMEOUTS = {"request_timeout": 15.0, "matchmaking_time": 1.0, "averaging_timeout": 5.0}
@@ -181,6 +187,10 @@ class Trainer:
     def __init__(self, client: SwarmClient, concurrency: int, driven: bool = False) -> None:
         self.client, self.concurrency, self.driven = client, concurrency, driven
         self.done: list[float] = []  # completion time of every microbatch
+        self.kills: list[float] = []  # when a stage peer was SIGKILLed (``Swarm.replace``)
+        self.committed: list[
+            tuple[float, int]
+        ] = []  # per optimizer step taken: when, and the samples it holds
         self.errors = 0
         self.steps = 0
         self.step_errors = 0
@@ -192,13 +202,17 @@ class Trainer:
         else:
             self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(concurrency)]
 
-    def _one(self) -> None:
+    def _one(self) -> float | None:
+        """One microbatch forward and backward through both stages; when it completed (``None``: it failed)."""
         x = torch.randn(BATCH, WIDTH)  # data, as GPipe's: no input gradient to compute and send back
         try:
             self.client.call_stage(1, self.client.call_stage(0, x)).pow(2).mean().backward()
-            self.done.append(time.monotonic())
         except Exception:
             self.errors += 1
+            return None
+        done = time.monotonic()
+        self.done.append(done)
+        return done
 
     def _work(self) -> None:
         torch.set_num_threads(1)
@@ -210,8 +224,8 @@ class Trainer:
         per_step = TARGET_BATCH // BATCH
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="microbatch") as pool:
             while not self._stop.is_set():
-                for future in [pool.submit(self._one) for _ in range(per_step)]:
-                    future.result()
+                began = time.monotonic()
+                completed = [future.result() for future in [pool.submit(self._one) for _ in range(per_step)]]
                 if self._stop.is_set():
                     return
                 step_id = next(self._step_ids)
@@ -226,7 +240,13 @@ class Trainer:
                         self._epochs[k] = max(int(r["epoch"]) for r in future.result())
                     self.steps += 1
                 except Exception:
-                    self.step_errors += 1
+                    self.step_errors += 1  # none of its microbatches counts
+                    continue
+                committed = time.monotonic()
+                # a peer killed during the step took the gradients it held: count what completed after the kill
+                killed = max((k for k in self.kills if began <= k <= committed), default=-math.inf)
+                held = sum(1 for t in completed if t is not None and t > killed)
+                self.committed.append((committed, held * BATCH))
 
     def start(self) -> None:
         for t in self._threads:
@@ -238,7 +258,15 @@ class Trainer:
             t.join(timeout=60)
 
     def rate(self, start: float, end: float) -> float:
+        """Samples per second of the microbatches completed in ``[start, end)``."""
         return sum(start <= t < end for t in self.done) * BATCH / (end - start)
+
+    def committed_rate(self, start: float, end: float) -> float:
+        """Samples per second of the optimizer steps committed in ``[start, end)`` (trainer-driven steps), each
+        counting the microbatches whose gradients it holds; the completed microbatches' rate without them."""
+        if not self.driven:
+            return self.rate(start, end)
+        return sum(n for t, n in self.committed if start <= t < end) / (end - start)
 
 
 class Swarm:
@@ -297,6 +325,8 @@ class Swarm:
         """SIGKILL peer ``key`` and start a replacement at once; returns ``{"killed": time, "back": time}``, where
         ``back`` (when the replacement serves) is filled in by a thread, so that the kill schedule goes on."""
         record: dict = {"killed": time.monotonic(), "back": None}
+        if self.trainer is not None:
+            self.trainer.kills.append(record["killed"])
         self.peers[key].kill()
         self.peers[key] = peer = Peer({**self.base, "stage": key[0]})
 
@@ -338,7 +368,7 @@ def run_swarm(args: argparse.Namespace, dht: hivemind.DHT) -> dict:
     finally:
         stats = swarm.close()
     trainer = swarm.trainer
-    faults = trainer.rate(t1, t2)
+    faults = trainer.committed_rate(t1, t2)
     # a peer is down from its kill until its replacement serves (or, killed before it served, until the next one
     # does: the intervals' union)
     downs = [(r["killed"], min(r["back"] or t2, t2)) for r in records]
@@ -346,10 +376,14 @@ def run_swarm(args: argparse.Namespace, dht: hivemind.DHT) -> dict:
     for a, b in downs:
         down += max(0.0, b - max(a, reach))
         reach = max(reach, b)
+    if (
+        not trainer.driven
+    ):  # the trainer does not see the stages' steps: the most a killed peer can hold, less
+        faults -= len(downs) * TARGET_BATCH / (t2 - t1)
     return {
-        "healthy": trainer.rate(t0, t1),
+        "healthy": trainer.committed_rate(t0, t1),
         "faults": faults,
-        "faults_conservative": faults - len(downs) * TARGET_BATCH / (t2 - t1),
+        "faults_completed": trainer.rate(t1, t2),
         "kills": len(downs),
         "down_fraction": down / (t2 - t1),
         "downtime_s": [round(b - a, 2) for a, b in downs],
@@ -357,7 +391,9 @@ def run_swarm(args: argparse.Namespace, dht: hivemind.DHT) -> dict:
         "failed_microbatches": trainer.errors,
         "steps": trainer.steps,
         "step_errors": trainer.step_errors,
-        "series": [(t - t1, trainer.rate(t, t + args.bin)) for t in _frange(t1, t2 - args.bin, args.bin)],
+        "series": [
+            (t - t1, trainer.committed_rate(t, t + args.bin)) for t in _frange(t1, t2 - args.bin, args.bin)
+        ],
         "kills_at": [a - t1 for a, _ in downs],
         "downs": [(a - t1, b - t1) for a, b in downs],
     }
@@ -378,7 +414,11 @@ def run_swarm_hetero(args: argparse.Namespace, dht: hivemind.DHT, slow: SlowCgro
         }
     finally:
         swarm.close()
-    return {"throughput": swarm.trainer.rate(t0, t1), "errors": swarm.trainer.errors, "routed": routed}
+    return {
+        "throughput": swarm.trainer.committed_rate(t0, t1),
+        "errors": swarm.trainer.errors,
+        "routed": routed,
+    }
 
 
 # ----------------------------------------------------------------------------------- GPipe
@@ -669,6 +709,8 @@ def main() -> None:
                 g_het = run_gpipe(args, out, "hetero", g_faults["every"], args.phase, slow=slow)
                 # the same without checkpoints: what GPipe makes where no kill is expected
                 g_het_plain = run_gpipe(args, out, "hetero_no_checkpoints", 10**9, args.phase, slow=slow)
+                # what a user of GPipe would run instead: the fast processes alone (the slow machine left out)
+                g_fast = run_gpipe(args, out, "hetero_fast_only", 10**9, args.phase)
                 g_throttle = slow.stats()
                 s_het = run_swarm_hetero(args, dht, slow)
                 s_throttle = {k: v - g_throttle.get(k, 0) for k, v in slow.stats().items()}
@@ -680,6 +722,8 @@ def main() -> None:
                 "speedup_vs_gpipe_hetero_no_checkpoints": _r(
                     s_het["throughput"] / g_het_plain["throughput"], 3
                 ),
+                "throughput_hetero_gpipe_fast_only": _r(g_fast["throughput"]),
+                "speedup_vs_gpipe_hetero_fast_only": _r(s_het["throughput"] / g_fast["throughput"], 3),
                 "gpipe_hetero_vs_healthy": _r(g_het["throughput"] / g_healthy["throughput"], 3),
                 "hetero_swarm_layout": "stage 0: 1 peer; stage 1: 1 slow + 1 normal peer",
                 "hetero_failed_microbatches": s_het["errors"],
@@ -688,7 +732,8 @@ def main() -> None:
             }
             print(
                 f"hetero: swarm {s_het['throughput']:.1f}, GPipe {g_het['throughput']:.1f} samples/s "
-                f"({g_het_plain['throughput']:.1f} without checkpoints)",
+                f"({g_het_plain['throughput']:.1f} without checkpoints, {g_fast['throughput']:.1f} on the fast "
+                "processes alone)",
                 flush=True,
             )
         else:
@@ -705,7 +750,8 @@ def main() -> None:
         "throughput_healthy_gpipe": _r(g_healthy["throughput"]),
         "throughput_healthy_gpipe_every1": _r(g_every1["throughput"]),
         "speedup_vs_gpipe_healthy": _r(s["healthy"] / g_healthy["throughput"], 3),
-        "throughput_faults_swarm_conservative": _r(s["faults_conservative"]),
+        "throughput_faults_swarm_completed": _r(s["faults_completed"]),
+        "swarm_counts": "committed steps" if args.swarm_steps == "trainer" else "completed less 256 per kill",
         "retained": _r(s["faults"] / max(s["healthy"], 1e-9), 3),
         "retained_gpipe": _r(g_faults["throughput"] / g_healthy["throughput"], 3),
         "gpipe_checkpoint_every_steps": g_faults["every"],

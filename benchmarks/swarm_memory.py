@@ -12,7 +12,7 @@ main process, forked helpers (DHT, averagers) and p2p daemons; the mean peak per
 processes per peer. ``--quick``: 30 steps. Also written to ``runs/swarm_memory/swarm_memory.json`` (``--scale``:
 ``runs/swarm_memory_scale/swarm_memory_scale.json``; ``--out``).
 
-``--scale``: models larger than one peer (``examples/memory_job.py``). An MLP pipeline (16 blocks of width 2048
+``--scale``: models larger than one peer (``testbed/memory_job.py``). An MLP pipeline (16 blocks of width 2048
 and FFN 8192: 537M parameters; ``--quick``: width 1024, FFN 4096, 134M) trained with Adam for a few steps by one
 plain Lightning process, then by a local swarm of 4 peers, 4 stages of one peer each (one trainer), once for each
 way of building the model: in ``__init__`` (``init``), under ``trainer.init_module(empty_init=True)``
@@ -121,13 +121,13 @@ def _floor_mb() -> float:
 
 
 def _run_job(cfg: dict, timeout: float, cgroup_mb: float | None = None) -> dict:
-    """Run ``examples/memory_job.py`` with ``cfg``, sampling its processes' PSS; returns the peaks per peer, the peers'
+    """Run ``testbed/memory_job.py`` with ``cfg``, sampling its processes' PSS; returns the peaks per peer, the peers'
     reports and whether it completed."""
     out_dir = tempfile.mkdtemp(prefix="swarm-memory-")
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
     if cgroup_mb is not None:
         env["SWARM_MEMORY_CGROUP"] = f"{CGROUP_ROOT}/swarm_memory_{os.getpid()}:{int(cgroup_mb * 2**20)}"
-    cmd = [sys.executable, "examples/memory_job.py", json.dumps({**cfg, "out_dir": out_dir})]
+    cmd = [sys.executable, "testbed/memory_job.py", json.dumps({**cfg, "out_dir": out_dir})]
     returncode, peaks, stderr = run_sampled(cmd, 0.2, timeout, env=env)
     reports = {}
     for name in sorted(os.listdir(out_dir)):

@@ -1,7 +1,7 @@
 """Does throughput survive fidelity? Several trainers feeding one swarm, synchronous steps against asynchronous.
 
 One swarm of 2 stages x 2 peers on 127.0.0.1 (``devices=4``; the first K peers also train: ``num_trainers=K``) trains
-the fidelity matrix's ALBERT family (``examples/families.py``; ``--family``), each trainer with the same batch, for
+the fidelity matrix's ALBERT family (``testbed/families.py``; ``--family``), each trainer with the same batch, for
 K = 1, 2 and 4:
 
 - ``sync``: ``stage_steps="trainer"``, the default: one global step per global batch (K batches), as DDP's ranks
@@ -30,7 +30,7 @@ from typing import Any
 
 import _harness
 
-from examples.fidelity_job import launch
+from testbed.fidelity_job import launch
 
 TARGET = 0.9
 
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument(
         "--family",
         default="albert",
-        help="the model family (examples/families.py); one without gradient clipping, which the async mode refuses",
+        help="the model family (testbed/families.py); one without gradient clipping, which the async mode refuses",
     )
     args = p.parse_args()
     args.steps = args.steps or (30 if args.quick else 80)

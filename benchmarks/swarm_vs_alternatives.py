@@ -922,7 +922,7 @@ def main() -> None:
     ddp_steps = cfg.get("ddp_global_steps", cfg["global_steps"])
     summary["timed_samples_per_run_ddp"] = summary["global_batch"] * (ddp_steps - cfg["warmup_steps"])
     per_link = summary["per_link"]
-    summary["targets"] = {  # issue 25's
+    summary["targets"] = {  # the registry's targets
         **{
             f"speedup_vs_gpipe_{name}>=1": (per_link.get(name, {}).get("speedup_vs_gpipe") or 0) >= 1
             for name in per_link

@@ -1,10 +1,10 @@
-"""Regenerate the figures table of docs/benchmarks.md from the benchmark reports in runs/<name>/<name>.json.
+"""Generate docs/benchmarks.md from the benchmark reports in runs/<name>/<name>.json.
 
     python scripts/benchmark_table.py [--check] [--runs runs] [--doc docs/benchmarks.md]
 
-Rows of benchmarks with a report are rebuilt (claim and target from benchmarks/_harness/registry.py, the rest from
-the JSON); hand-written rows (tests, example runs, earlier runs whose JSON was not kept) stay as they are. See
-benchmarks/_harness/table.py.
+Every row comes from a report (claim, target and figures' keys from benchmarks/_harness/registry.py, the rest from
+the JSON); a benchmark without a report says so. ``--check`` changes nothing and exits 1 when the document differs.
+See benchmarks/_harness/table.py.
 """
 
 import sys

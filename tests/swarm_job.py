@@ -118,6 +118,17 @@ class RecordLoss(Callback):
         self.losses.append(float(loss))
 
 
+class RecordBar(Callback):
+    """What the default progress bar (Lightning's TQDM bar) shows after each batch."""
+
+    def __init__(self) -> None:
+        self.metrics: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        bar = trainer.progress_bar_callback
+        self.metrics.append({"bar": type(bar).__name__, **bar.get_metrics(trainer, pl_module)})
+
+
 def build(cfg: dict):
     seed_everything(cfg.get("seed", 0))
     if cfg["model"] == "albert":
@@ -130,7 +141,7 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     model, data = build(cfg)
     strategy = lightning_swarm.SwarmStrategy(**cfg["strategy"]) if cfg.get("strategy") is not None else "auto"
-    record = RecordLoss()
+    record, bar = RecordLoss(), RecordBar()
     initial = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("layers.")}
     trainer = Trainer(
         strategy=strategy,
@@ -139,11 +150,12 @@ def main() -> None:
         max_steps=cfg["max_steps"],
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=bool(cfg.get("progress_bar")),
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[record, Chaos(cfg.get("pids_dir"), cfg.get("kill"))],
+        callbacks=[record, Chaos(cfg.get("pids_dir"), cfg.get("kill"))]
+        + ([bar] if cfg.get("progress_bar") else []),
     )
     if isinstance(data, DataLoader):
         trainer.fit(model, data)
@@ -152,7 +164,7 @@ def main() -> None:
     if cfg.get("threads_dir"):  # every peer: the torch threads it computed with
         with open(os.path.join(cfg["threads_dir"], f"peer{trainer.global_rank}.json"), "w") as f:
             json.dump({"threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}, f)
-    result = {"losses": record.losses, "initial": initial}
+    result = {"losses": record.losses, "initial": initial, "bar": bar.metrics}
     launcher = getattr(trainer.strategy, "_launcher", None)
     result["deaths"] = list(getattr(launcher, "deaths", []))
     if cfg.get(

@@ -1,6 +1,6 @@
 """Chaos: servers SIGKILLed mid-forward, mid-backward and mid-averaging while a trainer trains through the swarm.
 
-Peers are real processes on 127.0.0.1 (``examples/stage_peer.py``); the trainer runs here with a :class:`SwarmClient`.
+Peers are real processes on 127.0.0.1 (``testbed/stage_peer.py``); the trainer runs here with a :class:`SwarmClient`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tests import _zygote
 from tests._helpers import SMALL_SWARM_STRATEGY, alive
 
 ROOT = Path(__file__).resolve().parents[1]
-PEER = ROOT / "examples" / "stage_peer.py"
+PEER = ROOT / "testbed" / "stage_peer.py"
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL chaos on Linux")
 
 

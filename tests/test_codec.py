@@ -539,7 +539,7 @@ def test_tensors_decode_and_check_under_inference_mode(compression: str) -> None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_a_float_mask_with_infinities_survives_8bit_compression_exactly(dtype: torch.dtype) -> None:
     """Quantized, a causal mask's 0/-inf blocks would arrive as NaN and +inf (an infinite block scale): the parts
-    that hold an infinity travel raw, the finite parts of the same tensor still in 8 bits (issue 23)."""
+    that hold an infinity travel raw, the finite parts of the same tensor still in 8 bits."""
     from lightning_swarm.swarm.wire.codec import PART_ELEMENTS, WIRE_8BIT, encode_parts
 
     mask = torch.nn.Transformer.generate_square_subsequent_mask(64).to(dtype)

@@ -74,6 +74,30 @@ def test_readme_is_a_users_guide() -> None:
     ) == 2
 
 
+_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")  # hex with a letter and a digit
+_DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+_ISSUE = re.compile(r"\bissues? \d+|(?<![\w&])#\d+\b", re.IGNORECASE)
+# benchmarks.md is generated (its commit column comes from the reports); the table test holds a made-up report
+_HISTORY_EXEMPT = ("docs/benchmarks.md", "tests/test_benchmark_table.py")
+
+
+def test_docs_and_comments_name_no_commits_dates_or_issues() -> None:
+    """Documents say what is true now: history is in git and in the benchmark reports, and the tracker is not in
+    the repository."""
+    files = [ROOT / "README.md", *DOC_PAGES]
+    for folder in ("lightning_swarm", "tests", "examples", "benchmarks", "testbed", "scripts"):
+        files += sorted((ROOT / folder).rglob("*.py"))
+    found = []
+    for path in files:
+        name = str(path.relative_to(ROOT))
+        if name.startswith(_HISTORY_EXEMPT):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for pattern in (_HASH, _DATE, _ISSUE):
+                found += [f"{name}:{number}: {m.group(0)}" for m in pattern.finditer(line)]
+    assert not found, "\n".join(found)
+
+
 # ---- the runner itself, on small synthetic pages
 
 

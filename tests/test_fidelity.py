@@ -1,14 +1,15 @@
-"""The training contract (DESIGN.md section 3): with one trainer, a swarm trains the model one process trains.
+"""The training contract (docs/design/swarm-optimisation.md): with one trainer, a swarm trains what one process
+trains.
 
-Each model family of ``examples/families.py`` (written the way its field writes it: a GPT decoder with a float
+Each model family of ``testbed/families.py`` (written the way its field writes it: a GPT decoder with a float
 causal mask and weight tying, a ViT with cls token and position embedding on the trainer, an encoder with a
 boolean padding mask and dropout, a CNN with BatchNorm) trains 20 optimizer steps twice from the same seed, data
 and batch: in one plain Lightning process, and in a local swarm of 2 peer processes on 127.0.0.1 (one trainer,
 2 stages, ``compression="none"``). Both runs end with one validation pass (through the swarm in the swarm run).
 
 Equal terms: ``target_batch_size`` is set to the batch size, so that "the stages step once per trainer step" is
-what the swarm is asked to do (the default, 256, would make the stages step once every 16 batches, see the
-report of issue 23). Nothing else differs from a user's switch of ``strategy``.
+what the swarm is asked to do (the default, 256, would make the stages step once every 16 batches). Nothing else
+differs from a user's switch of ``strategy``.
 
 Checks per family:
 - every stage took exactly as many optimizer steps as the trainer (the servers' hivemind epoch, read after they
@@ -37,10 +38,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from examples.fidelity_job import buffer_gap, launch, parameter_gap, run  # noqa: E402
 from lightning_swarm.swarm.client.client import SwarmClient  # noqa: E402
 from lightning_swarm.swarm.server import StageServer  # noqa: E402
 from lightning_swarm.swarm.settings import SwarmSettings  # noqa: E402
+from testbed.fidelity_job import buffer_gap, launch, parameter_gap, run  # noqa: E402
 from tests import _zygote  # noqa: E402
 
 STEPS = 20
@@ -54,7 +55,7 @@ BATCH = 16
 # against 2 threads (nothing but the summation order differs), as a share of the distance training moved the
 # pipeline: ViT 6.5e-3, encoder 6.9e-4, GPT 1.3e-4, CNN 0. A swarm whose stage steps were given time to land
 # before the next forward (a diagnostic pause) measured 6.2e-3 (ViT) and 9.7e-4 (encoder, dropout, warm-up and
-# clipping off). Tolerance: 3x the largest floor. Real departures are far above it (measured on commit 4292226):
+# clipping off). Tolerance: 3x the largest floor. Real departures are far above it (measured once):
 # stage 0 serving the trainer's next forward before its step lands gave 0.22-0.36 (ViT), a warm-up the stages do
 # not follow 0.87 and clipping they do not apply 0.18 (encoder), the server's optimizer-state initialisation
 # leaving SGD a momentum buffer of weight_decay * p 0.06 (CNN, at lr 0.05).

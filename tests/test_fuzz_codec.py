@@ -196,7 +196,7 @@ def test_the_request_decoder_raises_only_bad_request(header, parts, keep) -> Non
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_non_finite_activations_and_gradients_are_bad_requests(value: float) -> None:
     """NaN is refused everywhere; an infinity in an input that requires grad (an activation) and in an output
-    gradient. (Until issue 23 every input was refused: a float mask's -inf too, see the next test.)"""
+    gradient. A float mask's -inf is allowed: see the next test."""
     for backward, requires_grad in ((False, True), (True, True), (True, False)):
         good = _valid_request(backward, requires_grad)
         tensors = decode_parts(good.tensors)

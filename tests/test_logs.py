@@ -49,7 +49,7 @@ def test_a_state_download_from_a_dead_donor_is_one_warning_line_and_real_errors_
 
 def test_a_zero_weight_round_that_found_no_partner_is_not_an_error() -> None:
     """hivemind's optimizer logs a failed round it joined with zero weight ("tagging along") with a traceback at
-    ERROR; when its partner was killed that is routine (the CI run of d4acbea printed one in the killed-peer test)."""
+    ERROR; when its partner was killed that is routine (CI printed one in the killed-peer test)."""
     from hivemind.averaging.partition import AllreduceException
 
     def _tag_along_with_zero_weight(error: BaseException) -> None:  # the frame hivemind's record carries
@@ -71,7 +71,7 @@ def test_a_zero_weight_round_that_found_no_partner_is_not_an_error() -> None:
 def test_an_incomplete_state_download_is_one_warning_line() -> None:
     """hivemind's optimizer logs an IndexError from ``load_optimizer_state`` (a downloaded state with fewer optimizer
     statistics than its metadata lists) at ERROR with a traceback, then retries; it logs the opposite mismatch as a
-    WARNING. Seen once in CI in the 4-peer LM test (`8edc61f`)."""
+    WARNING. Seen once in CI in the 4-peer LM test."""
 
     def load_optimizer_state(error: BaseException) -> None:  # the frame hivemind's record carries
         raise error

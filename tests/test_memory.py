@@ -10,13 +10,13 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from torch import nn
 
-from examples import memory_job as _memory_job
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.swarm.peer.materialize import RngSnapshot, has_meta, materialize
+from testbed import memory_job as _memory_job
 from tests import _zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "examples", "memory_job.py")
+JOB = os.path.join(ROOT, "testbed", "memory_job.py")
 
 
 def _net() -> nn.Module:

@@ -1,5 +1,5 @@
 # ruff: noqa: F811 (the fixtures of test_stage_server, imported, are the tests' parameters)
-"""What a stage call means (issue 23): data inputs, refusals, train/eval mode and dropout replay.
+"""What a stage call means: data inputs, refusals, train/eval mode and dropout replay.
 
 Real stage servers and clients over hivemind's DHT/P2P on 127.0.0.1 (the fixtures and helpers of
 ``test_stage_server``), or in process (``local_servers``), against the same modules run in one process:

@@ -12,6 +12,7 @@ from lightning.pytorch.cli import LightningCLI
 
 import lightning_swarm
 from lightning_swarm import SwarmStrategy
+from lightning_swarm.swarm import SwarmSettings
 from tests import _zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +48,8 @@ def test_registered_names_and_defaults():
     trainer = Trainer(strategy="swarm", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, SwarmStrategy)
     assert trainer.strategy.settings.compression == "8bit"
+    # the strategy's defaults are the engine's: one source of defaults
+    assert SwarmStrategy().settings == SwarmSettings()
     trainer = Trainer(strategy="swarm", accelerator="swarm", devices=1, logger=False)
     assert isinstance(trainer.accelerator, lightning_swarm.SwarmAccelerator)
 
@@ -132,6 +135,38 @@ def test_one_step_through_a_two_stage_swarm_equals_plain_lightning(tmp_path, mod
     assert changed == len(expected)  # every parameter moved, in the swarm as in the reference
     # one trainer, one peer per stage, whole calls: the peers take turns, so each computes on all the cores
     assert peer_threads(tmp_path, 2) == [expected_threads(1)] * 2
+
+
+@pytest.mark.timeout(300)
+def test_the_default_progress_bar_shows_the_swarms_figures_with_no_callback(tmp_path):
+    """Lightning's own TQDM bar, as a user gets it: the strategy's logged figures are on it (samples/s, live peers
+    per stage, bytes on the wire, averaging rounds), with no callback of the project's."""
+    cfg = {
+        "model": "seq",
+        "devices": 2,
+        "max_steps": 12,
+        "progress_bar": True,
+        "out": str(tmp_path / "out.pt"),
+        "strategy": {
+            "pipeline": "layers",
+            "num_stages": 2,
+            "num_trainers": 1,
+            "target_batch_size": 16,
+            "run_id": "progress_bar",
+        },
+    }
+    bars = run_job(cfg, timeout=280)["bar"]
+    assert len(bars) == 12 and all(bar["bar"] == "TQDMProgressBar" for bar in bars)
+    last = bars[-1]
+    assert float(last["swarm/samples_per_s"]) > 0
+    # one peer per stage: rank 0 trains and serves stage 0, rank 1 serves stage 1
+    assert float(last["swarm/stage0/peers"]) == 1 and float(last["swarm/stage1/peers"]) == 1
+    # stage 1 is another process: its calls cross the wire, and the count only grows
+    wire = [float(bar["swarm/wire_mb"]) for bar in bars]
+    assert wire[-1] > 0 and wire == sorted(wire)
+    # a stage alone averages with nobody: 0 rounds, shown rather than left out
+    assert float(last["swarm/stage0/rounds"]) == 0 and float(last["swarm/stage1/rounds"]) == 0
+    assert "swarm/bytes_sent" not in last  # the rest of the counters go to the logger only
 
 
 def expected_threads(computing_at_once: int) -> int:

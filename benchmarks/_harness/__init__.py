@@ -20,7 +20,7 @@ only place that does), so that ``examples``, ``testbed`` and this checkout's ``l
   server as fast as they can (``batched_stage.py``, ``kept_activations.py``).
 
 Tests never import this package, and no benchmark imports a test's file: what both need lives in ``testbed/``
-(infrastructure) or ``examples/`` (models and jobs).
+(infrastructure and the job scripts both start) or ``examples/`` (what a user runs).
 """
 
 from __future__ import annotations

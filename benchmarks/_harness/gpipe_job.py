@@ -2,7 +2,7 @@
 a killed rank costs a restart from the last checkpoint, not the whole run (``benchmarks/swarm_faults.py``).
 
 ``python benchmarks/_harness/gpipe_job.py '<json>'`` runs rank ``rank`` of 2 (one stage each) over gloo, rendezvous
-at ``tcp://127.0.0.1:<port>``, with one torch thread. The model is ``examples/stage_peer.py``'s: stage ``k`` is
+at ``tcp://127.0.0.1:<port>``, with one torch thread. The model is ``testbed/stage_peer.py``'s: stage ``k`` is
 ``blocks`` blocks of ``Linear(width, width)`` + ``Tanh``; its initial weights are the ``step 0`` checkpoint the
 benchmark writes from ``stage_peer.stage_module`` (so both jobs start from the same weights; this file imports
 only torch, as a rank of a pipelining job would, and not hivemind or ``lightning_swarm``, whose imports would add
@@ -37,7 +37,7 @@ _CKPT = re.compile(r"rank(\d)_step(\d+)\.pt$")
 
 
 def stage_blocks(width: int, blocks: int) -> nn.Module:
-    """The architecture of ``examples/stage_peer.stage_module`` (its weights come from the checkpoint)."""
+    """The architecture of ``testbed/stage_peer.stage_module`` (its weights come from the checkpoint)."""
     return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)))
 
 

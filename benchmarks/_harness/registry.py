@@ -1,10 +1,10 @@
 """What each benchmark report claims: the rows of the figures table in ``docs/benchmarks.md``.
 
 One entry per report name (``runs/<name>/<name>.json``; a benchmark whose options change what it measures writes
-under a variant's name, e.g. ``swarm_hop_1000mbit``): the claim in words, its target, the JSON keys the table shows
-as the latest figure (dotted paths into the JSON, the headline first), whether it needs root (network namespaces,
-cgroups) and, for a report with no earlier row of its own, the benchmark whose rows it goes beside. The
-command, date, commit and load come from the JSON itself (``report.py``). ``scripts/benchmark_table.py`` reads this.
+under a variant's name, e.g. ``swarm_hop_1000mbit``), in the order of the table: the command that measures it, the
+claim in words, its target, the JSON keys the table shows as the latest figure (dotted paths into the JSON, the
+headline first) and whether it needs root (network namespaces, cgroups). Where a report exists, its own command
+line, date, commit and load are shown (``report.py``). ``scripts/benchmark_table.py`` reads this.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Claim:
+    command: str  # what measures it, from the repository root (a report's own command line wins)
     claim: str
     target: str
     figures: tuple[str, ...]  # the first one is the headline (bold)
     root: bool = False
-    beside: str | None = None  # a new row goes with this benchmark's rows (default: its own name's)
 
 
 NONE = "none stated"
 
 # the headline figures of albert_fidelity.py (one configuration)
 _FIDELITY_KEYS = ("relative_gap", "meets_target", "loss_swarm", "loss_single", "steps", "stage_steps")
-# the figures of albert_fidelity.py --matrix (issue 25's compression beyond 8 bit), shaped link or not
+# the figures of albert_fidelity.py --matrix (compression beyond 8 bit), shaped link or not
 _FIDELITY_MATRIX_KEYS = (
     "target_met",
     "relative_gap",
@@ -40,39 +40,40 @@ _FIDELITY_MATRIX_KEYS = (
 
 BENCHMARKS: dict[str, Claim] = {
     "albert_fidelity": Claim(
+        "python benchmarks/albert_fidelity.py --quick",
         "ALBERT fidelity: 1 trainer + 2 stage servers with 8-bit boundaries vs plain Lightning, same seed, data, "
         "global batch and optimizer steps",
         "`relative_gap` <= 0.03",
         (*_FIDELITY_KEYS, "bytes_vs_fp32", "bytes_per_sample", "wire_bytes_swarm", "fp32_boundary_bytes"),
     ),
     "albert_fidelity_2peers": Claim(
+        "python benchmarks/albert_fidelity.py --quick --peers-per-stage 2",
         "ALBERT fidelity with 2 server peers per stage (the main job's layout: each stage's peers sum their "
         "gradients at every step), 8-bit boundaries, vs plain Lightning, same seed, data, global batch and "
         "optimizer steps",
         "`relative_gap` <= 0.03",
         (*_FIDELITY_KEYS, "peers_per_stage"),
-        beside="albert_fidelity",
     ),
     "albert_fidelity_matrix_100mbit": Claim(
+        "python benchmarks/albert_fidelity.py --quick --matrix --link-mbit 100",
         "ALBERT fidelity beyond 8 bit: 1 trainer + 2 stage servers, uncompressed / 8-bit / maxout and bottleneck "
         "boundaries (factor 4) on top of 8-bit, vs one plain-model process, same seed, data, global batch and steps; "
         "every peer on one shared loopback shaped to 100 Mbit/s; `time_to_target_s`: training time until the "
         "10-step mean loss reaches the single process's loss after 2/3 of the steps. With a boundary every hop "
-        "narrows, the trainer's too (`boundary_ends`, the default since 6022a48: before, the first stage's input "
-        "and the last one's output stayed `hidden_size` wide and factor 4 at 8 bit gave at best ~0.157)",
-        "a configuration with `bytes_vs_fp32` <= 0.1 at `relative_gap` <= 0.03 (issue 25)",
+        "narrows, the trainer's too (`boundary_ends`)",
+        "a configuration with `bytes_vs_fp32` <= 0.1 at `relative_gap` <= 0.03",
         (*_FIDELITY_MATRIX_KEYS, "link_measured_mbit"),
         root=True,
-        beside="albert_fidelity",
     ),
     "albert_fidelity_matrix": Claim(
+        "python benchmarks/albert_fidelity.py --quick --matrix",
         "ALBERT fidelity beyond 8 bit: uncompressed / 8-bit / maxout and bottleneck boundaries (factor 4) on top "
         "of 8-bit vs one plain-model process, on loopback (no shaping)",
-        "a configuration with `bytes_vs_fp32` <= 0.1 at `relative_gap` <= 0.03 (issue 25)",
+        "a configuration with `bytes_vs_fp32` <= 0.1 at `relative_gap` <= 0.03",
         _FIDELITY_MATRIX_KEYS,
-        beside="albert_fidelity",
     ),
     "fidelity_matrix": Claim(
+        "python benchmarks/fidelity_matrix.py --quick",
         "fidelity matrix: GPT, ViT, encoder, CNN, ALBERT; swarm (1 trainer, 2 stages, 8-bit) vs one process, "
         "same seed, data, batch, steps; `seed_gaps`: two single-process seeds (the noise floor)",
         "`max_relative_gap` <= 0.02, stage steps equal",
@@ -87,6 +88,7 @@ BENCHMARKS: dict[str, Claim] = {
         ),
     ),
     "fidelity_matrix_trainers": Claim(
+        "python benchmarks/fidelity_matrix.py --quick --trainers 2,4",
         "fidelity matrix with several trainers: each family in a swarm of K trainers (2 stages, 8-bit; synchronous "
         "steps, the default) vs Lightning's DDP on K CPU devices, same seed, data shards, global batch and steps; "
         '`async_max_relative_gap`: the asynchronous mode (`stage_steps="async"`) against the same DDP; '
@@ -109,7 +111,6 @@ BENCHMARKS: dict[str, Claim] = {
             "steps",
             "global_batch",
         ),
-        beside="fidelity_matrix",
     ),
     "fidelity_matrix_trainers_full": Claim(
         "fidelity matrix with several trainers, the full run (200 steps of global batch 64; `families`: those run): "
@@ -138,6 +139,7 @@ BENCHMARKS: dict[str, Claim] = {
         beside="fidelity_matrix_trainers",
     ),
     "swarm_trainers": Claim(
+        "python benchmarks/swarm_trainers.py --quick",
         "several trainers feeding one swarm (2 stages x 2 peers on loopback, the fidelity matrix's ALBERT, batch 16 "
         "per trainer): "
         'samples/s of synchronous steps (DDP\'s step, the default) against asynchronous ones (`stage_steps="async"`) '
@@ -146,6 +148,7 @@ BENCHMARKS: dict[str, Claim] = {
         ("sync_vs_async_2", "sync_vs_async_4", "meets_target", "samples_per_s", "steps"),
     ),
     "square_cube": Claim(
+        "python benchmarks/square_cube.py --quick",
         "square-cube law: one Transformer block's forward+backward (1 thread) vs sending its boundary activations "
         "and gradients at 100 Mbit/s and 1 Gbit/s",
         "ratio grows with size",
@@ -160,21 +163,25 @@ BENCHMARKS: dict[str, Claim] = {
         root=True,
     ),
     "swarm_faults": Claim(
+        "python benchmarks/swarm_faults.py --quick --width 2048 --blocks 4",
         "swarm (2 stages x 2 peers, one trainer) vs torch GPipe (2 ranks) restarted from checkpoints every N steps "
         "(Young's N), same MLP, microbatches, optimizer and 2 cores, over loopback: one last-stage process SIGKILLed "
         "every kill period (swarm: a replacement started at once; GPipe: both ranks restarted), and, without kills, "
-        "one last-stage process at half a core (swarm: plus a normal peer on that stage)",
-        "`speedup_vs_gpipe_faults` >= 1.5, `speedup_vs_gpipe_hetero` >= 1.3 (issue 25)",
+        "one last-stage process at half a core (swarm: plus a normal peer on that stage; GPipe also on the fast "
+        "processes alone). Both sides count the samples of committed optimizer steps only",
+        "`speedup_vs_gpipe_faults` >= 1.5, `speedup_vs_gpipe_hetero` >= 1.3",
         (
             "speedup_vs_gpipe_faults",
             "speedup_vs_gpipe_hetero",
             "speedup_vs_gpipe_hetero_no_checkpoints",
+            "speedup_vs_gpipe_hetero_fast_only",
             "speedup_vs_gpipe_healthy",
             "throughput_faults_swarm",
             "throughput_faults_gpipe",
             "throughput_hetero_swarm",
             "throughput_hetero_gpipe",
             "throughput_hetero_gpipe_no_checkpoints",
+            "throughput_hetero_gpipe_fast_only",
             "throughput_healthy_swarm",
             "throughput_healthy_gpipe",
             "retained",
@@ -189,6 +196,7 @@ BENCHMARKS: dict[str, Claim] = {
         root=True,
     ),
     "fuzz_rpc": Claim(
+        "python benchmarks/fuzz_rpc.py --quick",
         "a stage server under hostile requests (garbage, truncated, wrong dtype/sizes, huge sizes, 8-bit bombs, an "
         "endless stream, NaN/Inf, unknown stage, a 64-channel flood), then generated malformed requests",
         "0 crashes; RSS growth < 500 MB",
@@ -205,6 +213,7 @@ BENCHMARKS: dict[str, Claim] = {
         ),
     ),
     "quantizer_exhaustive": Claim(
+        "python benchmarks/quantizer_exhaustive.py --quick",
         "fast 8-bit kernel vs bitsandbytes' CPU kernel on every float32 value in [-1, 1], same bytes; timings on "
         "1 MiB of fp32, one thread",
         "0 mismatches",
@@ -220,6 +229,7 @@ BENCHMARKS: dict[str, Claim] = {
         ),
     ),
     "quantizer_speed": Claim(
+        "python benchmarks/quantizer_exhaustive.py --speed-only",
         "fast 8-bit kernel vs bitsandbytes' CPU kernel, 1 MiB of fp32, one thread (the timings alone)",
         NONE,
         (
@@ -230,13 +240,12 @@ BENCHMARKS: dict[str, Claim] = {
             "bitsandbytes_dequantize_ms",
             "dequantize_speedup",
         ),
-        beside="quantizer_exhaustive",
     ),
     "swarm_vs_alternatives": Claim(
+        "python benchmarks/swarm_vs_alternatives.py --quick --rounds 3 --split-ablation",
         "SWARM (2 peers, 8-bit) vs torch GPipe (fp32/fp16) vs DDP, one 103M-parameter Transformer split over two "
         "namespaces on a shaped veth, 1 core each, same samples and global batch; one box: 2 peers vs one process",
-        "`speedup_vs_gpipe` >= 1.0 at both links, `efficiency_single_box` >= 0.85 (issue 25), "
-        "`speedup_vs_ddp` >= 3",
+        "`speedup_vs_gpipe` >= 1.0 at both links, `efficiency_single_box` >= 0.85, `speedup_vs_ddp` >= 3",
         (
             "per_link.100mbit.speedup_vs_gpipe",
             "per_link.100mbit.speedup_vs_gpipe_fp16",
@@ -256,6 +265,7 @@ BENCHMARKS: dict[str, Claim] = {
         root=True,
     ),
     "split_backward": Claim(
+        "python benchmarks/split_backward.py",
         "split backwards: one stage of the GPipe benchmark (4 Transformer layers of 1024, 2 x 16 tokens, 1 thread), "
         "its input-gradient pass (B) and parameter-gradient pass (W) against its whole backward",
         "B well under the whole backward, B + W near it, the same gradients",
@@ -268,14 +278,15 @@ BENCHMARKS: dict[str, Claim] = {
             "forward_ms",
             "max_abs_grad_difference",
         ),
-        beside="swarm_vs_alternatives",
     ),
     "kept_activations": Claim(
+        "python benchmarks/kept_activations.py --quick",
         "kept activations: one trainer calling a remote stage (4 MLP blocks, hidden 512), Adam every 4 calls",
         NONE,
         ("speedup", "samples_per_s_recompute", "samples_per_s_kept", "kept_hits_per_backward"),
     ),
     "batched_stage": Claim(
+        "python benchmarks/batched_stage.py --quick",
         "batched stage servers: 4 trainers calling one stage peer (2 MLP blocks, hidden 512), batching off, "
         "serving threads without merging, merging on",
         NONE,
@@ -287,9 +298,9 @@ BENCHMARKS: dict[str, Claim] = {
             "speedup_of_merging",
             "computations_per_request_batched",
         ),
-        beside="kept_activations",
     ),
     "swarm_hop_1000mbit": Claim(
+        "python benchmarks/swarm_hop.py --quick --link-mbit 1000",
         "one stage hop (1 MiB fp32, 8-bit) vs an echo over the same long-lived stream, trainer and server in two "
         "network namespaces on a 1 Gbit/s link",
         "`ratio_vs_stream_echo` <= 0.45",
@@ -306,6 +317,7 @@ BENCHMARKS: dict[str, Claim] = {
         root=True,
     ),
     "swarm_hop_100mbit": Claim(
+        "python benchmarks/swarm_hop.py --quick --link-mbit 100",
         "one stage hop (1 MiB fp32, 8-bit) vs an echo over the same long-lived stream, trainer and server in two "
         "network namespaces on a 100 Mbit/s link",
         "`ratio_vs_stream_echo` <= 0.3",
@@ -313,6 +325,7 @@ BENCHMARKS: dict[str, Claim] = {
         root=True,
     ),
     "swarm_hop": Claim(
+        "python benchmarks/swarm_hop.py --quick",
         "one stage hop (1 MiB fp32, 8-bit) vs an echo over the same long-lived stream, on loopback (no shaping); "
         "the same hop through the same-host socket instead of the p2p daemons",
         NONE,
@@ -328,8 +341,9 @@ BENCHMARKS: dict[str, Claim] = {
         ),
     ),
     "swarm_rebalance": Claim(
+        "python benchmarks/swarm_rebalance.py --quick",
         "adaptive rebalancing: 4 peers of speeds 2,1,1 on stage 0 and 2 on stage 1 (sleep-simulated), rebalancing on",
-        "`optimal_over_initial` >= 1.3, `speedup_from_rebalancing` >= 1.3, `fraction_of_optimal` 0.9-1.1 (issue 25)",
+        "`optimal_over_initial` >= 1.3, `speedup_from_rebalancing` >= 1.3, `fraction_of_optimal` 0.9-1.1",
         (
             "meets_target",
             "speedup_from_rebalancing",
@@ -346,11 +360,13 @@ BENCHMARKS: dict[str, Claim] = {
         ),
     ),
     "swarm_memory": Claim(
+        "python benchmarks/swarm_memory.py --quick",
         "memory of a peer of the main job (ALBERT `swarm.yaml`, 4 peers), peak PSS of its processes",
         NONE,
         ("mean_peer_total_mb", "mean_peer_main_mb", "steps", "tracebacks_in_output"),
     ),
     "swarm_memory_scale": Claim(
+        "python benchmarks/swarm_memory.py --quick --scale",
         "models larger than one peer: worst peer's peak PSS (helpers included) / one plain process, MLP pipeline, "
         "4 stages x 1 peer, Adam, 3 steps",
         "`ratio` <= 0.35 (`init_module`, `configure_model`), <= 0.5 (`init`)",
@@ -366,6 +382,7 @@ BENCHMARKS: dict[str, Claim] = {
         ),
     ),
     "sparse_vs_dense": Claim(
+        "python benchmarks/sparse_vs_dense.py --quick",
         "SparseLSHLinear vs dense `nn.Linear` + Adam, batch 256, synthetic Amazon-670K-shaped data: step time at "
         "670,091 labels, time to accuracy, `read_xc_file`",
         "`time_to_p1_ratio` >= 10 at 670,091 labels; at 20,000 (`quality_labels`): >= 5, with "
@@ -384,6 +401,7 @@ BENCHMARKS: dict[str, Claim] = {
         ),
     ),
     "dslide_vs_ddp": Claim(
+        "python benchmarks/dslide_vs_ddp.py",
         "D-SLIDE vs one process and vs DDP, Amazon-670K-shaped network (103M parameters), batch 256, shaped veths",
         "`parallel_efficiency` >= 0.85 (median of 3 interleaved rounds), `parallel_efficiency_best` >= 0.7, "
         "`model_rss_ratio_4_ranks` <= 0.3",
@@ -404,13 +422,15 @@ BENCHMARKS: dict[str, Claim] = {
         root=True,
     ),
     "collective_latency": Claim(
+        "python benchmarks/collective_latency.py",
         "one D-SLIDE collective (all-reduce of 128 KB between 2 ranks pinned to a core each, after 5 ms of "
-        "compute): gloo blocking, gloo spinning, the socket mesh",
+        'compute): the socket mesh (`collectives="socket"`, the default) against gloo waited for by spinning '
+        '(`collectives="gloo"`, the strategy\'s own gloo path); gloo blocking for reference',
         NONE,
-        ("mesh_speedup_vs_gloo_block", "ms", "ms_rounds"),
-        beside="dslide_vs_ddp",
+        ("mesh_speedup_vs_gloo_spin", "ms", "mesh_speedup_vs_gloo_block", "ms_rounds"),
     ),
     "dslide_faults": Claim(
+        "python benchmarks/dslide_faults.py",
         "a D-SLIDE job of 4 ranks (devices=4, one thread each, loopback) with rank 2 SIGKILLed every N steps: "
         "automatic sharded checkpoints every K steps, rank 0 restarts the job from the last one; against the same "
         "job uninterrupted and one plain process (`--quick`: the small network)",
@@ -429,9 +449,9 @@ BENCHMARKS: dict[str, Claim] = {
             "kills",
             "width",
         ),
-        beside="dslide_vs_ddp",
     ),
     "dslide_scale_8ranks": Claim(
+        "python benchmarks/dslide_scale.py --ranks 8",
         "D-SLIDE at the paper's scale on 8 ranks, each in its own network namespace on a veth shaped to 1 Gbit/s "
         "(no added latency): 135,909 -> `hidden` -> 670,091, 1 thread per rank, batch 256, LazyAdam, against one "
         "process (2 threads) on the same steps (`--quick`: hidden 256)",
@@ -452,9 +472,9 @@ BENCHMARKS: dict[str, Claim] = {
             "link_rate_mbit",
         ),
         root=True,
-        beside="dslide_scale",
     ),
     "dslide_scale": Claim(
+        "python benchmarks/dslide_scale.py --quick",
         "D-SLIDE at the paper's scale: 135,909 -> `hidden` -> 670,091, 4 ranks x 1 thread, batch 256, LazyAdam "
         "(`--quick`: hidden 256)",
         NONE,

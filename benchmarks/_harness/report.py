@@ -4,8 +4,9 @@ same JSON object as the last stdout line.
 ``Report(name, out)`` is made when the run starts (it notes the load average, the command line, the commit and
 the start time then); ``finish(figures)`` adds to the figures
 
-- ``benchmark`` (the name), ``commit`` (``git rev-parse HEAD``; ``unknown`` outside a checkout) and
-  ``commit_dirty`` (the working tree differed from it: the run measured uncommitted code);
+- ``benchmark`` (the name), ``commit`` (``git rev-parse HEAD`` at the start; ``unknown`` outside a checkout) and
+  ``commit_dirty`` (true when the working tree differed from it at the start or at the end, or HEAD moved during
+  the run: the figures are not those of that commit; the table in ``docs/benchmarks.md`` marks such a report);
 - ``date`` (UTC, ISO 8601, when the figures were done) and ``run_seconds``;
 - ``loadavg_before`` and ``loadavg_after`` (1, 5 and 15 minutes: these boxes are shared);
 - ``command`` (the command line, as it could be typed again from the repository root);
@@ -46,14 +47,17 @@ def loadavg() -> list[float]:
 
 
 def git_commit(root: Path = ROOT) -> tuple[str, bool | None]:
-    """(HEAD's hash, whether tracked files differ from it); ("unknown", None) outside a git checkout."""
+    """(HEAD's hash, whether the working tree differs from it); ("unknown", None) outside a git checkout.
+
+    A change to a tracked file or a file git does not ignore makes the tree dirty; the reports under ``runs/`` do
+    not (a run writes one, and the last run's may wait to be committed with the next)."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
 
     try:
         return git("rev-parse", "HEAD").strip(), bool(
-            git("status", "--porcelain", "--untracked-files=no").strip()
+            git("status", "--porcelain", "--", ".", ":(exclude)runs").strip()
         )
     except (OSError, subprocess.CalledProcessError):
         return "unknown", None
@@ -77,6 +81,13 @@ class Report:
         self.loadavg_before = loadavg()
         self.command = command_line()
         self.commit, self.commit_dirty = git_commit()
+        if self.commit_dirty:
+            print(
+                f"{name}: the working tree has uncommitted changes; the report will say so (commit_dirty: true) "
+                "and docs/benchmarks.md will show it. Commit first for a figure anyone can reproduce.",
+                file=sys.stderr,
+                flush=True,
+            )
         self._started = time.monotonic()
 
     def path(self, filename: str) -> Path:
@@ -96,11 +107,14 @@ class Report:
     def finish(self, figures: dict[str, Any]) -> dict[str, Any]:
         """Write ``figures`` and the run's metadata to ``<out>/<name>.json``, print them as the last stdout line
         and return them."""
+        commit, dirty_now = git_commit()  # code changed under the run, or HEAD moved, counts as well
         record = {
             **figures,
             "benchmark": self.name,
             "commit": self.commit,
-            "commit_dirty": self.commit_dirty,
+            "commit_dirty": bool(self.commit_dirty or dirty_now or commit != self.commit)
+            if self.commit_dirty is not None
+            else None,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "run_seconds": round(time.monotonic() - self._started, 1),
             "loadavg_before": self.loadavg_before,

@@ -1,13 +1,10 @@
-"""What the ALBERT example shows while it trains and keeps when it ends.
+"""What the ALBERT example keeps of a run: :class:`TrainingHistory`, per-step losses, samples and traffic, and, when
+``fit`` ends, the MLM loss of the whole trained model on the held-out text (evaluated in this process, the same way
+for a swarm and a single process), written as JSON for the launcher's summary and plot.
 
-- :class:`SwarmProgressBar`: Lightning's progress bar with the loss, samples per second, live peers per stage and
-  the bytes this trainer put on (and took off) the wire.
-- :class:`TrainingHistory`: per-step losses, samples and traffic, and, when ``fit`` ends, the MLM loss of the whole
-  trained model on the held-out text (evaluated in this process, the same way for a swarm and a single process),
-  written as JSON for the launcher's summary and plot.
-
-Both read the swarm through what the strategy exposes (``trainer.strategy.peer``: its DHT and client counters) and
-work unchanged without a swarm.
+It reads the swarm through what the strategy exposes (``trainer.strategy.peer``: its client's counters) and works
+unchanged without a swarm. What a user watches while a swarm trains (samples/s, live peers per stage, bytes on the
+wire, averaging rounds) is on Lightning's own progress bar: the strategy logs it.
 """
 
 from __future__ import annotations
@@ -18,9 +15,6 @@ import time
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import TQDMProgressBar
-
-from lightning_swarm.swarm.dht.records import get_stage_peers
 
 
 def swarm_peer(trainer: Trainer) -> Any:
@@ -29,70 +23,6 @@ def swarm_peer(trainer: Trainer) -> Any:
         return trainer.strategy.peer
     except (AttributeError, RuntimeError):
         return None
-
-
-def live_peers_per_stage(peer: Any) -> list[int]:
-    """How many live peers announce each stage in the DHT right now."""
-    s = peer.settings
-    return [len(get_stage_peers(peer.dht, s.run_id, k)) for k in range(s.num_stages)]
-
-
-def wire_bytes(peer: Any) -> tuple[float, float]:
-    stats = peer.stats()
-    return stats.get("swarm/bytes_sent", 0.0), stats.get("swarm/bytes_recv", 0.0)
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f}MB"
-
-
-class SwarmProgressBar(TQDMProgressBar):
-    """Progress bar with ``loss``, ``samples/s``, ``peers`` (live peers per stage, e.g. ``2+2``) and ``wire``
-    (bytes sent + received by this trainer).
-
-    Args:
-        refresh_rate: update the bar every this many batches.
-        peers_every: seconds between DHT lookups of the live peers.
-    """
-
-    def __init__(self, refresh_rate: int = 1, peers_every: float = 5.0) -> None:
-        super().__init__(refresh_rate=refresh_rate)
-        self.peers_every = peers_every
-        self._peers = "-"
-        self._peers_at = 0.0
-        self._start: float | None = None
-        self._start_step = 0
-        self._samples = 0
-
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._start is None:  # the first step includes start-up: measure from its end
-            self._start, self._start_step = time.monotonic(), 0
-        else:
-            self._samples += len(batch[0])
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
-        items = {
-            k: v for k, v in super().get_metrics(trainer, pl_module).items() if not k.startswith("swarm/")
-        }
-        items.pop("v_num", None)
-        if "train_loss" in items:
-            items["loss"] = items.pop("train_loss")
-        if self._start is not None and time.monotonic() > self._start:
-            items["samples/s"] = f"{self._samples / (time.monotonic() - self._start):.1f}"
-        peer = swarm_peer(trainer)
-        if peer is not None and peer.dht is not None:
-            if time.monotonic() - self._peers_at > self.peers_every:
-                try:
-                    self._peers = "+".join(str(n) for n in live_peers_per_stage(peer))
-                except Exception:  # the DHT is shutting down at the end of the run
-                    pass
-                self._peers_at = time.monotonic()
-            items["peers"] = self._peers
-            items["wire"] = _mb(sum(wire_bytes(peer)))
-        return items
 
 
 class TrainingHistory(Callback):

@@ -8,8 +8,8 @@ Every peer is its own process running ``train.py fit --config configs/peer.yaml`
 runs), joined through a small bootstrap DHT node that this launcher holds: ``stages x peers_per_stage`` server peers
 (each serves one stage), of which the first ``trainers`` also feed data (role ``both``; the first one's progress bar
 is shown). With ``--separate-trainers`` the trainers are peers of their own (role ``trainer``) instead: one more
-process each on the same cores (20 steps, pairs on the change that became `53cbfc7`: 170.3 / 161.9 samples/s
-against 197.1 / 193.1).
+process each on the same cores (in 20-step runs, about 15% slower than
+trainers that serve a stage).
 Because the launcher owns each peer's process, one can die without taking the others down.
 
 When the trainers are done, the same model, data, seed, global batch and number of optimizer steps are trained in
@@ -154,7 +154,6 @@ def peer_cmd(config: str, role: str, stage: int | None, history: Path | None, ex
         cmd.append(f"{S}.stage={stage}")
     if history is not None:
         callbacks = [
-            {"class_path": "examples.albert.callbacks.SwarmProgressBar"},
             {
                 "class_path": "examples.albert.callbacks.TrainingHistory",
                 "init_args": {"path": str(history), "progress_every": 1},  # the launcher follows the steps
@@ -327,7 +326,6 @@ def run_baseline(args: argparse.Namespace, extra: list[str], steps: int) -> dict
         "--trainer.enable_model_summary=false",
     ]
     callbacks = [
-        {"class_path": "examples.albert.callbacks.SwarmProgressBar"},
         {"class_path": "examples.albert.callbacks.TrainingHistory", "init_args": {"path": str(history)}},
     ]
     cmd += [f"--trainer.callbacks={json.dumps(callbacks)}", f"--model.num_groups={args.stages}", *keep]

@@ -26,17 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_swarm import torch_archive
 from lightning_swarm.layers.distributed import ShardGroup, shard_range
-from lightning_swarm.torch_archive import (
-    StoragePickler,
-    numel_of,
-    rebuild_as_tensor,
-    storage_bytes,
-    storage_type_of,
-    write_format_records,
-    write_record,
-    write_version_record,
-)
 
 _CHUNK_BYTES = 16 << 20  # bytes moved and written at once per sharded tensor
 
@@ -96,17 +87,17 @@ def save_streamed(
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.partial"
     with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
-        write_record(archive, "data.pkl", [buffer.getvalue()])
-        write_format_records(archive)
+        torch_archive.write_record(archive, "data.pkl", [buffer.getvalue()])
+        torch_archive.write_format_records(archive)
         for key, storage in storages.items():
-            write_record(archive, f"data/{key}", [storage_bytes(storage)])
+            torch_archive.write_record(archive, f"data/{key}", [torch_archive.storage_bytes(storage)])
         for tensor in streamed:
-            write_record(
+            torch_archive.write_record(
                 archive,
                 f"data/{keys[id(tensor)]}",
                 (memoryview(c.numpy()).cast("B") for c in _chunks(tensor, shard_group, chunk_bytes)),  # type: ignore[arg-type]
             )
-        write_version_record(archive)
+        torch_archive.write_version_record(archive)
     os.replace(tmp, path)
     return os.path.getsize(path)
 
@@ -170,7 +161,7 @@ def _global(group: ShardGroup, rank: int) -> int:
     return rank if group.group is None else dist.get_global_rank(group.group, rank)
 
 
-class _Pickler(StoragePickler):
+class _Pickler(torch_archive.StoragePickler):
     """``torch.save``'s pickling, with a StreamedTensor pickled as the whole tensor it stands for, with a storage
     record that is streamed later."""
 
@@ -180,8 +171,8 @@ class _Pickler(StoragePickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, StreamedTensor):
-            return rebuild_as_tensor(
-                _Placeholder(obj, numel_of(tuple(obj.full_shape))), tuple(obj.full_shape)
+            return torch_archive.rebuild_as_tensor(
+                _Placeholder(obj, torch_archive.numel_of(tuple(obj.full_shape))), tuple(obj.full_shape)
             )
         return NotImplemented
 
@@ -189,7 +180,7 @@ class _Pickler(StoragePickler):
         if isinstance(obj, _Placeholder):
             key = self.key_for(id(obj.tensor))
             self.keys[id(obj.tensor)] = key
-            return ("storage", storage_type_of(obj.tensor.local.dtype), key, "cpu", obj.numel)
+            return ("storage", torch_archive.storage_type_of(obj.tensor.local.dtype), key, "cpu", obj.numel)
         return super().persistent_id(obj)
 
 

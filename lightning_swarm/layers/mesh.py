@@ -3,9 +3,9 @@
 A D-SLIDE step synchronises its ranks five times over small tensors (a few hundred KB at most). Through gloo each
 such collective passes between four threads (the caller, a gloo worker, gloo's socket thread, back), and every
 hand-over that finds a thread asleep must wake it. Here the calling thread sends and receives itself on
-non-blocking sockets, spinning while it waits (or blocking in ``select`` where spinning is off). A 128 KB
-all-reduce of 2 ranks pinned to a core each, after 5 ms of compute (``benchmarks/collective_latency.py``, this
-project's 2-core VM): 1.8 ms through gloo blocking, 0.85 ms through gloo spinning, 0.32 ms here.
+non-blocking sockets, spinning while it waits (or blocking in ``select`` where spinning is off).
+``benchmarks/collective_latency.py`` times a 128 KB all-reduce of 2 ranks after 5 ms of compute here and through
+gloo waited for by spinning, as the strategy's ``collectives="gloo"`` waits (its figures: ``docs/benchmarks.md``).
 
 Every rank keeps one connection to every other rank. A collective sends this rank's part to every other rank
 and receives theirs; an all-reduce reduces the gathered parts in rank order, so every rank gets the same bits. A

@@ -144,15 +144,13 @@ class DSlideStrategy(DDPStrategy):
         spin_wait: seconds a rank waiting for a collective keeps its core busy (yielding it to any other thread
             ready to run) before it blocks. A blocked rank lets its core go idle, and waking an idle core when
             the other ranks' data arrives can cost milliseconds (a virtual machine's halted vCPU, a deep C-state;
-            on this project's 2-core VM a 128 KB gloo all-reduce after 5 ms of compute took 1.8 ms blocking and
-            0.85 ms spinning, ``benchmarks/collective_latency.py``); MPI libraries poll the same way. ``None`` (default): 0.2 where this rank has a core for
+            ``benchmarks/collective_latency.py`` times a gloo all-reduce blocking and spinning); MPI libraries poll the same way. ``None`` (default): 0.2 where this rank has a core for
             each of its torch threads, else 0. Whatever the value, a rank whose thread keeps waiting for a CPU
             (cores shared with other busy processes, such as more ranks than cores) blocks instead.
         collectives: ``"socket"`` (default): the step's collectives travel over direct TCP connections between
-            every pair of ranks, sent and received by the calling thread itself (``lightning_swarm.layers.mesh``:
-            a 128 KB all-reduce in 0.32 ms against 1.8 ms through gloo on this project's 2-core VM,
-            ``benchmarks/collective_latency.py``); ``"gloo"``: through the process group. Checkpoints and setup
-            use gloo either way.
+            every pair of ranks, sent and received by the calling thread itself (``lightning_swarm.layers.mesh``;
+            ``benchmarks/collective_latency.py`` times it against the gloo path); ``"gloo"``: through the process
+            group, waited for as ``spin_wait`` says. Checkpoints and setup use gloo either way.
         checkpoint_every_n_steps: write a sharded checkpoint every this many optimizer steps (each rank its own
             rows and optimizer state, in parallel, to ``checkpoint_dir/step=<step>/rank<r>.ckpt``; the last two
             are kept), for restarts; ``None``: none.

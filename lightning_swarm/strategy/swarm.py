@@ -34,6 +34,7 @@ from lightning_swarm.strategy.checkpointing import (
 )
 from lightning_swarm.strategy.launcher import SwarmLauncher, computing_at_once
 from lightning_swarm.strategy.loop_state import logs_written_this_step
+from lightning_swarm.strategy.progress import SwarmProgress
 from lightning_swarm.strategy.refusals import (
     grad_scaler,
     refuse_before_launch,
@@ -243,6 +244,7 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
         self._synced: int | None = None
         self._backwards_since_sync = 0
         self._batch_checked = False
+        self._progress = SwarmProgress()
         self._early_step: tuple | None = None  # (step id, optimizer, its hyper-parameters) while allowed
         self._meta_build: RngSnapshot | None = None  # generators' states when a meta build began (see below)
         self._meta_recorder: InitRecorder | None = (
@@ -439,26 +441,38 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
                 self._check_target_batch_size(batch_size)
             self.peer.wait_for_stages_at_start()
             self._join_in_progress()
+            settings = self.peer.settings
+            self._progress.start(self.peer.dht, settings.run_id, settings.num_stages)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self.peer.should_stop()  # raises another peer's failure between steps, too
+        batch_size = None
         if args:
             batch_size = extract_batch_size(args[0])
             self.peer.note_batch_size(batch_size)
             if not self._batch_checked:
                 self._check_target_batch_size(batch_size)
         output = super().training_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        if not logs_written_this_step(self.lightning_module):
-            return output  # ~30 counters: logged at every step they cost the trainer ~3 ms per step
-        for name, value in self.peer.stats().items():
-            # the stages' averaging rounds show on the progress bar: averaging that never happens is visible
-            bar = name.endswith("/rounds")
-            self.lightning_module.log(
-                name, value, on_step=True, on_epoch=False, reduce_fx="max", prog_bar=bar
-            )
+        self._progress.step_done(batch_size)
+        self._log_swarm_metrics()
         return output
+
+    def _log_swarm_metrics(self) -> None:
+        """Log the progress-bar figures (``progress.py``: samples/s, live peers per stage, bytes on the wire,
+        averaging rounds) at every step, so that any Lightning progress bar shows them; the rest of the peer's
+        counters only at the steps whose logs the logger writes (~30 of them: logged at every step they would cost
+        the trainer ~3 ms per step)."""
+        module = self.lightning_module
+        assert module is not None
+        stats = self.peer.stats()
+        bar = self._progress.metrics(stats)
+        for name, value in bar.items():
+            module.log(name, value, on_step=True, on_epoch=False, reduce_fx="max", prog_bar=True)
+        if logs_written_this_step(module):
+            for name, value in stats.items():
+                if name not in bar:
+                    module.log(name, value, on_step=True, on_epoch=False, reduce_fx="max")
 
     @override
     def optimizer_step(self, optimizer: Optimizable, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -25,16 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_swarm.torch_archive import (
-    StoragePickler,
-    numel_of,
-    rebuild_as_tensor,
-    storage_bytes,
-    storage_type_of,
-    write_format_records,
-    write_record,
-    write_version_record,
-)
+from lightning_swarm import torch_archive
 
 
 @dataclass(eq=False)
@@ -106,7 +97,7 @@ def save_deferred(obj: Any, path: str | os.PathLike, fetch: Callable[[Hashable],
     tmp = f"{path}.partial"
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
-            write_format_records(archive)
+            torch_archive.write_format_records(archive)
             for group, members in groups.items():
                 state = fetch(group)
                 for leaf in members:
@@ -115,7 +106,9 @@ def save_deferred(obj: Any, path: str | os.PathLike, fetch: Callable[[Hashable],
                     tensor = state[leaf.key].detach().cpu().contiguous()
                     leaf.shape, leaf.dtype = tuple(tensor.shape), tensor.dtype
                     flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0)
-                    write_record(archive, f"data/{keys[id(leaf)]}", [memoryview(flat.numpy()).cast("B")])  # type: ignore[arg-type]
+                    torch_archive.write_record(
+                        archive, f"data/{keys[id(leaf)]}", [memoryview(flat.numpy()).cast("B")]
+                    )  # type: ignore[arg-type]
                 del state, tensor, flat
             buffer, storages = io.BytesIO(), {}
             with warnings.catch_warnings():
@@ -124,9 +117,9 @@ def save_deferred(obj: Any, path: str | os.PathLike, fetch: Callable[[Hashable],
                 )  # TypedStorage is deprecated, but torch pickles it
                 _DeferredPickler(buffer, storages, keys).dump(obj)
             for key, storage in storages.items():
-                write_record(archive, f"data/{key}", [storage_bytes(storage)])
-            write_record(archive, "data.pkl", [buffer.getvalue()])
-            write_version_record(archive)
+                torch_archive.write_record(archive, f"data/{key}", [torch_archive.storage_bytes(storage)])
+            torch_archive.write_record(archive, "data.pkl", [buffer.getvalue()])
+            torch_archive.write_version_record(archive)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -141,7 +134,7 @@ class _DeferredStorage:
     numel: int
 
 
-class _DeferredPickler(StoragePickler):
+class _DeferredPickler(torch_archive.StoragePickler):
     """``torch.save``'s pickling, with a Deferred leaf pickled as the tensor whose record was written already."""
 
     def __init__(self, file: io.BytesIO, storages: dict[str, Any], keys: dict[int, str]):
@@ -150,13 +143,13 @@ class _DeferredPickler(StoragePickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Deferred):
-            storage = _DeferredStorage(obj, self.deferred_keys[id(obj)], numel_of(obj.shape))
-            return rebuild_as_tensor(storage, obj.shape)
+            storage = _DeferredStorage(obj, self.deferred_keys[id(obj)], torch_archive.numel_of(obj.shape))
+            return torch_archive.rebuild_as_tensor(storage, obj.shape)
         return NotImplemented
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _DeferredStorage):
             dtype = obj.leaf.dtype
             assert dtype is not None
-            return ("storage", storage_type_of(dtype), obj.key, "cpu", obj.numel)
+            return ("storage", torch_archive.storage_type_of(dtype), obj.key, "cpu", obj.numel)
         return super().persistent_id(obj)

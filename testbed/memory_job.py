@@ -1,7 +1,7 @@
 """One training job of an MLP pipeline, built in one of the three ways Lightning users build models, for
 ``benchmarks/swarm_memory.py --scale`` and ``tests/test_memory.py``.
 
-``python examples/memory_job.py '<json>'``; the settings (all optional but ``out_dir``):
+``python testbed/memory_job.py '<json>'``; the settings (all optional but ``out_dir``):
 
 - ``way``: ``"init"`` (the model built in ``__init__``), ``"init_module"`` (built under
   ``trainer.init_module(empty_init=True)``) or ``"configure_model"`` (built in ``configure_model``);

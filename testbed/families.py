@@ -1,6 +1,6 @@
 """Model families for the fidelity matrix, each written the way its own field writes it (not for this project).
 
-Does a swarm train the model that one process trains (DESIGN.md section 3, "The training contract")? These are
+Does a swarm train the model that one process trains (docs/design/swarm-optimisation.md, "The training contract")? These are
 the models that question is asked of, small enough that 20 optimizer steps take seconds on a CPU:
 
 - ``gpt``: a GPT-style decoder (nanoGPT's shape): token and position embeddings, pre-norm blocks in an
@@ -9,7 +9,7 @@ the models that question is asked of, small enough that 20 optimizer steps take 
   cosine decay, gradient clipping at norm 1. Data: a sparse random Markov chain over 32 tokens.
 - ``vit``: a Vision Transformer: Conv2d patch embedding, cls token and position embedding on the trainer,
   ``nn.TransformerEncoderLayer(batch_first=True, norm_first=True)`` blocks in an ``nn.Sequential``, head on the
-  trainer; Adam at a constant 3e-3 (issue 23's report). Data: noisy class templates, 4 classes.
+  trainer; Adam at a constant 3e-3. Data: noisy class templates, 4 classes.
 - ``encoder``: a Transformer encoder over padded variable-length sequences: ``nn.TransformerEncoderLayer(
   dropout=0.1)`` blocks in an ``nn.ModuleList`` called with a boolean ``src_key_padding_mask``, masked mean
   pooling; AdamW with a linear warm-up and linear decay (BERT's schedule), gradient clipping at norm 1. Data: which of 4 marker tokens is the most

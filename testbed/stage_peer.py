@@ -1,7 +1,7 @@
 """A server-only swarm peer as a real process, for the chaos test (``tests/test_chaos.py``) and
 ``benchmarks/swarm_faults.py``.
 
-``python examples/stage_peer.py '<json>'`` serves one stage of a small MLP pipeline (``width``, ``blocks`` per stage,
+``python testbed/stage_peer.py '<json>'`` serves one stage of a small MLP pipeline (``width``, ``blocks`` per stage,
 the same initial weights on every peer of a stage) until it is killed or its stdin closes. It prints its peer id
 and multiaddrs as one JSON line once it serves. With ``"kill": "forward"|"backward"|"averaging"`` it SIGKILLs itself
 in the middle of its ``kill_after``-th forward or backward (inside the stage's compute), or while its first averaging

@@ -1,7 +1,7 @@
-"""One training run of a model family (``examples/families.py``), in one plain Lightning process or in a local
+"""One training run of a model family (``testbed/families.py``), in one plain Lightning process or in a local
 swarm, recorded for the fidelity comparisons (``tests/test_fidelity.py``, ``benchmarks/fidelity_matrix.py``).
 
-    python examples/fidelity_job.py '<json config>'      # what the swarm runs use: every peer re-runs this script
+    python testbed/fidelity_job.py '<json config>'      # what the swarm runs use: every peer re-runs this script
 
 or ``run(config)`` in-process (the single-process runs). The config:
 
@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
 
 import lightning_swarm  # noqa: E402
-from examples.families import TRAINER_ARGS, build  # noqa: E402
+from testbed.families import TRAINER_ARGS, build  # noqa: E402
 
 
 def pipeline_state(model: LightningModule) -> dict[str, torch.Tensor]:
@@ -182,7 +182,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any] | None:
 def launch(
     cfg: dict[str, Any], timeout: float, run: Callable[..., subprocess.CompletedProcess] = subprocess.run
 ) -> dict[str, Any]:
-    """Run ``cfg`` (a swarm run) as its own program, ``python examples/fidelity_job.py '<cfg>'`` (Lightning's
+    """Run ``cfg`` (a swarm run) as its own program, ``python testbed/fidelity_job.py '<cfg>'`` (Lightning's
     launcher starts the other peers from it), and return peer 0's result. ``run`` starts it (``subprocess.run``
     or one with the same arguments).
 
