@@ -5,8 +5,9 @@
 The job is ``testbed/dslide_fault_job.py``: ``Trainer(strategy=DSlideStrategy(checkpoint_every_n_steps=K,
 max_restarts=...), devices=4)`` on synthetic Amazon-670K-shaped data (``--width wide``: 20,000 features -> 64 ReLU
 -> 20,000 labels, batch 64; ``small`` with ``--quick``: 300 -> 16 -> 400, batch 16), one torch thread per rank, all
-ranks on this box's cores over loopback. In the job's restart ``r``, rank 2 sends itself SIGKILL at the start of
-step ``(r + 1) x N``; the strategy's rank 0 kills what is left of the job and starts it again, and every rank
+ranks on this box's cores over loopback. In the job's restart ``r``, a rank sends itself SIGKILL at the start of
+step ``(r + 1) x N``: rank 2, then rank 0 (which hosts the rendezvous store), in turn (``--kill-ranks 2,0``); the
+strategy's supervisor (the process started) kills what is left of the job and starts it again, and every rank
 resumes from the last sharded checkpoint (each rank wrote its own rows). What a user of plain Lightning would do
 instead is the same by hand: notice, restart, pass ``ckpt_path``.
 
@@ -40,10 +41,19 @@ import _harness
 JOB = _harness.ROOT / "testbed" / "dslide_fault_job.py"
 
 
-def run_job(name: str, tmp: Path, ranks: int, steps: int, every: int, kills: list[int], width: str) -> dict:
+def run_job(
+    name: str,
+    tmp: Path,
+    ranks: int,
+    steps: int,
+    every: int,
+    kills: list[int],
+    width: str,
+    kill_ranks: str = "2",
+) -> dict:
     out = tmp / name
     cmd = [sys.executable, str(JOB), "--out", str(out), "--ranks", str(ranks), "--steps", str(steps)]
-    cmd += ["--every", str(every), "--kill-rank", "2", "--kill-steps", ",".join(map(str, kills))]
+    cmd += ["--every", str(every), "--kill-rank", kill_ranks, "--kill-steps", ",".join(map(str, kills))]
     cmd += ["--max-restarts", str(len(kills) + 1), "--width", width]
     with _harness.Launcher(tmp / "logs", what=f"{name}: ") as launcher:
         launcher.start(name, cmd, env={"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(_harness.ROOT)})
@@ -73,6 +83,11 @@ def main() -> None:
     parser.add_argument(
         "--kill-every", type=int, default=None, help="N: steps between kills (default 35; 14)"
     )
+    parser.add_argument(
+        "--kill-ranks",
+        default="2,0",
+        help="the ranks killed, in turn (default 2,0: rank 0 hosts the rendezvous)",
+    )
     args = parser.parse_args()
     _harness.exit_on_sigterm()
     report = _harness.Report("dslide_faults", args.out)
@@ -83,7 +98,7 @@ def main() -> None:
     kills = list(range(kill_every, steps, kill_every))
     with tempfile.TemporaryDirectory(prefix="dslide_faults_") as name:
         tmp = Path(name)
-        killed = run_job("killed", tmp, 4, steps, every, kills, width)
+        killed = run_job("killed", tmp, 4, steps, every, kills, width, args.kill_ranks)
         uninterrupted = run_job("uninterrupted", tmp, 4, steps, every, [], width)
         single = run_job("single", tmp, 1, steps, every, [], width)
         diff_killed = max_abs_diff(killed["final"], single["final"])
@@ -109,6 +124,9 @@ def main() -> None:
         "max_abs_param_diff_vs_single": diff_killed,
         "max_abs_param_diff_uninterrupted_vs_single": diff_uninterrupted,
         "killed_at_steps": kills,
+        "killed_ranks": [
+            int(args.kill_ranks.split(",")[i % len(args.kill_ranks.split(","))]) for i in range(len(kills))
+        ],
         "lost": [r["lost"] for r in lost],
         "ranks": 4,
         "steps": steps,

@@ -32,8 +32,10 @@ the wide layers (``configure_model`` under the strategy's sharded init). Measure
   ``tx_bytes_per_step_per_rank``, what a rank really sent on its link per step (ranks in namespaces only).
 
 ``--ranks 8`` runs every rank in a network namespace of its own (``testbed/netns.py``; root), each joined to a
-bridge by a veth shaped to ``--rate-mbit`` (1 Gbit/s) in both directions with ``tc`` (no added latency: this kernel
-has no netem), started like 8 machines; ``--ranks 4`` (the default) runs on loopback.
+bridge by a veth shaped to ``--rate-mbit`` (1 Gbit/s) in both directions with ``tc``, started like 8 machines;
+``--ranks 4`` (the default) runs on loopback. No latency is added: this kernel has no netem, and holding packets in
+user space (``testbed/nfqueue_delay.py``) costs more CPU and jitter than the 0.2 ms it would model
+(``link_delay_note``; ``docs/limitations.md``).
 
 ``--quick`` (< 5 min) uses a quarter of the hidden size (256, ~206M parameters) and says so (``hidden``). The last
 stdout line is one JSON object, with the load average, also written to ``runs/dslide_scale/dslide_scale.json``
@@ -254,7 +256,12 @@ def main() -> None:
         "quick": args.quick,
         "ranks": n,
         "link_rate_mbit": rate,
-        "link_delay_ms": 0.0,  # this kernel has no netem: rate limits only (docs: DESIGN 7)
+        "link_delay_ms": 0.0,
+        "link_delay_note": (
+            "no added latency: no netem in this kernel; an NFQUEUE packet holder (testbed/nfqueue_delay.py "
+            "--measure) costs 27-77 us of CPU per packet and ms-long p99 tails on these 2 cores, more than the "
+            "~1 ms per step that 0.2 ms would add (docs/limitations.md)"
+        ),
         f"model_rss_ratio_{n}_ranks": round(model_mb / model_mb_single, 3) if model_mb_single else None,
         "model_rss_mb_per_rank": round(model_mb),
         "model_rss_mb_single": round(model_mb_single) if model_mb_single else None,

@@ -234,7 +234,7 @@ class Trainer:
                     k: StepCommand(stage_uid(run_id, k), step_id, phase="apply", epoch=self._epochs.get(k, 0))
                     for k in range(2)
                 }
-                steps = {k: pool.submit(self.client.step_stage, k, c) for k, c in commands.items()}
+                steps = {k: pool.submit(self.client.commands.step_stage, k, c) for k, c in commands.items()}
                 try:
                     for k, future in steps.items():
                         self._epochs[k] = max(int(r["epoch"]) for r in future.result())

@@ -145,7 +145,7 @@ def measure(host: str, server_info: dict, reps: int, order: str = "blocks", warm
         same_host = host == "127.0.0.1"
         if same_host:
             clients["same_host"] = SwarmClient(dht, settings.replace(compression="8bit", same_host=True))
-        echo_stub = Echo.get_stub(clients["none"]._transport(server_peer, 0).stub._p2p, server_peer)
+        echo_stub = Echo.get_stub(clients["none"].transport(server_peer, 0).stub._p2p, server_peer)
 
         torch.manual_seed(0)
         x = torch.randn(*SHAPE)

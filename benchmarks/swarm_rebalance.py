@@ -112,7 +112,7 @@ def worker(spec: dict) -> None:
         print("MADDRS " + " ".join(str(a) for a in peer.dht.get_visible_maddrs()), flush=True)
         stop.wait()
     finally:
-        moves = [[m.src, m.dst, round(m.before, 1), round(m.after, 1)] for m in peer.migrations]
+        moves = [[m.src, m.dst, round(m.before, 1), round(m.after, 1)] for m in peer.host.migrations]
         served = peer.server.samples_processed if peer.server is not None else None
         stage = peer.stage
         peer.shutdown()

@@ -194,7 +194,7 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
                 self.mains[proc.pid] = f"peer{i}_server"  # the local swarm's other peer
             peer = getattr(trainer.strategy, "_peer", None)
             if peer is not None and peer.client is not None and peer.is_trainer:
-                client, call = peer.client, peer.client._call  # time every stage call of this trainer
+                client, call = peer.client, peer.client.send  # time every stage call of this trainer
 
                 def timed_call(stage: int, request: Any, *a: Any, **kw: Any) -> Any:
                     start = time.perf_counter()
@@ -203,7 +203,7 @@ def lightning_worker(args: argparse.Namespace, cfg: dict) -> None:
                     finally:
                         self.calls.append((stage, request.kind, start, time.perf_counter()))
 
-                client._call = timed_call
+                client.send = timed_call
 
         def mark_with_cpu(self, cpu: bool) -> None:
             # the CPU snapshots (reading /proc) are taken only where the timed window starts and ends

@@ -113,9 +113,9 @@ def status(args: argparse.Namespace) -> None:
     import tempfile
 
     from lightning_swarm.swarm.dht.auth import SECRET_ENV, protect, unprotect
-    from lightning_swarm.swarm.dht.bootstrap import INITIAL_PEERS_ENV, _env_peers
+    from lightning_swarm.swarm.dht.bootstrap import INITIAL_PEERS_ENV, env_peers
 
-    args.initial_peers = args.initial_peers or _env_peers()
+    args.initial_peers = args.initial_peers or env_peers()
     if not args.initial_peers:
         raise SystemExit(
             f"error: status needs the address of any peer of the swarm: --initial-peers ADDR, or {INITIAL_PEERS_ENV}."

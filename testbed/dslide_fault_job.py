@@ -2,14 +2,17 @@
 ``benchmarks/dslide_faults.py`` run.
 
     python testbed/dslide_fault_job.py --out DIR [--ranks 4] [--steps 30] [--every 5] [--kill-rank 2]
-        [--kill-steps 13,26] [--max-restarts 3] [--width small|wide]
+        [--kill-steps 13,26] [--max-restarts 3] [--width small|wide] [--nodes 1]
 
 ``--ranks N`` > 1 trains with ``Trainer(strategy=DSlideStrategy(checkpoint_every_n_steps=--every,
-max_restarts=--max-restarts), devices=N)``: Lightning's launcher starts ranks 1..N-1 by running this command
-again, as a user's ``train.py``. In the job's restart number ``r`` (0 for the first run), rank ``--kill-rank``
-sends itself SIGKILL at the start of optimizer step ``--kill-steps[r]`` (a real SIGKILL: no handler, no cleanup,
+max_restarts=--max-restarts), devices=N)``: the process started supervises ranks 0..N-1, each a run of this
+command, as a user's ``train.py``. In the job's restart number ``r`` (0 for the first run), rank ``--kill-rank`` (or its
+``r``-th, cyclically, when it lists several) sends itself SIGKILL at the start of optimizer step ``--kill-steps[r]`` (a real SIGKILL: no handler, no cleanup,
 its sockets closed by the kernel); the strategy then brings the job back from its last checkpoint. ``--ranks 1``
 is the uninterrupted reference: the same network, data order and steps in one plain process.
+
+Under ``torchrun --nnodes=M --nproc-per-node=N/M --max-restarts=R`` give ``--nodes M --max-restarts 0``:
+``devices=N/M, num_nodes=M``, torchrun restarts the ranks (``r`` is then the restart number the ranks agree on).
 
 The job validates before and after ``fit``. Rank 0 writes the trained model to ``DIR/final.ckpt`` and
 ``DIR/result.json`` at the end: the steps done, the validation P@1 before and after, the wall time from the first
@@ -58,16 +61,17 @@ class OrderedXCData(XCDataModule):
 
 
 class KillAt(Callback):
-    """Rank ``rank`` sends itself SIGKILL at the start of optimizer step ``steps[r]`` of the job's restart ``r``."""
+    """Rank ``ranks[r % len(ranks)]`` sends itself SIGKILL at the start of optimizer step ``steps[r]`` of the job's
+    restart ``r``."""
 
-    def __init__(self, rank: int, steps: list[int]) -> None:
-        self.rank, self.steps = rank, steps
+    def __init__(self, ranks: list[int], steps: list[int]) -> None:
+        self.ranks, self.steps = ranks, steps
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, i: int) -> None:
-        restart = int(os.environ.get(RESTART_ENV, "0"))
+        restart = int(os.environ.get(RESTART_ENV) or 0)
         if (
-            trainer.global_rank == self.rank
-            and restart < len(self.steps)
+            restart < len(self.steps)
+            and trainer.global_rank == self.ranks[restart % len(self.ranks)]
             and trainer.global_step == self.steps[restart]
         ):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -81,12 +85,15 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=5, help="optimizer steps between sharded checkpoints")
-    parser.add_argument("--kill-rank", type=int, default=2)
+    parser.add_argument(
+        "--kill-rank", default="2", help="comma-separated: the rank killed in restart r is the r-th"
+    )
     parser.add_argument("--kill-steps", default="13", help="comma-separated; empty: no kill")
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument("--width", choices=sorted(WIDTHS), default="small")
+    parser.add_argument("--nodes", type=int, default=1, help="machines (torchrun's --nnodes)")
     args = parser.parse_args()
-    os.environ.setdefault(STARTED_ENV, repr(time.time()))  # the children and a restarted rank 0 inherit it
+    os.environ.setdefault(STARTED_ENV, repr(time.time()))  # the ranks inherit it, restarted ones too
     started = float(os.environ[STARTED_ENV])
     out = Path(args.out)
     torch.set_num_threads(1)
@@ -107,7 +114,8 @@ def main() -> None:
         strategy = "auto"
     trainer = Trainer(
         accelerator="cpu",
-        devices=args.ranks,
+        devices=args.ranks // args.nodes,
+        num_nodes=args.nodes,
         strategy=strategy,
         max_steps=args.steps,
         logger=False,
@@ -116,7 +124,9 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         check_val_every_n_epoch=10**6,  # validated once, after fit
-        callbacks=[KillAt(args.kill_rank, kills)] if args.ranks > 1 and kills else [],
+        callbacks=[KillAt([int(r) for r in args.kill_rank.split(",")], kills)]
+        if args.ranks > 1 and kills
+        else [],
         default_root_dir=out,
     )
     # a validation first (the ranks start here, before fit; the strategy's restarts must still work in fit)

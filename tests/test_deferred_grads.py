@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from lightning_swarm.swarm.client.deferred_grads import DeferredGrads, client_pool, finish_backward
+from lightning_swarm.swarm.client.deferred_grads import ChunkPool, DeferredGrads, finish_backward
 
 
 class _Client:
@@ -16,6 +16,7 @@ class _Client:
 
     def __init__(self) -> None:
         self.deferred_grads = DeferredGrads()
+        self.chunk_pool = ChunkPool()
         self.threads: set[str] = set()
 
 
@@ -91,4 +92,4 @@ def test_a_failed_deferred_backward_raises_at_the_flush():
     with pytest.raises(RuntimeError, match="stage 1 failed in its backward"):
         client.deferred_grads.flush()
     assert client.deferred_grads.pending() == 0
-    client_pool(client).shutdown()
+    client.chunk_pool.shutdown()

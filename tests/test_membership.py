@@ -198,10 +198,10 @@ def test_three_and_one_become_two_and_two_and_stay() -> None:
         assert counts() == [2, 2], f"peers per stage: {counts()} after {20 * period:.0f} s"
         time.sleep(6 * period)  # it stays there: nobody moves again
         assert counts() == [2, 2]
-        moved = [p for p in peers if p.migrations]
-        assert len(moved) == 1 and len(moved[0].migrations) == 1
+        moved = [p for p in peers if p.host.migrations]
+        assert len(moved) == 1 and len(moved[0].host.migrations) == 1
         mover = moved[0]
-        assert (mover.migrations[0].src, mover.migrations[0].dst, mover.stage) == (0, 1, 1)
+        assert (mover.host.migrations[0].src, mover.host.migrations[0].dst, mover.stage) == (0, 1, 1)
         # the mover freed its old stage, allocated the new one and serves the weights of the stage's peers
         assert not mover.partition.is_materialized(0) and mover.partition.is_materialized(1)
         expected = peers[3].server.state_dict_local()
@@ -229,7 +229,7 @@ def test_a_peer_moves_to_a_stage_whose_blocks_hold_bare_parameters_and_non_persi
         model.layers(model.inp(torch.randn(4, 4))).pow(2).mean().backward()  # stage 1 steps: new weights
         b.server.flush(timeout=30)
         assert b.server.optimizer.local_epoch >= 1
-        c.migrate(1)
+        c.host.migrate(1)
         assert c.stage == 1 and not c.partition.is_materialized(0) and c.partition.is_materialized(1)
         expected, served = b.server.state_dict_local(), c.server.state_dict_local()
         for key in expected:

@@ -86,21 +86,60 @@ def _attack(store: dist.Store) -> tuple[list[socket.socket], dict[str, str]]:
     return keep, seen
 
 
+JOINED = "test/rank_1_joined_rank_0"
+
+
+class _SaysWhenJoined(SocketMesh):
+    """Rank 1's mesh as it is, which also says in the store when its handshake with rank 0 is over (rank 0 then
+    counts it as connected: it answers a hello only after it took it)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self._store = args[2]
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _connect(self, peer: int, *args: object) -> socket.socket:
+        conn = super()._connect(peer, *args)  # type: ignore[arg-type]
+        if peer == 0:
+            self._store.set(JOINED, "1")  # type: ignore[attr-defined]
+        return conn
+
+
+def _impostor(store: dist.Store) -> tuple[socket.socket, str]:
+    """From rank 2's process, once rank 1 has connected to rank 0: a connection with this job's key, from rank 1's
+    address, claiming rank 1. Returns it and what it saw."""
+    prefix = f"{STORE_PREFIX}/0"
+    store.wait([JOINED])
+    host, port = store.get(f"{prefix}/0").decode().rsplit(" ", 1)
+    key = bytes.fromhex(store.get(f"{prefix}/key").decode())
+    conn = socket.create_connection((host, int(port)), timeout=10)
+    nonce = conn.recv(64)[4:20]
+    mac = hmac.new(key, b"hello" + nonce + struct.pack("<qq", 1, 0), hashlib.sha256).digest()
+    conn.sendall(b"LSWm" + struct.pack("<qq", 1, 0) + mac)
+    try:
+        reply = conn.recv(64)
+    except OSError as e:
+        return conn, f"error {e!r}"
+    return conn, "closed" if not reply else f"answered {len(reply)} bytes"
+
+
 def _rank(rank: int, world: int, port: int, case: str, results: dict) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=30))
         attack: dict[str, str] = {}
         if case == "hostile" and rank == 1:
             held, attack = _attack(store)
+        if case == "impostor" and rank == 2:
+            impostor, attack["impostor"] = _impostor(store)
+            impostor.close()
         warnings: list[str] = []
         handler = logging.Handler(logging.WARNING)
         handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
         logging.getLogger("lightning_swarm.layers.mesh").addHandler(handler)
         started = time.monotonic()
-        mesh = SocketMesh(
+        mesh = (_SaysWhenJoined if case == "impostor" and rank == 1 else SocketMesh)(
             rank, world, store, "127.0.0.1", timeout_s=20.0, spin_s=0.05, handshake_timeout_s=HANDSHAKE_S
         )
-        if case == "hostile":  # the job goes on: a collective over the mesh
+        if case in ("hostile", "impostor"):  # the job goes on: a collective over the mesh
             x = torch.full((4,), float(rank + 1))
             mesh.start_all_reduce(x, lambda a, b: a.add_(b)).wait()
             results[rank] = {
@@ -155,8 +194,9 @@ def _run(case: str, world: int) -> dict:
         procs = [ctx.Process(target=_rank, args=(r, world, port, case, results)) for r in range(world)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + 100  # spawned interpreters import torch: slow on a busy box
         for p in procs:
-            p.join(60)
+            p.join(max(0.0, deadline - time.monotonic()))
         alive = [p for p in procs if p.is_alive()]
         for p in alive:
             p.kill()
@@ -211,6 +251,22 @@ def test_hostile_connections_during_setup_are_refused_and_the_job_goes_on() -> N
     )
     assert results[1]["setup_s"] < HANDSHAKE_S, results[1]["setup_s"]
     assert not results[1]["warnings"]
+
+
+@pytest.mark.timeout(120)
+def test_a_connection_that_claims_a_rank_already_connected_is_refused() -> None:
+    """3 ranks. Once rank 1 has joined rank 0, a connection from rank 1's address that knows the job's key (a
+    process that can read the store) claims rank 1 again: rank 0 refuses it with a warning, keeps the real rank 1's
+    connection, and rank 2 joins; an all-reduce over the mesh gives the right sum on every rank."""
+    results = _run("impostor", 3)
+    for rank in range(3):
+        assert isinstance(results[rank], dict), results[rank]
+        assert results[rank]["sum"] == [6.0] * 4  # 1 + 2 + 3
+    assert results[2]["attack"] == {"impostor": "closed"}
+    (refused,) = results[0]["refused"]
+    assert refused.startswith("a connection from 127.0.0.1:"), refused
+    assert refused.endswith("claimed to be rank 1, which is already connected"), refused
+    assert len(results[0]["warnings"]) == 1 and not results[1]["refused"] and not results[1]["warnings"]
 
 
 @pytest.mark.timeout(120)

@@ -229,7 +229,7 @@ def test_serving_continues_during_a_long_optimizer_step(dhts, cleanup) -> None: 
         grads = Payload.flatten((torch.ones(batch, 4),)) if kind == "backward" else None
         request = StageRequest(kind, uid, Payload.call((x,), {}), grads, request_id)
         start = time.monotonic()
-        reply, _, _ = client._transport(server.peer_id, 0).call(request, encode_request(request, "none"))
+        reply, _, _ = client.transport(server.peer_id, 0).call(request, encode_request(request, "none"))
         assert reply.error is None, reply.error
         return time.monotonic() - start
 

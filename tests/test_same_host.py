@@ -49,7 +49,7 @@ def test_calls_to_a_peer_on_this_machine_skip_the_p2p_daemons(dhts, cleanup) -> 
         accepted = server._same_host.accepted
         y = client.call_stage(0, x)
         y.pow(2).sum().backward()
-        stub = client._transport(server.peer_id, 0).stub
+        stub = client.transport(server.peer_id, 0).stub
         assert isinstance(stub, SameHostStub) is same_host
         assert server._same_host.accepted == accepted + (1 if same_host else 0)
         # the stage's other RPCs still work (they go over P2P either way)
@@ -89,7 +89,7 @@ def test_hostile_bytes_on_the_socket_never_crash_the_server(dhts, cleanup) -> No
     client = _client(cleanup, dhts["trainer"], run_id)
     x = torch.randn(2, 3)
     torch.testing.assert_close(client.call_stage(0, x), module(x), atol=1e-6, rtol=0)
-    assert isinstance(client._transport(server.peer_id, 0).stub, SameHostStub)
+    assert isinstance(client.transport(server.peer_id, 0).stub, SameHostStub)
 
 
 @pytest.mark.timeout(120)

@@ -338,7 +338,7 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(
     server = _serve(cleanup, dhts["server1"], run_id, module)
     client = _client(cleanup, dhts["trainer"], run_id, same_host=same_host)
     client.peers(0)
-    channel = _Channel(client._transport(server.peer_id, 0).stub)
+    channel = _Channel(client.transport(server.peer_id, 0).stub)
     assert server._same_host is not None and isinstance(channel.stub, SameHostStub) is same_host
     x0 = torch.randn(2, 3)
     good = _request_message(run_id, Payload.call((x0,), {}))
@@ -407,7 +407,7 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(
     # the other RPCs refuse a wrong stage too
     from lightning_swarm.swarm.wire.transport import TransportError, decode_payload_stream
 
-    stub = client._transport(server.peer_id, 0).stub
+    stub = client.transport(server.peer_id, 0).stub
     wrong = runtime_pb2.ExpertUID(uid="other.stage0")
     with pytest.raises(P2PHandlerError, match="serves"):
         run_coroutine(stub.rpc_info(wrong, timeout=10), timeout=15)
@@ -422,7 +422,7 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(
     for _ in range(3):
         x = torch.randn(2, 3, requires_grad=True)
         client.call_stage(0, x).sum().backward()
-    transport = client._transport(server.peer_id, 0)
+    transport = client.transport(server.peer_id, 0)
     (kept,) = transport._idle
     assert kept.calls == 6 and transport.channels_opened == 1  # 3 forwards and 3 backwards
 
@@ -879,7 +879,7 @@ def test_an_optimizer_state_larger_than_one_message_travels_in_parts(dhts, clean
     client = _client(cleanup, dhts["trainer"], run_id, microbatches=1)
     client.call_stage(0, torch.randn(4, 1024, requires_grad=True)).pow(2).sum().backward()
     first.flush()
-    data = client.fetch_optimizer_state(0)
+    data = client.commands.fetch_optimizer_state(0)
     assert len(data) > 4 * (1 << 20)
     first.set_state(
         "leaving"
@@ -896,9 +896,11 @@ def test_an_optimizer_state_larger_than_one_message_travels_in_parts(dhts, clean
         moments["exp_avg_sq"].uniform_()
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
-    assert client.load_optimizer_state(0, buffer.getvalue()) == 1
+    assert client.commands.load_optimizer_state(0, buffer.getvalue()) == 1
     sent = checkpoint["optimizer"]["state"]
-    held = torch.load(io.BytesIO(client.fetch_optimizer_state(0)), weights_only=False)["optimizer"]["state"]
+    held = torch.load(io.BytesIO(client.commands.fetch_optimizer_state(0)), weights_only=False)["optimizer"][
+        "state"
+    ]
     assert sent.keys() == held.keys()
     for key in sent:
         for name in ("exp_avg", "exp_avg_sq"):

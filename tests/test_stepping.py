@@ -104,9 +104,9 @@ def test_a_remote_stage_steps_as_a_torch_optimizer_with_the_commanded_hyper_para
             1000 + step,
             groups={g: hyper_parameters(h) for g, h in enumerate(opt.param_groups)},
         )
-        replies = client.step_stage(0, command)
+        replies = client.commands.step_stage(0, command)
         assert replies[0]["epoch"] == step + 1
-        again = client.step_stage(0, command)  # a retried command is answered, not applied twice
+        again = client.commands.step_stage(0, command)  # a retried command is answered, not applied twice
         assert again[0]["epoch"] == step + 1
     served = server.state_dict_local()
     for key, value in reference.state_dict().items():
@@ -156,14 +156,14 @@ def test_a_trainer_driven_step_whose_gradients_are_not_finite_is_skipped_whole(d
     for x in (torch.full((2, 4), 100.0), torch.ones(2, 4)):  # a non-finite backward, then a finite one
         client.call_stage(0, x.requires_grad_()).sum().backward()
     with caplog.at_level(logging.WARNING, logger="lightning_swarm.swarm.server"):
-        (reply,) = client.step_stage(0, StepCommand(stage_uid(run_id, 0), 1))
+        (reply,) = client.commands.step_stage(0, StepCommand(stage_uid(run_id, 0), 1))
     assert reply["finite"] is False and server.steps == 0
     assert torch.equal(server.state_dict_local()["w"], before)
     assert any("not finite; this stage skips the step" in r.getMessage() for r in caplog.records)
     client.call_stage(
         0, torch.ones(2, 4, requires_grad=True)
     ).sum().backward()  # the next step is whole again
-    (reply,) = client.step_stage(0, StepCommand(stage_uid(run_id, 0), 2))
+    (reply,) = client.commands.step_stage(0, StepCommand(stage_uid(run_id, 0), 2))
     assert reply["finite"] is True and server.steps == 1
     torch.testing.assert_close(server.state_dict_local()["w"], before - 0.1 * 2.0)
 
@@ -186,7 +186,7 @@ def test_malformed_step_commands_are_refused_and_the_server_keeps_serving(dhts, 
         msgpack.packb({**good, "group": [b"a", b"a"]}),
         msgpack.packb({**good, "group": [b"x" * 4096]}),
     ]
-    stub = client._transport(server.peer_id, 0).stub
+    stub = client.transport(server.peer_id, 0).stub
     for data in bad:
         reply = run_coroutine(stub.rpc_step(runtime_pb2.ExpertInfo(serialized_info=data)), timeout=10)
         parsed = msgpack.unpackb(reply.serialized_info)
@@ -196,20 +196,20 @@ def test_malformed_step_commands_are_refused_and_the_server_keeps_serving(dhts, 
     assert server.steps == 0
     # still serving and stepping
     client.call_stage(0, torch.randn(2, 4, requires_grad=True)).sum().backward()
-    assert client.step_stage(0, StepCommand(uid, 7))[0]["epoch"] == 1
+    assert client.commands.step_stage(0, StepCommand(uid, 7))[0]["epoch"] == 1
 
 
 def test_a_server_that_steps_on_its_own_refuses_commands_with_the_fix(dhts, cleanup):
     _, client, _, run_id = _setup(dhts, cleanup, stage_steps="async")
     with pytest.raises(RuntimeError, match="start every peer of the run with the same stage_steps"):
-        client.step_stage(0, StepCommand(stage_uid(run_id, 0), 1))
+        client.commands.step_stage(0, StepCommand(stage_uid(run_id, 0), 1))
 
 
 def test_with_several_trainers_the_stages_take_the_trainers_schedule_for_their_next_step(dhts, cleanup):
     """stage_steps="async": the stage steps on its own, with the hyper-parameters a trainer last sent."""
     server, client, _, run_id = _setup(dhts, cleanup, stage_steps="async")
     groups = {0: {"lr": 0.025, "weight_decay": 0.1}, 1: {"lr": 0.5, "weight_decay": 0.0}}
-    client.step_stage(0, StepCommand(stage_uid(run_id, 0), 3, phase="hyper", groups=groups))
+    client.commands.step_stage(0, StepCommand(stage_uid(run_id, 0), 3, phase="hyper", groups=groups))
     assert server.optimizer is not None
     stage_groups = server.optimizer.state_averager.optimizer.param_groups
     assert [g["lr"] for g in stage_groups] == [0.025, 0.5]
@@ -300,7 +300,7 @@ def test_a_peer_that_summed_alone_sums_again_with_the_peers_a_trainer_names(dhts
     alone = servers[0].step_command(StepCommand(uid, 42, phase="norm", peers=2))
     assert alone["group"] == 1 and time.monotonic() - started < 3 * settings.matchmaking_time + 6
     assert len(alone["sq_norms"]) > 1 and sum(alone["sq_norms"]) == pytest.approx(alone["sq_norm"])
-    replies = client.step_stage(0, StepCommand(uid, 42, groups={0: {"lr": 0.1}}))
+    replies = client.commands.step_stage(0, StepCommand(uid, 42, groups={0: {"lr": 0.1}}))
     assert len(replies) == 2 and {r["group"] for r in replies} == {2}
     _assert_stepped_as_one(servers, reference)
 
@@ -317,12 +317,12 @@ def test_two_peers_of_a_stage_redo_a_sum_they_disagree_on_and_step_as_one(dhts, 
     )
     _backwards_on_both(client, servers, reference)
     uid = stage_uid(run_id, 0)
-    group = [p.to_bytes() for p in client._live_peers(0)]
+    group = [p.to_bytes() for p in client.live_peers(0)]
     assert len(group) == 2
     first = next(s for s in servers if s.peer_id.to_bytes() == group[0])
     alone = first.step_command(StepCommand(uid, 42, phase="norm", peers=2, group=group))
     assert alone["group"] == 1
-    replies = client.step_stage(0, StepCommand(uid, 42, groups={0: {"lr": 0.1}}))
+    replies = client.commands.step_stage(0, StepCommand(uid, 42, groups={0: {"lr": 0.1}}))
     assert len(replies) == 2 and {r["group"] for r in replies} == {2}
     _assert_stepped_as_one(servers, reference)
     # the redo (the second attempt) went through hivemind in both cases: it works where the peers failed to meet
@@ -341,7 +341,7 @@ def test_the_peers_a_trainer_names_sum_without_matchmaking(dhts, cleanup, same_h
     _backwards_on_both(client, servers, reference)
     uid = stage_uid(run_id, 0)
     started = time.monotonic()
-    replies = client.step_stage(0, StepCommand(uid, 42, groups={0: {"lr": 0.1}}))
+    replies = client.commands.step_stage(0, StepCommand(uid, 42, groups={0: {"lr": 0.1}}))
     assert time.monotonic() - started < settings.matchmaking_time / 2
     assert len(replies) == 2 and {r["group"] for r in replies} == {2}
     _assert_stepped_as_one(servers, reference)
@@ -367,27 +367,29 @@ def test_a_peer_that_missed_a_step_catches_up_before_it_serves(dhts, cleanup):
     )
     first, second = servers
     router = client.routers[0]
-    with client._router_lock:
+    with client.router_lock:
         router.ban(second.peer_id)
     x = torch.randn(8, 4)
     reference(x).pow(2).sum().backward()
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     client.call_stage(0, x.clone().requires_grad_()).pow(2).sum().backward()
     assert first._pending_backwards == 1 and second._pending_backwards == 0
-    replies = client.step_stage(0, StepCommand(stage_uid(run_id, 0), 42, groups={0: {"lr": 0.1}}))
+    replies = client.commands.step_stage(0, StepCommand(stage_uid(run_id, 0), 42, groups={0: {"lr": 0.1}}))
     assert [r["epoch"] for r in replies] == [1] and second.optimizer.local_epoch == 0
-    client.stage_epochs[0] = 1  # what a trainer peer records from its step's replies (SwarmPeer.step_stages)
-    with client._router_lock:
+    client.stage_epochs[0] = (
+        1  # what a trainer peer records from its step's replies (TrainerSteps.step_stages)
+    )
+    with client.router_lock:
         router.report_success(second.peer_id)
     # a stage's state (a checkpoint, the final model) comes from the peer with the newest epoch, not the stale one
     for _ in range(4):
         fetched = client.fetch_stage_state(0)
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(fetched[key], value, atol=1e-6, rtol=0)
-        optimizer = torch.load(io.BytesIO(client.fetch_optimizer_state(0)), weights_only=False)
+        optimizer = torch.load(io.BytesIO(client.commands.fetch_optimizer_state(0)), weights_only=False)
         assert optimizer["epoch"] == 1
     assert second.optimizer.local_epoch == 0
-    with client._router_lock:
+    with client.router_lock:
         router.ban(first.peer_id)
     y = torch.randn(8, 4)
     served = client.call_stage(0, y.clone().requires_grad_())
@@ -397,13 +399,13 @@ def test_a_peer_that_missed_a_step_catches_up_before_it_serves(dhts, cleanup):
         torch.testing.assert_close(second.state_dict_local()[key], value, atol=1e-6, rtol=0)
     # a live peer whose rpc_info reply is malformed (a list, another stage) is skipped by stage_info and by the
     # newest-peer choice of a fetch, not fatal to the trainer
-    with client._router_lock:
+    with client.router_lock:
         router.report_success(first.peer_id)
     for garbage in ([1, 2], {"stage": "0", "epoch": 10**6}):
         first.info = lambda garbage=garbage: garbage
         infos = client.stage_info(0)
         assert len(infos) == 1 and infos[0]["epoch"] == 1
-        assert client._most_current_peer(0) == second.peer_id
+        assert client.most_current_peer(0) == second.peer_id
         torch.testing.assert_close(
             client.fetch_stage_state(0)["0.weight"], reference[0].weight, atol=1e-6, rtol=0
         )

@@ -431,8 +431,9 @@ BENCHMARKS: dict[str, Claim] = {
     ),
     "dslide_faults": Claim(
         "python benchmarks/dslide_faults.py",
-        "a D-SLIDE job of 4 ranks (devices=4, one thread each, loopback) with rank 2 SIGKILLed every N steps: "
-        "automatic sharded checkpoints every K steps, rank 0 restarts the job from the last one; against the same "
+        "a D-SLIDE job of 4 ranks (devices=4, one thread each, loopback) with a rank SIGKILLed every N steps (rank 2, "
+        "rank 0, rank 2: `killed_ranks`): automatic sharded checkpoints every K steps, the process started supervises "
+        "the ranks and restarts them from the last one; against the same "
         "job uninterrupted and one plain process (`--quick`: the small network)",
         "`completed` true; at most K steps redone per kill; P@1 within noise of the uninterrupted run",
         (
@@ -447,6 +448,7 @@ BENCHMARKS: dict[str, Claim] = {
             "p_at_1_single",
             "max_abs_param_diff_vs_single",
             "kills",
+            "killed_ranks",
             "width",
         ),
     ),

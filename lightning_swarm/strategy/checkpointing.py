@@ -65,11 +65,11 @@ def fetcher(peer: SwarmPeer) -> Callable[[Hashable], dict[str, Tensor]]:
         kind, stage = cast(tuple[str, int], group)
         if kind == _OPTIMIZER:
             assert peer.client is not None
-            data = peer.client.fetch_optimizer_state(stage)
+            data = peer.client.commands.fetch_optimizer_state(stage)
             return {_OPTIMIZER_KEY: torch.frombuffer(bytearray(data), dtype=torch.uint8)}
         partition = peer.partition
         assert partition is not None
-        return partition.full_state_keys(peer.gather_stage_states(stages=[stage]))
+        return partition.full_state_keys(peer.stage_states.gather_stage_states(stages=[stage]))
 
     return fetch
 

@@ -157,10 +157,11 @@ class DSlideStrategy(DDPStrategy):
         checkpoint_dir: the folder of those checkpoints, on a file system every rank reads; ``None``:
             ``<Trainer(default_root_dir)>/dslide_checkpoints``.
         max_restarts: with ``devices=N`` on one machine, how many times the job comes back by itself when a rank
-            dies during ``fit``: rank 0 kills the other ranks, runs the script again and every rank resumes from
-            the last sharded checkpoint (each restart logged with what was lost, and appended to
+            dies (rank 0 included): the process you started then runs no rank itself but supervises all N, as
+            torchrun's agent does; it kills what is left of the ranks, starts them again and every rank resumes
+            from the job's last sharded checkpoint (each restart logged with what was lost, and appended to
             ``checkpoint_dir/restarts.jsonl``). 0: a dead rank ends the job. Under ``torchrun --max-restarts``
-            leave it 0: torchrun restarts the ranks, and they resume from the last checkpoint.
+            leave it 0: torchrun restarts the ranks, and they resume from the job's last checkpoint.
     """
 
     strategy_name = "dslide"
@@ -257,10 +258,7 @@ class DSlideStrategy(DDPStrategy):
     def checkpoint_dir(self) -> Path:
         """The folder of the automatic sharded checkpoints (``checkpoint_dir``, or under the Trainer's
         ``default_root_dir``)."""
-        if self._checkpoint_dir is not None:
-            return Path(self._checkpoint_dir)
-        trainer = self._trainer()
-        return Path(trainer.default_root_dir if trainer is not None else os.getcwd()) / "dslide_checkpoints"
+        return self._checkpoint_folder(self._trainer())
 
     @override
     def _configure_launcher(self) -> None:
@@ -273,8 +271,8 @@ class DSlideStrategy(DDPStrategy):
             self.num_processes,
             self.num_nodes,
             max_restarts=self._max_restarts,
-            checkpoint_dir=lambda: self.checkpoint_dir,
-            on_failure=self.on_exception,
+            checkpoint_dir=self._checkpoint_folder,
+            child_exit_timeout=self._child_exit_timeout,
         )
 
     @override
@@ -559,6 +557,11 @@ class DSlideStrategy(DDPStrategy):
             trainer.save_checkpoint(folder, weights_only=False)
         finally:
             self._saving_sharded = False
+
+    def _checkpoint_folder(self, trainer: pl.Trainer | None) -> Path:
+        if self._checkpoint_dir is not None:
+            return Path(self._checkpoint_dir)
+        return Path(trainer.default_root_dir if trainer is not None else os.getcwd()) / "dslide_checkpoints"
 
     def _ensure_plan(self) -> ShardPlan:
         assert self.lightning_module is not None

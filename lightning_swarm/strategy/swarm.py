@@ -386,7 +386,7 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
         self._synced, self._backwards_since_sync = None, 0
         if fitting and self.peer.is_trainer and not self.peer.drives_stages:
             refuse_for_swarm_steps(trainer, self.precision_plugin, self.optimizers)
-            follow_swarm_epochs(self.lr_scheduler_configs, self.peer.swarm_epoch)
+            follow_swarm_epochs(self.lr_scheduler_configs, self.peer.steps.swarm_epoch)
         if fitting and self.peer.drives_stages:
             self._install_clipping()
             self._install_loss_scaling()
@@ -439,7 +439,7 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
             batch_size = getattr(loader, "batch_size", None)
             if isinstance(batch_size, int) and not self._batch_checked:  # before any stage call
                 self._check_target_batch_size(batch_size)
-            self.peer.wait_for_stages_at_start()
+            self.peer.stage_states.wait_for_stages_at_start()
             self._join_in_progress()
             settings = self.peer.settings
             self._progress.start(self.peer.dht, settings.run_id, settings.num_stages)
@@ -450,7 +450,7 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
         batch_size = None
         if args:
             batch_size = extract_batch_size(args[0])
-            self.peer.note_batch_size(batch_size)
+            self.peer.steps.note_batch_size(batch_size)
             if not self._batch_checked:
                 self._check_target_batch_size(batch_size)
         output = super().training_step(*args, **kwargs)
@@ -481,11 +481,13 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
         peer = self.peer
         if peer.drives_stages:
             return self._driven_optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
-        output = super().optimizer_step(optimizer, closure, model, **peer.optimizer_step_kwargs(), **kwargs)
+        output = super().optimizer_step(
+            optimizer, closure, model, **peer.steps.optimizer_step_kwargs(), **kwargs
+        )
         raw = getattr(optimizer, "_optimizer", optimizer)
         raw = getattr(raw, "opt", raw)  # the trainers' hivemind optimizer wraps the torch one
         index = 0 if len(self.optimizers) == 1 else self._optimizer_index(optimizer)
-        peer.send_stage_hyper(index, groups_hyper(raw))
+        peer.steps.send_stage_hyper(index, groups_hyper(raw))
         return output
 
     @override
@@ -571,7 +573,9 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
         stages = checkpoint.get(_STAGES_KEY)
         if stages is not None and self.peer.is_trainer:
             states = stages["optimizer_states"]
-            self.peer.load_stage_optimizer_states({k: optimizer_state_bytes(v) for k, v in states.items()})
+            self.peer.stage_states.load_stage_optimizer_states(
+                {k: optimizer_state_bytes(v) for k, v in states.items()}
+            )
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -597,8 +601,8 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
         peer, self._peer = self._peer, None
         failed, self._failed = self._failed, False
         if peer is not None:
-            self.stage_steps = dict(peer.stage_steps)
-            self.early_stage_steps = peer.early_stage_steps
+            self.stage_steps = dict(peer.steps.stage_steps)
+            self.early_stage_steps = peer.steps.early_stage_steps
             sync = peer.trainer_sync
             if sync is not None:
                 self.trainer_sync_stats = {

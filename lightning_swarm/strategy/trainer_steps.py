@@ -23,7 +23,7 @@ class TrainerDrivenSteps:
 
     def _current_step_id(self) -> int:
         if self._step_id is None:
-            self._step_id = self.peer.new_step_id()
+            self._step_id = self.peer.steps.new_step_id()
         return self._step_id
 
     def _optimizer_index(self, optimizer: Any) -> int:
@@ -50,7 +50,7 @@ class TrainerDrivenSteps:
                 if self.peer.trainer_sync is not None and self._backwards_since_sync:
                     refuse_zero_grad_after_backward(self.peer.num_trainers)
                 _original(set_to_none=set_to_none)
-                self.peer.zero_stage_grads(_index)
+                self.peer.steps.zero_stage_grads(_index)
 
             optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
             if index < len(wrappers):
@@ -73,10 +73,10 @@ class TrainerDrivenSteps:
             original(optimizer)
             raw = getattr(optimizer, "_optimizer", optimizer)
             overflowed, client.nonfinite_backwards = client.nonfinite_backwards > 0, 0
-            sq = self.peer.stage_grad_sq_norm(
+            sq = self.peer.steps.stage_grad_sq_norm(
                 self._current_step_id(),
                 self._optimizer_index(raw),
-                self.peer.stage_grad_factor / float(scaler.get_scale()),
+                self.peer.steps.stage_grad_factor / float(scaler.get_scale()),
             )
             if overflowed or not math.isfinite(sq):
                 for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
@@ -118,8 +118,8 @@ class TrainerDrivenSteps:
         local = sum(float(g.detach().float().pow(2).sum()) for g in grads)
         scaler = grad_scaler(self.precision_plugin)
         scale = 1.0 / float(scaler.get_scale()) if scaler is not None else 1.0
-        scale *= self.peer.stage_grad_factor
-        stages = self.peer.stage_grad_sq_norm(self._current_step_id(), index, scale)
+        scale *= self.peer.steps.stage_grad_factor
+        stages = self.peer.steps.stage_grad_sq_norm(self._current_step_id(), index, scale)
         total = math.sqrt(local + stages)
         coef = min(1.0, float(clip_val) / (total + 1e-6))  # as torch.nn.utils.clip_grad_norm_
         if coef < 1.0:
@@ -139,7 +139,7 @@ class TrainerDrivenSteps:
         scale = float(scaler.get_scale()) if scaler is not None else None
         if self._clip is not None and self._clip[0] != index:
             self._clip = None  # another optimizer's (manual optimization clips before the step)
-        self.peer.begin_step()  # forget the stage calls so far
+        self.peer.steps.begin_step()  # forget the stage calls so far
         # the stages may step as soon as their backwards are done (one trainer: nobody else adds to their gradients)
         if self.peer.trainer_sync is None and gradients_fixed_after_backward(self):
             self._early_step = (self._current_step_id(), index, lambda: groups_hyper(raw))
@@ -151,11 +151,11 @@ class TrainerDrivenSteps:
         step_id, clip = self._current_step_id(), self._clip
         self._step_id, self._clip, self._synced = None, None, None
         sync = self.peer.trainer_sync
-        self.peer.step_stages(
+        self.peer.steps.step_stages(
             step_id,
             index,
             groups_hyper(raw),
-            grad_scale=self.peer.stage_grad_factor / (scale if scale else 1.0),
+            grad_scale=self.peer.steps.stage_grad_factor / (scale if scale else 1.0),
             clip_coef=clip[2] if clip is not None and clip[1] == "norm" else None,
             clip_value=clip[2] if clip is not None and clip[1] == "value" else None,
             skip=skipped,
@@ -200,7 +200,7 @@ class TrainerDrivenSteps:
             deferred.flush()  # before the early steps are armed: a stage must have all of the step's gradients
         early = getattr(self, "_early_step", None)
         if early is not None:
-            self.peer.arm_early_steps(*early)
+            self.peer.steps.arm_early_steps(*early)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -235,7 +235,7 @@ class TrainerDrivenSteps:
         if self._synced == index:
             return
         params = [p for group in raw.param_groups for p in group["params"]]
-        result = peer.sync_trainers([p.grad for p in params], index, params)
+        result = peer.steps.sync_trainers([p.grad for p in params], index, params)
         assert result is not None
         self._step_id, self._synced, self._backwards_since_sync = result.step_id, index, 0
         for p, grad in zip(params, result.grads, strict=True):

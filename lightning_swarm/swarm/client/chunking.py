@@ -33,9 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.client.deferred_grads import client_pool as _pool
 from lightning_swarm.swarm.client.deferred_grads import finish_backward
-from lightning_swarm.swarm.client.stage_autograd import _DUMMY, _moved, _remote_outputs, _StageCall
+from lightning_swarm.swarm.client.stage_autograd import DUMMY, StageCall, StageCaller, moved, remote_outputs
 from lightning_swarm.swarm.wire.payload import Payload
 
 __all__ = [
@@ -103,7 +102,7 @@ def chunk_bounds(rows: int, chunks: int) -> list[int]:
     return bounds
 
 
-def _chunk_payload(inputs: Payload, plan: list[bool], lo: int, hi: int) -> Payload:
+def chunk_payload(inputs: Payload, plan: list[bool], lo: int, hi: int) -> Payload:
     tensors = []
     for t, split in zip(inputs.tensors, plan, strict=True):
         part = t[lo:hi] if split else t
@@ -114,7 +113,7 @@ def _chunk_payload(inputs: Payload, plan: list[bool], lo: int, hi: int) -> Paylo
     return Payload(inputs.skeleton, tensors)
 
 
-def _merge_outputs(stage: int, outputs: list[list[torch.Tensor]], bounds: list[int]) -> list[torch.Tensor]:
+def merge_outputs(stage: int, outputs: list[list[torch.Tensor]], bounds: list[int]) -> list[torch.Tensor]:
     merged = []
     for j, parts in enumerate(zip(*outputs, strict=True)):
         for i, part in enumerate(parts):
@@ -129,7 +128,7 @@ def _merge_outputs(stage: int, outputs: list[list[torch.Tensor]], bounds: list[i
 
 
 def chunked_call(
-    client: Any,
+    client: StageCaller,
     stage: int,
     inputs: Payload,
     plan: list[bool],
@@ -142,25 +141,25 @@ def chunked_call(
     enabled (one autograd node for all chunks)."""
     rows = inputs.tensors[0].shape[0]
     bounds = chunk_bounds(rows, chunks)
-    parts = [_chunk_payload(inputs, plan, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
-    pool = _pool(client)
+    parts = [chunk_payload(inputs, plan, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    pool = client.chunk_pool.executor()
     if not torch.is_grad_enabled():
         futures = [
-            pool.submit(client._forward_no_grad, stage, part, training, seed)
+            pool.submit(client.forward_no_grad, stage, part, training, seed)
             for part, seed in zip(parts, seeds, strict=False)
         ]
         results = [f.result() for f in futures]
-        merged = _merge_outputs(stage, [[_moved(t, device) for t in r.tensors] for r in results], bounds)
+        merged = merge_outputs(stage, [[moved(t, device) for t in r.tensors] for r in results], bounds)
         return results[0].rebuild(merged)
     calls = [
-        _StageCall(client, stage, part, device, training, seed)
+        StageCall(client, stage, part, device, training, seed)
         for part, seed in zip(parts, seeds, strict=False)
     ]
     marks = [t.requires_grad and t.is_floating_point() for t in inputs.tensors]
     diff_inputs = [t for t, mark in zip(inputs.tensors, marks, strict=True) if mark]
     diff_plan = [split for split, mark in zip(plan, marks, strict=True) if mark]
     state = _Chunked(stage, calls, bounds, diff_plan, pool)
-    flat = _ChunkedStageFunction.apply(state, _DUMMY, *diff_inputs)
+    flat = _ChunkedStageFunction.apply(state, DUMMY, *diff_inputs)
     return calls[0].output_skeleton.rebuild(list(flat))
 
 
@@ -179,7 +178,7 @@ class _ChunkedStageFunction(torch.autograd.Function):
         futures = [state.pool.submit(call.forward) for call in state.calls]
         outputs = [f.result() for f in futures]
         ctx.state = state
-        return _remote_outputs(ctx, diff_inputs, _merge_outputs(state.stage, outputs, state.bounds))
+        return remote_outputs(ctx, diff_inputs, merge_outputs(state.stage, outputs, state.bounds))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple:
@@ -188,7 +187,7 @@ class _ChunkedStageFunction(torch.autograd.Function):
             return (None, None, *([None] * len(ctx.input_meta)))
         bounds = state.bounds
 
-        def chunk_backward(i: int) -> list[torch.Tensor]:
+        def chunk_backward(i: int) -> list[torch.Tensor | None]:
             lo, hi = bounds[i], bounds[i + 1]
             grads = [None if g is None else g.detach()[lo:hi] for g in grad_outputs]
             expected = [
@@ -229,11 +228,15 @@ def join_input_grads(
     grads_in = []
     for j, ((device, dtype, shape), split) in enumerate(zip(input_meta, diff_plan, strict=True)):
         parts = [
-            torch.zeros((bounds[i + 1] - bounds[i], *shape[1:]) if split else shape, dtype=dtype)
-            if chunk[j] is None
-            else chunk[j]
+            _zeros_if_none(
+                chunk[j], (bounds[i + 1] - bounds[i], *shape[1:]) if split else tuple(shape), dtype
+            )
             for i, chunk in enumerate(per_chunk)
         ]
         parts = [p.to(device=device, dtype=dtype) for p in parts]
         grads_in.append(torch.cat(parts, dim=0) if split else torch.stack(parts).sum(dim=0))
     return grads_in
+
+
+def _zeros_if_none(grad: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype) if grad is None else grad

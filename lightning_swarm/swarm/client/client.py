@@ -5,7 +5,7 @@
 backward sends the saved stage *inputs* plus the output gradients to *any* live peer of the stage, which
 recomputes the forward, accumulates its parameter gradients and returns the input gradients.
 
-Failure handling lives here, in :meth:`SwarmClient._with_retries`: a call that the peer could not serve but
+Failure handling lives here, in :meth:`SwarmClient.with_retries`: a call that the peer could not serve but
 another peer may (no answer, a timeout, a malformed or non-finite reply, an error reply of category
 ``unavailable``: shutting down, out of memory, serving another stage) is retried on another peer of the stage
 and the failing peer is banned with exponential backoff; when a stage has no live peer the client polls the
@@ -42,17 +42,15 @@ import msgpack
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
-from hivemind.utils.mpfuture import MPFuture
 
 from lightning_swarm.swarm.client.chunking import Unmergeable, chunked_call, split_plan
-from lightning_swarm.swarm.client.commands import _StageCommands
-from lightning_swarm.swarm.client.deferred_grads import DeferredGrads
-from lightning_swarm.swarm.client.discovery import _StageDiscovery
+from lightning_swarm.swarm.client.commands import StageCommands
+from lightning_swarm.swarm.client.deferred_grads import ChunkPool, DeferredGrads
+from lightning_swarm.swarm.client.discovery import StageDiscovery
 from lightning_swarm.swarm.client.pipelining import PipelineRun
 from lightning_swarm.swarm.client.routing import NoPeersError, StageRouter
-from lightning_swarm.swarm.client.stage_autograd import _DUMMY, _moved, _StageCall, _StageFunction
-from lightning_swarm.swarm.dht.records import PeerInfo, parse_stage_peers
-from lightning_swarm.swarm.dht.validation import stage_key
+from lightning_swarm.swarm.client.stage_autograd import DUMMY, StageCall, StageFunction, moved
+from lightning_swarm.swarm.dht.records import PeerInfo
 from lightning_swarm.swarm.lifetime import PeerStopping
 from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
 from lightning_swarm.swarm.settings import SwarmSettings
@@ -98,8 +96,12 @@ RECENT_CALLS = 32
 _OUTPUT_SHAPES = 256  # input shapes per stage whose output shapes a client remembers
 
 
-class SwarmClient(_StageCommands, _StageDiscovery):
+class SwarmClient:
     """Runs pipeline stages on the peers of a swarm, with routing, retries and traffic counters.
+
+    The client owns its parts: ``discovery`` (:class:`~.discovery.StageDiscovery`: who serves each stage, from the
+    DHT) and ``commands`` (:class:`~.commands.StageCommands`: optimizer step commands and optimizer states), which
+    it hands its routers and its calls with retries.
 
     Args:
         dht: this peer's running hivemind DHT.
@@ -131,8 +133,6 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         self.routers = [
             StageRouter(k, run_id=self.run_id, ban_base_s=settings.ban_base_s) for k in range(self.num_stages)
         ]
-        self._last_refresh = [-float("inf")] * self.num_stages
-        self._pending: list[MPFuture | None] = [None] * self.num_stages
         self._transports: dict[tuple[PeerID, int], Any] = {}
         self._p2p: P2P | None = None
         # unique across trainers: a server remembers the ids of the backwards it applied
@@ -147,7 +147,9 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         self._seeds = random.Random(f"{torch.initial_seed()}/{rank}")
         self._lock = threading.Lock()
         self._transport_lock = threading.Lock()
-        self._router_lock = threading.Lock()
+        self.router_lock = threading.Lock()
+        self.discovery = StageDiscovery(dht, settings, self.routers, self.router_lock, self.should_stop)
+        self.commands = StageCommands(self)
         self._counters: dict[str, float] = defaultdict(float)
         # durations of recent successful remote calls, by (stage, kind): what the attempt timeouts adapt to
         self._recent: dict[tuple[int, str], deque[float]] = defaultdict(lambda: deque(maxlen=RECENT_CALLS))
@@ -167,6 +169,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         # the differentiable calls of the training step whose backward has not returned (see .early_steps)
         self.grad_calls = OpenGradCalls()
         self.deferred_grads = DeferredGrads()  # set active by the strategy (see .deferred_grads)
+        self.chunk_pool = ChunkPool()  # the threads of chunk calls and deferred backwards
         warm_up_codec(settings.compression)  # the first call's timeout must not pay for loading the kernels
 
     # ---- public API ----
@@ -183,7 +186,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 a freshly built module) or in eval mode (dropout off, batch normalisation with its running
                 statistics); the pipeline's proxies pass their ``.training``.
         """
-        self._check_stage(stage)
+        self.check_stage(stage)
         if type(swarm_training) is not bool:
             raise TypeError(f"SwarmClient.call_stage: swarm_training must be a bool, got {swarm_training!r}")
         inputs = Payload.call(args, kwargs)
@@ -220,11 +223,11 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 logger.info(f"{e} Stage {stage}'s calls are sent whole from now on (microbatches='auto').")
         seed = self._seeds.getrandbits(SEED_BITS)
         if not torch.is_grad_enabled():
-            outputs = self._forward_no_grad(stage, inputs, swarm_training, seed)
-            return outputs.rebuild([_moved(t, device) for t in outputs.tensors])
-        call = _StageCall(self, stage, inputs, device, swarm_training, seed)
+            outputs = self.forward_no_grad(stage, inputs, swarm_training, seed)
+            return outputs.rebuild([moved(t, device) for t in outputs.tensors])
+        call = StageCall(self, stage, inputs, device, swarm_training, seed)
         diff_inputs = [t for t, mark in zip(inputs.tensors, call.marks, strict=True) if mark]
-        flat_outputs = _StageFunction.apply(call, _DUMMY, *diff_inputs)
+        flat_outputs = StageFunction.apply(call, DUMMY, *diff_inputs)
         return call.output_skeleton.rebuild(list(flat_outputs))
 
     @property
@@ -239,9 +242,10 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         """A dropout seed for one stage call (replayed by its backward)."""
         return self._seeds.getrandbits(SEED_BITS)
 
-    def _forward_no_grad(self, stage: int, inputs: Payload, training: bool, seed: int) -> Payload:
+    def forward_no_grad(self, stage: int, inputs: Payload, training: bool, seed: int) -> Payload:
+        """A forward of ``stage`` on ``inputs`` outside autograd (no backward follows), with retries."""
         request = StageRequest("forward", stage_uid(self.run_id, stage), inputs, training=training, seed=seed)
-        outputs, _ = self._call(stage, request, check=self._output_check(stage, inputs))
+        outputs, _ = self.send(stage, request, check=self.output_check(stage, inputs))
         return outputs
 
     def _chunking(self, stage: int, inputs: Payload) -> tuple[int, list[bool] | None]:
@@ -254,54 +258,44 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         if plan is None:
             return 1, None
         if setting == "auto":  # a chunk per online peer of the stage, or whole while other calls are out
-            with self._router_lock:
+            with self.router_lock:
                 busy = any(router.calls_in_flight() for router in self.routers)
-            chunks = 1 if busy else max(1, len(self._live_peers(stage)))
+            chunks = 1 if busy else max(1, len(self.live_peers(stage)))
         else:
             chunks = int(setting)
         return min(chunks, inputs.tensors[0].shape[0]), plan
 
     def peers(self, stage: int) -> list[PeerInfo]:
         """The live peers of ``stage`` (one fresh DHT lookup)."""
-        self._check_stage(stage)
-        # bounded: a DHT process that died never answers
-        found = self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True).result(
-            timeout=self.settings.request_timeout
-        )
-        peers = parse_stage_peers(found, stage)
-        with self._router_lock:
-            self.routers[stage].update_peers(peers)
-        self._last_refresh[stage] = time.monotonic()
-        return peers
+        self.check_stage(stage)
+        return self.discovery.lookup(stage)
 
     def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
         """The current ``state_dict`` of stage ``stage``, from a live peer of it (or the local server): with
         trainer-driven steps the one with the newest epoch, if it answers."""
-        self._check_stage(stage)
+        self.check_stage(stage)
 
         def attempt(peer_id: PeerID) -> dict[str, torch.Tensor]:
             if peer_id == self.peer_id and stage in self.local_servers:
                 return self.local_servers[stage].state_dict_local()
             request = runtime_pb2.ExpertUID(uid=stage_uid(self.run_id, stage))
-            stub = self._transport(peer_id, stage).stub
+            stub = self.transport(peer_id, stage).stub
 
             async def fetch() -> list[runtime_pb2.ExpertResponse]:
                 return [message async for message in await stub.rpc_state(request)]
 
-            responses = self._run(fetch())
+            responses = self.run_rpc(fetch())
             self._count(stage, "state", 0, sum(response.ByteSize() for response in responses))
             state = decode_payload_stream(responses).rebuild()
             if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
                 raise CodecError(f"Peer {peer_id} sent a malformed state of stage {stage}")
             return state
 
-        return self._with_retries(stage, 1.0, attempt, timed=False, prefer=self._most_current_peer(stage))
+        return self.with_retries(stage, 1.0, attempt, timed=False, prefer=self.most_current_peer(stage))
 
-    def _live_peers(self, stage: int) -> list[PeerID]:
-        self._maybe_refresh(stage)
-        with self._router_lock:
-            router = self.routers[stage]
-            return [p for p in router.peers if not router.is_banned(p)]
+    def live_peers(self, stage: int) -> list[PeerID]:
+        """The peers of ``stage`` that are not banned, as last looked up (see :meth:`~.discovery.StageDiscovery.live_peers`)."""
+        return self.discovery.live_peers(stage)
 
     def stage_info(self, stage: int) -> list[dict[str, Any]]:
         """``rpc_info`` of every live peer of ``stage`` (peers that fail to answer are skipped)."""
@@ -322,8 +316,8 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 continue
             try:
                 request = runtime_pb2.ExpertUID(uid=stage_uid(self.run_id, stage))
-                stub = self._transport(peer_id, stage).stub
-                reply = self._run(stub.rpc_info(request, timeout=timeout))
+                stub = self.transport(peer_id, stage).stub
+                reply = self.run_rpc(stub.rpc_info(request, timeout=timeout))
                 info = msgpack.unpackb(reply.serialized_info)
                 if not isinstance(info, dict) or info.get("stage") != stage:
                     raise ProtocolError(f"malformed rpc_info reply {str(info)[:100]}")
@@ -332,14 +326,14 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 logger.debug(f"Peer {peer_id} of stage {stage} did not answer rpc_info: {e!r}")
         return infos
 
-    def _most_current_peer(self, stage: int) -> PeerID | None:
+    def most_current_peer(self, stage: int) -> PeerID | None:
         """With trainer-driven steps: the live peer of ``stage`` with the newest optimizer epoch. A peer that missed
         the trainer's last step holds the values from before it until a call makes it catch up (see
         ``StageServer.catch_up_for_call``), so a state is fetched from the newest peer first."""
         if stage not in self.stage_epochs:
             return None
         # the live peers only, each given a few seconds: a peer that does not answer is not asked for the state first
-        infos = self._stage_infos(stage, self._live_peers(stage), min(5.0, self.settings.request_timeout))
+        infos = self._stage_infos(stage, self.live_peers(stage), min(5.0, self.settings.request_timeout))
         epochs = [(info["epoch"], peer_id) for peer_id, info in infos if type(info.get("epoch")) is int]
         return max(epochs, key=lambda pair: pair[0])[1] if epochs else None
 
@@ -362,9 +356,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
     def shutdown(self) -> None:
         """Close this client's channels and P2P connection (idempotent)."""
         p2p, self._p2p = self._p2p, None
-        pool = self.__dict__.pop("_chunk_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False)
+        self.chunk_pool.shutdown()
         with self._transport_lock:
             transports, self._transports = list(self._transports.values()), {}
         for transport in transports:
@@ -377,7 +369,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
 
     # ---- one call with retries ----
 
-    def _call(
+    def send(
         self,
         stage: int,
         request: StageRequest,
@@ -407,7 +399,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         lean_to = prefer if request.kind == "backward" and request.forward_id is not None else None
 
         def attempt(peer_id: PeerID) -> Payload:
-            transport = self._transport(peer_id, stage)
+            transport = self.transport(peer_id, stage)
             remote = isinstance(transport, P2PTransport)
             timeout = self._attempt_timeout(stage, request.kind) if remote else None
             lean = remote and peer_id == lean_to
@@ -415,6 +407,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 if encoded[0] is None:
                     encoded[0] = encode_request(request, self.settings.compression, reuse_inputs=reuse)
                 if request.kind == "backward":
+                    assert timeout is not None
                     request.commit_by = time.time() + (1 - COMMIT_MARGIN) * timeout
                     payloads = encoded[0][1]
                     encoded[0] = (encode_request_header(request, *payloads), payloads)
@@ -440,7 +433,8 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 served.append(peer_id)
             return reply.outputs
 
-        outputs = self._with_retries(stage, request.inputs.batch_size(), attempt, prefer=prefer)
+        assert request.inputs is not None
+        outputs = self.with_retries(stage, request.inputs.batch_size(), attempt, prefer=prefer)
         return outputs, (None if encoded[0] is None else encoded[0][1][0])
 
     def _attempt_timeout(self, stage: int, kind: str) -> float:
@@ -449,13 +443,13 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         recent = self._recent.get((stage, kind))
         if not recent or len(recent) < RECENT_CALLS // 4:
             return full
-        with self._router_lock:
+        with self.router_lock:
             others = self.routers[stage].num_live() > 1
         if not others:
             return full
         return min(full, max(MIN_ATTEMPT_TIMEOUT_S, SLOW_FACTOR * max(recent)))
 
-    def _output_check(self, stage: int, inputs: Payload) -> Callable[[Payload], None]:
+    def output_check(self, stage: int, inputs: Payload) -> Callable[[Payload], None]:
         """Validates a forward reply of ``stage`` to ``inputs``: no NaN, no infinity except in an output that is
         one of the data inputs passed back (:func:`~.protocol.check_outputs`), and, once the stage has answered
         inputs of the same dtypes and shapes before, outputs of the same count, dtypes and shapes as then (every
@@ -484,7 +478,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
 
         return check
 
-    def _with_retries(
+    def with_retries(
         self,
         stage: int,
         task_size: float,
@@ -492,6 +486,10 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         timed: bool = True,
         prefer: PeerID | None = None,
     ) -> T:
+        """Run ``attempt(peer)`` on a peer of ``stage`` chosen by its router, with retries: a peer whose attempt
+        fails (except with an error every peer would give) is banned and another is tried; with no live peer left
+        the stage is looked up again until ``no_peers_timeout``, then :class:`~.routing.NoPeersError`. ``timed``:
+        the call's time counts towards the peer's measured speed; ``prefer``: the peer to try first if live."""
         router = self.routers[stage]
         deadline = time.monotonic() + self.settings.no_peers_timeout
         failed: set[PeerID] = set()
@@ -499,10 +497,10 @@ class SwarmClient(_StageCommands, _StageDiscovery):
         while True:
             if self.should_stop():
                 raise PeerStopping(f"stage {stage} call abandoned: this peer is stopping")
-            self._maybe_refresh(stage)
+            self.discovery.refresh(stage)
             try:
                 # chosen and counted in flight at once: the next choice sees this call
-                with self._router_lock:
+                with self.router_lock:
                     peer_id = router.choose(task_size, exclude=failed, prefer=prefer)
                     router.call_started(peer_id)
             except NoPeersError as e:
@@ -513,20 +511,22 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                         message += f" Last error from a peer: {last_error!r}"
                     raise NoPeersError(message) from last_error
                 failed.clear()  # everyone failed once: after a refresh, allow retrying unbanned peers
-                self._maybe_refresh(stage, block=True, max_wait=min(self.settings.refresh_period, remaining))
+                self.discovery.refresh(
+                    stage, block=True, max_wait=min(self.settings.refresh_period, remaining)
+                )
                 continue
             try:
                 try:
                     result = attempt(peer_id)
                 finally:
-                    with self._router_lock:
+                    with self.router_lock:
                         busy = router.call_ended(peer_id)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except RemoteStageError as e:
                 # the stage's own code failed, or the request was refused for its content: the same on every peer
                 if e.is_caller_error:
-                    with self._router_lock:
+                    with self.router_lock:
                         router.report_success(peer_id)
                     raise
                 last_error = e
@@ -534,10 +534,10 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 last_error = e
             else:
                 # the peer's busy time this call accounts for bounds its announced throughput (routing.py)
-                with self._router_lock:
+                with self.router_lock:
                     router.report_success(peer_id, task_size if timed else 0.0, busy)
                 return result
-            with self._router_lock:
+            with self.router_lock:
                 duration = router.ban(peer_id)
             failed.add(peer_id)
             self._count_failure(stage)
@@ -546,7 +546,7 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                 f"retrying"
             )
 
-    def _transport(self, peer_id: PeerID, stage: int) -> Any:
+    def transport(self, peer_id: PeerID, stage: int) -> Any:
         """How to reach ``stage`` on ``peer_id``: the in-process server if it is this peer, channels over its
         same-host socket if it listens on one here, else P2P channels."""
         key = (peer_id, stage)
@@ -572,7 +572,8 @@ class SwarmClient(_StageCommands, _StageDiscovery):
                     self._transports[key] = transport
         return transport
 
-    def _run(self, coro: Any) -> Any:
+    def run_rpc(self, coro: Any) -> Any:
+        """Run an RPC's coroutine on the process's event loop, within ``request_timeout``."""
         timeout = self.settings.request_timeout
         return run_coroutine(asyncio.wait_for(coro, timeout), timeout=timeout + 5)
 
@@ -596,7 +597,8 @@ class SwarmClient(_StageCommands, _StageDiscovery):
             self._counters["swarm/bans"] += 1
             self._counters[f"swarm/stage{stage}/retries"] += 1
 
-    def _check_stage(self, stage: int) -> None:
+    def check_stage(self, stage: int) -> None:
+        """Raise a ``ValueError`` unless ``stage`` is one of the swarm's stages."""
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"SwarmClient: stage must be in [0, {self.num_stages}), got {stage}")
 

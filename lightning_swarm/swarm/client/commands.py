@@ -1,5 +1,6 @@
-"""A trainer's commands to a stage's peers, beside its calls: optimizer step commands (agreeing on a step's sum
-first, see :mod:`.stepping`), and the stage optimizer's state, fetched and restored in parts."""
+"""A trainer's commands to a stage's peers, beside its calls (a part of :class:`~.client.SwarmClient`): optimizer
+step commands (agreeing on a step's sum first, see :mod:`.stepping`), and the stage optimizer's state, fetched and
+restored in parts."""
 
 from __future__ import annotations
 
@@ -8,16 +9,21 @@ import dataclasses
 import logging
 import math
 import secrets
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import msgpack
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from lightning_swarm.swarm.client.routing import NoPeersError
+from lightning_swarm.swarm.client.discovery import StageDiscovery
+from lightning_swarm.swarm.client.routing import NoPeersError, StageRouter
+from lightning_swarm.swarm.dht.records import PeerInfo
 from lightning_swarm.swarm.lifetime import PeerStopping
 from lightning_swarm.swarm.loop import run_coroutine
+from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.training.stepping import StepCommand, parse_step_reply
 from lightning_swarm.swarm.wire.errors import ProtocolError
 from lightning_swarm.swarm.wire.protocol import (
@@ -31,8 +37,53 @@ MAX_SUM_ATTEMPTS = 6  # rounds a multi-peer stage step tries before its peers st
 SUM_AGREEMENT = 1e-5  # relative difference of the peers' squared norms of one sum taken as agreement
 
 
-class _StageCommands:
-    """A ``SwarmClient``'s step and optimizer-state commands (a mixin: its attributes are the client's)."""
+T = TypeVar("T")
+
+
+class CommandedClient(Protocol):
+    """What the commands need from the client that owns them (:class:`~.client.SwarmClient`): its routers, its
+    transports and its calls with retries."""
+
+    settings: SwarmSettings
+    run_id: str
+    peer_id: PeerID
+    routers: list[StageRouter]
+    router_lock: threading.Lock
+    local_servers: dict[int, Any]
+    discovery: StageDiscovery
+    should_stop: Callable[[], bool]
+
+    def check_stage(self, stage: int) -> None: ...
+
+    def peers(self, stage: int) -> list[PeerInfo]: ...
+
+    def live_peers(self, stage: int) -> list[PeerID]: ...
+
+    def most_current_peer(self, stage: int) -> PeerID | None: ...
+
+    def transport(self, peer_id: PeerID, stage: int) -> Any: ...
+
+    def run_rpc(self, coro: Any) -> Any: ...
+
+    def with_retries(
+        self,
+        stage: int,
+        task_size: float,
+        attempt: Callable[[PeerID], T],
+        timed: bool = True,
+        prefer: PeerID | None = None,
+    ) -> T: ...
+
+
+class StageCommands:
+    """A ``SwarmClient``'s step and optimizer-state commands to the peers of a stage.
+
+    Args:
+        client: the client that owns them, whose routers, transports and retries they use.
+    """
+
+    def __init__(self, client: CommandedClient) -> None:
+        self.client, self.settings = client, client.settings
 
     def step_stage(self, stage: int, command: StepCommand) -> list[dict[str, Any]]:
         """Send a trainer's step command (see :mod:`.stepping`) to every live peer of ``stage`` at once and wait
@@ -44,7 +95,7 @@ class _StageCommands:
         (the same squared norm, bit for bit: an all-reduce gives every member the same result). A round that
         formed without one of them, or that some member saw fail half-way (hivemind then keeps the local values
         of the parts it missed), is redone from the peers' own gradients, up to ``MAX_SUM_ATTEMPTS`` times."""
-        self._check_stage(stage)
+        self.client.check_stage(stage)
         deadline = time.monotonic() + self.settings.no_peers_timeout
         peers = None
         if command.phase in ("norm", "apply"):
@@ -60,7 +111,7 @@ class _StageCommands:
                 return replies
             peers = None  # every peer it agreed with failed: whoever lives now
             # every peer failed (e.g. the stage's only peer died): wait for a live one, as calls do
-            if self.should_stop():
+            if self.client.should_stop():
                 raise PeerStopping(f"stage {stage} step abandoned: this peer is stopping")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -68,7 +119,9 @@ class _StageCommands:
                     f"No peer of stage {stage} took the trainer's optimizer step {command.step_id} within "
                     f"no_peers_timeout ({self.settings.no_peers_timeout:.1f} s)"
                 )
-            self._maybe_refresh(stage, block=True, max_wait=min(self.settings.refresh_period, remaining))
+            self.client.discovery.refresh(
+                stage, block=True, max_wait=min(self.settings.refresh_period, remaining)
+            )
 
     def _agree_on_sum(
         self, stage: int, command: StepCommand, deadline: float
@@ -79,7 +132,7 @@ class _StageCommands:
         replies: list[dict[str, Any]] = []
         for attempt in range(MAX_SUM_ATTEMPTS):
             prepare.attempt = attempt
-            peers = self._live_peers(stage)
+            peers = self.client.live_peers(stage)
             if len(peers) <= 1 and command.phase == "apply":
                 return None, []  # nothing to agree on: the apply phase sums nothing
             replies = self._step_once(stage, prepare, peers) if peers else []
@@ -88,7 +141,7 @@ class _StageCommands:
             if not got:
                 if time.monotonic() > deadline:
                     break
-                self._maybe_refresh(stage, block=True, max_wait=self.settings.refresh_period)
+                self.client.discovery.refresh(stage, block=True, max_wait=self.settings.refresh_period)
                 continue
             norms = [float(r.get("sq_norm", 0.0)) for r in got if r.get("finite", True)]
             groups = {int(r.get("group", 1)) for r in got}
@@ -115,10 +168,10 @@ class _StageCommands:
         Given ``peers``, the list is aligned with them instead, ``None`` for a peer that failed."""
         aligned = peers is not None
         if peers is None:
-            peers = self._live_peers(stage)
+            peers = self.client.live_peers(stage)
         if not peers:
             return []
-        router = self.routers[stage]
+        router = self.client.routers[stage]
         command.peers = max(1, len(peers))
         # the peers sum their gradients among exactly these (no matchmaking round), in this order
         command.group = [p.to_bytes() for p in peers] if len(peers) > 1 else []
@@ -127,9 +180,13 @@ class _StageCommands:
             self.settings.averaging_timeout + self.settings.matchmaking_time + self.settings.request_timeout
         )
 
-        local = self.local_servers.get(stage)
+        local = self.client.local_servers.get(stage)
         # the channels are made here, not on the event loop (making one may wait for the loop)
-        stubs = {p: self._transport(p, stage).stub for p in peers if p != self.peer_id or local is None}
+        stubs = {
+            p: self.client.transport(p, stage).stub
+            for p in peers
+            if p != self.client.peer_id or local is None
+        }
 
         async def one(peer_id: PeerID) -> dict[str, Any]:
             if peer_id not in stubs:
@@ -161,7 +218,7 @@ class _StageCommands:
                 result, Exception
             ):  # this process's own server: not a peer fault
                 raise result
-            with self._router_lock:
+            with self.client.router_lock:
                 router.ban(peer_id)
             logger.warning(f"Stage {stage} peer {peer_id} did not take step {command.step_id}: {error}")
         return replies
@@ -169,12 +226,14 @@ class _StageCommands:
     def fetch_optimizer_state(self, stage: int) -> bytes:
         """The optimizer state of stage ``stage`` (see ``StageServer.optimizer_state``), from a live peer: with
         trainer-driven steps the one with the newest epoch, if it answers."""
-        self._check_stage(stage)
+        self.client.check_stage(stage)
 
         def attempt(peer_id: PeerID) -> bytes:
-            if peer_id == self.peer_id and stage in self.local_servers:
-                return self.local_servers[stage].optimizer_state()
-            parts, token, total = [], None, None
+            if peer_id == self.client.peer_id and stage in self.client.local_servers:
+                return self.client.local_servers[stage].optimizer_state()
+            parts: list[bytes] = []
+            token: int | None = None
+            total: int | None = None
             while total is None or sum(map(len, parts)) < total:
                 offset = sum(map(len, parts))
                 reply = self._optimizer_rpc(peer_id, stage, {"op": "get", "offset": offset, "token": token})
@@ -189,8 +248,8 @@ class _StageCommands:
             return b"".join(parts)
 
         # the newest peer first, as for the parameters (see SwarmClient.fetch_stage_state)
-        prefer = self._most_current_peer(stage)
-        return self._with_retries(stage, 1.0, attempt, timed=False, prefer=prefer)
+        prefer = self.client.most_current_peer(stage)
+        return self.client.with_retries(stage, 1.0, attempt, timed=False, prefer=prefer)
 
     def load_optimizer_state(self, stage: int, data: bytes) -> int:
         """Restore the optimizer state of stage ``stage`` on every live peer of it; returns how many took it.
@@ -198,14 +257,14 @@ class _StageCommands:
         Raises:
             ValueError: a peer refused the state (it does not fit the stage).
         """
-        self._check_stage(stage)
-        self.peers(stage)
-        with self._router_lock:
-            router = self.routers[stage]
+        self.client.check_stage(stage)
+        self.client.peers(stage)
+        with self.client.router_lock:
+            router = self.client.routers[stage]
             peers = [p for p in router.peers if not router.is_banned(p)]
         for peer_id in peers:
-            if peer_id == self.peer_id and stage in self.local_servers:
-                self.local_servers[stage].load_optimizer_state(data)
+            if peer_id == self.client.peer_id and stage in self.client.local_servers:
+                self.client.local_servers[stage].load_optimizer_state(data)
             else:
                 token = secrets.randbits(62)
                 for offset in range(0, max(1, len(data)), OPTIMIZER_PART_BYTES):
@@ -222,10 +281,12 @@ class _StageCommands:
 
     def _optimizer_rpc(self, peer_id: PeerID, stage: int, fields: dict[str, Any]) -> dict[str, Any]:
         request = runtime_pb2.ExpertInfo(
-            serialized_info=msgpack.packb({"uid": stage_uid(self.run_id, stage), **fields}, use_bin_type=True)
+            serialized_info=msgpack.packb(
+                {"uid": stage_uid(self.client.run_id, stage), **fields}, use_bin_type=True
+            )
         )
-        stub = self._transport(peer_id, stage).stub
-        reply = msgpack.unpackb(self._run(stub.rpc_optimizer(request)).serialized_info, raw=False)
+        stub = self.client.transport(peer_id, stage).stub
+        reply = msgpack.unpackb(self.client.run_rpc(stub.rpc_optimizer(request)).serialized_info, raw=False)
         if not isinstance(reply, dict):
             raise ProtocolError(f"Peer {peer_id} sent a malformed optimizer reply")
         if "error" in reply:

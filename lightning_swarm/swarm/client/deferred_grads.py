@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeferredGrads", "client_pool", "finish_backward"]
+__all__ = ["ChunkPool", "DeferredGrads", "finish_backward"]
 
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
@@ -92,12 +92,28 @@ class DeferredGrads:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
-def client_pool(client: Any) -> ThreadPoolExecutor:
-    """The client's threads for chunk calls and deferred backwards."""
-    pool = getattr(client, "_chunk_pool", None)
-    if pool is None:
-        pool = client._chunk_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="swarm-chunk")
-    return pool
+class ChunkPool:
+    """A client's threads for chunk calls and deferred backwards, started at their first use."""
+
+    def __init__(self, max_workers: int = 32) -> None:
+        self.max_workers = max_workers
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.max_workers, thread_name_prefix="swarm-chunk"
+                )
+            return self._pool
+
+    def shutdown(self) -> None:
+        """Stop the threads without waiting for them (a later use starts new ones)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
 
 
 def finish_backward(
@@ -112,6 +128,6 @@ def finish_backward(
     earlier stage calls at once)."""
     deferred: DeferredGrads = client.deferred_grads
     if deferred.active:
-        deferred.add(client_pool(client).submit(lambda: follow(inputs, backward())))
+        deferred.add(client.chunk_pool.executor().submit(lambda: follow(inputs, backward())))
         return [None] * len(inputs)
     return list(backward())

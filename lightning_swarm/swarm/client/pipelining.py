@@ -34,14 +34,13 @@ from typing import Any
 import torch
 
 from lightning_swarm.swarm.client.chunking import (
-    _chunk_payload,
-    _merge_outputs,
-    _pool,
     chunk_bounds,
+    chunk_payload,
     joined_backward,
+    merge_outputs,
 )
 from lightning_swarm.swarm.client.deferred_grads import finish_backward
-from lightning_swarm.swarm.client.stage_autograd import _DUMMY, _moved, _remote_outputs, _StageCall
+from lightning_swarm.swarm.client.stage_autograd import DUMMY, StageCall, StageCaller, moved, remote_outputs
 from lightning_swarm.swarm.wire.payload import Payload
 
 __all__ = ["PipelineRun"]
@@ -53,7 +52,7 @@ class _Chain:
 
     def __init__(self, run: PipelineRun, first: Payload) -> None:
         self.run, self.first = run, first
-        self.calls: list[_StageCall] = []
+        self.calls: list[StageCall] = []
         self.outputs: list[tuple[list[torch.Tensor], Payload]] = []  # per stage: tensors and their structure
         self.error: BaseException | None = None
         self.running = False
@@ -83,16 +82,16 @@ class _Chain:
                 payload = self.payload_for(index)
                 with run.gates[stage]:
                     if run.grad:
-                        call = _StageCall(
+                        call = StageCall(
                             run.client, stage, payload, run.device, run.training, run.client.next_seed()
                         )
                         tensors = call.forward()
                         skeleton = call.output_skeleton
                     else:
-                        reply = run.client._forward_no_grad(
+                        reply = run.client.forward_no_grad(
                             stage, payload, run.training, run.client.next_seed()
                         )
-                        tensors = [_moved(t, run.device) for t in reply.tensors]
+                        tensors = [moved(t, run.device) for t in reply.tensors]
                         skeleton, call = Payload(reply.skeleton, []), None
             except BaseException as e:  # raised to the model's code when it joins this stage
                 with run.cond:
@@ -147,7 +146,7 @@ class PipelineRun:
 
     def __init__(
         self,
-        client: Any,
+        client: StageCaller,
         stage: int,
         inputs: Payload,
         plan: list[bool],
@@ -165,15 +164,15 @@ class PipelineRun:
         self.allowed = -1  # the last stage index (of the run) the chains may run
         self.awaited = -1  # the last stage index a call waits for: run even once the run is closed
         self.gates = {
-            s: threading.BoundedSemaphore(2 * max(1, len(client._live_peers(s))))
+            s: threading.BoundedSemaphore(2 * max(1, len(client.live_peers(s))))
             for s in range(stage, num_stages)
         }
         parts = [
-            _chunk_payload(inputs, plan, self.bounds[i], self.bounds[i + 1])
+            chunk_payload(inputs, plan, self.bounds[i], self.bounds[i + 1])
             for i in range(len(self.bounds) - 1)
         ]
         self.chains = [_Chain(self, part) for part in parts]
-        self.pool = _pool(client)
+        self.pool = client.chunk_pool.executor()
         marks = [t.requires_grad and t.is_floating_point() for t in inputs.tensors]
         self.diff_inputs = [t for t, mark in zip(inputs.tensors, marks, strict=True) if mark]
         self.diff_plan = [split for split, mark in zip(plan, marks, strict=True) if mark]
@@ -212,10 +211,10 @@ class PipelineRun:
         if errors:
             self.close()
             raise errors[0]
-        tensors = _merge_outputs(stage, [c.outputs[index][0] for c in self.chains], self.bounds)
+        tensors = merge_outputs(stage, [c.outputs[index][0] for c in self.chains], self.bounds)
         skeleton = self.chains[0].outputs[index][1]
         if self.grad:
-            flat = _RunFunction.apply(_RunStage(self, index, tensors), _DUMMY, *self.diff_inputs)
+            flat = _RunFunction.apply(_RunStage(self, index, tensors), DUMMY, *self.diff_inputs)
             result = skeleton.rebuild(list(flat))
         else:
             result = skeleton.rebuild(tensors)
@@ -257,7 +256,7 @@ class _RunFunction(torch.autograd.Function):
     def forward(ctx: Any, state: _RunStage, dummy: torch.Tensor, *diff_inputs: torch.Tensor) -> tuple:
         ctx.state = state
         merged, state.merged = state.merged, []
-        return _remote_outputs(ctx, diff_inputs, merged)
+        return remote_outputs(ctx, diff_inputs, merged)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple:

@@ -258,7 +258,7 @@ class StageRouter:
 
     def _in_flight(self, peer_id: PeerID) -> int:
         flight = self._flight.get(peer_id)
-        return flight[0] if flight is not None and flight[0] > 0 else 0
+        return int(flight[0]) if flight is not None and flight[0] > 0 else 0
 
     def ban(self, peer_id: PeerID, now: float | None = None) -> float:
         """Ban ``peer_id`` after a failed call; returns the ban duration in seconds.

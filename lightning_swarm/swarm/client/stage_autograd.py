@@ -1,36 +1,78 @@
-"""A stage call as an autograd node: :class:`_StageFunction` sends the forward when the trainer's graph is built
+"""A stage call as an autograd node: :class:`StageFunction` sends the forward when the trainer's graph is built
 and the backward when autograd reaches it (to the peer that served the forward first, which may reuse its kept
-activations), through :class:`~.client.SwarmClient`'s calls with retries; the input gradients a peer returns are
-checked (one finite gradient of each differentiable input's shape and dtype)."""
+activations), through the calls with retries of the client that makes it (a :class:`StageCaller`, such as
+:class:`~.client.SwarmClient`); the input gradients a peer returns are checked (one finite gradient of each
+differentiable input's shape and dtype)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from hivemind.p2p import PeerID
 
-from lightning_swarm.swarm.client.deferred_grads import finish_backward
+from lightning_swarm.swarm.client.deferred_grads import ChunkPool, DeferredGrads, finish_backward
+from lightning_swarm.swarm.settings import SwarmSettings
+from lightning_swarm.swarm.training.early_steps import OpenGradCalls
 from lightning_swarm.swarm.wire.codec import all_finite, remember_wire_format
 from lightning_swarm.swarm.wire.errors import ProtocolError
 from lightning_swarm.swarm.wire.guards import check_finite
 from lightning_swarm.swarm.wire.payload import EncodedPayload, Payload
 from lightning_swarm.swarm.wire.protocol import StageRequest, stage_uid
 
-if TYPE_CHECKING:
-    from lightning_swarm.swarm.client.client import SwarmClient
-
 # makes every stage call part of the autograd graph, so that stages whose inputs need no grad still train
-_DUMMY = torch.empty(0, requires_grad=True)
+DUMMY = torch.empty(0, requires_grad=True)
 
 
-class _StageCall:
+class StageCaller(Protocol):
+    """What stage calls (whole, chunked, pipelined) need from the client that makes them: its calls with retries,
+    the check of a forward's outputs, and a training step's bookkeeping. :class:`~.client.SwarmClient` is one."""
+
+    run_id: str
+    settings: SwarmSettings
+    loss_scaled: bool  # gradients are loss-scaled: an overflow skips the step instead of failing the call
+    nonfinite_backwards: int  # backwards that met non-finite values (the step is skipped)
+    grad_calls: OpenGradCalls
+    deferred_grads: DeferredGrads
+    chunk_pool: ChunkPool
+
+    def send(
+        self,
+        stage: int,
+        request: StageRequest,
+        reuse: EncodedPayload | None = None,
+        check: Callable[[Payload], None] | None = None,
+        keep: bool = False,
+        prefer: PeerID | None = None,
+        served: list[PeerID] | None = None,
+    ) -> tuple[Payload, EncodedPayload | None]:
+        """Serve ``request`` on some peer of ``stage``, with retries; the reply's payload and the encoded inputs."""
+        ...
+
+    def output_check(self, stage: int, inputs: Payload) -> Callable[[Payload], None]:
+        """The validation of a forward reply of ``stage`` to ``inputs``."""
+        ...
+
+    def forward_no_grad(self, stage: int, inputs: Payload, training: bool, seed: int) -> Payload:
+        """A forward outside autograd (no backward follows)."""
+        ...
+
+    def next_seed(self) -> int:
+        """A dropout seed for one stage call."""
+        ...
+
+    def live_peers(self, stage: int) -> list[PeerID]:
+        """The peers of ``stage`` not banned, as last looked up."""
+        ...
+
+
+class StageCall:
     """What one differentiable stage call keeps between its forward and backward."""
 
     def __init__(
         self,
-        client: SwarmClient,
+        client: StageCaller,
         stage: int,
         inputs: Payload,
         device: torch.device,
@@ -51,15 +93,15 @@ class _StageCall:
     def forward(self) -> list[torch.Tensor]:
         uid = stage_uid(self.client.run_id, self.stage)
         request = StageRequest("forward", uid, self.inputs, training=self.training, seed=self.seed)
-        check = self.client._output_check(self.stage, self.inputs)
+        check = self.client.output_check(self.stage, self.inputs)
         served: list[PeerID] = []
-        outputs, self.encoded_inputs = self.client._call(
+        outputs, self.encoded_inputs = self.client.send(
             self.stage, request, check=check, keep=self.client.settings.keep_activations > 0, served=served
         )
         self.forward_id, self.forward_peer = request.forward_id, (served[-1] if served else None)
         self.output_skeleton = Payload(outputs.skeleton, [])
         self.grad_generation = self.client.grad_calls.opened(self.stage)
-        return [_moved(t, self.device) for t in outputs.tensors]
+        return [moved(t, self.device) for t in outputs.tensors]
 
     def backward(
         self, grad_outputs: list[torch.Tensor | None], expected: list[tuple[torch.Size, torch.dtype]]
@@ -74,7 +116,7 @@ class _StageCall:
         uid = stage_uid(client.run_id, self.stage)
         request = StageRequest("backward", uid, self.inputs, grads, training=self.training, seed=self.seed)
         request.forward_id = self.forward_id
-        reply, _ = client._call(
+        reply, _ = client.send(
             self.stage,
             request,
             reuse=self.encoded_inputs,
@@ -89,7 +131,7 @@ class _StageCall:
         return grads_in
 
 
-def _remote_outputs(ctx: Any, diff_inputs: tuple, outputs: list[torch.Tensor]) -> tuple:
+def remote_outputs(ctx: Any, diff_inputs: tuple, outputs: list[torch.Tensor]) -> tuple:
     """The bookkeeping of a remote call's autograd node: the inputs' metadata for the backward, no gradient
     materialised for unused outputs, and integer/boolean outputs marked non-differentiable."""
     ctx.set_materialize_grads(False)
@@ -102,11 +144,11 @@ def _remote_outputs(ctx: Any, diff_inputs: tuple, outputs: list[torch.Tensor]) -
     return tuple(outputs)
 
 
-class _StageFunction(torch.autograd.Function):
+class StageFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, call: _StageCall, dummy: torch.Tensor, *diff_inputs: torch.Tensor) -> tuple:
+    def forward(ctx: Any, call: StageCall, dummy: torch.Tensor, *diff_inputs: torch.Tensor) -> tuple:
         ctx.call = call
-        return _remote_outputs(ctx, diff_inputs, call.forward())
+        return remote_outputs(ctx, diff_inputs, call.forward())
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple:
@@ -142,8 +184,8 @@ def _through_earlier_calls(
     for t, g in zip(inputs, grads, strict=True):
         if g is None:
             continue
-        node = t.grad_fn
-        if isinstance(getattr(node, "call", None), _StageCall):
+        node: Any = t.grad_fn
+        if isinstance(getattr(node, "call", None), StageCall):
             grads_out: list[torch.Tensor | None] = [None] * node.num_outputs
             grads_out[t.output_nr] = g
             node.call.client.deferred_grads.note_followed()
@@ -153,7 +195,7 @@ def _through_earlier_calls(
     return pairs
 
 
-def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``, still known as the parts it was received in (so that it is re-sent as they are)."""
     moved = t.to(device)
     remember_wire_format(t, moved)

@@ -108,6 +108,6 @@ def _probe_refusal(
         return None
 
 
-def _env_peers() -> list[str]:
+def env_peers() -> list[str]:
     raw = os.environ.get(INITIAL_PEERS_ENV, "")
     return [p for p in raw.replace(",", " ").split() if p]

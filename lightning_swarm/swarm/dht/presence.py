@@ -87,7 +87,7 @@ def peer_failure(type_name: str, message: str, origin: str) -> PeerFailure:
     return cls(type_name, message, origin)
 
 
-def _dht_alive(dht: hivemind.DHT) -> bool:
+def dht_alive(dht: hivemind.DHT) -> bool:
     try:
         return bool(dht.is_alive())
     except (AssertionError, AttributeError, ValueError):  # a DHT this process did not start: assume it lives
@@ -147,7 +147,7 @@ class Presence:
         """``(phase, trainer)`` of every live peer by subkey, this one included; ``None`` when the DHT could not be
         read (an empty answer counts as unreadable: this peer's own record should be there). Malformed records are
         ignored."""
-        if not _dht_alive(self.dht):
+        if not dht_alive(self.dht):
             return None
         try:
             found = self.dht.get(_key(self.run_id), latest=True, return_future=True).result(
@@ -212,7 +212,7 @@ class Presence:
         while True:
             if should_stop is not None and should_stop():
                 return False
-            if not _dht_alive(self.dht):
+            if not dht_alive(self.dht):
                 logger.warning(
                     f"Gave up waiting for the swarm to reach phase {phase}: this peer's DHT process died"
                 )
@@ -265,7 +265,7 @@ class Presence:
         self._failed_here = True
         if len(message) > _MESSAGE_CHARS:
             message = message[: _MESSAGE_CHARS - 15] + " [... cut here]"
-        if not _dht_alive(self.dht):
+        if not dht_alive(self.dht):
             return False
         try:
             return bool(
@@ -289,7 +289,7 @@ class Presence:
 
     def read_failure(self) -> PeerFailure | None:
         """Read the run's failure records (one DHT lookup) and keep the earliest as :attr:`failure`."""
-        if self.failure is not None or not _dht_alive(self.dht):
+        if self.failure is not None or not dht_alive(self.dht):
             return self.failure
         try:
             found = self.dht.get(failure_key(self.run_id), latest=True, return_future=True).result(
@@ -328,7 +328,7 @@ class Presence:
             self._thread.join(timeout=self.period + 1)
 
     def _announce(self) -> None:
-        if not _dht_alive(self.dht):
+        if not dht_alive(self.dht):
             return
         try:
             self.dht.store(

@@ -106,11 +106,11 @@ def save_deferred(obj: Any, path: str | os.PathLike, fetch: Callable[[Hashable],
                     tensor = state[leaf.key].detach().cpu().contiguous()
                     leaf.shape, leaf.dtype = tuple(tensor.shape), tensor.dtype
                     flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0)
-                    torch_archive.write_record(
-                        archive, f"data/{keys[id(leaf)]}", [memoryview(flat.numpy()).cast("B")]
-                    )  # type: ignore[arg-type]
+                    data = memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
+                    torch_archive.write_record(archive, f"data/{keys[id(leaf)]}", [data])
                 del state, tensor, flat
-            buffer, storages = io.BytesIO(), {}
+            buffer = io.BytesIO()
+            storages: dict[str, Any] = {}
             with warnings.catch_warnings():
                 warnings.simplefilter(
                     "ignore", UserWarning

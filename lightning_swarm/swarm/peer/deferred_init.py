@@ -25,7 +25,7 @@ stages) cannot be replayed without the other stage's values: :func:`replay` refu
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -160,7 +160,7 @@ class InitRecorder(TorchDispatchMode):
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
     """The tensor arguments that ``func`` writes to (in-place and ``out=`` arguments), from its schema."""
-    written = []
+    written: list[Tensor] = []
     if isinstance(func, _InitCall):  # they initialise their first argument
         return [args[0]]
     schema = getattr(func, "_schema", None)
@@ -262,7 +262,7 @@ def replay(
                 if last_use.get(k) == i and k not in kept_keys:
                     real.pop(k, None)
         after = type(rng).capture(device) if rng is not None else None
-    if rng is not None and rng.is_current():
+    if rng is not None and after is not None and rng.is_current():
         after.restore()  # as after one process's build: what draws next (dropout, shuffling) draws the same
     memo: dict[int, Tensor] = {}
     for module, kept in modules:
@@ -272,7 +272,7 @@ def replay(
             if p is not None and p.is_meta:
                 if id(p) not in memo:
                     memo[id(p)] = nn.Parameter(to_real(p), requires_grad=p.requires_grad)
-                module._parameters[name] = memo[id(p)]
+                module._parameters[name] = cast(nn.Parameter, memo[id(p)])
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 if id(b) not in memo:

@@ -1,46 +1,51 @@
-"""SwarmPeer's hivemind helper processes (its DHT's, its averagers') and what the end of a run does with the
-stages: which helpers died during the run (reported once), and whether a trainer gathers the stages into its
-module (a mixin of :class:`~.peer.SwarmPeer`)."""
+"""A peer's hivemind helper processes (its DHT's, its averagers'), a part of :class:`~.peer.SwarmPeer`: which of them
+died during the run, each reported once (a helper that died skips its shutdown)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from lightning_swarm.swarm.dht.presence import _dht_alive
+from lightning_swarm.swarm.dht.presence import dht_alive
 from lightning_swarm.swarm.lifetime import settle_dead_helpers
+from lightning_swarm.swarm.peer.state import PeerState
 
 logger = logging.getLogger(__name__)
 
 
-class _Helpers:
-    @property
-    def gathers_on_end(self) -> bool:
-        """Whether this trainer gathers every stage into its module when the run ends (``gather_on_end``; by
-        default unless the pipeline was built on meta: a model built so is taken to be larger than one peer)."""
-        wanted = self.settings.gather_on_end
-        return not getattr(self, "built_on_meta", False) if wanted is None else wanted
+class HelperProcesses:
+    """The hivemind helper processes of a peer and the ones already reported dead.
 
-    def _report_dead_helpers(self) -> None:
-        """Warn once about hivemind helper processes that died during the run; they skip their shutdown."""
-        dead = settle_dead_helpers(
-            self._helpers(), daemon_gone=self.dht is not None and not _dht_alive(self.dht)
-        )
-        reported = self.__dict__.setdefault("_reported_dead", set())
-        dead = [d for d in dead if d not in reported]
-        reported.update(dead)
+    Args:
+        state: what the peer's parts share (its DHT, its stage server, the trainer's optimizer).
+        describe: the peer in words, for the warning.
+    """
+
+    def __init__(self, state: PeerState, describe: Callable[[], str]) -> None:
+        self.state, self.describe = state, describe
+        self.reported: set[str] = set()
+
+    def report_dead(self, cut_off: bool = False) -> None:
+        """Warn once about hivemind helper processes that died during the run; they skip their shutdown. ``cut_off``:
+        the DHT's process is known dead already (the peer said so when it stopped)."""
+        dht = self.state.dht
+        dead = settle_dead_helpers(self.named(cut_off), daemon_gone=dht is not None and not dht_alive(dht))
+        dead = [d for d in dead if d not in self.reported]
+        self.reported.update(dead)
         if dead:
             logger.warning(
                 f"{self.describe()}: hivemind helper process(es) {', '.join(dead)} died during the run; shutting "
                 "down without them."
             )
 
-    def _helpers(self) -> list[tuple[str, Any]]:
-        """This peer's hivemind helper processes by name: its DHT's (unless already reported) and its averagers."""
-        helpers: list[tuple[str, Any]] = [] if self._cut_off else [("DHT", self.dht)]
-        optimizers = [("trainer", self._trainer_optimizer)]
-        if self.server is not None:
-            optimizers.append((f"stage {self.server.stage}", self.server.optimizer))
+    def named(self, cut_off: bool = False) -> list[tuple[str, Any]]:
+        """The peer's hivemind helper processes by name: its DHT's (unless ``cut_off``) and its averagers."""
+        state = self.state
+        helpers: list[tuple[str, Any]] = [] if cut_off else [("DHT", state.dht)]
+        optimizers = [("trainer", state.trainer_optimizer)]
+        if state.server is not None:
+            optimizers.append((f"stage {state.server.stage}", state.server.optimizer))
         for owner, opt in optimizers:
             for kind in ("state_averager", "grad_averager"):
                 helpers.append((f"{owner} {kind.replace('_', ' ')}", getattr(opt, kind, None)))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -131,7 +132,7 @@ def materialize(
         for _, module in pending:
             module.to_empty(device=device, recurse=False)
             with torch.no_grad():
-                module.reset_parameters()
+                cast(Any, module).reset_parameters()
             if keep(module):
                 kept += 1
             else:  # its values were drawn only to keep the generator in step: free them at once

@@ -18,8 +18,9 @@ stage's blocks again (a peer that migrates, or blocks that were built on ``meta`
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,7 +30,11 @@ from lightning_swarm.swarm.peer.materialize import mark_released, unmark_release
 CallStage = Callable[..., Any]
 
 
-def resolve_attribute(root: nn.Module, path: str) -> tuple[nn.Module, str, nn.Module]:
+Blocks = nn.Sequential | nn.ModuleList
+"""What a pipeline is: the container of its blocks."""
+
+
+def resolve_attribute(root: nn.Module, path: str) -> tuple[nn.Module, str, Blocks]:
     """Find ``root.<path>`` and return ``(parent, attribute_name, container)``.
 
     Raises:
@@ -105,7 +110,7 @@ class StageBlocks(nn.Module):
         return out
 
 
-def build_stage_module(container: nn.Module, blocks: range) -> nn.Module:
+def build_stage_module(container: Blocks, blocks: range) -> nn.Module:
     """The module that serves stage ``blocks`` of ``container`` (shares parameters with the container)."""
     chosen = [container[i] for i in blocks]
     if isinstance(container, nn.Sequential):
@@ -113,7 +118,7 @@ def build_stage_module(container: nn.Module, blocks: range) -> nn.Module:
     return StageBlocks(chosen)
 
 
-def stage_state_keys(container: nn.Module, blocks: range) -> dict[str, str]:
+def stage_state_keys(container: Blocks, blocks: range) -> dict[str, str]:
     """Map a stage module's ``state_dict`` keys to the container's keys (``'0.weight'`` -> ``'3.weight'``)."""
     stage = build_stage_module(container, blocks)
     prefix = "blocks." if isinstance(stage, StageBlocks) else ""
@@ -146,6 +151,9 @@ class RemoteStage(nn.Module):
     Attribute reads that the proxy does not have fall through to the stage's first block (kept on the trainer
     only as a description, off the parameter list), so parents that inspect their blocks keep working.
     """
+
+    _blocks: list[nn.Module]
+    _call_stage: CallStage
 
     def __init__(self, stage: int, blocks: list[nn.Module], call_stage: CallStage) -> None:
         super().__init__()
@@ -183,7 +191,9 @@ class SwarmModuleList(nn.Module):
     stage); ``proxy.num_blocks`` and ``proxy.blocks`` describe the original blocks.
     """
 
-    def __init__(self, stages: list[RemoteStage], original: nn.Module) -> None:
+    _original: Blocks
+
+    def __init__(self, stages: list[RemoteStage], original: Blocks) -> None:
         super().__init__()
         self.stages = nn.ModuleList(stages)
         object.__setattr__(self, "_original", original)
@@ -199,7 +209,7 @@ class SwarmModuleList(nn.Module):
     def __len__(self) -> int:
         return len(self.stages)
 
-    def __iter__(self) -> Iterator[RemoteStage]:
+    def __iter__(self) -> Iterator[nn.Module]:
         return iter(self.stages)
 
     def __getitem__(self, index: int | slice) -> Any:
@@ -222,7 +232,10 @@ class SwarmSequential(nn.Module):
     how to call the pipeline (running the local copies would silently use untrained weights).
     """
 
-    def __init__(self, num_stages: int, original: nn.Module, call_stage: CallStage) -> None:
+    _original: Blocks
+    _call_stage: CallStage
+
+    def __init__(self, num_stages: int, original: Blocks, call_stage: CallStage) -> None:
         super().__init__()
         self.num_stages = num_stages
         object.__setattr__(self, "_original", original)
@@ -278,6 +291,14 @@ class Partition:
         # per stage, the parameters that materialize() could not initialise (their modules have no
         # reset_parameters()): they must come from a peer of the stage (see check_initialised)
         self.uninitialised: dict[int, list[str]] = {}
+        # the pipeline's parameters as the partition found them, before release() and materialize() give the
+        # blocks new ones: (parameter, owning module id, name); an optimizer made before still holds them (weak
+        # references: a released block's tensors are freed)
+        self._original = [
+            (weakref.ref(p), id(m), name)
+            for m in self.container.modules()
+            for name, p in m.named_parameters(recurse=False)
+        ]
 
     @property
     def num_stages(self) -> int:
@@ -286,6 +307,16 @@ class Partition:
     @property
     def is_sequential(self) -> bool:
         return isinstance(self.container, nn.Sequential)
+
+    def original_parameters(self) -> dict[int, tuple[int, str]]:
+        """``id(parameter) -> (id(owning module), name)`` of the pipeline's parameters from when this partition was
+        made that are still alive (held by an optimizer made before the blocks were reallocated)."""
+        live = {}
+        for ref, owner, name in self._original:
+            p = ref()
+            if p is not None:
+                live[id(p)] = (owner, name)
+        return live
 
     def stage_module(self, stage: int) -> nn.Module:
         return build_stage_module(self.container, self.stages[stage])
@@ -348,7 +379,7 @@ class Partition:
                 for block in blocks:
                     for module in block.modules():
                         if hasattr(module, "reset_parameters"):
-                            module.reset_parameters()
+                            cast(Any, module).reset_parameters()
         for i in self.stages[stage]:
             self._put_back_buffers(i)
         if uncovered:

@@ -22,20 +22,13 @@ This is the glue between the pieces of the engine (DHT, :class:`StageServer`, :c
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import os
-import secrets
 import socket
 import sys
 import tempfile
-import threading
 import time
-import weakref
-import zlib
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any
 
 import hivemind
 import torch
@@ -44,9 +37,9 @@ from torch import nn
 from lightning_swarm.swarm.client.chunking import check_chunkable
 from lightning_swarm.swarm.client.client import SwarmClient
 from lightning_swarm.swarm.dht.auth import SECRET_ENV, protect, unprotect
-from lightning_swarm.swarm.dht.bootstrap import _env_peers, dht_start_error
+from lightning_swarm.swarm.dht.bootstrap import dht_start_error, env_peers
 from lightning_swarm.swarm.dht.identity import PeerIdentity, register_identity
-from lightning_swarm.swarm.dht.presence import PeerFailure, Presence, _dht_alive
+from lightning_swarm.swarm.dht.presence import PeerFailure, Presence, dht_alive
 from lightning_swarm.swarm.dht.process import SwarmDHT
 from lightning_swarm.swarm.dht.records import get_stage_peers
 from lightning_swarm.swarm.dht.validation import record_validators
@@ -60,18 +53,19 @@ from lightning_swarm.swarm.lifetime import (
 )
 from lightning_swarm.swarm.logs import quiet_routine_logs
 from lightning_swarm.swarm.peer.deferred_init import InitRecorder, replay
-from lightning_swarm.swarm.peer.helpers import _Helpers
+from lightning_swarm.swarm.peer.helpers import HelperProcesses
+from lightning_swarm.swarm.peer.hosting import StageHost, peer_loads, stage_seed
 from lightning_swarm.swarm.peer.materialize import RngSnapshot, has_meta, materialize
-from lightning_swarm.swarm.peer.migration import _Rebalancing, _Since
 from lightning_swarm.swarm.peer.partition import Partition, find_pipeline
-from lightning_swarm.swarm.peer.rebalance import Move, PeerLoad, choose_stage
-from lightning_swarm.swarm.peer.stage_state import _StageStates
-from lightning_swarm.swarm.peer.steps import _TrainerSteps
+from lightning_swarm.swarm.peer.rebalance import choose_stage
+from lightning_swarm.swarm.peer.stage_state import StageStates
+from lightning_swarm.swarm.peer.state import PeerState
+from lightning_swarm.swarm.peer.steps import TrainerSteps
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.states import DEPARTING, FINISHED, LEAVING, STATES, TRAINING
-from lightning_swarm.swarm.training.optimizer_template import _OptimizerTemplate
-from lightning_swarm.swarm.training.trainer_sync import StepResult, TrainerSync
+from lightning_swarm.swarm.training.optimizer_template import OptimizerTemplate
+from lightning_swarm.swarm.training.trainer_sync import TrainerSync
 from lightning_swarm.swarm.wire.errors import RemoteStageError
 
 logger = logging.getLogger(__name__)
@@ -79,8 +73,14 @@ logger = logging.getLogger(__name__)
 FAILED_SHUTDOWN_S = 3.0  # after a failure, seconds a peer spends shutting down before it raises the error
 
 
-class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
+class SwarmPeer:
     """A peer of the swarm: DHT node, optionally a stage server, and (for trainers) the client of the stages.
+
+    The peer owns its parts, each handed the :class:`~.state.PeerState` they share: ``host``
+    (:class:`~.hosting.StageHost`: its stage server, started, moved between stages), ``steps``
+    (:class:`~.steps.TrainerSteps`: a trainer's optimizers and step commands to the stages), ``stage_states``
+    (:class:`~.stage_state.StageStates`: the stages' states gathered and restored) and ``helpers``
+    (:class:`~.helpers.HelperProcesses`: its hivemind helper processes).
 
     Args:
         settings: the swarm's settings.
@@ -112,42 +112,53 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         self.settings = settings
         self.rendezvous_path = rendezvous_path
         self.device = device or torch.device("cpu")
-        self.dht: hivemind.DHT | None = None
-        self.presence: Presence | None = None
-        self.partition: Partition | None = None
-        self.server: StageServer | None = None
-        self.client: SwarmClient | None = None
-        self.stage: int | None = None
+        self.state = PeerState()
         self.joined = False
-        self.migrations: list[Move] = []
-        self._trainer_optimizer: hivemind.Optimizer | None = None
-        self._samples_since_step = 0
-        self._step_ids = itertools.count(secrets.randbits(62))
-        self._stage_epochs: dict[int, int] = {}  # the epoch each stage replied with at the last step
-        self._early_steps: dict[int, Future] = {}  # stage -> its early step's replies (see .early_steps)
-        self.early_stage_steps = 0  # stage steps taken early, before the trainer's backward ended
-        # per stage: optimizer steps taken (the most of any peer) and averaging rounds with other peers
-        self.stage_steps: dict[int, int] = {}
-        self.stage_rounds: dict[int, int] = {}
-        self._last_info_poll = -float("inf")
-        self._swarm_epoch, self._epoch_read_at = 0, -float("inf")
-        self._sent_hyper: dict[int, dict[int, dict[str, Any]]] = {}
-        self._info_poller: threading.Thread | None = None
-        self._stage_optimizer: _OptimizerTemplate | None = None
-        # the pipeline's parameters before prepare() reallocated them: (parameter, owning module id, name); an
-        # optimizer made before that still holds them (weak references: a released block's tensors are freed)
-        self._pipeline_before: list[tuple[weakref.ref, int, str]] = []
-        self._measured_since: _Since | None = None
-        self._fresh = False  # whether the last stage built here was allocated from the meta device
-        self._migration_lock = threading.Lock()
-        self._stop_rebalancing = threading.Event()
-        self._rebalancer: threading.Thread | None = None
+        self.built_on_meta = False  # whether the pipeline was built on meta (see prepare)
         self._identity: PeerIdentity | None = None
         self._cut_off = False  # this peer's DHT process died: it stops (see should_stop)
-        # several trainers stepping as DDP's ranks (see .trainer_sync); the result of this trainer's current step
-        self.trainer_sync: TrainerSync | None = None
-        self._sync_step: StepResult | None = None
         self._trainers_read: tuple[float, set[str] | None] = (-float("inf"), None)
+        self.host = StageHost(settings, self.state, self.device, peer_index)
+        self.steps = TrainerSteps(
+            settings,
+            self.state,
+            is_trainer=self.is_trainer,
+            num_trainers=self.num_trainers,
+            drives_stages=self.drives_stages,
+            should_stop=self.should_stop,
+        )
+        self.stage_states = StageStates(settings, self.state, local_swarm_size, self.should_stop)
+        self.helpers = HelperProcesses(self.state, self.describe)
+
+    # ------------------------------------------------------------------ the shared state, read-only
+    @property
+    def dht(self) -> hivemind.DHT | None:
+        return self.state.dht
+
+    @property
+    def presence(self) -> Presence | None:
+        return self.state.presence
+
+    @property
+    def partition(self) -> Partition | None:
+        return self.state.partition
+
+    @property
+    def stage(self) -> int | None:
+        return self.state.stage
+
+    @property
+    def server(self) -> StageServer | None:
+        return self.state.server
+
+    @property
+    def client(self) -> SwarmClient | None:
+        return self.state.client
+
+    @property
+    def trainer_sync(self) -> TrainerSync | None:
+        """The exchange of several trainers' steps, as DDP's ranks (see ``training/trainer_sync.py``)."""
+        return self.state.trainer_sync
 
     # ------------------------------------------------------------------ roles
     @property
@@ -174,6 +185,18 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         """Whether this trainer's optimizer steps are the stages' steps (``stage_steps="trainer"``)."""
         return self.settings.stage_steps == "trainer" and self.is_trainer
 
+    @property
+    def gathers_on_end(self) -> bool:
+        """Whether this trainer gathers every stage into its module when the run ends (``gather_on_end``; by
+        default unless the pipeline was built on meta: a model built so is taken to be larger than one peer)."""
+        wanted = self.settings.gather_on_end
+        return not self.built_on_meta if wanted is None else wanted
+
+    def stats(self) -> dict[str, float]:
+        """The client's traffic counters and the stages' step and averaging counters (see
+        :meth:`~.steps.TrainerSteps.stats`)."""
+        return self.steps.stats()
+
     def should_stop(self) -> bool:
         """Polled by every wait of this peer (stage calls, the end-of-run handshake): raises the failure another
         peer of the run published (a :class:`~.presence.PeerFailure`), else whether this peer must stop: it was
@@ -181,7 +204,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         swarm: it then stops as after SIGTERM, with one warning, and the others carry on as after a crash."""
         if self.presence is not None:
             self.presence.check_failure()
-        if not self._cut_off and self.dht is not None and self.joined and not _dht_alive(self.dht):
+        if not self._cut_off and self.dht is not None and self.joined and not dht_alive(self.dht):
             self._cut_off = True
             how = describe_exit(self.dht.exitcode)
             logger.warning(
@@ -199,7 +222,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
             return False
         if error is self.presence.failure:
             return True
-        if self.dht is None or not _dht_alive(self.dht):
+        if self.dht is None or not dht_alive(self.dht):
             return False  # nobody to tell: the others carry on, as after a crash
         type_name, message, origin = type(error).__name__, str(error), self.describe()
         if isinstance(error, PeerFailure):  # a local peer's, seen by the launcher: pass it on as it came
@@ -241,7 +264,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         trim_footprint()  # before the first helper and the first shared tensor
         before_fork()  # the DHT's process is forked below
         host_maddrs = s.host_maddrs or ["/ip4/127.0.0.1/tcp/0"]
-        initial_peers = list(s.initial_peers) or _env_peers()
+        initial_peers = list(s.initial_peers) or env_peers()
         if self.local_swarm_size is not None and self.peer_index > 0 and not initial_peers:
             initial_peers = self._wait_rendezvous()
         key_path = s.identity_path
@@ -259,7 +282,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
                 identity_path = os.path.join(tmp, "identity.key")
                 identity.save(identity_path)
             try:
-                self.dht = SwarmDHT(
+                self.state.dht = SwarmDHT(
                     start=True,
                     initial_peers=initial_peers,
                     host_maddrs=host_maddrs,
@@ -272,19 +295,20 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
                 raise RuntimeError(
                     dht_start_error(e, host_maddrs, initial_peers, secret, s.allowed_peers)
                 ) from e
-        register_identity(self.dht, identity)
+        dht = self.state.dht
+        register_identity(dht, identity)
         if self.local_swarm_size is not None and self.peer_index == 0 and self.rendezvous_path:
             tmp = f"{self.rendezvous_path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
-                f.write("\n".join(str(a) for a in self.dht.get_visible_maddrs()))
+                f.write("\n".join(str(a) for a in dht.get_visible_maddrs()))
             os.replace(tmp, self.rendezvous_path)
-        self.presence = Presence(self.dht, s.run_id, str(self.dht.peer_id), trainer=self.is_trainer)
-        self.presence.start()
+        self.state.presence = Presence(dht, s.run_id, str(dht.peer_id), trainer=self.is_trainer)
+        self.state.presence.start()
         logger.info(
             f"Swarm peer {self.peer_index} is up{' (private swarm)' if private else ''}: "
-            f"{[str(a) for a in self.dht.get_visible_maddrs()]}"
+            f"{[str(a) for a in dht.get_visible_maddrs()]}"
         )
-        return self.dht
+        return dht
 
     def _wait_rendezvous(self, timeout: float = 120.0) -> list[str]:
         assert self.rendezvous_path is not None
@@ -319,76 +343,68 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         Called by :meth:`join` unless called before (earlier is better: before the DHT forks its process, which
         would otherwise keep pages of the released blocks alive)."""
         s = self.settings
-        self.partition = Partition(module, s.pipeline or find_pipeline(module), s.num_stages)
-        self._pipeline_before = [
-            (weakref.ref(p), id(m), name)
-            for m in self.partition.container.modules()
-            for name, p in m.named_parameters(recurse=False)
-        ]
-        self.stage = self._choose_stage()
-        hosted = self.partition.stage_blocks(self.stage) if self.is_server else []
-        others = {id(m) for block in self.partition.container if block not in hosted for m in block.modules()}
-        self.built_on_meta = has_meta(self.partition.container)
+        partition = self.state.partition = Partition(
+            module, s.pipeline or find_pipeline(module), s.num_stages
+        )
+        stage = self.state.stage = self._choose_stage()
+        hosted = partition.stage_blocks(stage) if self.is_server else []
+        others = {
+            id(m) for block in partition.container.children() if block not in hosted for m in block.modules()
+        }
+        self.built_on_meta = has_meta(partition.container)
         if rng is None:
             # built on meta by the user's own code (or nothing is on meta): every peer starts from a seed of the run
-            rng = RngSnapshot.seeded(_stage_seed(s.run_id, -1), self.device)
+            rng = RngSnapshot.seeded(stage_seed(s.run_id, -1), self.device)
         meta = [t for t in (*module.parameters(), *module.buffers()) if t.is_meta]
         if recorder is not None and meta and recorder.covers(meta):
             # the build was recorded: replayed, so that every kept tensor gets what the model's own code gives it
             replay(recorder, module, lambda m: id(m) not in others, self.device, rng)
         else:
             materialize(module, lambda m: id(m) not in others, self.device, rng)
-        self.partition.release(keep=[self.stage] if self.is_server else [])
+        partition.release(keep=[stage] if self.is_server else [])
         release_free_memory()
         # what the optimizers write every step, in shared memory before the DHT forks (see .footprint)
         trim_footprint()  # first: torch's sharing strategy that needs no manager process
         share_parameters([*module.parameters(), *module.buffers()])
 
-    def _live_pipeline_before(self) -> dict[int, tuple[int, str]]:
-        """``id(parameter) -> (id(owning module), name)`` of the pipeline's parameters from before
-        :meth:`prepare` that are still alive (held by an optimizer made before it)."""
-        live = {}
-        for ref, owner, name in self._pipeline_before:
-            p = ref()
-            if p is not None:
-                live[id(p)] = (owner, name)
-        return live
-
     def join(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], training: bool
     ) -> list[torch.optim.Optimizer]:
         """Serve this peer's stage (see :meth:`prepare`), put the proxy in place and return the trainer's
-        optimizers (see :meth:`trainer_optimizers`)."""
+        optimizers (see :meth:`~.steps.TrainerSteps.trainer_optimizers`)."""
         s = self.settings
         assert self.dht is not None, "start_dht() first"
         self.check_stage_count()
         if self.partition is None or self.partition.root is not module:
             self.prepare(module)
-        assert self.partition is not None and self.stage is not None
-        mixer = check_chunkable(self.partition.container, s.microbatches)
+        state, partition, stage = self.state, self.partition, self.stage
+        assert partition is not None and stage is not None
+        mixer = check_chunkable(partition.container, s.microbatches)
         if training and optimizers:  # before the trainer's optimizers lose the pipeline's parameters
-            self._stage_optimizer = _OptimizerTemplate(
-                optimizers, self.partition.container, before=self._live_pipeline_before()
+            self.host.optimizer_template = OptimizerTemplate(
+                optimizers, partition.container, before=partition.original_parameters()
             )
         local_servers = {}
         if self.is_server:
-            self.server = self._make_server(self.stage)
-            local_servers[self.stage] = self.server
+            state.server = self.host.make_server(stage)
+            local_servers[stage] = state.server
         # hivemind optimizers fork their averager processes: create them all before this process starts the
         # event-loop thread of its P2P calls (a fork taken while that thread holds a lock can hang the child)
-        optimizers = self.trainer_optimizers(optimizers) if training else optimizers
+        optimizers = self.steps.trainer_optimizers(optimizers) if training else optimizers
         # this peer keeps only its own stage: the other blocks are freed (see Partition.release)
-        self.partition.release(keep=[self.stage] if self.server is not None else [])
-        if self.server is not None:
-            self._start_server(self.server)
+        partition.release(keep=[stage] if state.server is not None else [])
+        if state.server is not None:
+            self.host.start_server(state.server)
         release_free_memory()  # the optimizers' set-up drew and freed zero gradients
-        self.client = SwarmClient(self.dht, s, local_servers=local_servers, should_stop=self.should_stop)
-        self.client.chunking = mixer is None  # see .chunking: batch statistics need whole batches
-        self.client.stage_epochs = self._stage_epochs  # the stages' epochs at this trainer's last step
-        self.partition.install_proxy(self.client.call_stage)
+        client = state.client = SwarmClient(
+            self.dht, s, local_servers=local_servers, should_stop=self.should_stop
+        )
+        client.chunking = mixer is None  # see .chunking: batch statistics need whole batches
+        client.stage_epochs = self.steps.stage_epochs  # the stages' epochs at this trainer's last step
+        partition.install_proxy(client.call_stage)
         if training and self.drives_stages and self.num_trainers != 1:
             assert self.presence is not None
-            self.trainer_sync = TrainerSync(
+            state.trainer_sync = TrainerSync(
                 self.dht,
                 s.run_id,
                 self.presence.peer_name,
@@ -399,11 +415,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
             )  # started when its training starts (see SwarmStrategy.on_train_start): no one waits on it before
         self.joined = True
         if self.server is not None and self.server.optimizer is not None and s.rebalance_period > 0:
-            self._stop_rebalancing.clear()
-            self._rebalancer = threading.Thread(
-                target=self._rebalance_loop, name="swarm-rebalance", daemon=True
-            )
-            self._rebalancer.start()
+            self.host.start_rebalancing()
         return optimizers
 
     def live_trainers(self) -> set[str] | None:
@@ -424,7 +436,8 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         single peer announcing a wrong count does not keep everyone out)."""
         assert self.dht is not None
         s = self.settings
-        same, others = 0, {}
+        same = 0
+        others: dict[int, list[str]] = {}
         for stage in range(s.num_stages):
             for p in get_stage_peers(self.dht, s.run_id, stage, states=STATES):
                 if p.num_stages is None or p.num_stages == s.num_stages:
@@ -448,36 +461,8 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
             return s.stage
         if self.local_swarm_size is not None:
             return self.peer_index % s.num_stages
-        return choose_stage(self.peer_loads(), s.num_stages)
-
-    def peer_loads(self) -> list[PeerLoad]:
-        """Every stage's announced peers (joining, online and leaving), for the rebalancing policy."""
         assert self.dht is not None
-        loads = []
-        for stage in range(self.settings.num_stages):
-            for p in get_stage_peers(self.dht, self.settings.run_id, stage, states=STATES):
-                loads.append(PeerLoad(p.peer_id.to_base58(), stage, p.throughput, p.state))
-        return loads
-
-    def _make_server(self, stage: int, throughput: float | None = None) -> StageServer:
-        """A (not yet started) server of ``stage``, its blocks allocated on this peer's device, announcing
-        ``throughput`` until it has measured its own (``None``: estimate it)."""
-        assert self.partition is not None and self.dht is not None
-        self._fresh = self.partition.materialize(
-            stage, self.device, seed=_stage_seed(self.settings.run_id, stage)
-        )
-        stage_module = self.partition.stage_module(stage).to(self.device)
-        template = self._stage_optimizer
-        factory, groups = template.for_stage(stage_module) if template is not None else (None, None)
-        return StageServer(
-            stage,
-            stage_module,
-            dht=self.dht,
-            settings=self.settings,
-            optimizer_factory=factory,
-            param_groups=groups,
-            throughput=throughput,
-        )
+        return choose_stage(peer_loads(self.dht, s), s.num_stages)
 
     # ------------------------------------------------------------------ leave
     def serve_until_trainers_finish(self) -> None:
@@ -510,7 +495,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         if self.trainer_sync is not None:
             self.trainer_sync.finished = True  # the other trainers' next steps go to another leader
         try:
-            self._stop_rebalancer()  # no migrations while the run ends and the stages are gathered
+            self.host.stop_rebalancing()  # no migrations while the run ends and the stages are gathered
             serves = self.server is not None
             all_finished = False
             if self.presence is not None:
@@ -519,14 +504,16 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
                     all_finished = self._linger(FINISHED, s.linger_timeout, "finish training")
             if all_finished and self.server is not None:
                 # nobody steps any more: the stage's optimizer state and gradient buffers go before the gather
-                self._report_dead_helpers()  # (a dead averager is told of, and skips its shutdown)
+                self.helpers.report_dead(
+                    self._cut_off
+                )  # (a dead averager is told of, and skips its shutdown)
                 self.server.release_training_state()
             error: BaseException | None = None
             if self.joined and self.partition is not None:
                 states: dict[int, dict[str, torch.Tensor]] = {}
                 if self.is_trainer and self.gathers_on_end:
                     try:
-                        states = self.gather_stage_states()
+                        states = self.stage_states.gather_stage_states()
                     except RuntimeError as e:
                         error = e
                 self.partition.restore(states)
@@ -584,10 +571,10 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         def bound(default: float) -> float:
             return default if deadline is None else max(0.1, min(default, deadline - time.monotonic()))
 
-        self._stop_rebalancer()
-        self._report_dead_helpers()
+        self.host.stop_rebalancing()
+        self.helpers.report_dead(self._cut_off)
         finished = True
-        with self._migration_lock:
+        with self.host.lock:
             if self.server is not None:
                 server = self.server
                 finished = bounded(
@@ -597,7 +584,7 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
                 )
         # independent of each other: shut down together, so that a failing peer is quick
         steps = [
-            ("the trainer optimizer's shutdown", "_trainer_optimizer", rounds + 30, {}),
+            ("the trainer optimizer's shutdown", "trainer_optimizer", rounds + 30, {}),
             ("the client's shutdown", "client", 15.0, {}),
             ("the trainers' step exchange's shutdown", "trainer_sync", 15.0, {}),
             # after a failure the server cancels its averaging rounds instead of waiting for them
@@ -605,28 +592,23 @@ class SwarmPeer(_Rebalancing, _TrainerSteps, _StageStates, _Helpers):
         ]
         running = []
         for what, name, default, kwargs in steps:
-            obj = getattr(self, name)
+            obj = getattr(self.state, name)
             if obj is not None:
                 running.append(
                     (what, start_bounded(what, functools.partial(obj.shutdown, **kwargs)), default)
                 )
-                setattr(self, name, None)
+                setattr(self.state, name, None)
         for what, done, default in running:
             finished = wait_bounded(what, done, bound(default)) and finished
         if self.presence is not None:
             self.presence.shutdown()
-            self.presence = None
+            self.state.presence = None
         if self.dht is not None:
             if finished:
                 bounded("the DHT's shutdown", self.dht.shutdown, bound(15.0))
-            self.dht = None
+            self.state.dht = None
         if self._identity is not None:
             unprotect(self._identity.peer_id)
         if self.peer_index == 0 and self.rendezvous_path and os.path.exists(self.rendezvous_path):
             os.remove(self.rendezvous_path)
         self.joined = False
-
-
-def _stage_seed(run_id: str, stage: int) -> int:
-    """The seed with which every peer initialises a stage it allocates itself (the same on every peer)."""
-    return zlib.crc32(f"{run_id}.stage{stage}".encode())

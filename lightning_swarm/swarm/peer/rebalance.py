@@ -117,5 +117,5 @@ def plan_move(peers: Iterable[PeerLoad], num_stages: int, min_gain: float = 0.1)
 def next_check(period: float, rng: random.Random | None = None) -> float:
     """Seconds until a peer next looks for a move: uniform in [period/2, 3*period/2], so that peers started
     together do not all decide at the same instant."""
-    rng = rng or random
-    return period * (0.5 + rng.random())
+    draw = rng.random() if rng is not None else random.random()
+    return period * (0.5 + draw)

@@ -1,82 +1,42 @@
-"""The stages' state seen from a peer (a mixin of :class:`~.peer.SwarmPeer`): a stage server that starts takes its
-stage's current state from the stage's peers; gathering every stage's parameters and optimizer state for
-checkpoints, loading them back, waiting for the stages to appear."""
+"""The stages' state seen from a peer (a part of :class:`~.peer.SwarmPeer`): gathering every stage's parameters and
+optimizer state for checkpoints, loading them back, waiting for the stages to appear. (A stage server that starts
+takes its stage's current state from the stage's peers: see :mod:`.hosting`.)"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
-from lightning_swarm.swarm.client.client import SwarmClient
 from lightning_swarm.swarm.client.routing import NoPeersError
 from lightning_swarm.swarm.dht.presence import APPEAR_TIMEOUT
-from lightning_swarm.swarm.dht.records import get_stage_peers
-from lightning_swarm.swarm.server import StageServer
-from lightning_swarm.swarm.states import ONLINE
+from lightning_swarm.swarm.peer.state import PeerState
+from lightning_swarm.swarm.settings import SwarmSettings
 
 logger = logging.getLogger(__name__)
 
-_LOAD_ATTEMPTS = 3  # state downloads a joiner tries while the stage has other peers
 
+class StageStates:
+    """Stage states for checkpoints and resuming, through the peer's client.
 
-class _StageStates:
-    """Stage states for checkpoints and resuming (a mixin: its attributes are the peer's)."""
+    Args:
+        settings: the swarm's settings.
+        state: what the peer's parts share (its client and partition).
+        local_swarm_size: the number of peers started together on this machine, or ``None``.
+        should_stop: the peer's :meth:`~.peer.SwarmPeer.should_stop`.
+    """
 
-    # ------------------------------------------------------------------ a server starts
-    def _start_server(self, server: StageServer) -> None:
-        """Start ``server``; if its stage already has online peers, first as ``"joining"`` while it downloads the
-        stage's current parameters and optimizer state from one of them, then online.
-
-        Raises:
-            ValueError: the stage holds parameters this peer could not initialise (no ``reset_parameters()``) and
-                no peer of the stage sent them (:meth:`~.partition.Partition.check_initialised`).
-        """
-        assert self.dht is not None and self.partition is not None
-        me, stage = self.dht.peer_id, server.stage
-        donors = [p for p in get_stage_peers(self.dht, self.settings.run_id, stage) if p.peer_id != me]
-        joining = bool(donors) and server.optimizer_factory is not None
-        if donors and not joining and self._fresh:
-            # not training (validate/test/predict), and the stage was not allocated here: its weights come from
-            # the stage's peers (the seeded initialisation would be a silent wrong answer)
-            client = SwarmClient(self.dht, self.settings)
-            try:
-                server.module.load_state_dict(client.fetch_stage_state(stage))
-            finally:
-                client.shutdown()
-            self.partition.uninitialised.pop(stage, None)
-        if not joining:
-            self.partition.check_initialised(
-                stage
-            )  # nobody sends the stage: every tensor must be initialised
-        server.start(joining=joining)
-        if not joining:
-            return
-        try:
-            loaded = server.load_state_from_peers()
-            for _ in range(
-                _LOAD_ATTEMPTS - 1
-            ):  # a donor that was busy or just left: the stage may have others
-                if loaded or not [
-                    p for p in get_stage_peers(self.dht, self.settings.run_id, stage) if p.peer_id != me
-                ]:
-                    break
-                loaded = server.load_state_from_peers()
-            if not loaded:
-                self.partition.check_initialised(stage)
-        except BaseException:
-            server.shutdown(abort=True)
-            raise
-        if loaded:
-            self.partition.uninitialised.pop(stage, None)
-            logger.info(f"Peer {me} loaded the current state of stage {stage} from its peers")
-        else:
-            logger.warning(
-                f"Peer {me} found no peer of stage {stage} to download its state from; it serves its own initial "
-                "weights until the stage's next averaging round"
-            )
-        server.set_state(ONLINE)
+    def __init__(
+        self,
+        settings: SwarmSettings,
+        state: PeerState,
+        local_swarm_size: int | None,
+        should_stop: Callable[[], bool],
+    ) -> None:
+        self.settings, self.state = settings, state
+        self.local_swarm_size, self.should_stop = local_swarm_size, should_stop
 
     # ------------------------------------------------------------------ state
     def gather_stage_states(
@@ -90,7 +50,8 @@ class _StageStates:
         Raises:
             RuntimeError: some stages could not be gathered; the message names them and the last errors.
         """
-        assert self.client is not None and self.partition is not None
+        client, partition = self.state.client, self.state.partition
+        assert client is not None and partition is not None
         states: dict[int, dict[str, torch.Tensor]] = {}
         errors: dict[int, BaseException] = {}
         for _ in range(attempts):
@@ -98,8 +59,8 @@ class _StageStates:
                 if stage in states:
                     continue
                 try:
-                    state = self.client.fetch_stage_state(stage)
-                    self.partition.to_container_state(stage, state)  # complete and nothing unknown
+                    state = client.fetch_stage_state(stage)
+                    partition.to_container_state(stage, state)  # complete and nothing unknown
                     states[stage] = state
                     errors.pop(stage, None)
                 except Exception as e:
@@ -122,7 +83,8 @@ class _StageStates:
             ValueError: the checkpoint's stages do not match this run's (another ``num_stages``), or a stage
                 refused its state.
         """
-        assert self.client is not None
+        client = self.state.client
+        assert client is not None
         if sorted(states) != list(range(self.settings.num_stages)):
             raise ValueError(
                 f"SwarmStrategy: the checkpoint holds the optimizer states of stages {sorted(states)}, but this run "
@@ -130,7 +92,7 @@ class _StageStates:
             )
         self.wait_for_stages()  # a local swarm's other peers may still be starting
         for stage, data in states.items():
-            if not self.client.load_optimizer_state(stage, data):
+            if not client.commands.load_optimizer_state(stage, data):
                 raise RuntimeError(
                     f"SwarmStrategy: no peer of stage {stage} is online to restore its optimizer state from the "
                     "checkpoint; start the stage's servers before resuming."
@@ -146,8 +108,8 @@ class _StageStates:
         s = self.settings
         if self.wait_for_stages(timeout=s.no_peers_timeout) or self.should_stop():
             return
-        assert self.client is not None
-        missing = [k for k in range(s.num_stages) if not self.client.peers(k)]
+        assert self.state.client is not None
+        missing = [k for k in range(s.num_stages) if not self.state.client.peers(k)]
         if missing:
             raise NoPeersError(
                 f"SwarmStrategy: no peer of stage(s) {missing} of run {s.run_id!r} appeared within "
@@ -161,7 +123,8 @@ class _StageStates:
         that serves it (so that the trainer's first step already commands all of them, see :mod:`.stepping`),
         elsewhere at least one. Returns whether they did. A stage still missing then is reported by the first
         call to it, after ``no_peers_timeout``."""
-        assert self.client is not None
+        client = self.state.client
+        assert client is not None
         s = self.settings
         expected = dict.fromkeys(range(s.num_stages), 1)
         if self.local_swarm_size is not None and s.role != "trainer" and s.stage is None:
@@ -171,7 +134,7 @@ class _StageStates:
         missing = list(range(s.num_stages))
         while missing and not self.should_stop():
             try:
-                missing = [k for k in missing if len(self.client.peers(k)) < expected[k]]
+                missing = [k for k in missing if len(client.peers(k)) < expected[k]]
             except Exception as e:
                 logger.debug(f"DHT lookup of the stages failed: {e!r}")
             if not missing or time.monotonic() > deadline:

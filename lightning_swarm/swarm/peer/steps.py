@@ -1,18 +1,22 @@
-"""A trainer's side of the optimisation (a mixin of :class:`~.peer.SwarmPeer`): its optimizers without the
+"""A trainer's side of the optimisation (a part of :class:`~.peer.SwarmPeer`): its optimizers without the
 pipeline's parameters, trainer-driven stage steps (:mod:`.stepping`), the swarm's epoch, and the stages' counters."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Collection
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from lightning_swarm.swarm.lifetime import sigint_kept
+from lightning_swarm.swarm.peer.state import PeerState
+from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.training.early_steps import run_in_thread
 from lightning_swarm.swarm.training.optimizers import HivemindOptimizer, initialize_optimizer_state
 from lightning_swarm.swarm.training.stepping import StepCommand, read_swarm_epoch
@@ -26,15 +30,60 @@ _EPOCH_READ_S = 0.2  # with stage_steps="async": how stale the swarm's epoch dri
 _INFO_POLL_S = 10.0  # with stage_steps="async": how often a trainer asks the stages for their step counts
 
 
-class _TrainerSteps:
-    """A trainer's optimizers and its commands to the stages (a mixin: its attributes are the peer's)."""
+class TrainerSteps:
+    """A trainer's optimizers and its commands to the stages.
+
+    Args:
+        settings: the swarm's settings.
+        state: what the peer's parts share (its DHT, partition, client, trainers' step exchange).
+        is_trainer: whether the peer trains (feeds data).
+        num_trainers: how many trainers the run has, where known.
+        drives_stages: whether the trainer's optimizer steps are the stages' steps (``stage_steps="trainer"``).
+        should_stop: the peer's :meth:`~.peer.SwarmPeer.should_stop`.
+    """
+
+    def __init__(
+        self,
+        settings: SwarmSettings,
+        state: PeerState,
+        *,
+        is_trainer: bool,
+        num_trainers: int | None,
+        drives_stages: bool,
+        should_stop: Callable[[], bool],
+    ) -> None:
+        self.settings, self.state = settings, state
+        self.is_trainer, self.num_trainers, self.drives_stages = is_trainer, num_trainers, drives_stages
+        self.should_stop = should_stop
+        self._samples_since_step = 0
+        self._step_ids = itertools.count(secrets.randbits(62))
+        self._stage_epochs: dict[int, int] = {}  # the epoch each stage replied with at the last step
+        self._early_steps: dict[int, Future] = {}  # stage -> its early step's replies (see .early_steps)
+        self.early_stage_steps = 0  # stage steps taken early, before the trainer's backward ended
+        # per stage: optimizer steps taken (the most of any peer) and averaging rounds with other peers
+        self.stage_steps: dict[int, int] = {}
+        self.stage_rounds: dict[int, int] = {}
+        self._last_info_poll = -float("inf")
+        self._swarm_epoch, self._epoch_read_at = 0, -float("inf")
+        self._sent_hyper: dict[int, dict[int, dict[str, Any]]] = {}
+        self._info_poller: threading.Thread | None = None
+        self._sync_step: StepResult | None = (
+            None  # the result of this trainer's current step (several trainers)
+        )
+
+    @property
+    def stage_epochs(self) -> dict[int, int]:
+        """Each stage's optimizer epoch as its peers replied to this trainer's last step (the client's calls carry
+        it, see :class:`~lightning_swarm.swarm.client.client.SwarmClient`)."""
+        return self._stage_epochs
 
     # ------------------------------------------------------------------ trainer-side optimisation
     def trainer_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         """Drop the pipeline's parameters from the trainer's optimizers (the stages' servers own them) and, when
         several trainers feed the swarm, average the remaining (trainer-local) parameters' gradients among them."""
-        assert self.partition is not None
-        pipeline = set(self._live_pipeline_before()) | {id(p) for p in self.partition.container.parameters()}
+        partition = self.state.partition
+        assert partition is not None
+        pipeline = set(partition.original_parameters()) | {id(p) for p in partition.container.parameters()}
         for opt in optimizers:
             for group in opt.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in pipeline]
@@ -47,8 +96,8 @@ class _TrainerSteps:
             return optimizers
         initialize_optimizer_state(optimizers[0])  # before hivemind does it with a real (decaying) step
         with sigint_kept():  # hivemind's averager would leave this process ignoring Ctrl-C
-            self._trainer_optimizer = HivemindOptimizer(
-                dht=self.dht,
+            self.state.trainer_optimizer = HivemindOptimizer(
+                dht=self.state.dht,
                 run_id=f"{self.settings.run_id}_trainers",
                 target_batch_size=self.settings.target_batch_size,
                 optimizer=optimizers[0],
@@ -67,7 +116,7 @@ class _TrainerSteps:
                 averaging_timeout=self.settings.averaging_timeout,
                 verbose=False,
             )
-        return [self._trainer_optimizer]
+        return [self.state.trainer_optimizer]
 
     def note_batch_size(self, batch_size: int) -> None:
         """Count a training batch's samples towards the next optimizer step (accumulated batches add up)."""
@@ -77,7 +126,7 @@ class _TrainerSteps:
         """What the trainers' hivemind optimizer's ``step`` needs: the samples since the last step (every
         accumulated batch, not the last one only)."""
         samples, self._samples_since_step = max(1, self._samples_since_step), 0
-        return {"batch_size": samples} if self._trainer_optimizer is not None else {}
+        return {"batch_size": samples} if self.state.trainer_optimizer is not None else {}
 
     def new_step_id(self) -> int:
         """The id of this trainer's next optimizer step (see :mod:`.stepping`)."""
@@ -88,15 +137,15 @@ class _TrainerSteps:
     ) -> dict[int, list[dict[str, Any]]]:
         """Send ``make(stage)`` to every stage but those ``done`` already, at once (each to all its live peers);
         returns the replies."""
-        assert self.client is not None
-        client = self.client
+        client = self.state.client
+        assert client is not None
         stages = [k for k in range(self.settings.num_stages) if k not in done]
         if not stages:
             return {}
         if len(stages) == 1:
-            return {stages[0]: client.step_stage(stages[0], make(stages[0]))}
+            return {stages[0]: client.commands.step_stage(stages[0], make(stages[0]))}
         with ThreadPoolExecutor(max_workers=len(stages), thread_name_prefix="swarm-step") as pool:
-            futures = {k: pool.submit(client.step_stage, k, make(k)) for k in stages}
+            futures = {k: pool.submit(client.commands.step_stage, k, make(k)) for k in stages}
             return {k: f.result() for k, f in futures.items()}
 
     # ------------------------------------------------------------------ several trainers (see .trainer_sync)
@@ -106,10 +155,10 @@ class _TrainerSteps:
         """With several trainers: hand this trainer's gradients of its own parameters in optimizer ``optimizer`` to
         the global step (a step of that optimizer) and return the step's result (the averaged gradients, the
         stages' step id, the leader); ``None`` with one trainer."""
-        sync = self.trainer_sync
+        sync = self.state.trainer_sync
         if sync is None:
             return None
-        client = self.client
+        client = self.state.client
         nonfinite = client.nonfinite_backwards if client is not None else 0
         result = sync.exchange(grads, optimizer, nonfinite=nonfinite, params=params)
         self._sync_step = result
@@ -129,7 +178,7 @@ class _TrainerSteps:
         """With several trainers, on a trainer that does not lead step ``step_id``: the value the leader published
         for it (the stages' norm, their replies); ``None`` where this trainer must command the stages itself (it
         leads, or the leader did not answer: the commands are idempotent per step id)."""
-        step, sync = self._sync_step, self.trainer_sync
+        step, sync = self._sync_step, self.state.trainer_sync
         if step is None or sync is None or step.step_id != step_id or step.leader == sync.name:
             return None
         s = self.settings
@@ -145,8 +194,8 @@ class _TrainerSteps:
             return None
 
     def _publish(self, step_id: int, key: str, value: Any) -> None:
-        if self.trainer_sync is not None:
-            self.trainer_sync.publish(step_id, key, value)
+        if self.state.trainer_sync is not None:
+            self.state.trainer_sync.publish(step_id, key, value)
 
     def stage_grad_sq_norm(self, step_id: int, optimizer: int, grad_scale: float = 1.0) -> float:
         """The squared norm of the stages' gradients of step ``step_id`` (summed over each stage's peers,
@@ -182,12 +231,12 @@ class _TrainerSteps:
         """With ``stage_steps="async"``: the swarm's epoch (the stages' steps together so far, from their progress
         in the DHT), read at most every ``_EPOCH_READ_S`` seconds; never goes back. With trainer-driven steps: the
         stages' epoch as they replied to this trainer's last step."""
-        if self.drives_stages or self.dht is None:
+        if self.drives_stages or self.state.dht is None:
             return max(self._stage_epochs.values(), default=0)
         now = time.monotonic()
         if now - self._epoch_read_at >= _EPOCH_READ_S:
             self._epoch_read_at = now
-            epoch = read_swarm_epoch(self.dht, self.settings.run_id, 0)
+            epoch = read_swarm_epoch(self.state.dht, self.settings.run_id, 0)
             if epoch is not None:
                 self._swarm_epoch = max(self._swarm_epoch, epoch)
         return self._swarm_epoch
@@ -210,7 +259,7 @@ class _TrainerSteps:
         (``optimizer.zero_grad()`` under manual optimization, see :mod:`.stepping`). With several trainers the
         command's id is the same on every trainer (see ``TrainerSync.zero_step_id``): the stages drop the
         gradients at the first trainer's call and keep those its peers send after it."""
-        sync = self.trainer_sync
+        sync = self.state.trainer_sync
         step_id = sync.zero_step_id(optimizer) if sync is not None else self.new_step_id()
         self._command_stages(
             lambda k: StepCommand(
@@ -221,8 +270,8 @@ class _TrainerSteps:
     def begin_step(self) -> None:
         """A trainer-driven training step begins (before its forwards): forget the stage calls so far and any early
         step not waited for."""
-        assert self.client is not None
-        self.client.grad_calls.reset()
+        assert self.state.client is not None
+        self.state.client.grad_calls.reset()
         self._early_steps = {}
 
     def arm_early_steps(
@@ -231,8 +280,8 @@ class _TrainerSteps:
         """The step's backward begins: from now on, a stage whose calls of this step have all had their backward
         steps at once (see :mod:`.early_steps`), with ``step_id`` and the hyper-parameters ``read_groups()``
         returns then; :meth:`step_stages` waits for its reply."""
-        assert self.client is not None
-        client = self.client
+        client = self.state.client
+        assert client is not None
 
         def fire(stage: int) -> None:
             command = StepCommand(
@@ -244,7 +293,7 @@ class _TrainerSteps:
                 epoch=self._stage_epochs.get(stage, 0),
             )
             self._early_steps[stage] = run_in_thread(
-                lambda: client.step_stage(stage, command), f"swarm-early-step-{stage}"
+                lambda: client.commands.step_stage(stage, command), f"swarm-early-step-{stage}"
             )
 
         client.grad_calls.arm(fire)
@@ -263,12 +312,12 @@ class _TrainerSteps:
         wait until each stage serves its new parameters. A stage that stepped early (see :meth:`arm_early_steps`)
         is not commanded again unless that failed. With several trainers, only the step's leader commands the
         stages; the others wait for the replies it publishes."""
-        assert self.client is not None
+        assert self.state.client is not None
         published = self._from_leader(step_id, "applied")
         if published is not None:
             self._note_stage_replies(published)
             return
-        self.client.grad_calls.disarm()
+        self.state.client.grad_calls.disarm()
         early, self._early_steps = self._early_steps, {}
         done: dict[int, list[dict[str, Any]]] = {}
         for k, future in early.items():
@@ -323,10 +372,11 @@ class _TrainerSteps:
         peers of the stage (``swarm/stage{k}/steps``, ``swarm/stage{k}/rounds``): as the stages replied to this
         trainer's step commands, or (``stage_steps="async"``) as their peers last reported (``rpc_info``, polled
         in the background every ``_INFO_POLL_S`` seconds)."""
-        stats = self.client.stats() if self.client is not None else {}
-        if not self.drives_stages and self.client is not None:
+        client = self.state.client
+        stats = client.stats() if client is not None else {}
+        if not self.drives_stages and client is not None:
             self._poll_stage_info()
-        sync = self.trainer_sync
+        sync = self.state.trainer_sync
         if sync is not None:
             stats["swarm/missed_trainer_steps"] = float(sync.missed_steps)
             if self._sync_step is not None:
@@ -342,7 +392,7 @@ class _TrainerSteps:
         if now - self._last_info_poll < _INFO_POLL_S or (self._info_poller and self._info_poller.is_alive()):
             return
         self._last_info_poll = now
-        client = self.client
+        client = self.state.client
 
         def poll() -> None:
             for k in range(self.settings.num_stages):

@@ -22,10 +22,10 @@ def stage_optimizer(
     and its parameter groups restricted to the stage's parameters, each with its own hyper-parameters (a
     group without weight decay stays without it). Returns ``(factory, param_groups)``; parameters of the stage
     in none of the optimizer's groups are not trained, as in the user's optimizer."""
-    return _OptimizerTemplate(optimizer, stage_module).for_stage(stage_module)
+    return OptimizerTemplate(optimizer, stage_module).for_stage(stage_module)
 
 
-class _OptimizerTemplate:
+class OptimizerTemplate:
     """The user's optimizers as a recipe for stage servers: the class and defaults of the ones that own pipeline
     parameters, and which group of which optimizer (with its own hyper-parameters) each block parameter belongs
     to, by the parameter's place in its module. Taken once when the peer joins, so that a peer that migrates
