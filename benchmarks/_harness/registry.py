@@ -113,6 +113,7 @@ BENCHMARKS: dict[str, Claim] = {
         ),
     ),
     "fidelity_matrix_trainers_full": Claim(
+        "python benchmarks/fidelity_matrix.py --trainers 2,4",
         "fidelity matrix with several trainers, the full run (200 steps of global batch 64; `families`: those run): "
         "each family in a swarm of K trainers (2 stages, 8-bit; synchronous steps) vs Lightning's DDP on K CPU "
         "devices, same seed, data shards, global batch and steps; `uncompressed_max_relative_gap`: the synchronous "
@@ -136,7 +137,6 @@ BENCHMARKS: dict[str, Claim] = {
             "steps",
             "global_batch",
         ),
-        beside="fidelity_matrix_trainers",
     ),
     "swarm_trainers": Claim(
         "python benchmarks/swarm_trainers.py --quick",
