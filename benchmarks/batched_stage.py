@@ -50,7 +50,7 @@ def _run(server_dht: hivemind.DHT, module: nn.Module, args, max_batch_rows: int)
         (args.rows, args.seq, args.hidden),
         args.warmup,
         args.seconds,
-        lambda: {"requests": server.requests_served, "computations": server.computations},
+        lambda: {"requests": server.backend.requests_served, "computations": server.backend.computations},
         verbose=args.verbose,
     )
     return {

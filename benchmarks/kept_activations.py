@@ -57,7 +57,11 @@ def _run(server_dht: hivemind.DHT, module: nn.Module, args, keep: int) -> dict:
         (args.rows, args.seq, args.hidden),
         args.warmup,
         args.seconds,
-        lambda: {"requests": server.requests_served, "runs": server.computations, "hits": server.kept_hits},
+        lambda: {
+            "requests": server.backend.requests_served,
+            "runs": server.backend.computations,
+            "hits": server.backend.kept_hits,
+        },
     )
     pairs = max(1, grew["requests"] / 2)
     return {

@@ -113,7 +113,7 @@ def worker(spec: dict) -> None:
         stop.wait()
     finally:
         moves = [[m.src, m.dst, round(m.before, 1), round(m.after, 1)] for m in peer.host.migrations]
-        served = peer.server.samples_processed if peer.server is not None else None
+        served = peer.server.backend.samples_processed if peer.server is not None else None
         stage = peer.stage
         peer.shutdown()
         print("MOVES " + json.dumps(moves), flush=True)

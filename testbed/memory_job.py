@@ -194,7 +194,11 @@ def server_extra_bytes(server, served: list[torch.Tensor]) -> int:
     """Bytes a stage server holds besides its served tensors: the optimizer's copy of the parameters and their
     gradients, the optimizer's state, hivemind's averaged and accumulated tensors (the resident part of its
     averaged gradients: shared memory a stage without a second peer never writes), the pending gradients."""
-    extra = list(server._master) + [p.grad for p in server._master] + list(server._pending or ())
+    extra = (
+        list(server.shared.master)
+        + [p.grad for p in server.shared.master]
+        + list(server.shared.pending or ())
+    )
     averaged: list[torch.Tensor] = []
     opt = server.optimizer
     if opt is not None:

@@ -138,7 +138,7 @@ class DumpStage(Callback):
                 "stage": server.stage,
                 "state": server.state_dict_local(),
                 "info": server.info(),
-                "kept_hits": server.kept_hits,  # whole backwards that reused a kept forward
+                "kept_hits": server.backend.kept_hits,  # whole backwards that reused a kept forward
                 "lrs": lrs,
             }
             torch.save(state, f"{self.out}.peer{trainer.global_rank}")

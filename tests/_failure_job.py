@@ -8,7 +8,9 @@ with the wall-clock time, and the type (with its bases) and message of the excep
 in its forward on peer ``r`` (it serves that stage); ``{"where": "step", "rank": r, "step": s}``: peer ``r``'s
 ``training_step`` raises ``TypeError`` at step ``s``. The first raise writes ``out/raised``. ``cfg["kill_helper"]``:
 ``{"rank": r, "step": s, "helper": path}``: peer ``r`` SIGKILLs a helper process at step ``s``: its DHT's (default), or
-the averager at ``path`` from its ``SwarmPeer`` (e.g. ``"server.optimizer.grad_averager"``).
+the averager at ``path`` from its ``SwarmPeer`` (e.g. ``"server.optimizer.grad_averager"``); with ``"during": method``,
+while the helper runs the method next (e.g. ``"sum_in_named_group"``: mid-round). A helper that is a thread (a
+progress tracker, ``"server.optimizer.tracker"``) cannot be killed: its loop is made to end.
 """
 
 import faulthandler
@@ -16,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,10 +90,27 @@ class Watch(Callback):
             helper = trainer.strategy.peer
             for name in kill.get("helper", "dht").split("."):
                 helper = getattr(helper, name)
-            pid = helper.pid
+            if (
+                getattr(helper, "pid", None) is None
+            ):  # a thread (a progress tracker) cannot be killed: it stops
+                helper.shutdown_triggered.set()
+                helper.should_report_progress.set()
+                helper.global_state_updated.set()
+                return
             with open(os.path.join(self.cfg["out"], "helper"), "w") as f:
-                f.write(str(pid))
-            os.kill(pid, signal.SIGKILL)
+                f.write(str(helper.pid))
+            during = kill.get("during")
+            if during is None:
+                os.kill(helper.pid, signal.SIGKILL)
+                return
+            begin = getattr(helper, during)
+
+            def kill_during(*args, **kwargs):  # the kill lands in the helper's next round, as it runs
+                threading.Timer(0.05, os.kill, (helper.pid, signal.SIGKILL)).start()
+                setattr(helper, during, begin)
+                return begin(*args, **kwargs)
+
+            setattr(helper, during, kill_during)
 
 
 def main() -> None:

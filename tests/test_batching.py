@@ -20,6 +20,7 @@ from torch import nn
 from lightning_swarm.swarm.client.client import SwarmClient
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.server.batching import mixes_rows
+from lightning_swarm.swarm.server.stepper import Stepper
 from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.wire.errors import COMPUTE, UNAVAILABLE
 from lightning_swarm.swarm.wire.payload import Payload
@@ -55,11 +56,17 @@ class GatedMLP(nn.Module):
         return out
 
 
-class HeldStageServer(StageServer):
-    """Keeps the gradients of served backwards pending (no optimizer step), so that a test can read them."""
+class HeldStepper(Stepper):
+    """Keeps the gradients of served backwards pending (no optimizer step)."""
 
     def step_pending(self) -> bool:
         return False
+
+
+class HeldStageServer(StageServer):
+    """Keeps the gradients of served backwards pending (no optimizer step), so that a test can read them."""
+
+    stepper_class = HeldStepper
 
 
 def _held_server(
@@ -139,7 +146,7 @@ def _gated(swarm: dict, grad: bool, first: Callable[[], Any], others: list[Calla
         for t in threads[1:]:
             t.start()
         deadline = time.monotonic() + 60
-        while server._batcher.pending() < len(others):
+        while server.backend.batcher.pending() < len(others):
             assert time.monotonic() < deadline, "the other calls never queued up"
             time.sleep(0.01)
     finally:
@@ -152,9 +159,9 @@ def _gated(swarm: dict, grad: bool, first: Callable[[], Any], others: list[Calla
 
 def _pending(server: StageServer) -> list[torch.Tensor]:
     """A copy of the parameter gradients the server holds for the next optimizer step."""
-    if server._pending is None:
+    if server.shared.pending is None:
         return [torch.zeros_like(p) for p in server.module.parameters()]
-    return [p.clone() for p in server._pending]
+    return [p.clone() for p in server.shared.pending]
 
 
 def _request(kind: str, x: torch.Tensor, request_id: int, grad: torch.Tensor | None = None, **kwargs):
@@ -168,7 +175,7 @@ def test_concurrent_forwards_from_two_peers_are_merged_and_equal_the_calls_alone
     server, reference = swarm["server"], swarm["reference"]
     clients = swarm["clients"]
     inputs = [torch.randn(rows, HIDDEN) for rows in (3, 4, 2, 5, 1)]
-    computations, groups = server.computations, server._batcher.groups
+    computations, groups = server.backend.computations, server.backend.batcher.groups
 
     def forward(i: int) -> Callable[[], torch.Tensor]:
         def call() -> torch.Tensor:
@@ -179,8 +186,8 @@ def test_concurrent_forwards_from_two_peers_are_merged_and_equal_the_calls_alone
 
     outputs = _gated(swarm, False, forward(0), [forward(i) for i in range(1, len(inputs))])
     # the held call alone, then the four that queued meanwhile in one computation
-    assert server.computations - computations == 2 and server._batcher.groups - groups == 2
-    assert server._batcher.largest >= 4
+    assert server.backend.computations - computations == 2 and server.backend.batcher.groups - groups == 2
+    assert server.backend.batcher.largest >= 4
     with torch.no_grad():
         for x, y in zip(inputs, outputs, strict=True):
             assert isinstance(y, torch.Tensor), y
@@ -195,8 +202,12 @@ def test_merged_backwards_return_each_callers_gradients_and_sum_parameter_gradie
     inputs = [torch.randn(n, HIDDEN, requires_grad=True) for n in rows]
     weights = [torch.randn(n, HIDDEN) for n in rows]
     outputs = [clients[i % 2].call_stage(0, x) for i, x in enumerate(inputs)]  # differentiable forwards
-    samples, applied, pending = server.samples_processed, len(server._applied), _pending(server)
-    pending_samples, computations = server._pending_samples, server.computations
+    samples, applied, pending = (
+        server.backend.samples_processed,
+        len(server.backend.applied),
+        _pending(server),
+    )
+    pending_samples, computations = server.shared.pending_samples, server.backend.computations
 
     def backward(i: int) -> Callable[[], torch.Tensor | None]:
         def call() -> torch.Tensor | None:
@@ -207,11 +218,11 @@ def test_merged_backwards_return_each_callers_gradients_and_sum_parameter_gradie
 
     grads = _gated(swarm, True, backward(0), [backward(i) for i in range(1, len(rows))])
     # the held backward alone, then the three queued meanwhile in one computation
-    assert server.computations - computations == 2
+    assert server.backend.computations - computations == 2
     # every request applied once, every sample counted once (towards target_batch_size too)
-    assert len(server._applied) - applied == len(rows)
-    assert server.samples_processed - samples == sum(rows)
-    assert server._pending_samples - pending_samples == sum(rows)
+    assert len(server.backend.applied) - applied == len(rows)
+    assert server.backend.samples_processed - samples == sum(rows)
+    assert server.shared.pending_samples - pending_samples == sum(rows)
 
     reference.zero_grad()
     for x, w, y, grad in zip(inputs, weights, outputs, grads, strict=True):
@@ -222,7 +233,7 @@ def test_merged_backwards_return_each_callers_gradients_and_sum_parameter_gradie
         assert isinstance(grad, torch.Tensor), grad
         torch.testing.assert_close(grad, x_ref.grad, **TOLERANCE)
     # the parameter gradients of the merged backwards: the sum of those of the calls alone
-    for before, after, p in zip(pending, server._pending, reference.parameters(), strict=True):
+    for before, after, p in zip(pending, server.shared.pending, reference.parameters(), strict=True):
         torch.testing.assert_close(after - before, p.grad, **TOLERANCE)
 
 
@@ -237,8 +248,12 @@ def test_merged_backwards_apply_each_request_id_once_and_only_in_time(swarm) -> 
     duplicate = _request("backward", x[1], base + 1, g[1])  # a resend of `fresh`, queued next to it
     late = _request("backward", x[2], base + 2, g[2])
     late.commit_by = time.time() - 1  # the caller has retried it elsewhere by now
-    applied, samples, pending = len(server._applied), server.samples_processed, _pending(server)
-    computations = server.computations
+    applied, samples, pending = (
+        len(server.backend.applied),
+        server.backend.samples_processed,
+        _pending(server),
+    )
+    computations = server.backend.computations
     replies = _gated(
         swarm,
         True,
@@ -248,15 +263,17 @@ def test_merged_backwards_apply_each_request_id_once_and_only_in_time(swarm) -> 
     assert [r.error is None for r in replies] == [True, True, True, False]
     assert replies[3].error.category == UNAVAILABLE and "commit deadline" in replies[3].error.message
     # input gradients for the duplicate too, parameter gradients of `first` and `fresh` only
-    assert len(server._applied) - applied == 2 and server.samples_processed - samples == 4
-    assert server.computations - computations == 5  # held | merged (not committed) | the three one by one
+    assert len(server.backend.applied) - applied == 2 and server.backend.samples_processed - samples == 4
+    assert (
+        server.backend.computations - computations == 5
+    )  # held | merged (not committed) | the three one by one
     reference.zero_grad()
     for i in (0, 1):
         x_ref = x[i].detach().clone().requires_grad_(True)
         (reference(x_ref) * g[i]).sum().backward()
         for reply in (replies[i],) if i == 0 else replies[1:3]:
             torch.testing.assert_close(reply.outputs.tensors[0], x_ref.grad, **TOLERANCE)
-    for before, after, p in zip(pending, server._pending, reference.parameters(), strict=True):
+    for before, after, p in zip(pending, server.shared.pending, reference.parameters(), strict=True):
         torch.testing.assert_close(after - before, p.grad, **TOLERANCE)
 
 
@@ -275,12 +292,12 @@ def test_incompatible_calls_run_alone_and_unsplittable_results_fall_back(swarm) 
         (torch.randn(3, HIDDEN), {"count": True}),
     ]
     requests = [_request("forward", x, 100 + i, **kw) for i, (x, kw) in enumerate(calls)]
-    computations, groups = server.computations, server._batcher.groups
+    computations, groups = server.backend.computations, server.backend.batcher.groups
     replies: list[StageReply] = _gated(
         swarm, False, lambda: server.handle(requests[0]), [lambda r=r: server.handle(r) for r in requests[1:]]
     )
     # groups: held | 2+3 rows | scale | bias | sizes | count pair; the count pair ran merged, then one by one
-    assert server._batcher.groups - groups == 6 and server.computations - computations == 8
+    assert server.backend.batcher.groups - groups == 6 and server.backend.computations - computations == 8
     with torch.no_grad():
         for (x, kwargs), reply in zip(calls, replies, strict=True):
             if x.shape[1] != HIDDEN:
@@ -357,7 +374,11 @@ def test_slow_training_forwards_are_not_merged_and_keep_their_activations() -> N
             0, torch.randn(2, HIDDEN, requires_grad=True)
         ).sum().backward()  # measures a forward
         inputs = [torch.randn(2, HIDDEN, requires_grad=True) for _ in range(4)]
-        groups, largest, hits = server._batcher.groups, server._batcher.largest, server.kept_hits
+        groups, largest, hits = (
+            server.backend.batcher.groups,
+            server.backend.batcher.largest,
+            server.backend.kept_hits,
+        )
 
         def forward(i: int) -> Callable[[], torch.Tensor]:
             return lambda: client.call_stage(0, inputs[i])
@@ -365,11 +386,11 @@ def test_slow_training_forwards_are_not_merged_and_keep_their_activations() -> N
         outputs = _gated(
             {"server": server, "module": module}, True, forward(0), [forward(i) for i in range(1, 4)]
         )
-        assert server._batcher.groups - groups == 4 and server._batcher.largest == largest == 1
+        assert server.backend.batcher.groups - groups == 4 and server.backend.batcher.largest == largest == 1
         for y in outputs:
             assert isinstance(y, torch.Tensor), y
             y.sum().backward()
-        assert server.kept_hits - hits == 4  # no backward recomputed its forward
+        assert server.backend.kept_hits - hits == 4  # no backward recomputed its forward
         assert all(x.grad is not None for x in inputs)
     finally:
         for thing in reversed(things):

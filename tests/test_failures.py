@@ -152,24 +152,49 @@ def test_a_peer_whose_averager_was_killed_still_exits_when_training_ends(tmp_pat
     assert left == []
 
 
+_HELPERS = {  # what each case kills on peer 0 (see tests/_failure_job.py)
+    "dht": {},
+    "grad averager mid-round": {"helper": "server.optimizer.grad_averager", "during": "sum_in_named_group"},
+    "state averager": {"helper": "server.optimizer.state_averager"},
+    "progress tracker": {"helper": "server.optimizer.tracker"},
+}
+
+
 @pytest.mark.timeout(300)
-def test_a_peer_whose_dht_process_was_killed_stops_and_the_others_train_to_the_end(tmp_path) -> None:
-    """SIGKILL of peer 0's DHT process (its p2p daemon dies with it) cuts peer 0 off the swarm: it stops as after
-    SIGTERM, with one warning and no traceback, publishing nothing; the three other peers train every step, as
-    after a crash, and nothing is left running."""
-    steps = 40
+@pytest.mark.parametrize("helper", list(_HELPERS))
+def test_a_peer_whose_helper_died_exits_when_training_ends(tmp_path, helper) -> None:
+    """A hivemind helper of peer 0 dies in a swarm of 2 stages x 2 peers (SIGKILL of a process; a progress tracker, a
+    thread, stops), with one warning and no traceback; nothing waits on it forever and nothing is left running.
+
+    - its DHT process (its p2p daemon dies with it) cuts peer 0 off the swarm: it stops as after SIGTERM,
+      publishing nothing, and the three other peers train every step, as after a crash;
+    - a helper of its stage's optimizer (the gradient averager killed during an averaging round, which it holds the
+      averaged tensors' lock for; the state averager; the progress tracker): peer 0 leaves the stage to the stage's
+      other peer and trains on; every peer trains every step and peer 0 exits with the others."""
+    steps = 12
+    strategy = {**_STRATEGY, "run_id": "killed_" + helper.replace(" ", "_")}
+    if helper.startswith("grad averager"):
+        strategy["same_host"] = (
+            False  # peers of one machine sum through shared memory, not the gradient averager
+        )
     cfg = {
         "devices": 4,
         "max_steps": steps,
-        "kill_helper": {"rank": 0, "step": 5},
-        "strategy": {**_STRATEGY, "run_id": "dht_killed"},
+        "kill_helper": {"rank": 0, "step": 3, **_HELPERS[helper]},
+        "strategy": strategy,
     }
     code, stderr, ends, left = _run(tmp_path, cfg, timeout=240)
     assert code == 0, stderr[-5000:]
     assert sorted(ends) == [0, 1, 2, 3], stderr[-5000:]
-    assert "PeerStopping" in ends[0]["error"]["types"] and ends[0]["steps"] < steps, ends[0]
-    assert all(ends[r]["error"] is None and ends[r]["steps"] == steps for r in (1, 2, 3)), ends
-    assert stderr.count("its DHT helper process") == 1, stderr[-5000:]
+    if helper == "dht":
+        assert "PeerStopping" in ends[0]["error"]["types"] and ends[0]["steps"] < steps, ends[0]
+        trained = (1, 2, 3)
+        assert stderr.count("its DHT helper process") == 1, stderr[-5000:]
+    else:
+        trained = (0, 1, 2, 3)
+        assert stderr.count("died during the run") == 1, stderr[-5000:]
+    assert all(ends[r]["error"] is None and ends[r]["steps"] == steps for r in trained), ends
+    assert ends[0]["time"] - min(ends[r]["time"] for r in trained) < 30.0, ends
     assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-5000:]
     assert left == []
 
@@ -242,4 +267,5 @@ def test_shutdown_steps_are_bounded_and_dead_helpers_are_reported_once(caplog) -
         [("stage 0 state averager", killed), ("trainer state averager", ended), ("x", None)]
     )
     assert dead == [f"stage 0 state averager (pid {killed.pid}, signal 9)"]
+    assert settle_dead_helpers([("stage 0 state averager", killed)]) == []  # each death is reported once
     killed.shutdown()  # replaced: hivemind would log an error for a process already gone

@@ -26,7 +26,7 @@ from lightning_swarm.swarm.client.client import SwarmClient
 from lightning_swarm.swarm.loop import run_coroutine
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
-from lightning_swarm.swarm.training.averaging import _GradientAverager
+from lightning_swarm.swarm.training.averaging import StageGradientAverager
 from lightning_swarm.swarm.wire.errors import RequestRefused
 from lightning_swarm.swarm.wire.guards import BadPeers
 from lightning_swarm.swarm.wire.payload import Payload
@@ -216,7 +216,9 @@ def test_hostile_requests_are_refused_and_the_server_keeps_serving(swarm) -> Non
 
     for reply in run_coroutine(flood(), timeout=120):
         assert reply is None or reply.error is not None
-    assert server.schemas._schemas and len(server.schemas._schemas) == 1  # nothing hostile was learned
+    assert (
+        server.backend.schemas._schemas and len(server.backend.schemas._schemas) == 1
+    )  # nothing hostile was learned
     _good(swarm)
     _good(swarm, hostile)  # the hostile peer is not ignored here (limit 10**9): a good call is served
 
@@ -224,7 +226,7 @@ def test_hostile_requests_are_refused_and_the_server_keeps_serving(swarm) -> Non
 @pytest.mark.timeout(120)
 def test_a_peer_that_keeps_sending_bad_requests_is_ignored_for_a_while(swarm) -> None:
     server, hostile = swarm["server"], swarm["hostile"]
-    previous, server.bad_peers = server.bad_peers, BadPeers(limit=5, window=60.0, ban_s=300.0)
+    previous, server.handler.bad_peers = server.handler.bad_peers, BadPeers(limit=5, window=60.0, ban_s=300.0)
     try:
         garbage = runtime_pb2.ExpertRequest(metadata=b"\xc1")
         for _ in range(5):
@@ -244,7 +246,7 @@ def test_a_peer_that_keeps_sending_bad_requests_is_ignored_for_a_while(swarm) ->
             )
         _good(swarm)  # everyone else is still served
     finally:
-        server.bad_peers = previous
+        server.handler.bad_peers = previous
 
 
 @pytest.mark.timeout(120)
@@ -288,7 +290,11 @@ def test_non_finite_parameter_gradients_never_reach_the_optimizer(swarm, caplog)
         with caplog.at_level(logging.WARNING, logger="lightning_swarm.swarm.server"):
             reply = server.handle(request)
         assert reply.error is None and torch.equal(reply.outputs.rebuild()[0], torch.zeros(2, 4))
-        assert server.dropped_contributions == 1 and server._pending is None and server.samples_processed == 2
+        assert (
+            server.backend.dropped_contributions == 1
+            and server.shared.pending is None
+            and server.backend.samples_processed == 2
+        )
         (record,) = [r for r in caplog.records if "contribution was dropped" in r.getMessage()]
         assert record.levelno == logging.WARNING
     finally:
@@ -365,7 +371,7 @@ def test_averaging_with_a_nan_peer_equals_averaging_without_it(swarm, role: str)
     the group's (three honest peers), its part is dropped as an outlier."""
     torch.manual_seed(1)
     hostile_cls = type(
-        "_GradientAverager", (GradientAverager,), {}
+        "StageGradientAverager", (GradientAverager,), {}
     )  # the name is part of hivemind's protocol
     honest_count = 3 if role == "huge" else 2
     dhts = [
@@ -375,7 +381,7 @@ def test_averaging_with_a_nan_peer_equals_averaging_without_it(swarm, role: str)
     averagers: list = []
     grads = [torch.randn(30, 1000) for _ in range(honest_count)]
     grads.append(torch.randn(30, 1000) * 1e6 if role == "huge" else torch.full((30, 1000), math.nan))
-    classes = [_GradientAverager] * honest_count + [hostile_cls]
+    classes = [StageGradientAverager] * honest_count + [hostile_cls]
     try:
         # hivemind's matchmaking sometimes fails to assemble a full group on a loaded box ("could not find a
         # group", or a step that never resolves): such a round is not what this test is about, so a round that

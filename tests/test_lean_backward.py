@@ -50,7 +50,7 @@ def test_a_backward_to_the_peer_that_kept_its_forward_sends_its_output_gradients
     x_ref = x.detach().requires_grad_()
     expected = torch.autograd.grad(reference(x_ref).sum(), x_ref)[0]
     torch.testing.assert_close(x.grad, expected, atol=1e-6, rtol=0)
-    assert server.samples_processed == 16
+    assert server.backend.samples_processed == 16
 
 
 @pytest.mark.timeout(120)

@@ -195,7 +195,7 @@ import logging, sys, time
 import hivemind
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.mpfuture import MPFuture
-from lightning_swarm.swarm.training.averaging import _ProgressTracker
+from lightning_swarm.swarm.training.averaging import SwarmProgressTracker
 
 class StalledLookups:
     # a real DHT whose asynchronous lookups never answer (a busy DHT, or one going away): a tracker shutting down
@@ -212,7 +212,7 @@ class StalledLookups:
 
 dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 stalled = StalledLookups(dht)
-cls = ProgressTracker if sys.argv[1] == "hivemind" else _ProgressTracker
+cls = ProgressTracker if sys.argv[1] == "hivemind" else SwarmProgressTracker
 tracker = cls(dht=stalled, prefix="tracker_test", target_batch_size=8, client_mode=False,
               status_loglevel=logging.DEBUG, start=True, default_refresh_period=0.2, min_refresh_period=0.1)
 deadline = time.monotonic() + 20

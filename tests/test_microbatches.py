@@ -61,10 +61,10 @@ def test_a_modulelist_pipeline_with_masks_in_chunks_trains_as_in_one_process(dht
     target = torch.randint(0, VOCAB, (8, SEQ))
     with contextlib.ExitStack() as held:
         for server in servers:  # the stepper does not take the pending gradients meanwhile
-            held.enter_context(server._step_lock)
+            held.enter_context(server.stepper.step_lock)
         loss = nn.functional.cross_entropy(model(tokens, padding).flatten(0, 1), target.flatten())
         loss.backward()
-        pending = [server._pending for server in servers]
+        pending = [server.shared.pending for server in servers]
     expected = nn.functional.cross_entropy(reference(tokens, padding).flatten(0, 1), target.flatten())
     expected.backward()
 
@@ -109,7 +109,7 @@ def test_the_chunks_of_one_call_spread_over_the_peers_of_a_stage(dhts, cleanup) 
     served = []
     for _ in range(3):
         client.call_stage(0, x).sum().backward()
-        served.append([s.samples_processed for s in servers])
+        served.append([s.backend.samples_processed for s in servers])
     # the first call is cut by the peers the client has found by then: one (whole) or both (on a busy box the
     # second announcement may already be in)
     assert sorted(served[0]) in ([0, 32], [16, 16]), served
@@ -120,7 +120,7 @@ def test_the_chunks_of_one_call_spread_over_the_peers_of_a_stage(dhts, cleanup) 
     # "auto" cuts a call only while no other call of this client is in flight: a call made while another's two
     # chunks are out goes whole
     router = client.routers[0]
-    before = [s.samples_processed for s in servers]
+    before = [s.backend.samples_processed for s in servers]
     first = threading.Thread(
         target=lambda: client.call_stage(0, x.detach().requires_grad_()).sum().backward()
     )
@@ -131,7 +131,7 @@ def test_the_chunks_of_one_call_spread_over_the_peers_of_a_stage(dhts, cleanup) 
     assert client._chunking(0, Payload.call((x,), {}))[0] == 1
     client.call_stage(0, x.detach().requires_grad_()).sum().backward()
     first.join()
-    after = [s.samples_processed for s in servers]
+    after = [s.backend.samples_processed for s in servers]
     assert sorted(b - a for a, b in zip(before, after, strict=True)) == [16, 48], (before, after)
 
 
@@ -214,10 +214,10 @@ def test_chunks_flow_through_the_pipeline_and_the_stages_compute_at_once(dhts, c
     part.install_proxy(client.call_stage)
     with contextlib.ExitStack() as held:
         for server in servers:  # the stepper does not take the pending gradients meanwhile
-            held.enter_context(server._step_lock)
+            held.enter_context(server.stepper.step_lock)
         loss = nn.functional.mse_loss(model(*args), y)
         loss.backward()
-        pending = [server._pending for server in servers]
+        pending = [server.shared.pending for server in servers]
     expected = nn.functional.mse_loss(reference(*ref_args), y)
     expected.backward()
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=0)
@@ -232,7 +232,7 @@ def test_chunks_flow_through_the_pipeline_and_the_stages_compute_at_once(dhts, c
         for g, w in zip(grads, want, strict=True):
             torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
     for kind_ in ("forward", "backward"):
-        first, second = ([(a, b) for k, a, b in s.compute_log if k == kind_] for s in servers)
+        first, second = ([(a, b) for k, a, b in s.backend.compute_log if k == kind_] for s in servers)
         # 4 chunks each; a call retried under load (seen once in a suite run: stage 0 computed 5 forwards, with
         # every loss and gradient still exact) may add one, a systematic waste would add more
         assert 4 <= len(first) <= 5 and 4 <= len(second) <= 5, (kind_, first, second)
@@ -307,7 +307,7 @@ def test_threads_sharing_a_client_each_pipeline_their_own_calls(dhts, cleanup) -
     threads = [threading.Thread(target=drive, args=(i,), daemon=True) for i in range(4)]
     with contextlib.ExitStack() as held:
         for server in servers:  # no step meanwhile: every call sees the same parameters
-            held.enter_context(server._step_lock)
+            held.enter_context(server.stepper.step_lock)
         for t in threads:
             t.start()
         for t in threads:

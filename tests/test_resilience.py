@@ -71,8 +71,8 @@ def test_backward_retried_after_a_timeout_is_applied_once(dhts, cleanup) -> None
     torch.testing.assert_close(x.grad, expected, atol=1e-5, rtol=0)
     assert client.stats()["swarm/retries"] == 1
     time.sleep(6.0)  # `slow` finishes its backward now, after the deadline
-    assert _accumulated(slow) == 0 and slow.samples_processed == 0
-    assert _accumulated(fast) == 2 and fast.samples_processed == 2
+    assert _accumulated(slow) == 0 and slow.backend.samples_processed == 0
+    assert _accumulated(fast) == 2 and fast.backend.samples_processed == 2
 
 
 class Hangs(nn.Module):
@@ -187,7 +187,7 @@ def test_a_resent_backward_is_applied_once_and_a_late_one_not_at_all(dhts, clean
     first, again = server.handle(request), server.handle(request)
     assert first.error is None and again.error is None
     torch.testing.assert_close(first.outputs.rebuild(), again.outputs.rebuild())  # the caller gets its reply
-    assert _accumulated(server) == 3 and server.samples_processed == 3  # ... but it counts once
+    assert _accumulated(server) == 3 and server.backend.samples_processed == 3  # ... but it counts once
     request.request_id, request.commit_by = 78, time.time() - 1.0
     late = server.handle(request)
     assert (
@@ -238,9 +238,9 @@ def test_serving_continues_during_a_long_optimizer_step(dhts, cleanup) -> None: 
     while len(during_steps) < 5 and time.monotonic() < deadline:
         call(a, "backward", 1, 1000 + int(time.monotonic() * 1000))  # A's stepper gets work...
         for _ in range(3):  # ... while forwards keep coming
-            in_step = a._step_lock.locked()
+            in_step = a.stepper.step_lock.locked()
             latency = call(a, "forward", 4, 0)
-            if in_step and a._step_lock.locked():
+            if in_step and a.stepper.step_lock.locked():
                 during_steps.append(latency)
             time.sleep(0.1)
     assert len(during_steps) >= 5, "A never ran a long optimizer step"

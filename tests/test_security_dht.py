@@ -28,10 +28,9 @@ from lightning_swarm.swarm.dht.identity import PeerIdentity, RecordSigner, subke
 from lightning_swarm.swarm.dht.records import get_stage_peers
 from lightning_swarm.swarm.dht.validation import presence_key, stage_key, swarm_keys
 from lightning_swarm.swarm.loop import run_coroutine
-from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.states import ONLINE, STATES
-from lightning_swarm.swarm.training.averaging import _StateAverager
-from lightning_swarm.swarm.wire.protocol import stage_uid
+from lightning_swarm.swarm.training.averaging import StageStateAverager
+from lightning_swarm.swarm.wire.protocol import StageService, stage_uid
 
 pytestmark = pytest.mark.timeout(120)
 _runs = itertools.count()
@@ -170,9 +169,9 @@ def test_a_bare_p2p_cannot_call_rpcs_or_download_state(private_peer) -> None:
         p2p = await P2P.create(initial_peers=list(_maddrs(peer)))
         errors: dict[str, BaseException | None] = {}
         try:
-            stub = StageServer.get_stub(p2p, peer.dht.peer_id, namespace=uid)
+            stub = StageService.get_stub(p2p, peer.dht.peer_id, namespace=uid)
             prefix = f"{settings.run_id}_stage0_state_averager"
-            averager = _StateAverager.get_stub(p2p, peer.dht.peer_id, namespace=prefix)
+            averager = StageStateAverager.get_stub(p2p, peer.dht.peer_id, namespace=prefix)
             calls = {
                 "rpc_info": lambda: stub.rpc_info(runtime_pb2.ExpertUID(uid=uid), timeout=15),
                 "rpc_state": lambda: _drain(stub.rpc_state(runtime_pb2.ExpertUID(uid=uid))),

@@ -81,10 +81,10 @@ def test_a_transformer_with_causal_and_padding_masks_trains_as_in_one_process(dh
     target = torch.randint(0, VOCAB, (3, SEQ))
     with contextlib.ExitStack() as held:
         for server in servers:  # the stepper does not take the pending gradients meanwhile
-            held.enter_context(server._step_lock)
+            held.enter_context(server.stepper.step_lock)
         loss = nn.functional.cross_entropy(model(tokens, padding).flatten(0, 1), target.flatten())
         loss.backward()
-        pending = [server._pending for server in servers]
+        pending = [server.shared.pending for server in servers]
     expected = nn.functional.cross_entropy(reference(tokens, padding).flatten(0, 1), target.flatten())
     expected.backward()
 
@@ -117,10 +117,10 @@ def test_a_refused_request_is_raised_at_once_without_retry_or_ban(dhts, cleanup)
     client = _client(cleanup, dhts["trainer"], run_id, no_peers_timeout=60.0)
     assert len(client.peers(0)) == 2
     for _ in range(20):  # both peers learn the stage's input schema
-        if all(server.requests_served for server in servers):
+        if all(server.backend.requests_served for server in servers):
             break
         client.call_stage(0, torch.randn(2, 8))
-    assert all(server.requests_served for server in servers)
+    assert all(server.backend.requests_served for server in servers)
 
     activation = torch.randn(2, 8)
     activation[1, 2] = float("nan")
@@ -148,11 +148,13 @@ def test_a_peer_that_serves_another_stage_is_retried_elsewhere(dhts, cleanup) ->
     client = _client(cleanup, dhts["trainer"], run_id, microbatches=1)  # one call, counted per peer
     assert len(client.peers(0)) == 2
     client.routers[0].choose(1e6, prefer=staying.peer_id)  # busy: the moved peer is tried first
-    moved.uid = stage_uid(run_id, 1)  # as if it had moved to stage 1 since it announced itself
+    moved.handler.uid = moved.backend.uid = stage_uid(
+        run_id, 1
+    )  # as if it had moved to stage 1 since it announced itself
     x = torch.randn(2, 8)
     with torch.no_grad():
         torch.testing.assert_close(client.call_stage(0, x), module(x), atol=1e-6, rtol=0)
-    assert client.stats()["swarm/bans"] == 1 and moved.requests_served == 0
+    assert client.stats()["swarm/bans"] == 1 and moved.backend.requests_served == 0
 
 
 class _Root(nn.Module):
@@ -218,7 +220,7 @@ def test_a_recomputed_backward_updates_batch_norm_statistics_once(dhts, cleanup)
     x_ref = x.detach().clone().requires_grad_(True)
     client.call_stage(0, x).pow(2).sum().backward()
     reference(x_ref).pow(2).sum().backward()
-    assert server.kept_hits == 0 and server.requests_served == 2
+    assert server.backend.kept_hits == 0 and server.backend.requests_served == 2
     bn, bn_ref = stage[1], reference[1]
     assert int(bn.num_batches_tracked) == 1
     torch.testing.assert_close(bn.running_mean, bn_ref.running_mean, atol=1e-6, rtol=0)
@@ -240,14 +242,18 @@ def test_a_backward_recomputed_on_another_peer_replays_the_forwards_dropout(dhts
     assert len(client.peers(0)) == 2
     x = torch.randn(5, 8, requires_grad=True)
     y = client.call_stage(0, x)
-    (forward_peer,) = [s for s in servers.values() if s.requests_served == 1]
+    (forward_peer,) = [s for s in servers.values() if s.backend.requests_served == 1]
     (other,) = [s for s in servers.values() if s is not forward_peer]
     client.routers[0].ban(forward_peer.peer_id)  # its backward goes to the other peer, which recomputes
     w = torch.randn(5, 64)
-    with other._step_lock:  # the stepper does not take the pending gradients meanwhile
+    with other.stepper.step_lock:  # the stepper does not take the pending gradients meanwhile
         (y * w).sum().backward()
-        pending = other._pending
-    assert other.requests_served == 1 and other.kept_hits == 0 and forward_peer.requests_served == 1
+        pending = other.shared.pending
+    assert (
+        other.backend.requests_served == 1
+        and other.backend.kept_hits == 0
+        and forward_peer.backend.requests_served == 1
+    )
 
     mask = y.detach() != 0  # the forward's dropout mask (a Linear output is never exactly 0 here)
     assert 0.3 < float(mask.float().mean()) < 0.7
@@ -283,19 +289,19 @@ def test_merged_calls_keep_their_own_mode_and_dropout_masks(dhts, cleanup) -> No
     assert len({merge_key(r, distinct_seeds=True)[0] for r in train}) == 3
     assert merge_key(forward(xs[0], False, 1, 9))[0] != merge_key(train[0])[0]  # modes never merge
 
-    before = server.computations
-    merged = server._serve_group(train)  # the merged run draws: discarded, each call served alone
-    assert server.draws_rng and server.computations == before + 1 + len(train)
+    before = server.backend.computations
+    merged = server.backend._serve_group(train)  # the merged run draws: discarded, each call served alone
+    assert server.backend.draws_rng and server.backend.computations == before + 1 + len(train)
     for request, reply in zip(train, merged, strict=True):
-        again = server._serve_one(
+        again = server.backend._serve_one(
             forward(request.inputs.tensors[0], True, request.seed, 50 + request.request_id)
         )
         assert reply.error is None and again.error is None
         torch.testing.assert_close(reply.outputs.rebuild(), again.outputs.rebuild(), atol=0, rtol=0)
 
     evals = [forward(x, False, 7 + i, 20 + i) for i, x in enumerate(xs)]
-    before = server.computations
-    replies = server._serve_group(evals)  # eval: no dropout, merged into one run
-    assert server.computations == before + 1
+    before = server.backend.computations
+    replies = server.backend._serve_group(evals)  # eval: no dropout, merged into one run
+    assert server.backend.computations == before + 1
     for x, reply in zip(xs, replies, strict=True):
         torch.testing.assert_close(reply.outputs.rebuild(), server.module[0](x), atol=1e-6, rtol=0)

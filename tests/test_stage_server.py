@@ -24,6 +24,7 @@ from lightning_swarm.swarm.client.client import SwarmClient
 from lightning_swarm.swarm.client.routing import NoPeersError
 from lightning_swarm.swarm.loop import run_coroutine
 from lightning_swarm.swarm.server import StageServer
+from lightning_swarm.swarm.server.stage_backend import StageBackend
 from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.wire import quantize
 from lightning_swarm.swarm.wire.errors import RemoteStageError
@@ -133,7 +134,7 @@ def test_forward_backward_match_local_autograd(dhts, cleanup, where: str) -> Non
     torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=0)
     torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-5, rtol=0)
     # parameter gradients were accumulated on the servers (and consumed by the hivemind optimizer)
-    assert servers[1].samples_processed == 4 and servers[0].samples_processed == 4
+    assert servers[1].backend.samples_processed == 4 and servers[0].backend.samples_processed == 4
     stats = client.stats()
     if where != "local":
         accepted = sum(server._same_host.accepted for server in servers)
@@ -217,13 +218,19 @@ def test_several_tensors_below_the_split_size_travel_as_one_message_each_way(dht
     assert "swarm/bans" not in stats
 
 
-class RefusingServer(StageServer):
-    """A peer that announces itself but cannot serve any call (it replies with an "unavailable" error)."""
+class RefusingBackend(StageBackend):
+    """Cannot serve any call (it replies with an "unavailable" error)."""
 
     def _forward(self, inputs):
         raise MemoryError("this peer is out of memory")
 
     _backward = _forward
+
+
+class RefusingServer(StageServer):
+    """A peer that announces itself but cannot serve any call (it replies with an "unavailable" error)."""
+
+    backend_class = RefusingBackend
 
 
 @pytest.mark.timeout(120)
@@ -547,7 +554,7 @@ def test_backwards_that_pile_up_between_steps_count_once_each(dhts, cleanup) -> 
     reference = nn.Linear(5, 3)
     reference.load_state_dict(initial)
     inputs = [torch.randn(batch, 5) for _ in range(n)]
-    with server._step_lock:  # the stepper cannot take the gradients until all three are in
+    with server.stepper.step_lock:  # the stepper cannot take the gradients until all three are in
         for x in inputs[:3]:
             client.call_stage(0, x).pow(2).mean().backward()
     server.flush(timeout=30)
@@ -569,21 +576,23 @@ def test_the_served_parameters_follow_in_place_writes_and_unchanged_ones_are_not
     compares the two only when an in-place write (the optimizer's step, hivemind's averaging ``copy_``) bumped a
     parameter's version counter: comparing every element cost two reads of the stage's parameters a backward."""
     server = _serve(cleanup, dhts["server1"], _run_id("versions"), nn.Linear(8, 8), stage_steps="async")
-    assert not server._shared_master  # swarm-driven: the served parameters are copies
+    assert not server.shared.shared_master  # swarm-driven: the served parameters are copies
     compared = []
     real_equal = torch.equal
     monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(1) or real_equal(a, b))
 
     def refresh() -> int:
         compared.clear()
-        with server._step_lock:
-            server._refresh_parameters()
+        with server.stepper.step_lock:
+            server.stepper.refresh_parameters()
         return len(compared)
 
     refresh()  # the first refresh compares (nothing known yet)
     assert refresh() == 0
     with torch.no_grad():
-        server._master[0].copy_(torch.full_like(server._master[0], 0.5))  # as an averaging round writes them
+        server.shared.master[0].copy_(
+            torch.full_like(server.shared.master[0], 0.5)
+        )  # as an averaging round writes them
     assert refresh() == 2  # both parameters compared, the changed one copied
     torch.testing.assert_close(server.module.weight.detach(), torch.full((8, 8), 0.5))
     assert refresh() == 0
@@ -619,11 +628,11 @@ def test_a_backward_reuses_its_kept_forward_unless_the_parameters_changed(dhts, 
         if refresh:  # as after an optimizer step: the kept forward saw other values
             for s in (server, other):
                 with torch.no_grad():
-                    s._master[0].add_(1.0)
-                s._refresh_parameters()
+                    s.shared.master[0].add_(1.0)
+                s.stepper.refresh_parameters()
                 with torch.no_grad():
-                    s._master[0].sub_(1.0)
-                s._refresh_parameters()
+                    s.shared.master[0].sub_(1.0)
+                s.stepper.refresh_parameters()
         (out.sum() + aux["aux"].pow(2).sum()).backward()
         rx, rh = x.detach().requires_grad_(True), h.detach().requires_grad_(True)
         rout, raux = reference(rx, rh, 0.5, **kwargs)
@@ -632,7 +641,10 @@ def test_a_backward_reuses_its_kept_forward_unless_the_parameters_changed(dhts, 
         torch.testing.assert_close(h.grad, rh.grad, atol=1e-5, rtol=0)
 
     def runs() -> tuple[int, int]:
-        return server.computations + other.computations, server.kept_hits + other.kept_hits
+        return (
+            server.backend.computations + other.backend.computations,
+            server.backend.kept_hits + other.backend.kept_hits,
+        )
 
     for _ in range(4):
         before, hits = runs()
@@ -641,7 +653,7 @@ def test_a_backward_reuses_its_kept_forward_unless_the_parameters_changed(dhts, 
     before, hits = runs()
     call(refresh=True)
     assert runs() == (before + 2, hits)  # recomputed
-    assert not server._kept and not other._kept  # every kept forward was taken by its backward
+    assert not server.shared.kept and not other.shared.kept  # every kept forward was taken by its backward
     client.settings = client.settings.replace(keep_activations=0)
     before, hits = runs()
     call()
@@ -668,13 +680,13 @@ def test_new_parameters_wait_for_the_backwards_of_kept_forwards(dhts, cleanup) -
     ya, yb = client.call_stage(0, xa), client.call_stage(0, xb)  # both forwards kept, same parameters
     ya.pow(2).sum().backward()  # one epoch: the optimizer steps, and its parameters wait for b's backward
     deadline = time.monotonic() + 60
-    while server._refresh_pending_since is None:
+    while server.shared.refresh_pending_since is None:
         assert time.monotonic() < deadline, "the stage never stepped"
         time.sleep(0.05)
     served = {k: v.detach().clone() for k, v in module.state_dict().items()}
     assert all(torch.equal(served[k], initial[k]) for k in initial)  # still the parameters b's forward saw
     yb.pow(2).sum().backward()
-    assert server.kept_hits == 2
+    assert server.backend.kept_hits == 2
     ga = torch.autograd.grad(reference(xa).pow(2).sum(), list(reference.parameters()))
     gb = torch.autograd.grad(reference(xb).pow(2).sum(), list(reference.parameters()))
     expected = {
@@ -689,7 +701,7 @@ def test_new_parameters_wait_for_the_backwards_of_kept_forwards(dhts, cleanup) -
     after = client.fetch_stage_state(0)
     for k in expected:
         torch.testing.assert_close(after[k], expected[k], atol=1e-5, rtol=0)
-    assert server._refresh_pending_since is None
+    assert server.shared.refresh_pending_since is None
 
 
 class _Aliasing(nn.Module):
@@ -720,7 +732,7 @@ def test_gradients_shared_between_inputs_and_parameters_are_not_summed_into_the_
     reference.load_state_dict(initial)
     xs = [torch.randn(4, 5, requires_grad=True) for _ in range(n)]
     weights = [torch.randn(4, 5) for _ in range(n)]
-    with server._step_lock:  # the backwards pile up in the pending sum
+    with server.stepper.step_lock:  # the backwards pile up in the pending sum
         for x, w in zip(xs, weights, strict=True):
             (client.call_stage(0, x) * w).sum().backward()
             torch.testing.assert_close(x.grad, w)  # the input gradient is this call's own, nothing added
@@ -933,7 +945,7 @@ def test_a_trainer_driven_stage_replies_before_its_parameter_gradients(dhts, cle
     xs = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]
     for x in xs:
         client.call_stage(1, x).pow(2).sum().backward()
-    weights = server._weights
+    weights = server.shared.weights
     assert weights is not None and weights.unsplittable == shared
     assert weights.deferred == (0 if shared else 2)
     assert weights.drain() is None
@@ -943,8 +955,8 @@ def test_a_trainer_driven_stage_replies_before_its_parameter_gradients(dhts, cle
         grads = torch.autograd.grad(reference(ref_x).pow(2).sum(), [ref_x, *reference.parameters()])
         torch.testing.assert_close(x.grad, grads[0], rtol=1e-5, atol=1e-6)
         expected = [e + g for e, g in zip(expected, grads[1:], strict=True)]
-    with server._grads_lock:
-        pending = list(server._pending or [])
+    with server.shared.grads_lock:
+        pending = list(server.shared.pending or [])
     assert len(pending) == len(expected)
     for got, want in zip(pending, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

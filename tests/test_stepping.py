@@ -7,6 +7,9 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -23,6 +26,7 @@ from lightning_swarm.swarm.client.commands import _tensors_agree
 from lightning_swarm.swarm.loop import run_coroutine
 from lightning_swarm.swarm.server import StageServer
 from lightning_swarm.swarm.settings import SwarmSettings
+from lightning_swarm.swarm.states import LEAVING
 from lightning_swarm.swarm.training.stepping import (
     StepCommand,
     hyper_parameters,
@@ -111,7 +115,7 @@ def test_a_remote_stage_steps_as_a_torch_optimizer_with_the_commanded_hyper_para
     served = server.state_dict_local()
     for key, value in reference.state_dict().items():
         assert torch.allclose(served[key], value, atol=1e-6), key
-    assert server.steps == 3
+    assert server.stepper.steps == 3
 
 
 class _NaNForLargeInputs(torch.autograd.Function):
@@ -157,14 +161,14 @@ def test_a_trainer_driven_step_whose_gradients_are_not_finite_is_skipped_whole(d
         client.call_stage(0, x.requires_grad_()).sum().backward()
     with caplog.at_level(logging.WARNING, logger="lightning_swarm.swarm.server"):
         (reply,) = client.commands.step_stage(0, StepCommand(stage_uid(run_id, 0), 1))
-    assert reply["finite"] is False and server.steps == 0
+    assert reply["finite"] is False and server.stepper.steps == 0
     assert torch.equal(server.state_dict_local()["w"], before)
     assert any("not finite; this stage skips the step" in r.getMessage() for r in caplog.records)
     client.call_stage(
         0, torch.ones(2, 4, requires_grad=True)
     ).sum().backward()  # the next step is whole again
     (reply,) = client.commands.step_stage(0, StepCommand(stage_uid(run_id, 0), 2))
-    assert reply["finite"] is True and server.steps == 1
+    assert reply["finite"] is True and server.stepper.steps == 1
     torch.testing.assert_close(server.state_dict_local()["w"], before - 0.1 * 2.0)
 
 
@@ -193,7 +197,7 @@ def test_malformed_step_commands_are_refused_and_the_server_keeps_serving(dhts, 
         assert parsed["epoch"] == -1 and parsed["error"], data
     with pytest.raises(ValueError, match="phase"):
         parse_command(msgpack.packb({**good, "phase": "explode"}), uid)
-    assert server.steps == 0
+    assert server.stepper.steps == 0
     # still serving and stepping
     client.call_stage(0, torch.randn(2, 4, requires_grad=True)).sum().backward()
     assert client.commands.step_stage(0, StepCommand(uid, 7))[0]["epoch"] == 1
@@ -213,7 +217,7 @@ def test_with_several_trainers_the_stages_take_the_trainers_schedule_for_their_n
     assert server.optimizer is not None
     stage_groups = server.optimizer.state_averager.optimizer.param_groups
     assert [g["lr"] for g in stage_groups] == [0.025, 0.5]
-    assert server.steps == 0  # a hyper-parameter update is no step
+    assert server.stepper.steps == 0  # a hyper-parameter update is no step
 
 
 def _two_peer_stage(dhts, cleanup, matchmaking_time: float, averaging_timeout: float, same_host: bool = True):
@@ -272,7 +276,7 @@ def _backwards_on_both(client, servers, reference) -> None:
         reference(x).pow(2).sum().backward()
         client.call_stage(0, x.clone().requires_grad_()).pow(2).sum().backward()
     opt.step()
-    assert all(s._pending_backwards > 0 for s in servers), "the calls did not reach both peers"
+    assert all(s.shared.pending_backwards > 0 for s in servers), "the calls did not reach both peers"
 
 
 def _assert_stepped_as_one(servers, reference) -> None:
@@ -280,7 +284,7 @@ def _assert_stepped_as_one(servers, reference) -> None:
         served = server.state_dict_local()
         for key, value in reference.state_dict().items():
             assert torch.allclose(served[key], value, atol=1e-6), key
-        assert server.steps == 1 and server.averaged_rounds >= 1
+        assert server.stepper.steps == 1 and server.stepper.averaged_rounds >= 1
 
 
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "hivemind"])
@@ -326,7 +330,9 @@ def test_two_peers_of_a_stage_redo_a_sum_they_disagree_on_and_step_as_one(dhts, 
     assert len(replies) == 2 and {r["group"] for r in replies} == {2}
     _assert_stepped_as_one(servers, reference)
     # the redo (the second attempt) went through hivemind in both cases: it works where the peers failed to meet
-    assert [s.same_host_rounds for s in servers] == [0, 0] and all(s.averaged_rounds == 1 for s in servers)
+    assert [s.stepper.same_host_rounds for s in servers] == [0, 0] and all(
+        s.stepper.averaged_rounds == 1 for s in servers
+    )
 
 
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "hivemind"])
@@ -345,11 +351,11 @@ def test_the_peers_a_trainer_names_sum_without_matchmaking(dhts, cleanup, same_h
     assert time.monotonic() - started < settings.matchmaking_time / 2
     assert len(replies) == 2 and {r["group"] for r in replies} == {2}
     _assert_stepped_as_one(servers, reference)
-    assert [s.same_host_rounds for s in servers] == ([1, 1] if same_host else [0, 0])
+    assert [s.stepper.same_host_rounds for s in servers] == ([1, 1] if same_host else [0, 0])
     # a named partner that never comes: the round fails within averaging_timeout, not matchmaking_time
     absent = PeerID.from_base58("QmUF1j7CVgoe7s3PsFxon3eEQFGBBgRWDkB4sq2UMgCEYA")
     client.call_stage(0, torch.randn(8, 4, requires_grad=True)).sum().backward()
-    server = next(s for s in servers if s._pending_backwards > 0)
+    server = next(s for s in servers if s.shared.pending_backwards > 0)
     group = [server.peer_id.to_bytes(), absent.to_bytes()]
     started = time.monotonic()
     reply = server.step_command(StepCommand(uid, 43, phase="norm", peers=2, group=group))
@@ -373,7 +379,7 @@ def test_a_peer_that_missed_a_step_catches_up_before_it_serves(dhts, cleanup):
     reference(x).pow(2).sum().backward()
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     client.call_stage(0, x.clone().requires_grad_()).pow(2).sum().backward()
-    assert first._pending_backwards == 1 and second._pending_backwards == 0
+    assert first.shared.pending_backwards == 1 and second.shared.pending_backwards == 0
     replies = client.commands.step_stage(0, StepCommand(stage_uid(run_id, 0), 42, groups={0: {"lr": 0.1}}))
     assert [r["epoch"] for r in replies] == [1] and second.optimizer.local_epoch == 0
     client.stage_epochs[0] = (
@@ -461,3 +467,42 @@ def test_peers_sums_must_agree_tensor_by_tensor():
     for bad in ({"sq_norms": "1"}, {"sq_norms": [1.0, True]}, {"sq_norms": [[1.0]]}):
         with pytest.raises(ValueError, match="sq_norms"):
             parse_step_reply(msgpack.packb({"epoch": 1, **bad}))
+
+
+def test_a_peer_whose_gradient_averager_dies_mid_round_leaves_the_stage_and_nothing_waits_on_it(
+    dhts, cleanup, caplog
+):
+    """The gradient averager of one of a stage's two peers is SIGKILLed during an averaging round, while it holds
+    the averaged tensors' lock (its partner never comes): the peer's step command is answered with an error within
+    a poll period of the death, not after the round's timeout (nor never, on the lock). The peer says so once and
+    leaves the stage (announced, calls refused, its optimizer shut down, nothing waiting on the dead helper), and
+    the trainer steps the stage's other peer alone."""
+    caplog.set_level(logging.WARNING)
+    servers, client, reference, settings, run_id = _two_peer_stage(
+        dhts, cleanup, matchmaking_time=1.0, averaging_timeout=30.0, same_host=False
+    )
+    _backwards_on_both(client, servers, reference)
+    uid = stage_uid(run_id, 0)
+    victim, other = servers
+    averager = victim.optimizer.grad_averager
+    absent = PeerID.from_base58("QmUF1j7CVgoe7s3PsFxon3eEQFGBBgRWDkB4sq2UMgCEYA")
+    group = [victim.peer_id.to_bytes(), absent.to_bytes()]
+    threading.Timer(1.0, os.kill, (averager.pid, signal.SIGKILL)).start()
+    started = time.monotonic()
+    reply = victim.step_command(StepCommand(uid, 42, phase="norm", peers=2, group=group))
+    assert "error" in reply and "died" in reply["error"], reply
+    assert time.monotonic() - started < 10.0  # the round would have waited 30 s for the absent partner
+    assert "error" in victim.step_command(StepCommand(uid, 43, phase="norm", peers=2, group=group))
+    deadline = time.monotonic() + 30
+    while victim.optimizer is not None:  # announced leaving, drained, shut its optimizer down
+        assert time.monotonic() < deadline, "the peer did not leave the stage"
+        time.sleep(0.2)
+    assert victim.state == LEAVING and not victim.backend.accepting
+    replies = client.commands.step_stage(0, StepCommand(uid, 44, groups={0: {"lr": 0.1}}))
+    assert len(replies) == 1 and other.stepper.steps == 1
+    started = time.monotonic()
+    victim.release_training_state()
+    victim.shutdown()
+    assert time.monotonic() - started < 10.0
+    deaths = [r for r in caplog.records if "died during the run" in r.getMessage()]
+    assert len(deaths) == 1 and deaths[0].levelno == logging.WARNING, [r.getMessage() for r in deaths]

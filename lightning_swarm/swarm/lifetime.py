@@ -328,14 +328,19 @@ def wait_bounded(what: str, done: threading.Event, timeout: float) -> bool:
 
 def settle_dead_helpers(helpers: list[tuple[str, Any]], daemon_gone: bool = False) -> list[str]:
     """The hivemind helper processes among ``helpers`` (``(name, process)``) that died, as ``"name (pid N, signal
-    S)"``. A helper that exited with status 0 ended by itself (hivemind knows) and is not listed. Dead helpers are
-    made to skip hivemind's shutdown, which would log an error for a process already gone. ``daemon_gone``: the p2p
-    daemon the helpers talk through died (with the DHT's process); the live ones are then stopped at once, since
-    asked to shut down they would fail on the dead daemon and print tracebacks."""
+    S)"``. A helper that exited with status 0 ended by itself (hivemind knows) and is not listed, nor is one settled
+    by an earlier call (each death is reported once). Dead helpers are made to skip hivemind's shutdown, which
+    would log an error for a process already gone. ``daemon_gone``: the p2p daemon the helpers talk through died
+    (with the DHT's process); the live ones are then stopped at once, since asked to shut down they would fail on
+    the dead daemon and print tracebacks."""
     dead = []
     for name, process in helpers:
-        if process is None or getattr(process, "pid", None) is None:
-            continue
+        if (
+            process is None
+            or getattr(process, "pid", None) is None
+            or getattr(process, "shutdown", None) is _nothing
+        ):
+            continue  # (settled already: reported once)
         try:
             alive = process.is_alive()
         except (AssertionError, ValueError):  # not this process's child

@@ -103,7 +103,8 @@ class StageCommands:
             if command.phase == "norm" and replies:
                 return replies
         while True:
-            replies = self._step_once(stage, command, peers)
+            # (given the agreed peers, the replies are aligned with them: None for one that failed since)
+            replies = [r for r in self._step_once(stage, command, peers) if r is not None]
             if replies and any(r.get("retry") for r in replies):
                 command.attempt += 1  # the stage's peers missed each other's averaging round: again
                 continue

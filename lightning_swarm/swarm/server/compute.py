@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_swarm.swarm.wire.payload import Payload
 
-__all__ = ["Kept", "all_finite", "buffers_kept", "exclusive", "leaves_of", "seeded_rng"]
+__all__ = ["Kept", "all_finite", "buffers_kept", "exclusive", "leaves_of", "module_device", "seeded_rng"]
 
 # the generators are the process's: two servers of one process (tests; a trainer that serves a stage) read and set
 # their states one at a time (two threads in torch's Generator.get_state at once hung a test, each waiting for the
@@ -27,8 +27,10 @@ def seeded_rng(seed: int | None, device: torch.device) -> Iterator[list[bool]]:
     afterwards (the server's own stream, and an in-process trainer's, do not move); ``None``: unseeded, as they
     are. Yields ``[drew]``, set on exit to whether the body drew random numbers from them."""
     cuda = device.type == "cuda" and torch.cuda.is_available()
-    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
-    generators = [torch.default_generator] + ([torch.cuda.default_generators[index]] if cuda else [])
+    generators = [torch.default_generator]
+    if cuda:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generators.append(torch.cuda.default_generators[index])
     drew = [False]
     with _RNG_LOCK:
         saved = None if seed is None else [generator.get_state() for generator in generators]
@@ -62,6 +64,15 @@ def buffers_kept(module: nn.Module, training: bool) -> Iterator[None]:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module lives: the device of its first parameter (or buffer); the CPU for a module with neither."""
+    for tensor in module.parameters():
+        return tensor.device
+    for buffer in module.buffers():
+        return buffer.device
+    return torch.device("cpu")
 
 
 def leaves_of(inputs: Payload, device: torch.device) -> list[torch.Tensor]:

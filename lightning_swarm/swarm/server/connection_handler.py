@@ -9,15 +9,20 @@ import logging
 import math
 import secrets
 from collections.abc import Iterator
-from typing import Any, AsyncIterator  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind detects stream handlers by typing.AsyncIterator)
 
 import msgpack
+import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from lightning_swarm.swarm.training.stepping import parse_command
+from lightning_swarm.swarm.server.stage_backend import error_reply
+from lightning_swarm.swarm.settings import SwarmSettings
+from lightning_swarm.swarm.training.stepping import StepCommand, parse_command
 from lightning_swarm.swarm.wire.codec import CodecError, TooLarge
-from lightning_swarm.swarm.wire.errors import REQUEST, UNAVAILABLE, BadRequest, ErrorReply, Misrouted
+from lightning_swarm.swarm.wire.errors import REQUEST, UNAVAILABLE, BadRequest, Misrouted
+from lightning_swarm.swarm.wire.guards import BadPeers
 from lightning_swarm.swarm.wire.payload import Payload
 from lightning_swarm.swarm.wire.protocol import (
     MAX_MESSAGE_BYTES,
@@ -25,6 +30,8 @@ from lightning_swarm.swarm.wire.protocol import (
     MAX_REQUEST_TENSORS,
     OPTIMIZER_PART_BYTES,
     StageReply,
+    StageRequest,
+    StageService,
     encode_reply_header,
     parse_request,
 )
@@ -40,9 +47,46 @@ _tokens = itertools.count(secrets.randbits(62))
 _MAX_CALLS_PER_PEER = 32  # calls of one remote peer being received or served at once (a trainer's threads)
 
 
-class ConnectionHandler:
-    """The RPCs of a :class:`~.server.StageServer` (a mixin: its attributes are the server's): the call
-    channel, info, steps, optimizer state and state downloads, with per-peer caps and bans."""
+class ServedStage(Protocol):
+    """What a :class:`ConnectionHandler` needs of the server whose calls it receives (a ``StageServer``)."""
+
+    stage: int
+    uid: str
+    settings: SwarmSettings
+
+    def handle(self, request: StageRequest) -> StageReply: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def state_dict_local(self) -> dict[str, torch.Tensor]: ...
+
+    def step_command(self, command: StepCommand) -> dict[str, Any]: ...
+
+    def optimizer_state(self) -> bytes: ...
+
+    def load_optimizer_state(self, data: bytes) -> None: ...
+
+
+class ConnectionHandler(StageService):
+    """The RPCs of a stage server (hivemind P2P handlers, see :class:`~.protocol.StageService`): the call channel,
+    info, steps, optimizer state and state downloads, with per-peer caps on calls in flight and bans of peers that
+    send malformed requests. Calls are served by the server's public operations (``handle``, ``info``,
+    ``step_command``, ...), in :attr:`executor`'s threads; none while it is ``None`` (the server is not running).
+
+    Args:
+        server: the stage server whose calls these are.
+        bad_peers: which remote peers are ignored for sending bad requests.
+        max_request_bytes: the decoded tensors of one request may take this many bytes.
+    """
+
+    def __init__(self, server: ServedStage, bad_peers: BadPeers, max_request_bytes: int) -> None:
+        self.server, self.bad_peers, self.max_request_bytes = server, bad_peers, max_request_bytes
+        self.stage, self.uid, self.settings = server.stage, server.uid, server.settings
+        self.executor: ThreadPoolExecutor | None = None
+        self._calls_by_peer: dict[PeerID, int] = {}
+        # optimizer states in transfer, by token (see rpc_optimizer)
+        self._optimizer_downloads: dict[int, bytes] = {}
+        self._optimizer_uploads: dict[tuple[PeerID, int], bytearray] = {}
 
     # ---- RPC handlers ----
 
@@ -73,7 +117,7 @@ class ConnectionHandler:
                     counted = True
                     if self._calls_by_peer[peer] > _MAX_CALLS_PER_PEER:
                         yield _reply(
-                            _error(
+                            error_reply(
                                 -1,
                                 UNAVAILABLE,
                                 RuntimeError(
@@ -88,15 +132,18 @@ class ConnectionHandler:
                         receiver.result()
                     except TooLarge as e:
                         self._strike(peer, e)
-                        yield _reply(_error(-1, REQUEST, e))
+                        yield _reply(error_reply(-1, REQUEST, e))
                     return
                 if not done_receiving:
                     continue
                 received, receiver = receiver, None
-                if self._executor is None or not self._started:
+                executor = self.executor
+                if executor is None:
                     self._calls_by_peer[peer] -= 1
                     counted = False
-                    error = _error(-1, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running"))
+                    error = error_reply(
+                        -1, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running")
+                    )
                     yield _reply(error)
                     continue
 
@@ -109,7 +156,7 @@ class ConnectionHandler:
                     replies = self._serve_received(received, peer)
                     return next(replies), replies
 
-                first, rest = await loop.run_in_executor(self._executor, serve)
+                first, rest = await loop.run_in_executor(executor, serve)
                 # ``rest`` never raises (a failure becomes an error reply) and ends with the reply's last message,
                 # the one that carries its header
                 for message in itertools.chain((first,), rest):
@@ -142,7 +189,7 @@ class ConnectionHandler:
         if not remaining:
             return None
         return _reply(  # not this request's fault: another peer of the stage may serve it
-            _error(
+            error_reply(
                 -1,
                 UNAVAILABLE,
                 BadRequest(
@@ -173,13 +220,13 @@ class ConnectionHandler:
                 request = parse_request(header, tensors, self.uid)
             except Misrouted as e:  # another peer may serve it (a peer that migrated, another version)
                 self._strike(peer, e)
-                yield _reply(_error(request_id, UNAVAILABLE, e))
+                yield _reply(error_reply(request_id, UNAVAILABLE, e))
                 return
             except (CodecError, BadRequest) as e:
                 self._strike(peer, e)
-                yield _reply(_error(request_id, REQUEST, e))
+                yield _reply(error_reply(request_id, REQUEST, e))
                 return
-            reply = self.handle(request)
+            reply = self.server.handle(request)
             if reply.error is not None:
                 if reply.error.category == REQUEST:
                     self._strike(peer, BadRequest(reply.error.message))
@@ -197,7 +244,7 @@ class ConnectionHandler:
             Exception
         ) as e:  # a bug while encoding: end the call with an error reply (sent parts are dropped)
             logger.warning(f"Stage {self.stage}: failed to reply: {e!r}")
-            yield _reply(_error(request_id, UNAVAILABLE, e))
+            yield _reply(error_reply(request_id, UNAVAILABLE, e))
 
     async def rpc_step(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
         """A trainer's step command (see :mod:`.stepping`): msgpack in, msgpack reply out; a malformed command
@@ -214,7 +261,7 @@ class ConnectionHandler:
                 self._strike(context.remote_id, e)
                 raise BadRequest(str(e)) from None
             loop = asyncio.get_running_loop()
-            reply = await loop.run_in_executor(None, self.step_command, command)
+            reply = await loop.run_in_executor(None, self.server.step_command, command)
         except BadRequest as e:
             reply = {"epoch": -1, "error": str(e)[:4096]}
         except Exception as e:
@@ -258,8 +305,8 @@ class ConnectionHandler:
                     type(total) is not int
                     or not 0 < total <= _MAX_OPTIMIZER_BYTES
                     or token is None
-                    or len(data) > OPTIMIZER_PART_BYTES
-                    or offset + len(data) > total
+                    or len(data) > OPTIMIZER_PART_BYTES  # type: ignore[arg-type]  # (bytes, checked above)
+                    or offset + len(data) > total  # type: ignore[arg-type]
                 ):
                     raise BadRequest(
                         "expected a part of at most OPTIMIZER_PART_BYTES within total, under a token"
@@ -271,18 +318,18 @@ class ConnectionHandler:
                 self._strike(context.remote_id, e)
                 raise BadRequest(f"malformed optimizer request ({type(e).__name__})") from None
             loop = asyncio.get_running_loop()
-            downloads = self.__dict__.setdefault("_optimizer_downloads", {})
-            uploads = self.__dict__.setdefault("_optimizer_uploads", {})
+            downloads, uploads = self._optimizer_downloads, self._optimizer_uploads
             if op == "get":
                 blob = downloads.get(token) if token is not None else None
                 if blob is None:
                     if offset:
                         raise BadRequest("unknown optimizer state token: ask again from offset 0")
-                    blob = await loop.run_in_executor(None, self.optimizer_state)
+                    blob = await loop.run_in_executor(None, self.server.optimizer_state)
                     token = next(_tokens)
                     downloads[token] = blob
                     while len(downloads) > _OPTIMIZER_TRANSFERS:
                         downloads.pop(next(iter(downloads)))
+                assert token is not None
                 reply: dict[str, Any] = {
                     "state": blob[offset : offset + OPTIMIZER_PART_BYTES],
                     "total": len(blob),
@@ -291,6 +338,9 @@ class ConnectionHandler:
                 if offset + OPTIMIZER_PART_BYTES >= len(blob):
                     downloads.pop(token, None)
             else:
+                assert (
+                    isinstance(data, bytes) and isinstance(total, int) and isinstance(token, int)
+                )  # (checked)
                 key = (context.remote_id, token)
                 buffer = uploads.get(key)
                 if buffer is None:
@@ -306,7 +356,7 @@ class ConnectionHandler:
                 done = len(buffer) >= total
                 if done:
                     uploads.pop(key, None)
-                    await loop.run_in_executor(None, self.load_optimizer_state, bytes(buffer))
+                    await loop.run_in_executor(None, self.server.load_optimizer_state, bytes(buffer))
                 reply = {"ok": True, "done": done}
         except (BadRequest, ValueError) as e:
             reply = {"error": str(e)[:4096]}
@@ -315,7 +365,7 @@ class ConnectionHandler:
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         """Stage index, throughput, samples processed and optimizer epoch (msgpack dict)."""
         self._check_uid(request, context)
-        return runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(self.info()))
+        return runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(self.server.info()))
 
     def _check_uid(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> None:
         remaining = self.bad_peers.ignored_for(context.remote_id)
@@ -340,7 +390,7 @@ class ConnectionHandler:
         loop = asyncio.get_running_loop()
 
         def encode() -> list[runtime_pb2.ExpertResponse]:
-            encoded = Payload.flatten(self.state_dict_local()).encode("none", split_above=0.0)
+            encoded = Payload.flatten(self.server.state_dict_local()).encode("none", split_above=0.0)
             return list(messages(runtime_pb2.ExpertResponse, encoded.parts(), encoded.metadata))
 
         for message in await loop.run_in_executor(None, encode):
@@ -350,10 +400,6 @@ class ConnectionHandler:
 def _reply(reply: StageReply) -> runtime_pb2.ExpertResponse:
     """A one-message error reply."""
     return runtime_pb2.ExpertResponse(metadata=encode_reply_header(reply, None))
-
-
-def _error(request_id: int, category: str, error: BaseException) -> StageReply:
-    return StageReply(request_id, error=ErrorReply.from_exception(error, category))
 
 
 def _request_id(header: bytes) -> int:

@@ -36,7 +36,7 @@ forwards (oldest dropped first); its backward, which the trainer sends to the sa
 the graph instead of recomputing the forward, unless the served parameters were refreshed in between (the
 backward would then differ from the recomputed one); merged calls and every other backward recompute as above.
 New parameters from the optimizer wait for the backwards of the forwards kept so far (at most
-``_REFRESH_DEFER_S`` seconds; forwards that arrive meanwhile are not kept), so that a trainer's microbatch in
+a few seconds, see :mod:`.stepper`; forwards that arrive meanwhile are not kept), so that a trainer's microbatch in
 flight across an optimizer step does not lose its kept forward; the served parameters may lag the optimizer
 by that much, as they may anyway while a step runs.
 
@@ -62,12 +62,9 @@ its measured throughput (samples/s of forward + backward, see :mod:`.throughput`
 
 from __future__ import annotations
 
-import collections
-import functools
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -78,25 +75,24 @@ from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from lightning_swarm.swarm.dht.auth import is_protected
-from lightning_swarm.swarm.dht.records import declare_stage_peer
-from lightning_swarm.swarm.footprint import before_fork, release_free_memory, zero_grad_view
+from lightning_swarm.swarm.dht.records import declare_stage_peer, get_stage_peers
+from lightning_swarm.swarm.lifetime import settle_dead_helpers
 from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
-from lightning_swarm.swarm.server.applied import AppliedRequests
-from lightning_swarm.swarm.server.batching import RequestBatcher, mixes_rows
-from lightning_swarm.swarm.server.compute import Kept
+from lightning_swarm.swarm.server.compute import module_device
 from lightning_swarm.swarm.server.connection_handler import ConnectionHandler
+from lightning_swarm.swarm.server.shared import KeptForwards, SharedState
 from lightning_swarm.swarm.server.stage_backend import StageBackend
-from lightning_swarm.swarm.server.stepper import _EPOCH_POLL_S, Stepper
-from lightning_swarm.swarm.server.weight_grads import DeferredWeights, split_enabled
+from lightning_swarm.swarm.server.stepper import EPOCH_POLL_S, Stepper
 from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.states import JOINING, LEAVING, ONLINE, STATES
 from lightning_swarm.swarm.throughput import Throughput
-from lightning_swarm.swarm.training.averaging import _GradientAverager, _StateAverager
-from lightning_swarm.swarm.training.optimizers import OptimizerFactory, _make_initialized, _StageOptimizer
-from lightning_swarm.swarm.wire.guards import BadPeers, StageSchemas
+from lightning_swarm.swarm.training.optimizers import OptimizerFactory
+from lightning_swarm.swarm.training.stepping import StepCommand
+from lightning_swarm.swarm.wire.guards import BadPeers
 from lightning_swarm.swarm.wire.protocol import (
     MAX_REQUEST_BYTES,
-    StageService,
+    StageReply,
+    StageRequest,
     stage_uid,
     warm_up_codec,
 )
@@ -117,8 +113,20 @@ def _dht_alive(dht: Any) -> bool:
         return True
 
 
-class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
+class StageServer:
     """Serves one stage of a SWARM pipeline to the trainers of a swarm.
+
+    A server owns three parts, each with its own job, and hands them the state they share (a
+    :class:`~.shared.SharedState`: the parameters and their lock, the pending gradients, the optimizer):
+
+    - :attr:`backend` (:class:`~.stage_backend.StageBackend`): the compute: calls served alone or merged, kept
+      forwards, at-most-once backwards;
+    - :attr:`stepper` (:class:`~.stepper.Stepper`): the optimizer, its thread and trainer-driven steps;
+    - :attr:`handler` (:class:`~.connection_handler.ConnectionHandler`): the RPCs, per-peer caps and bans.
+
+    The server itself starts and stops them, announces the peer in the DHT and answers for the stage as a whole
+    (its info, state, steps and optimizer state). Subclasses may set :attr:`backend_class` or
+    :attr:`stepper_class` to serve or step differently.
 
     Args:
         stage: the stage index.
@@ -141,6 +149,9 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
             :class:`~.protocol.StageSchemas`). Turn off for a stage whose tensors' last dimension varies from call
             to call (e.g. masks over sequences of varying length).
     """
+
+    backend_class: type[StageBackend] = StageBackend
+    stepper_class: type[Stepper] = Stepper
 
     def __init__(
         self,
@@ -166,91 +177,43 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
 
             throughput = estimate_throughput(module, self.device)
         self.throughput = Throughput(throughput)
-        self.samples_processed = 0
-        self.optimizer: hivemind.Optimizer | None = None
+        self.state = ONLINE
+        self.shared = SharedState(kept=KeptForwards(settings.keep_activations))
+        self.stepper = self.stepper_class(stage, dht, settings, self.shared)
+        self.backend = self.backend_class(
+            stage,
+            module,
+            settings,
+            self.shared,
+            self.throughput,
+            self.stepper.catch_up_for_call,
+            check_schema=check_schema,
+        )
+        self.handler = ConnectionHandler(
+            self, BadPeers() if bad_peers is None else bad_peers, max_request_bytes
+        )
         self.p2p: P2P | None = None
         self._same_host: SameHostListener | None = None  # see ..same_host
         self._dht_gone_reported = False
-        self._lock = threading.Lock()  # the parameters lock: compute reads them, refreshes write them
-        self._executor: ThreadPoolExecutor | None = None
+        self._helper_gone = False  # a helper process of the stage's optimizer died (see _watch_helpers)
         self._stop = threading.Event()
         self._announcer: threading.Thread | None = None
         self._started = False
-        # trained parameters (served) and the optimizer's copy of them; pending gradients of served backwards
-        self._trained: list[nn.Parameter] = []
-        self._master: list[nn.Parameter] = []
-        self._shared_master = False  # whether the optimizer steps the served parameters themselves
-        self._grads_lock = threading.Lock()
-        self._pending: list[torch.Tensor | None] | None = None
-        self._pending_samples = 0
-        self._pending_backwards = 0  # how many backwards the pending gradients sum (see _GradientAverager)
-        self._stepper: threading.Thread | None = None
-        self._step_lock = threading.Lock()  # held by the stepper while it runs the optimizer
-        self._wake = threading.Event()
-        self._applied = AppliedRequests()
-        self.max_request_bytes = max_request_bytes
-        self.bad_peers = BadPeers() if bad_peers is None else bad_peers
-        # what the stage's calls look like, learned from the ones it served
-        self.schemas = StageSchemas(max_schemas=4 if check_schema else 0)
-        self._calls_by_peer: dict[PeerID, int] = {}
-        self.dropped_contributions = 0  # backwards whose parameter gradients were not finite
-        self.state = ONLINE
-        self._accepting = True
-        self._batcher: RequestBatcher | None = None
-        self.requests_served = 0  # forward and backward requests handed to the stage (batched or not)
-        # forwards kept for their backward, by forward id (oldest first); the served parameters' version
-        self._kept: OrderedDict[int, Kept] = OrderedDict()
-        self._kept_lock = threading.Lock()
-        self._param_version = 0
-        self.kept_hits = 0  # backwards that reused a kept forward
-        self._forward_s_per_row: float | None = None  # measured (see StageBackend._merge_key)
-        self._refresh_pending_since: float | None = None  # new parameters wait for kept forwards' backwards
-        self._master_versions: tuple[int, ...] | None = None  # see Stepper._refresh_parameters
-        self._kept_in_use = 0  # kept forwards taken by a backward that has not finished yet
-        # runs of the stage module for them (a merged group runs it once); counted under the parameters lock
-        self.computations = 0
-        # (kind, start, end) of the stage's latest computations, on the monotonic clock (shared by the processes
-        # of one machine): when this server's stage was busy
-        self.compute_log: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=1024)
-        # trainer-driven steps (settings.stage_steps == "trainer", see .stepping): the trainer's group of each
-        # of this stage's optimizer groups, the prepared gradients of the step in progress, the ids applied
-        self.driven = settings.stage_steps == "trainer"
-        self._group_sources: list[
-            tuple[int, int]
-        ] = []  # (trainer optimizer, group) per stage optimizer group
-        # the step in progress: (step id, own gradients, their indices, (summed gradients, facts) or None)
-        self._prepared: tuple[int, list[torch.Tensor | None], list[int], Any, Any] | None = None
-        self._steps_applied: OrderedDict[int, dict[str, Any]] = OrderedDict()
-        self.steps = 0  # optimizer steps this server took (trainer-driven or swarm-driven)
-        # the last trainer epoch a call made this peer catch up to (see Stepper.catch_up_for_call)
-        self._caught_up_to = 0
-        self.averaged_rounds = 0  # steps whose gradients were summed with other peers of the stage
-        self.same_host_rounds = 0  # of which through shared memory (see ..same_host_sum)
-        # the modes the module was built with (a train call runs in them; an eval call in eval), the mode it is in
-        self._built_modes = [(m, m.training) for m in module.modules()]
-        self._training = True
-        self.draws_rng = False  # whether a train-mode run of the stage drew random numbers (learned, sticky)
-        # a trainer-driven stage after the first replies to a backward before its parameter gradients (.weight_grads)
-        self._weights: DeferredWeights | None = None
-        if self.driven and stage > 0 and split_enabled():
-            waiting = lambda: 0 if self._batcher is None else self._batcher.pending()  # noqa: E731
-            log = lambda *entry: self.compute_log.append(entry)  # noqa: E731
-            most = max(settings.keep_activations, 1)
-            self._weights = DeferredWeights(self._lock, waiting, f"stage{stage}-weights", most, log)
 
     @property
     def device(self) -> torch.device:
         """Where the stage module lives (inputs are moved there)."""
-        for tensor in self.module.parameters():
-            return tensor.device
-        for tensor in self.module.buffers():
-            return tensor.device
-        return torch.device("cpu")
+        return module_device(self.module)
 
     @property
     def peer_id(self) -> PeerID:
         """The libp2p id of this peer (shared with its DHT)."""
         return self.dht.peer_id
+
+    @property
+    def optimizer(self) -> hivemind.Optimizer | None:
+        """The stage's optimizer; ``None`` if this server does not train its stage (or the run is over)."""
+        return self.shared.optimizer
 
     # ---- lifecycle ----
 
@@ -265,90 +228,24 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
             return self
         s = self.settings
         self.state = JOINING if joining else ONLINE
-        self._accepting = True
         groups = self.param_groups
         if groups is None:
             groups = [{"params": [p for p in self.module.parameters() if p.requires_grad]}]
-        groups = [g for g in groups if g["params"]]
-        self._group_sources = [
-            (int(g.get("swarm_optimizer", 0)), int(g.get("swarm_group", i))) for i, g in enumerate(groups)
-        ]
-        groups = [{k: v for k, v in g.items() if k not in ("swarm_optimizer", "swarm_group")} for g in groups]
-        if groups and self.optimizer_factory is not None:
-            before_fork()  # hivemind forks its averagers below
-            request_timeout = max(0.2, s.matchmaking_time / 3)
-            self._trained = [p for g in groups for p in g["params"]]
-            # trainer-driven steps on the CPU: the optimizer steps the served parameters themselves, with serving
-            # paused (see _writing_served); its state averager and gradient averager reuse them (no copies)
-            self._shared_master = self.driven and all(p.device.type == "cpu" for p in self._trained)
-            if self._shared_master:
-                self._master = list(self._trained)
-            else:
-                self._master = [nn.Parameter(p.detach().clone(), requires_grad=True) for p in self._trained]
-            for master in self._master:  # else hivemind's gradient averager allocates zero gradients to copy
-                master.grad = zero_grad_view(master)
-            master_of = {id(p): m for p, m in zip(self._trained, self._master, strict=True)}
-            groups = [{**g, "params": [master_of[id(p)] for p in g["params"]]} for g in groups]
-            self.optimizer = _StageOptimizer(
-                dht=self.dht,
-                run_id=f"{s.run_id}_stage{self.stage}",  # hivemind forbids '.' in optimizer run ids
-                target_batch_size=s.target_batch_size,
-                batch_size_per_step=None,
-                optimizer=functools.partial(_make_initialized, self.optimizer_factory),
-                params=groups,
-                offload_optimizer=False,  # the master copy is already apart from the served parameters
-                # driven: hivemind's local gradient accumulators are never used (the commands carry the step), and
-                # the state averager averages no parameters (it only serves downloads): no copies for either
-                reuse_grad_buffers=self.driven,
-                reuse_state_tensors=self._shared_master or None,
-                matchmaking_time=s.matchmaking_time,
-                averaging_timeout=s.averaging_timeout,
-                # hivemind's default (matchmaking_time) gives up a state download whose next chunk is half a second
-                # late on a loaded host; a stalled sender of an all-reduce is still dropped within averaging_timeout
-                next_chunk_timeout=max(s.matchmaking_time, min(s.request_timeout, s.averaging_timeout)),
-                # hivemind warns (and may deadlock) unless requests time out before matchmaking ends; the optimizer
-                # state is initialized without moving the parameters (see initialize_optimizer_state)
-                averager_opts={
-                    "request_timeout": request_timeout,
-                    "initialize_optimizer": False,
-                    "allow_state_sharing": not joining,  # a joiner's state is not worth downloading
-                },
-                grad_averager_factory=functools.partial(
-                    _GradientAverager, request_timeout=request_timeout, allow_state_sharing=False
-                ),  # joiners download the state averager's state; a gradient buffer is not worth a download
-                verbose=False,
-            )
-            for master in self._master:  # hivemind made zero gradients; each step hands its own over
-                master.grad = None
+        self.stepper.create_optimizer(groups, self.optimizer_factory, joining)
         warm_up_codec(s.compression)  # before this peer is announced: its first reply must not wait for it
-        batching = s.max_batch_rows > 0 and not mixes_rows(self.module)
-        if s.max_batch_rows > 0 and not batching:
-            logger.info(
-                f"Stage {self.stage}: batch normalisation mixes the rows of a batch; calls are not merged"
-            )
         # batching: calls are served in several threads (the stage runs in one of them at a time)
-        if batching:
-            self._batcher = RequestBatcher(
-                self._serve_group,
-                max_rows=s.max_batch_rows,
-                wait_s=s.batch_wait_ms / 1000,
-                key=self._merge_key,
-            )
-            self._executor = ThreadPoolExecutor(
+        if self.backend.start():
+            executor = ThreadPoolExecutor(
                 max_workers=_SERVING_THREADS, thread_name_prefix=f"stage{self.stage}-serve"
             )
         else:
-            self._executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"stage{self.stage}-compute"
-            )
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}-compute")
         self.p2p = run_coroutine(self._start_p2p(), timeout=60)
         self._stop.clear()
         self._started = True
-        if self.optimizer is not None and not self.driven:  # driven: the trainer's step commands step
-            self._stepper = threading.Thread(
-                target=self._step_loop, name=f"stage{self.stage}-step", daemon=True
-            )
-            self._stepper.start()
+        self.handler.executor = executor
+        self.backend.accepting = True
+        self.stepper.start()
         self._announce()
         self._announcer = threading.Thread(
             target=self._announce_loop, name=f"stage{self.stage}-announce", daemon=True
@@ -358,16 +255,17 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
 
     async def _start_p2p(self) -> P2P:
         p2p = await replicate_p2p(self.dht)
-        await self.add_p2p_handlers(p2p, namespace=self.uid)
+        await self.handler.add_p2p_handlers(p2p, namespace=self.uid)
         if self.settings.same_host and not is_protected(self.peer_id):
             path = socket_path(self.peer_id, self.uid)
             if path is not None:
-                listener = SameHostListener(path, self.rpc_channel, self.max_message_bytes)
+                listener = SameHostListener(path, self.handler.rpc_channel, self.handler.max_message_bytes)
                 try:
                     await listener.start()
                     self._same_host = listener
                 except OSError as e:  # callers on this machine use P2P, as callers elsewhere do
                     logger.info(f"Stage {self.stage}: no same-host socket ({e!r}); calls go over P2P")
+        self.stepper.same_host = self._same_host is not None
         return p2p
 
     def shutdown(self, abort: bool = False) -> None:
@@ -376,65 +274,35 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         if not self._started:
             return
         self._started = False
+        self.backend.accepting = False
+        executor, self.handler.executor = self.handler.executor, None
         self._stop.set()
-        self._wake.set()
-        if abort and hasattr(self.optimizer, "abort"):
-            self.optimizer.abort()
+        self.stepper.stop(abort)
         if self._announcer is not None:
             self._announcer.join(timeout=5)
-        if self._stepper is not None:  # a round in progress ends within averaging_timeout; do not wait longer
-            rounds = self.settings.averaging_timeout + self.settings.matchmaking_time
-            self._stepper.join(timeout=min(rounds, 1.0) if abort else rounds)
         if self.p2p is not None:
             p2p, self.p2p = self.p2p, None
             try:
                 run_coroutine(self._stop_p2p(p2p), timeout=10)
             except Exception as e:
                 logger.debug(f"Stage {self.stage} server: error while removing handlers: {e!r}")
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-        with self._lock:  # the stage's blocks may be the trainer's own (put back when the run ends): as built
-            self._set_mode(True)
-        if self._weights is not None:
-            self._weights.close()
-        with self._kept_lock:
-            self._kept.clear()
-        if self._batcher is not None:
-            batcher, self._batcher = self._batcher, None
-            batcher.close()
-        if self.optimizer is not None:
-            try:
-                self.optimizer.shutdown()
-            except Exception as e:
-                logger.warning(f"Stage {self.stage} server: error while shutting down the optimizer: {e!r}")
+        if executor is not None:
+            executor.shutdown(wait=True)
+        self.backend.close()
+        self.stepper.close()
 
     def release_training_state(self) -> None:
         """The run is over (every trainer finished): shut the stage's optimizer down, freeing its state, its
         averagers' buffers and any pending gradients. The stage's parameters, as trained, stay served (for the
         trainers' end-of-run gather); steps are no longer taken (idempotent)."""
-        self.flush()
-        with self._step_lock:
-            opt, self.optimizer = self.optimizer, None
-            if opt is not None and not self._shared_master:
-                self._refresh_parameters()  # the steps taken so far are served, then the copies go
-                self._master = []
-            with self._grads_lock:
-                self._pending, self._pending_samples, self._pending_backwards = None, 0, 0
-            self._prepared = None
-        if opt is not None:
-            try:
-                opt.shutdown(run_over=True)
-            except Exception as e:
-                logger.warning(f"Stage {self.stage} server: error while shutting down the optimizer: {e!r}")
-            del opt
-            release_free_memory()
+        self.stepper.release()
 
     async def _stop_p2p(self, p2p: P2P) -> None:
         listener, self._same_host = self._same_host, None
         if listener is not None:
             await listener.stop()
         try:
-            await self.remove_p2p_handlers(p2p, namespace=self.uid)
+            await self.handler.remove_p2p_handlers(p2p, namespace=self.uid)
         finally:
             await p2p.shutdown()
 
@@ -442,16 +310,7 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         """Download the stage's current parameters and optimizer state (and epoch) from a peer already serving
         the stage, in place; returns whether a peer sent it. A server that does not train the stage (no
         optimizer) has nothing to load this way and returns ``False``."""
-        opt = self.optimizer
-        if opt is None:
-            return False
-        averager = opt.state_averager
-        assert isinstance(averager, _StateAverager)
-        with self._step_lock:  # the stepper is not running the optimizer while its state is replaced
-            averager.loaded = False
-            opt.load_state_from_peers()
-            self._refresh_parameters()
-            return averager.loaded
+        return self.stepper.load_state_from_peers()
 
     def set_state(self, state: str) -> None:
         """Announce ``state`` (``"joining"``, ``"online"`` or ``"leaving"``) now; an online server offers its
@@ -472,9 +331,57 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         self.set_state(LEAVING)
         grace = 2 * self.settings.refresh_period if grace is None else grace
         self._stop.wait(grace)
-        self._accepting = False
-        with self._lock:  # the call in flight, if any, finishes first
+        self.backend.accepting = False
+        with self.shared.lock:  # the call in flight, if any, finishes first
             pass
+
+    # ---- the stage as a whole ----
+
+    def handle(self, request: StageRequest) -> StageReply:
+        """Serve one request, from this process (see :class:`~.transport.LocalTransport`) or received over P2P;
+        never raises: failures become error replies (see :mod:`.protocol`)."""
+        return self.backend.handle(request)
+
+    def info(self) -> dict[str, Any]:
+        """Stage, throughput (samples/s of forward + backward), samples processed, optimizer epoch and steps,
+        averaging rounds, and backwards whose parameter gradients came after the reply (:mod:`.weight_grads`)."""
+        opt = self.optimizer
+        weights = self.shared.weights
+        return {
+            "stage": self.stage,
+            "throughput": self.throughput.value,
+            "samples_processed": self.backend.samples_processed,
+            "epoch": int(opt.local_epoch if opt is not None else 0),
+            "steps": self.stepper.steps,
+            "averaged_rounds": self.stepper.averaged_rounds + getattr(opt, "rounds", 0),
+            "split_backwards": 0 if weights is None else weights.deferred,
+        }
+
+    def state_dict_local(self) -> dict[str, torch.Tensor]:
+        """A detached CPU copy of the stage module's ``state_dict``, including every backward received so far
+        (see :meth:`flush`)."""
+        self.flush()
+        with self.shared.lock:
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the gradients received so far have been handed to the optimizer (and a step they
+        triggered has been taken), at most ``timeout`` seconds (default: one averaging round)."""
+        self.stepper.flush(timeout)
+
+    def step_command(self, command: StepCommand) -> dict[str, Any]:
+        """Run one phase of a trainer's step command (see :meth:`.stepper.Stepper.step_command`)."""
+        return self.stepper.step_command(command)
+
+    def optimizer_state(self) -> bytes:
+        """The stage optimizer's state, for a trainer's checkpoint (see :meth:`.stepper.Stepper.optimizer_state`)."""
+        return self.stepper.optimizer_state()
+
+    def load_optimizer_state(self, data: bytes) -> None:
+        """Restore the stage optimizer's state from :meth:`optimizer_state`'s bytes (a resumed run)."""
+        self.stepper.load_optimizer_state(data)
+
+    # ---- announcing ----
 
     def _announce(self) -> None:
         # the DHT's helper process is gone (e.g. killed with the process group): there is nobody to tell
@@ -501,9 +408,45 @@ class StageServer(ConnectionHandler, StageBackend, Stepper, StageService):
         except Exception as e:
             logger.warning(f"Stage {self.stage} server could not announce itself in the DHT: {e!r}")
 
+    def _watch_helpers(self) -> None:
+        """Within a poll period of a helper process of the stage's optimizer dying (an averager killed, say), say so
+        once and act: a stage that other peers serve is left cleanly (announced, calls drained, the optimizer shut
+        down; the peer trains on, and its run ends as any other); a stage that only this peer serves is served on
+        without the helper (its steps need no other peer)."""
+        found = None if self._helper_gone else self.stepper.dead_helper()
+        if found is None:
+            return
+        self._helper_gone = True
+        name, helper = found
+        what = f"stage {self.stage} {name}"
+        settled = settle_dead_helpers([(what, helper)])  # hivemind's shutdown of it is skipped from now on
+        what = settled[0] if settled else f"{what} (a thread)"
+        others = []
+        try:  # (a DHT that is gone too leaves nobody to hand the stage to)
+            if _dht_alive(self.dht):
+                peers = get_stage_peers(self.dht, self.settings.run_id, self.stage)
+                others = [p for p in peers if p.peer_id != self.peer_id]
+        except Exception as e:
+            logger.debug(f"Stage {self.stage} server: could not list the stage's peers: {e!r}")
+        if not others:
+            self.stepper.failed = None
+            logger.warning(
+                f"Stage {self.stage} server: hivemind helper process {what} died during the run; no other peer "
+                "serves the stage, so this peer serves it on without it"
+            )
+            return
+        logger.warning(
+            f"Stage {self.stage} server: hivemind helper process {what} died during the run; this peer leaves the "
+            f"stage to its {len(others)} other peer(s) and trains on"
+        )
+        self.stepper.failed = f"its {name} died"
+        self.drain()
+        self.stepper.release()
+
     def _announce_loop(self) -> None:
         next_announce = time.monotonic() + self.settings.announce_period
-        while not self._stop.wait(_EPOCH_POLL_S):
+        while not self._stop.wait(EPOCH_POLL_S):
+            self._watch_helpers()
             if time.monotonic() >= next_announce:
                 self._announce()
                 next_announce = time.monotonic() + self.settings.announce_period

@@ -1,41 +1,61 @@
-"""Serving a stage: one call or a merged group (:mod:`..batching`), kept activations, at-most-once backwards.
+"""The backend of a stage server: serving one call or a merged group (:mod:`.batching`), kept activations,
+at-most-once backwards.
 
 See :mod:`.server` for the picture."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_swarm.swarm.server.applied import TooLate
-from lightning_swarm.swarm.server.batching import concat_payloads, merge_key, split_payload
+from lightning_swarm.swarm.server.applied import AppliedRequests, TooLate
+from lightning_swarm.swarm.server.batching import (
+    RequestBatcher,
+    concat_payloads,
+    merge_key,
+    mixes_rows,
+    split_payload,
+)
 from lightning_swarm.swarm.server.compute import (
     Kept,
     all_finite,
     buffers_kept,
     exclusive,
     leaves_of,
+    module_device,
     seeded_rng,
 )
-from lightning_swarm.swarm.server.connection_handler import _error
-from lightning_swarm.swarm.server.weight_grads import WeightWork, split_backward
-from lightning_swarm.swarm.wire.codec import CodecError, check_encodable
-from lightning_swarm.swarm.wire.errors import COMPUTE, REQUEST, UNAVAILABLE, BadRequest, Misrouted, NotKept
-from lightning_swarm.swarm.wire.guards import check_finite, check_grad_outputs, check_outputs
-from lightning_swarm.swarm.wire.payload import Payload
-from lightning_swarm.swarm.wire.protocol import (
-    StageReply,
-    StageRequest,
+from lightning_swarm.swarm.server.shared import KeptForwards, SharedState
+from lightning_swarm.swarm.server.weight_grads import (
+    DeferredWeights,
+    WeightWork,
+    split_backward,
+    split_enabled,
 )
+from lightning_swarm.swarm.settings import SwarmSettings
+from lightning_swarm.swarm.throughput import Throughput
+from lightning_swarm.swarm.wire.codec import CodecError, check_encodable
+from lightning_swarm.swarm.wire.errors import (
+    COMPUTE,
+    REQUEST,
+    UNAVAILABLE,
+    BadRequest,
+    ErrorReply,
+    Misrouted,
+    NotKept,
+)
+from lightning_swarm.swarm.wire.guards import StageSchemas, check_finite, check_grad_outputs, check_outputs
+from lightning_swarm.swarm.wire.payload import Payload
+from lightning_swarm.swarm.wire.protocol import StageReply, StageRequest, stage_uid
 
 logger = logging.getLogger(__name__)
-
-_KEPT_MAX_AGE_S = 120.0  # a kept forward whose backward has not come by then is dropped
 
 # a merged forward keeps no activations, so each of its calls' backwards recomputes it: a training forward whose
 # forward takes longer than this (per call, measured) is served alone and keeps its activations (see _merge_key).
@@ -47,8 +67,100 @@ _FORWARD_EMA = 0.2  # weight of the newest forward in the measured forward secon
 
 
 class StageBackend:
-    """Serving of a :class:`~.server.StageServer` (a mixin: its attributes are the server's): one call or a
-    merged group, kept activations, at-most-once backwards and the pending gradients."""
+    """The compute of a stage server (see :mod:`.server`): serves one call or a merged group of calls, keeps
+    forwards for their backward, applies each backward at most once and adds its parameter gradients to the
+    pending ones (in :class:`.shared.SharedState`, which the stepper takes them from).
+
+    Args:
+        stage: the stage index.
+        module: the stage's blocks.
+        settings: the swarm's settings (keep_activations, batching, autocast, stage_steps).
+        shared: the state shared with the server's stepper.
+        throughput: this server's measured throughput (each backward is recorded).
+        catch_up: called with a request's epoch before it is served (a trainer-driven peer that missed steps
+            loads the stage's state first, see ``Stepper.catch_up_for_call``).
+        check_schema: refuse requests whose tensors fit none of the input schemas learned from the calls served
+            so far (see :class:`~.guards.StageSchemas`).
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        module: nn.Module,
+        settings: SwarmSettings,
+        shared: SharedState,
+        throughput: Throughput,
+        catch_up: Callable[[int | None], None],
+        *,
+        check_schema: bool = True,
+    ) -> None:
+        self.stage, self.module, self.settings, self.shared = stage, module, settings, shared
+        self.uid = stage_uid(settings.run_id, stage)
+        self.throughput, self.catch_up = throughput, catch_up
+        self.driven = settings.stage_steps == "trainer"
+        self.accepting = False  # whether calls are served (the server is started and not draining)
+        self.batcher: RequestBatcher | None = None
+        self.applied = (
+            AppliedRequests()
+        )  # the ids of the backwards applied here (under the shared grads_lock)
+        # what the stage's calls look like, learned from the ones it served
+        self.schemas = StageSchemas(max_schemas=4 if check_schema else 0)
+        self.requests_served = 0  # forward and backward requests handed to the stage (batched or not)
+        self.samples_processed = 0
+        self.dropped_contributions = 0  # backwards whose parameter gradients were not finite
+        self.kept_hits = 0  # backwards that reused a kept forward
+        # runs of the stage module for them (a merged group runs it once); counted under the parameters lock
+        self.computations = 0
+        # (kind, start, end) of the stage's latest computations, on the monotonic clock (shared by the processes
+        # of one machine): when this server's stage was busy
+        self.compute_log: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=1024)
+        self.draws_rng = False  # whether a train-mode run of the stage drew random numbers (learned, sticky)
+        self._forward_s_per_row: float | None = None  # measured (see _merge_key)
+        # the modes the module was built with (a train call runs in them; an eval call in eval), the mode it is in
+        self._built_modes = [(m, m.training) for m in module.modules()]
+        self._training = True
+        # a trainer-driven stage after the first replies to a backward before its parameter gradients (.weight_grads)
+        if self.driven and stage > 0 and split_enabled():
+            waiting = lambda: 0 if self.batcher is None else self.batcher.pending()  # noqa: E731
+            log = lambda *entry: self.compute_log.append(entry)  # noqa: E731
+            most = max(settings.keep_activations, 1)
+            shared.weights = DeferredWeights(shared.lock, waiting, f"stage{stage}-weights", most, log)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the stage module lives (inputs are moved there)."""
+        return module_device(self.module)
+
+    def start(self) -> bool:
+        """Take calls from now on; returns whether they are batched (merged when they wait for the stage together,
+        see :mod:`.batching`), which takes several serving threads."""
+        s = self.settings
+        batching = s.max_batch_rows > 0 and not mixes_rows(self.module)
+        if s.max_batch_rows > 0 and not batching:
+            logger.info(
+                f"Stage {self.stage}: batch normalisation mixes the rows of a batch; calls are not merged"
+            )
+        if batching:
+            self.batcher = RequestBatcher(
+                self._serve_group,
+                max_rows=s.max_batch_rows,
+                wait_s=s.batch_wait_ms / 1000,
+                key=self._merge_key,
+            )
+        return batching
+
+    def close(self) -> None:
+        """The server stopped serving: the module back in the modes it was built with (its blocks may be the
+        trainer's own, put back when the run ends), kept forwards and deferred work dropped."""
+        self.accepting = False
+        with self.shared.lock:
+            self._set_mode(True)
+        if self.shared.weights is not None:
+            self.shared.weights.close()
+        self.shared.kept.clear()
+        if self.batcher is not None:
+            batcher, self.batcher = self.batcher, None
+            batcher.close()
 
     # ---- serving a request (the same for in-process and remote callers) ----
 
@@ -58,77 +170,78 @@ class StageBackend:
         # a trainer that has not seen this peer migrate: another peer of the stage can serve it
         if request.uid != self.uid:
             error = Misrouted(f"This peer serves {self.uid!r}, but the request was for {request.uid[:200]!r}")
-            return _error(request.request_id, UNAVAILABLE, error)
+            return error_reply(request.request_id, UNAVAILABLE, error)
         try:
-            if not self._started or not self._accepting:
-                return _error(
+            if not self.accepting:
+                return error_reply(
                     request.request_id, UNAVAILABLE, RuntimeError(f"Stage {self.stage} server is not running")
                 )
             if request.inputs is None:  # a backward leaving its inputs to its kept forward (see .protocol)
-                request.inputs = self._kept_inputs(request.forward_id)
+                request.inputs = self.shared.kept.inputs(request.forward_id)
                 if request.inputs is None:
                     error = NotKept(f"Stage {self.stage} no longer keeps the forward of this backward")
-                    return _error(request.request_id, UNAVAILABLE, error)
+                    return error_reply(request.request_id, UNAVAILABLE, error)
             self.schemas.check(request.inputs.tensors)
         except BadRequest as e:
             logger.debug(f"Stage {self.stage}: rejected a request: {e}")
-            return _error(request.request_id, REQUEST, e)
-        self.catch_up_for_call(request.epoch)  # type: ignore[attr-defined]  # (see Stepper)
-        with self._grads_lock:  # handle runs in several threads
+            return error_reply(request.request_id, REQUEST, e)
+        self.catch_up(request.epoch)
+        with self.shared.grads_lock:  # handle runs in several threads
             self.requests_served += 1
-        batcher = self._batcher
+        batcher = self.batcher
         if batcher is None:
             return self._serve_one(request)
         try:
             return batcher.submit(request)
         except Exception as e:  # the server stopped meanwhile (or a bug in the batcher)
-            return _error(request.request_id, UNAVAILABLE, e)
+            return error_reply(request.request_id, UNAVAILABLE, e)
 
     def _serve_one(self, request: StageRequest) -> StageReply:
         """Serve one request on its own; never raises."""
         try:
+            inputs = _inputs(request)
             if request.kind == "forward":
                 keep = request.forward_id if request.forward_id == request.request_id else None
-                outputs = self._forward(request.inputs, keep, request.training, request.seed)
-                kept = keep is not None and self._kept_inputs(keep) is not None
+                outputs = self._forward(inputs, keep, request.training, request.seed)
+                kept = keep is not None and self.shared.kept.inputs(keep) is not None
             else:
                 assert request.grad_outputs is not None
                 outputs = self._backward(
-                    request.inputs,
+                    inputs,
                     request.grad_outputs,
                     request.request_id,
                     request.commit_by,
-                    self._take_kept(request.forward_id),
+                    self.shared.kept.take(request.forward_id),
                     request.training,
                     request.seed,
                 )
                 kept = False
-            self.schemas.learn(request.inputs.tensors)
+            self.schemas.learn(inputs.tensors)
             return StageReply(request.request_id, outputs=outputs, kept=kept)
         except BadRequest as e:
             logger.debug(f"Stage {self.stage}: rejected a request: {e}")
-            return _error(request.request_id, REQUEST, e)
+            return error_reply(request.request_id, REQUEST, e)
         except TooLate as e:
             logger.debug(f"Stage {self.stage}: {e}")
-            return _error(request.request_id, UNAVAILABLE, e)
+            return error_reply(request.request_id, UNAVAILABLE, e)
         except _NonFinite as e:
             logger.warning(f"Stage {self.stage}: {e}")
-            return _error(request.request_id, COMPUTE, e)
+            return error_reply(request.request_id, COMPUTE, e)
         except _ComputeError as e:
             logger.warning(f"Stage {self.stage}: the stage raised {type(e.error).__name__}: {e.error}")
-            return _error(request.request_id, COMPUTE, e.error)
+            return error_reply(request.request_id, COMPUTE, e.error)
         except (
             Exception
         ) as e:  # out of memory, or a bug here: not the caller's fault, another peer may do better
             logger.warning(f"Stage {self.stage}: could not serve a {request.kind} call: {e!r}")
-            return _error(request.request_id, UNAVAILABLE, e)
+            return error_reply(request.request_id, UNAVAILABLE, e)
 
     def _serve_group(self, requests: list[StageRequest]) -> list[StageReply]:
         """Serve mergeable requests (one group at a time, see :class:`.batching.RequestBatcher`): merged into one computation, or one by one
         if the merged one fails in any way (each request then gets its own answer or error); never raises."""
-        if len(requests) > 1 and any(self._is_kept(r) for r in requests):
+        if len(requests) > 1 and any(_kept_backward(r, self.shared.kept) for r in requests):
             # a backward whose forward is kept here runs alone (no recomputation to share); the rest may merge
-            kept = {id(r) for r in requests if self._is_kept(r)}
+            kept = {id(r) for r in requests if _kept_backward(r, self.shared.kept)}
             rest = [r for r in requests if id(r) not in kept]
             by_request = {id(r): self._serve_one(r) for r in requests if id(r) in kept}
             if rest:
@@ -161,7 +274,7 @@ class StageBackend:
             and per_row * rows > MERGE_FORWARD_MAX_S
             and request.forward_id == request.request_id  # a training forward whose backward will come
             and self.settings.keep_activations > 0
-            and self._trained
+            and self.shared.trained
         ):
             return None, rows
         return key, rows
@@ -171,8 +284,8 @@ class StageBackend:
         computation, under the first request's seed; ``None`` if the results cannot be split or committed per
         request, or if a train-mode run drew random numbers (each call's dropout masks must come from its own
         seed): the caller serves them one by one. Raises whatever the merged computation raised."""
-        rows = [request.inputs.batch_size() for request in requests]
-        inputs = concat_payloads([request.inputs for request in requests])
+        rows = [_inputs(request).batch_size() for request in requests]
+        inputs = concat_payloads([_inputs(request) for request in requests])
         training, seed = requests[0].training, requests[0].seed
         if requests[0].kind == "forward":
             merged = self._forward(inputs, None, training, seed)
@@ -199,10 +312,10 @@ class StageBackend:
                     replies.append(StageReply(request.request_id, outputs=piece))
                 except _NonFinite as e:
                     logger.warning(f"Stage {self.stage}: {e}")
-                    replies.append(_error(request.request_id, COMPUTE, e))
+                    replies.append(error_reply(request.request_id, COMPUTE, e))
         for request, reply in zip(requests, replies, strict=True):
             if reply.error is None:
-                self.schemas.learn(request.inputs.tensors)
+                self.schemas.learn(_inputs(request).tensors)
         return replies
 
     def _forward(
@@ -213,14 +326,16 @@ class StageBackend:
         backward."""
         leaves = leaves_of(inputs, self.device)
         keep = (
-            keep_id is not None and self.settings.keep_activations > 0 and self._refresh_pending_since is None
+            keep_id is not None
+            and self.settings.keep_activations > 0
+            and self.shared.refresh_pending_since is None
         )
-        keep = keep and (bool(self._trained) or any(leaf.requires_grad for leaf in leaves))
+        keep = keep and (bool(self.shared.trained) or any(leaf.requires_grad for leaf in leaves))
         args, kwargs = inputs.rebuild_call(leaves)
-        with self._foreground(), self._lock, torch.enable_grad() if keep else torch.no_grad():
+        with self._foreground(), self.shared.lock, torch.enable_grad() if keep else torch.no_grad():
             start, began = time.perf_counter(), time.monotonic()
             outputs = self._run_module(args, kwargs, training, seed)
-            version, spent = self._param_version, time.perf_counter() - start
+            version, spent = self.shared.param_version, time.perf_counter() - start
             self.compute_log.append(("forward", began, time.monotonic()))
         rows = inputs.batch_size()
         if rows > 0:
@@ -232,37 +347,10 @@ class StageBackend:
         if not keep:
             return payload
         assert keep_id is not None
-        self._keep(keep_id, Kept(inputs.skeleton, leaves, payload.tensors, version, spent, time.monotonic()))
+        self.shared.kept.keep(
+            keep_id, Kept(inputs.skeleton, leaves, payload.tensors, version, spent, time.monotonic())
+        )
         return Payload(payload.skeleton, [t.detach() for t in payload.tensors])
-
-    def _keep(self, forward_id: int, kept: Kept) -> None:
-        with self._kept_lock:
-            self._kept.pop(forward_id, None)
-            self._kept[forward_id] = kept
-            while len(self._kept) > self.settings.keep_activations or (
-                self._kept and kept.created - next(iter(self._kept.values())).created > _KEPT_MAX_AGE_S
-            ):
-                self._kept.popitem(last=False)
-
-    def _is_kept(self, request: StageRequest) -> bool:
-        if request.kind != "backward" or request.forward_id is None:
-            return False
-        with self._kept_lock:
-            return request.forward_id in self._kept
-
-    def _kept_inputs(self, forward_id: int | None) -> Payload | None:
-        with self._kept_lock:
-            kept = self._kept.get(forward_id) if forward_id is not None else None
-            return None if kept is None else kept.inputs
-
-    def _take_kept(self, forward_id: int | None) -> Kept | None:
-        if forward_id is None:
-            return None
-        with self._kept_lock:
-            kept = self._kept.pop(forward_id, None)
-            if kept is not None:
-                self._kept_in_use += 1  # until its backward has run (see _backward)
-        return kept
 
     def _backward(
         self,
@@ -274,7 +362,7 @@ class StageBackend:
         training: bool = True,
         seed: int | None = None,
     ) -> Payload:
-        weights = self._weights
+        weights = self.shared.weights
         if kept is not None and weights is not None and not weights.unsplittable:  # see .weight_grads
             reply = self._backward_split(inputs, grad_outputs, request_id, commit_by, kept)
             if reply is not None:
@@ -302,11 +390,11 @@ class StageBackend:
         statistics are left as they were: the forward updated them already)."""
         grads = grad_outputs.rebuild()
         batch_size = inputs.batch_size()
-        trained = self._trained
-        with self._foreground(), self._lock:
+        trained = self.shared.trained
+        with self._foreground(), self.shared.lock:
             start, began = time.perf_counter(), time.monotonic()
             results: list[torch.Tensor | None] | None = None
-            if kept is not None and kept.matches(inputs, self._param_version):
+            if kept is not None and kept.matches(inputs, self.shared.param_version):
                 try:
                     results = self._grads_of(kept.leaves, kept.outputs, grads, trained)
                     leaves, spent = kept.leaves, kept.forward_s
@@ -336,17 +424,17 @@ class StageBackend:
     ) -> Payload | None:
         """A backward from the ``kept`` forward that replies with the input gradients and leaves the parameter
         gradients to :attr:`_weights` (see :mod:`.weight_grads`); ``None`` (nothing done) where that does not apply."""
-        weights = self._weights
+        weights = self.shared.weights
         assert weights is not None
         grads = grad_outputs.rebuild()
-        with weights.foreground(), self._lock:
-            if not kept.matches(inputs, self._param_version):
+        with weights.foreground(), self.shared.lock:
+            if not kept.matches(inputs, self.shared.param_version):
                 return None
             start, began = time.perf_counter(), time.monotonic()
             try:
                 outputs, output_grads = _roots(kept.outputs, grads)
                 wanted = [leaf for leaf in kept.leaves if leaf.requires_grad]
-                split = split_backward(outputs, output_grads, wanted, self._trained)
+                split = split_backward(outputs, output_grads, wanted, self.shared.trained)
             except BadRequest:
                 raise
             except Exception as e:  # the whole backward (below) says what is wrong, or recomputes
@@ -380,34 +468,33 @@ class StageBackend:
             return  # the step is refused (Stepper._take_pending)
         self.throughput.record(rows, work.spent)
         grads = exclusive(work.grads, grad_inputs)  # none of the reply's tensors is added into
-        with self._grads_lock:
-            self._add_pending(grads, rows)
-        self._wake.set()
+        with self.shared.grads_lock:
+            self.shared.add_pending(grads, rows)
+        self.shared.wake.set()
 
     def _done_with_kept(self) -> None:
-        with self._kept_lock:
-            self._kept_in_use -= 1
-        if self._refresh_pending_since is not None:
-            self._wake.set()  # new parameters may have been waiting for this backward
+        self.shared.kept.done()
+        if self.shared.refresh_pending_since is not None:
+            self.shared.wake.set()  # new parameters may have been waiting for this backward
 
     def _claim(self, rows: int, request_id: int | None, commit_by: float | None) -> bool:
         """Count a trainer-driven backward whose parameter gradients come later (:meth:`_add_weights`), at most
         once per request id and before ``commit_by`` (else :class:`TooLate`); returns whether they are wanted."""
         _check_deadline(request_id, commit_by)
-        with self._grads_lock:
+        with self.shared.grads_lock:
             return self._claim_locked(rows, request_id)
 
     def _claim_locked(self, rows: int, request_id: int | None) -> bool:
         """:meth:`_claim` for a caller that holds ``_grads_lock`` and has checked the deadline."""
-        if request_id is not None and not self._applied.add(request_id):
+        if request_id is not None and not self.applied.add(request_id):
             logger.debug(f"Stage {self.stage}: backward request {request_id} was already applied here")
             return False
         self.samples_processed += rows
-        return self.optimizer is not None and bool(self._trained)  # else: not training this stage
+        return self.shared.training  # else: not training this stage
 
     def _foreground(self) -> contextlib.AbstractContextManager:
         """Around a forward's or backward's use of the stage: deferred parameter gradients wait (.weight_grads)."""
-        return contextlib.nullcontext() if self._weights is None else self._weights.foreground()
+        return contextlib.nullcontext() if self.shared.weights is None else self.shared.weights.foreground()
 
     @staticmethod
     def _grads_of(
@@ -419,7 +506,7 @@ class StageBackend:
         if not roots or not (wanted or trained):
             return [None] * (len(wanted) + len(trained))
         try:  # gradients are returned, not accumulated in .grad: the stepper owns the optimizer's
-            return list(torch.autograd.grad(roots, wanted + trained, root_grads, allow_unused=True))
+            return list(torch.autograd.grad(roots, [*wanted, *trained], root_grads, allow_unused=True))
         except (MemoryError, torch.OutOfMemoryError):
             raise
         except Exception as e:
@@ -438,7 +525,7 @@ class StageBackend:
         # trainer-driven: the step's sum is checked instead (Stepper._unscale, a pass per step) and a step that is not
         # finite is skipped, as GradScaler skips it in one process; swarm-driven: this backward is dropped
         finite = self.driven or all_finite(grads)
-        with self._grads_lock:
+        with self.shared.grads_lock:
             if not self._claim_locked(batch_size, request_id):
                 return
             if not finite:  # never let them reach the optimizer (nor, through averaging, the other peers)
@@ -448,8 +535,8 @@ class StageBackend:
                     f"gradients; its contribution was dropped ({self.dropped_contributions} so far)"
                 )
                 return
-            self._add_pending(grads, batch_size)
-        self._wake.set()
+            self.shared.add_pending(grads, batch_size)
+        self.shared.wake.set()
 
     def _commit_merged(
         self, requests: list[StageRequest], grads: list[torch.Tensor | None], rows: list[int]
@@ -464,37 +551,17 @@ class StageBackend:
         if not self.driven and not all_finite(grads):  # see _commit
             return False
         ids = [r.request_id for r in requests if r.request_id is not None]
-        with self._grads_lock:
-            if len(set(ids)) != len(ids) or any(self._applied.known(i) for i in ids):
+        with self.shared.grads_lock:
+            if len(set(ids)) != len(ids) or any(self.applied.known(i) for i in ids):
                 return False
             for request_id in ids:
-                self._applied.add(request_id)
+                self.applied.add(request_id)
             self.samples_processed += sum(rows)
-            if self.optimizer is None or not self._trained:
+            if not self.shared.training:
                 return True
-            self._add_pending(grads, sum(rows), len(requests))
-        self._wake.set()
+            self.shared.add_pending(grads, sum(rows), len(requests))
+        self.shared.wake.set()
         return True
-
-    def _add_pending(self, grads: list[torch.Tensor | None], samples: int, backwards: int = 1) -> None:
-        """Add the parameter gradients of ``backwards`` backwards of ``samples`` samples (this server's own tensors,
-        see :func:`exclusive`) to the pending sum; the first backward after a step becomes the sum itself (no
-        zero-filled buffer, no extra pass). Under ``_grads_lock``."""
-        self._pending_samples += samples
-        self._pending_backwards += backwards
-        if self._pending is None:
-            self._pending = [
-                None if g is None else g.to(device=m.device, dtype=m.dtype)
-                for m, g in zip(self._master, grads, strict=True)
-            ]
-            return
-        for i, (acc, grad) in enumerate(zip(self._pending, grads, strict=True)):
-            if grad is None:
-                continue
-            if acc is None:
-                self._pending[i] = grad.to(device=self._master[i].device, dtype=self._master[i].dtype)
-            else:
-                acc.add_(grad.to(acc.device))
 
     def _run_module(self, args: tuple, kwargs: dict, training: bool = True, seed: int | None = None) -> Any:
         """Run the stage module in mode ``training`` with its random generators seeded with ``seed`` (under the
@@ -531,27 +598,6 @@ class StageBackend:
             self.module.eval()
         self._training = training
 
-    def state_dict_local(self) -> dict[str, torch.Tensor]:
-        """A detached CPU copy of the stage module's ``state_dict``, including every backward received so far
-        (see :meth:`flush`)."""
-        self.flush()
-        with self._lock:
-            return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
-
-    def info(self) -> dict[str, Any]:
-        """Stage, throughput (samples/s of forward + backward), samples processed, optimizer epoch and steps,
-        averaging rounds, and backwards whose parameter gradients came after the reply (:mod:`.weight_grads`)."""
-        epoch = self.optimizer.local_epoch if self.optimizer is not None else 0
-        return {
-            "stage": self.stage,
-            "throughput": self.throughput.value,
-            "samples_processed": self.samples_processed,
-            "epoch": int(epoch),
-            "steps": self.steps,
-            "averaged_rounds": self.averaged_rounds + getattr(self.optimizer, "rounds", 0),
-            "split_backwards": 0 if self._weights is None else self._weights.deferred,
-        }
-
 
 class _ComputeError(Exception):
     """The stage's own code raised ``error`` (wrapped so that it is told apart from the server's errors)."""
@@ -570,6 +616,22 @@ class _NonFinite(FloatingPointError):
         )
 
 
+def _inputs(request: StageRequest) -> Payload:
+    """A request's inputs (a backward sent without them has its kept forward's by now, see ``handle``)."""
+    assert request.inputs is not None
+    return request.inputs
+
+
+def error_reply(request_id: int, category: str, error: BaseException) -> StageReply:
+    """The reply to request ``request_id`` that failed with ``error`` (see :mod:`..wire.errors` for categories)."""
+    return StageReply(request_id, error=ErrorReply.from_exception(error, category))
+
+
+def _kept_backward(request: StageRequest, kept: KeptForwards) -> bool:
+    """Whether ``request`` is a backward whose forward is kept here."""
+    return request.kind == "backward" and kept.holds(request.forward_id)
+
+
 def _roots(outputs: list[torch.Tensor], grads: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The outputs a backward starts from (those with a gradient that require grad) and their gradients, in the
     outputs' dtype and device (:class:`BadRequest` for gradients that do not fit the outputs)."""
@@ -582,7 +644,7 @@ def _roots(outputs: list[torch.Tensor], grads: Any) -> tuple[list[torch.Tensor],
     return [o for o, _ in pairs], [g for _, g in pairs]
 
 
-def _filled(wanted: list[torch.Tensor], results: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+def _filled(wanted: list[torch.Tensor], results: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
     """The input gradients sent back: zeros for an input that got none."""
     return tuple(g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, results, strict=False))
 

@@ -5,56 +5,247 @@ See :mod:`.server` for how serving and stepping share the stage's parameters."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import math
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import PeerID
+from torch import nn
 
+from lightning_swarm.swarm.footprint import before_fork, release_free_memory, zero_grad_view
+from lightning_swarm.swarm.server.shared import SharedState
+from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.training.averaging import (
+    HelperDied,
     NamedGroupFailed,
-    _GradientAverager,
-    _NamedGroups,
-    _no_partner,
-    _state_lock,
-    _StateAverager,
+    NamedGroups,
+    StageGradientAverager,
+    StageStateAverager,
+    WatchedAverager,
+    helper_alive,
     named_group_id,
+    no_partner,
 )
+from lightning_swarm.swarm.training.optimizers import OptimizerFactory, StageOptimizer, make_initialized
 from lightning_swarm.swarm.training.stepping import StepCommand
+from lightning_swarm.swarm.wire.protocol import stage_uid
 from lightning_swarm.swarm.wire.same_host_sum import SameHostSumFailed, on_one_host, sum_on_host
 
 logger = logging.getLogger(__name__)
 
 MAX_STEP_ATTEMPTS = 3  # averaging rounds a trainer-driven step tries before a peer steps on its own gradients
 
-_EPOCH_POLL_S = 0.25  # how often an idle server checks whether its stage is ready to step
+EPOCH_POLL_S = 0.25  # how often an idle server checks whether its stage is ready to step
 
 _REFRESH_DEFER_S = 5.0  # how long kept forwards may hold back new parameters (their backwards come first)
 
 
 class Stepper:
-    """The optimizer side of a :class:`~.server.StageServer` (a mixin: its attributes are the server's): the
-    stepper thread, trainer-driven step commands (:mod:`..stepping`) and the optimizer's state."""
+    """The optimizer side of a stage server (see :mod:`.server`): the stage's ``hivemind.Optimizer``, the thread
+    that feeds it the pending gradients (swarm-driven steps), trainer-driven step commands (:mod:`..stepping`) and
+    the optimizer's state.
+
+    Args:
+        stage: the stage index.
+        dht: this peer's running hivemind DHT (the optimizer's averagers use it).
+        settings: the swarm's settings (run id, target batch size, averaging times, stage_steps).
+        shared: the state shared with the server's backend.
+    """
+
+    def __init__(self, stage: int, dht: hivemind.DHT, settings: SwarmSettings, shared: SharedState) -> None:
+        self.stage, self.dht, self.settings, self.shared = stage, dht, settings, shared
+        self.uid = stage_uid(settings.run_id, stage)
+        # trainer-driven steps (settings.stage_steps == "trainer", see .stepping): the trainer's step commands step
+        self.driven = settings.stage_steps == "trainer"
+        self.step_lock = threading.Lock()  # held while the optimizer runs (a step, a state load or save)
+        self.same_host = False  # whether this server listens on a same-host socket (see ..same_host_sum)
+        self.steps = 0  # optimizer steps this server took (trainer-driven or swarm-driven)
+        self.averaged_rounds = 0  # steps whose gradients were summed with other peers of the stage
+        self.same_host_rounds = 0  # of which through shared memory (see ..same_host_sum)
+        self.failed: str | None = None  # why this stepper takes no more steps (a helper process died)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._master_versions: tuple[int, ...] | None = None  # see refresh_parameters
+        # the trainer's group of each of this stage's optimizer groups: (trainer optimizer, group)
+        self._group_sources: list[tuple[int, int]] = []
+        # the step in progress: (step id, own gradients, their indices, (summed gradients, facts) or None)
+        self._prepared: tuple[int, list[torch.Tensor | None], list[int], Any, Any] | None = None
+        self._steps_applied: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        # the last trainer epoch a call made this peer catch up to (see catch_up_for_call)
+        self._caught_up_to = 0
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.dht.peer_id
+
+    # ---- lifecycle ----
+
+    def dead_helper(self) -> tuple[str, Any] | None:
+        """``(name, helper)`` of a helper of the stage's optimizer that died: an averager's process, or the progress
+        tracker's thread; ``None`` while they all live (or there is no optimizer)."""
+        opt = self.shared.optimizer
+        if opt is None:
+            return None
+        for name in ("grad_averager", "state_averager"):
+            averager = getattr(opt, name, None)
+            if averager is not None and averager.pid is not None and not helper_alive(averager):
+                return name.replace("_", " "), averager
+        tracker = getattr(opt, "tracker", None)
+        if tracker is not None and tracker.ident is not None and not tracker.is_alive():
+            # (the run's end shuts the optimizer down only after it is no longer shared: not a death)
+            return ("progress tracker", tracker) if self.shared.optimizer is opt else None
+        return None
+
+    def create_optimizer(
+        self, groups: list[dict[str, Any]], optimizer_factory: OptimizerFactory | None, joining: bool
+    ) -> None:
+        """Create the stage's optimizer over the parameter ``groups`` (dicts with ``"params"``, hyper-parameters and
+        optionally ``swarm_optimizer``/``swarm_group``, the trainer's optimizer and group each mirrors); none if
+        there is no factory or nothing to train. A ``joining`` server offers no state to download yet."""
+        s, shared = self.settings, self.shared
+        groups = [g for g in groups if g["params"]]
+        self._group_sources = [
+            (int(g.get("swarm_optimizer", 0)), int(g.get("swarm_group", i))) for i, g in enumerate(groups)
+        ]
+        groups = [{k: v for k, v in g.items() if k not in ("swarm_optimizer", "swarm_group")} for g in groups]
+        if not groups or optimizer_factory is None:
+            return
+        before_fork()  # hivemind forks its averagers below
+        request_timeout = max(0.2, s.matchmaking_time / 3)
+        shared.trained = [p for g in groups for p in g["params"]]
+        # trainer-driven steps on the CPU: the optimizer steps the served parameters themselves, with serving
+        # paused (see _writing_served); its state averager and gradient averager reuse them (no copies)
+        shared.shared_master = self.driven and all(p.device.type == "cpu" for p in shared.trained)
+        if shared.shared_master:
+            shared.master = list(shared.trained)
+        else:
+            shared.master = [nn.Parameter(p.detach().clone(), requires_grad=True) for p in shared.trained]
+        for master in shared.master:  # else hivemind's gradient averager allocates zero gradients to copy
+            master.grad = zero_grad_view(master)
+        master_of = {id(p): m for p, m in zip(shared.trained, shared.master, strict=True)}
+        groups = [{**g, "params": [master_of[id(p)] for p in g["params"]]} for g in groups]
+        shared.optimizer = StageOptimizer(
+            dht=self.dht,
+            run_id=f"{s.run_id}_stage{self.stage}",  # hivemind forbids '.' in optimizer run ids
+            target_batch_size=s.target_batch_size,
+            batch_size_per_step=None,
+            optimizer=functools.partial(make_initialized, optimizer_factory),
+            params=groups,
+            offload_optimizer=False,  # the master copy is already apart from the served parameters
+            # driven: hivemind's local gradient accumulators are never used (the commands carry the step), and
+            # the state averager averages no parameters (it only serves downloads): no copies for either
+            reuse_grad_buffers=self.driven,
+            reuse_state_tensors=shared.shared_master or None,
+            matchmaking_time=s.matchmaking_time,
+            averaging_timeout=s.averaging_timeout,
+            # hivemind's default (matchmaking_time) gives up a state download whose next chunk is half a second
+            # late on a loaded host; a stalled sender of an all-reduce is still dropped within averaging_timeout
+            next_chunk_timeout=max(s.matchmaking_time, min(s.request_timeout, s.averaging_timeout)),
+            # hivemind warns (and may deadlock) unless requests time out before matchmaking ends; the optimizer
+            # state is initialized without moving the parameters (see initialize_optimizer_state)
+            averager_opts={
+                "request_timeout": request_timeout,
+                "initialize_optimizer": False,
+                "allow_state_sharing": not joining,  # a joiner's state is not worth downloading
+            },
+            grad_averager_factory=functools.partial(
+                StageGradientAverager, request_timeout=request_timeout, allow_state_sharing=False
+            ),  # joiners download the state averager's state; a gradient buffer is not worth a download
+            verbose=False,
+        )
+        for master in shared.master:  # hivemind made zero gradients; each step hands its own over
+            master.grad = None
+
+    def start(self) -> None:
+        """Swarm-driven steps: start the thread that steps the optimizer (trainer-driven: the commands step)."""
+        self._stop.clear()
+        if self.shared.optimizer is not None and not self.driven:
+            self._thread = threading.Thread(
+                target=self._step_loop, name=f"stage{self.stage}-step", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self, abort: bool = False) -> None:
+        """Stop the stepper thread; with ``abort`` (the run failed) an averaging round in progress is cancelled
+        rather than waited for."""
+        self._stop.set()
+        self.shared.wake.set()
+        opt = self.shared.optimizer
+        if abort and isinstance(opt, StageOptimizer):
+            opt.abort()
+        if self._thread is not None:  # a round in progress ends within averaging_timeout; do not wait longer
+            rounds = self.settings.averaging_timeout + self.settings.matchmaking_time
+            self._thread.join(timeout=min(rounds, 1.0) if abort else rounds)
+
+    def close(self) -> None:
+        """Shut the optimizer down (after :meth:`stop`)."""
+        opt = self.shared.optimizer
+        if opt is not None:
+            try:
+                opt.shutdown()
+            except Exception as e:
+                logger.warning(f"Stage {self.stage} server: error while shutting down the optimizer: {e!r}")
+
+    def release(self) -> None:
+        """The run is over: shut the optimizer down, freeing its state, its averagers' buffers and any pending
+        gradients; the parameters of the steps taken so far stay served (see ``StageServer.release_training_state``)."""
+        self.flush()
+        shared = self.shared
+        with self.step_lock:
+            opt, shared.optimizer = shared.optimizer, None
+            if opt is not None and not shared.shared_master:
+                self.refresh_parameters()  # the steps taken so far are served, then the copies go
+                shared.master = []
+            with shared.grads_lock:
+                shared.take_pending()
+            self._prepared = None
+        if opt is not None:
+            try:
+                opt.shutdown(run_over=True)
+            except Exception as e:
+                logger.warning(f"Stage {self.stage} server: error while shutting down the optimizer: {e!r}")
+            del opt
+            release_free_memory()
+
+    def load_state_from_peers(self) -> bool:
+        """Download the stage's current parameters and optimizer state (and epoch) from a peer already serving the
+        stage, in place; returns whether a peer sent it (``False`` without an optimizer)."""
+        opt = self.shared.optimizer
+        if opt is None:
+            return False
+        averager = opt.state_averager
+        assert isinstance(averager, StageStateAverager)
+        with self.step_lock:  # the stepper is not running the optimizer while its state is replaced
+            averager.loaded = False
+            opt.load_state_from_peers()
+            self.refresh_parameters()
+            return averager.loaded
 
     # ---- the stepper: the optimizer, off the serving path ----
 
     def _step_loop(self) -> None:
         """Feed pending gradients to the optimizer and take part in the stage's averaging rounds."""
         while not self._stop.is_set():
-            self._wake.wait(_EPOCH_POLL_S)
-            self._wake.clear()
+            self.shared.wake.wait(EPOCH_POLL_S)
+            self.shared.wake.clear()
             if self._stop.is_set():
                 return
             try:
                 self.step_pending()
-                if self._refresh_pending_since is not None:
-                    with self._step_lock:
-                        self._refresh_parameters(defer=True)
+                if self.shared.refresh_pending_since is not None:
+                    with self.step_lock:
+                        self.refresh_parameters(defer=True)
+            except HelperDied as e:  # the server sees it too, and says what it does about it
+                logger.info(f"Stage {self.stage}: optimizer step failed: {e}")
             except Exception as e:  # a failed round must not end the stepper; the next one may succeed
                 logger.error(f"Stage {self.stage}: optimizer step failed: {e!r}; its gradients were dropped")
 
@@ -62,116 +253,123 @@ class Stepper:
         """Hand the gradients of the backwards served so far to the optimizer (one ``step``); returns whether it
         stepped. Also joins the stage's averaging round when the swarm has collected the target batch even if
         no backward arrived here (otherwise the stage's other peers would wait for this one in matchmaking)."""
-        opt = self.optimizer
+        opt = self.shared.optimizer
         if opt is None:
             return False
-        with self._step_lock:
-            with self._grads_lock:
-                grads, samples, backwards = self._pending, self._pending_samples, self._pending_backwards
-                self._pending, self._pending_samples, self._pending_backwards = None, 0, 0
+        with self.step_lock:
+            with self.shared.grads_lock:
+                grads, samples, backwards = self.shared.take_pending()
             if grads is None:
                 if not (
                     opt.tracker.ready_to_update_epoch and opt.grad_averager.local_samples_accumulated > 0
                 ):
                     return False  # nothing to contribute: the others step without us, we catch up from them
-                grads = [torch.zeros_like(m) for m in self._master]
-            for master, grad in zip(self._master, grads, strict=True):
+                grads = [torch.zeros_like(m) for m in self.shared.master]
+            for master, grad in zip(self.shared.master, grads, strict=True):
                 master.grad = torch.zeros_like(master) if grad is None else grad
             averager = opt.grad_averager
-            if isinstance(averager, _GradientAverager):
+            if isinstance(averager, StageGradientAverager):
                 averager.backwards = backwards
             epoch = opt.local_epoch
             try:
                 opt.step(batch_size=samples)
             finally:
-                for master in self._master:
+                for master in self.shared.master:
                     master.grad = None
             self.steps += max(0, opt.local_epoch - epoch)
             # refresh even without a new epoch: hivemind applies a finished background state averaging here
-            self._refresh_parameters(defer=True)
+            self.refresh_parameters(defer=True)
             return True
 
     @contextlib.contextmanager
     def _writing_served(self) -> Iterator[None]:
         """Around a write of the optimizer's parameters: when they are the served ones (``_shared_master``),
         serving waits (the parameters lock) and forwards kept before recompute their backward."""
-        if not self._shared_master:
+        if not self.shared.shared_master:
             yield
             return
-        with self._lock:
+        with self.shared.lock:
             try:
                 yield
             finally:
-                self._param_version += 1
+                self.shared.param_version += 1
 
-    def _refresh_parameters(self, defer: bool = False) -> None:
+    def refresh_parameters(self, defer: bool = False) -> None:
         """Copy the optimizer's parameters into the served ones if they changed (under the parameters lock:
         short); the caller holds ``_step_lock``. Unchanged ones are not written: a kept forward's graph stays
         valid. With ``defer``, changed parameters wait while forwards kept before are still waiting for their
         backward, up to ``_REFRESH_DEFER_S`` (the stepper retries, see :meth:`_step_loop`)."""
-        if self._shared_master:
+        if self.shared.shared_master:
             return  # written in place (see _writing_served)
         # every write of the optimizer's parameters is in place (its step; hivemind's averaging and state loads
         # copy_ into them), which bumps their version counters: unchanged counters skip comparing every element
         # (two reads of the stage's parameters, after every backward of a swarm-driven stage)
-        versions = tuple(master._version for master in self._master)
+        versions = tuple(master._version for master in self.shared.master)
         if versions == self._master_versions:
-            self._refresh_pending_since = None
+            self.shared.refresh_pending_since = None
             return
-        with self._lock, torch.no_grad():
+        with self.shared.lock, torch.no_grad():
             changed = [
                 not torch.equal(served, master)
-                for served, master in zip(self._trained, self._master, strict=True)
+                for served, master in zip(self.shared.trained, self.shared.master, strict=True)
             ]
             if not any(changed):
                 self._master_versions = versions
-                self._refresh_pending_since = None
+                self.shared.refresh_pending_since = None
                 return
             now = time.monotonic()
             if defer:
-                with self._kept_lock:
-                    waiting = bool(self._kept) or self._kept_in_use > 0
-                since = self._refresh_pending_since
+                waiting = self.shared.kept.waiting()
+                since = self.shared.refresh_pending_since
                 if since is None:
-                    since = self._refresh_pending_since = now
+                    since = self.shared.refresh_pending_since = now
                 if waiting and now - since < _REFRESH_DEFER_S:
                     return  # forwards arriving meanwhile are not kept (see _forward)
-            for served, master, differs in zip(self._trained, self._master, changed, strict=True):
+            for served, master, differs in zip(self.shared.trained, self.shared.master, changed, strict=True):
                 if differs:
                     served.copy_(master)
             self._master_versions = versions
-            self._param_version += 1  # kept forwards saw the old values: their backwards recompute
-            self._refresh_pending_since = None
+            self.shared.param_version += 1  # kept forwards saw the old values: their backwards recompute
+            self.shared.refresh_pending_since = None
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the gradients received so far have been handed to the optimizer (and a step they
         triggered has been taken), at most ``timeout`` seconds (default: one averaging round)."""
-        if self.optimizer is None:
+        if self.shared.optimizer is None:
             return
         s = self.settings
         timeout = s.averaging_timeout + s.matchmaking_time if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        stepper = self._stepper
+        stepper = self._thread
         if stepper is None or not stepper.is_alive():
             return
-        while self._pending is not None and time.monotonic() < deadline:
-            self._wake.set()
+        while self.shared.pending is not None and time.monotonic() < deadline:
+            self.shared.wake.set()
             time.sleep(0.01)
-        if self._step_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if self.step_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             try:  # the parameters of the steps taken so far are served from now on
-                if self._refresh_pending_since is not None:
-                    self._refresh_parameters()
+                if self.shared.refresh_pending_since is not None:
+                    self.refresh_parameters()
             finally:
-                self._step_lock.release()
+                self.step_lock.release()
 
     # ---- trainer-driven steps (see .stepping) ----
 
     def step_command(self, command: StepCommand) -> dict[str, Any]:
         """Run one phase of a trainer's step command (see :mod:`.stepping`); returns the reply (``epoch``,
         ``finite`` of the step's gradients and, in phase ``"norm"``, their ``sq_norm``). Never applies a
-        ``step_id`` twice."""
-        opt = self.optimizer
-        if opt is None or not self._trained:
+        ``step_id`` twice. A stepper that lost a helper process (:attr:`failed`) refuses: the trainer steps the
+        stage's other peers without this one."""
+        if self.failed is None:
+            try:
+                return self._step_command(command)
+            except HelperDied as e:
+                self.failed = str(e)
+        return {"epoch": -1, "error": f"stage {self.stage} on this peer takes no steps: {self.failed}"}
+
+    def _step_command(self, command: StepCommand) -> dict[str, Any]:
+        opt = self.shared.optimizer
+        if opt is None or not self.shared.trained:
             return {"epoch": 0, "sq_norm": 0.0, "finite": True, "steps": self.steps}
         if command.phase == "hyper":  # no lock: the stepper reads the groups at its next step
             self._set_hyper(command)
@@ -184,7 +382,7 @@ class Stepper:
                 "(stage_steps='async') but a trainer commands its steps (stage_steps='trainer'): start every peer "
                 "of the run with the same stage_steps",
             }
-        with self._step_lock:
+        with self.step_lock:
             done = self._steps_applied.get(command.step_id)
             if done is not None:
                 return done
@@ -248,11 +446,11 @@ class Stepper:
         the trainer's last step) and would serve stale parameters, so it loads the stage's state from its peers
         first. Tried once per epoch: a stage whose peers are all behind the trainer (they restarted) serves what
         it has, and the next step command sets the trainer's epoch right."""
-        opt = self.optimizer
+        opt = self.shared.optimizer
         if epoch is None or opt is None or not self.driven or opt.local_epoch >= epoch:
             return
         # calls arriving during a catch-up wait for it: they must not serve stale values
-        with self._step_lock:
+        with self.step_lock:
             if opt.local_epoch >= epoch or epoch <= self._caught_up_to:
                 return  # another call's catch-up or a step got here first, or this epoch was tried
             try:
@@ -262,7 +460,7 @@ class Stepper:
 
     def _set_hyper(self, command: StepCommand) -> None:
         """Give each of the stage optimizer's groups the trainer's hyper-parameters of the group it mirrors."""
-        opt = self.optimizer
+        opt = self.shared.optimizer
         assert opt is not None
         groups = opt.state_averager.optimizer.param_groups
         for group, (optimizer, index) in zip(groups, self._group_sources, strict=True):
@@ -272,23 +470,25 @@ class Stepper:
     def _catch_up(self, epoch: int) -> None:
         """This peer missed steps (the trainer saw the stage at ``epoch``): load the stage's state from its
         peers before stepping with them. Under ``_step_lock``."""
-        opt = self.optimizer
+        opt = self.shared.optimizer
         assert opt is not None
         logger.info(
             f"Stage {self.stage}: this peer is at step {opt.local_epoch}, the stage at {epoch}; loading its state"
         )
         # the backwards served so far ran with the parameters about to be replaced
-        if self._weights is not None:
-            self._weights.drain(consume=False)
+        if self.shared.weights is not None:
+            self.shared.weights.drain(consume=False)
         averager = opt.state_averager
-        assert isinstance(averager, _StateAverager)
+        assert isinstance(averager, StageStateAverager)
         averager.loaded = False
         try:
             with self._writing_served():
                 opt.load_state_from_peers()
+        except HelperDied as e:  # the server sees it too, and says what it does about it
+            logger.info(f"Stage {self.stage}: could not load the stage's state from its peers: {e}")
         except Exception as e:
             logger.warning(f"Stage {self.stage}: could not load the stage's state from its peers: {e!r}")
-        self._refresh_parameters()
+        self.refresh_parameters()
 
     @staticmethod
     def _unscale(
@@ -323,21 +523,21 @@ class Stepper:
         """Remove from the pending gradients those of the parameters in the trainer's optimizer ``optimizer``;
         returns them (aligned with the master parameters, ``None`` elsewhere) and those parameters' indices."""
         owned = {i for i, (source, _) in enumerate(self._group_sources) if source == optimizer}
-        opt = self.optimizer
+        opt = self.shared.optimizer
         assert opt is not None
         groups = opt.state_averager.optimizer.param_groups
-        index_of = {id(m): i for i, m in enumerate(self._master)}
+        index_of = {id(m): i for i, m in enumerate(self.shared.master)}
         wanted = [index_of[id(p)] for g, group in enumerate(groups) if g in owned for p in group["params"]]
-        grads: list[torch.Tensor | None] = [None] * len(self._master)
+        grads: list[torch.Tensor | None] = [None] * len(self.shared.master)
         # deferred parameter gradients first (.weight_grads)
-        failed = None if self._weights is None else self._weights.drain()
-        with self._grads_lock:
-            pending = self._pending
+        failed = None if self.shared.weights is None else self.shared.weights.drain()
+        with self.shared.grads_lock:
+            pending = self.shared.pending
             if pending is not None:
                 for i in wanted:
                     grads[i], pending[i] = pending[i], None
                 if all(g is None for g in pending):
-                    self._pending, self._pending_samples, self._pending_backwards = None, 0, 0
+                    self.shared.take_pending()
         # a backward's parameter gradients are missing: the step is skipped, as a non-finite one is
         if failed is not None:
             first = next((g for g in grads if g is not None), None)
@@ -353,7 +553,7 @@ class Stepper:
         first attempt through shared memory (:mod:`..same_host_sum`); otherwise, and for every redo (which thus
         works wherever they failed to meet there), through the stage's gradient averager (hivemind)."""
         me = self.peer_id.to_bytes()
-        here = command.attempt == 0 and self._same_host is not None and me in command.group
+        here = command.attempt == 0 and self.same_host and me in command.group
         if here and on_one_host(command.group, self.uid):
             sums, group = self._sum_on_host(grads, wanted, command, me)
         else:
@@ -373,7 +573,7 @@ class Stepper:
         try:
             sums = sum_on_host(
                 [grads[i] for i in wanted],
-                [self._master[i] for i in wanted],
+                [self.shared.master[i] for i in wanted],
                 named_group_id(command.uid, command.step_id, command.attempt),
                 command.group,
                 me,
@@ -395,7 +595,7 @@ class Stepper:
         with weight 1, times the group's size), and the group's size (``None`` if no round was made). The round
         is among the peers the command names (no matchmaking), or, for a command that names none, a group found by
         hivemind's matchmaking."""
-        opt = self.optimizer
+        opt = self.shared.optimizer
         assert opt is not None
         averager = opt.grad_averager
         with torch.no_grad(), averager.get_tensors() as buffers:
@@ -403,9 +603,11 @@ class Stepper:
                 buffer.copy_(grad) if grad is not None else buffer.zero_()
         try:
             group = self._one_round(averager, command)
+        except HelperDied:
+            raise
         except Exception as e:
             group = None
-            if not _no_partner(e):  # a broken round (shapes, a reducer's failure...), not a missing partner
+            if not no_partner(e):  # a broken round (shapes, a reducer's failure...), not a missing partner
                 logger.error(
                     f"Stage {self.stage}: summing the step's gradients with the stage's peers failed: {e!r}; "
                     "stepping with this peer's own gradients"
@@ -431,7 +633,7 @@ class Stepper:
         ``SwarmClient.step_stage``): matchmaking is given that long, and the all-reduce ``averaging_timeout``."""
         s = self.settings
         me = self.peer_id.to_bytes()
-        if len(command.group) > 1 and me in command.group and isinstance(averager, _NamedGroups):
+        if len(command.group) > 1 and me in command.group and isinstance(averager, NamedGroups):
             peers = [PeerID(p) for p in command.group]
             group_id = named_group_id(command.uid, command.step_id, command.attempt)
             try:
@@ -439,12 +641,20 @@ class Stepper:
             except NamedGroupFailed as e:
                 logger.info(f"Stage {self.stage}: the round with the peers the trainer named failed ({e})")
                 return None
-        control = DecentralizedAverager.step(averager, weight=1.0, timeout=s.averaging_timeout, wait=False)
+        # one round (not hivemind's GradientAverager.step, which accumulates): the bounded one where it exists
+        round_step = (
+            WatchedAverager.step if isinstance(averager, WatchedAverager) else DecentralizedAverager.step
+        )
+        control = round_step(averager, weight=1.0, timeout=s.averaging_timeout, wait=False)
         looking = time.monotonic() + 3 * s.matchmaking_time + 2.0
         while not control.done():
             if not control.began_allreduce and time.monotonic() > looking:
                 control.cancel()
                 return None
+            if not helper_alive(averager):
+                raise HelperDied(
+                    f"stage {self.stage}'s gradient averager (pid {averager.pid}) died in a round"
+                )
             try:
                 control.result(timeout=0.05)
             except TimeoutError:  # concurrent.futures.TimeoutError is TimeoutError
@@ -455,7 +665,7 @@ class Stepper:
     def _apply(self, command: StepCommand, grads: list[torch.Tensor | None], facts: dict[str, Any]) -> None:
         """Clip ``grads`` as commanded, take the trainer's hyper-parameters and step; then serve the new
         parameters. Under ``_step_lock``."""
-        opt = self.optimizer
+        opt = self.shared.optimizer
         assert opt is not None
         if command.skip or not facts["finite"]:
             if not facts["finite"] and not command.skip:
@@ -473,29 +683,29 @@ class Stepper:
                 if command.clip_value is not None:
                     g.clamp_(-command.clip_value, command.clip_value)
         self._set_hyper(command)
-        for master, grad in zip(self._master, grads, strict=True):
+        for master, grad in zip(self.shared.master, grads, strict=True):
             master.grad = grad
         # a peer downloading the stage's state meanwhile gets it from before or after this step, never torn and
-        # never with the new epoch on the old parameters (see _StateAverager.get_current_state)
-        with _state_lock(averager), opt.tracker.pause_updates(), self._writing_served():
+        # never with the new epoch on the old parameters (see StageStateAverager.get_current_state)
+        with averager.state_lock, opt.tracker.pause_updates(), self._writing_served():
             try:
                 averager.step(increment_epoch=True, optimizer_step=True)
             finally:
-                for master in self._master:
+                for master in self.shared.master:
                     master.grad = None
             self.steps += 1
             opt.tracker.update_epoch(new_epoch=averager.local_epoch)
         if not opt.client_mode:
             averager.state_sharing_priority = averager.local_epoch
-        self._refresh_parameters()
+        self.refresh_parameters()
 
     def optimizer_state(self) -> bytes:
         """The stage optimizer's state (``torch.save`` of ``{"optimizer": state_dict, "epoch": int}``), for a
         trainer's checkpoint; empty if this server does not train its stage."""
-        opt = self.optimizer
+        opt = self.shared.optimizer
         if opt is None:
             return b""
-        with self._step_lock:
+        with self.step_lock:
             averager = opt.state_averager
             buffer = io.BytesIO()
             torch.save(
@@ -510,7 +720,7 @@ class Stepper:
         Raises:
             ValueError: the state does not fit this stage's optimizer (another model or stage layout).
         """
-        opt = self.optimizer
+        opt = self.shared.optimizer
         if opt is None:
             return
         try:
@@ -521,7 +731,7 @@ class Stepper:
             raise ValueError(
                 f"Stage {self.stage}: unreadable optimizer state ({type(e).__name__}: {e})"
             ) from None
-        with self._step_lock:
+        with self.step_lock:
             averager = opt.state_averager
             torch_opt = averager.optimizer
             masters = [p for group in torch_opt.param_groups for p in group["params"]]

@@ -1,20 +1,25 @@
 """Every override of hivemind's private averaging API, in one file (hivemind is pinned to 1.1.12): a part
-reducer that tolerates bad senders, guarded all-reduce runners, averagers that start from any thread, a progress
-tracker that finishes its tasks at shutdown."""
+reducer that tolerates bad senders, guarded all-reduce runners, averagers that start from any thread and whose
+waits end when their process dies, a progress tracker that finishes its tasks at shutdown."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
+import os
 import signal
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind's servicer reads typing's AsyncIterator only)
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.partition import BannedException, TensorPartReducer
@@ -40,6 +45,36 @@ _DRAIN_S = 2.0  # seconds a progress tracker's leftover tasks get to finish once
 # group ids of rounds among peers a trainer named (no matchmaking)
 _NAMED_GROUP_TAG = b"lightning-swarm/named:"
 _NAMED_GROUP_POLL_S = 0.002  # how often a part that came before its named round began looks for the round
+
+
+HELPER_POLL_S = 0.1  # how often a wait on a helper process checks that the helper still lives
+
+
+class HelperDied(RuntimeError):
+    """A hivemind helper process this peer waited on (an averager's) has died: nothing will ever answer."""
+
+
+def helper_alive(process: Any) -> bool:
+    """Whether a helper process lives; one this process did not start counts as alive (it cannot tell)."""
+    try:
+        return bool(process.is_alive())
+    except (AssertionError, ValueError):
+        return True
+
+
+def wait_on_helper(future: Any, helper: Any, what: str, timeout: float | None = None) -> Any:
+    """``future.result()`` for a future that the process ``helper`` resolves: at most ``timeout`` seconds (``None``:
+    as long as the helper lives, then ``TimeoutError``), and :class:`HelperDied` within ``HELPER_POLL_S`` of the
+    helper's death, instead of forever."""
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            return future.result(timeout=max(0.0, min(HELPER_POLL_S, deadline - time.monotonic())))
+        except TimeoutError:  # concurrent.futures.TimeoutError is TimeoutError
+            if not helper_alive(helper):
+                raise HelperDied(f"{what}: its helper process (pid {helper.pid}) died") from None
+            if time.monotonic() >= deadline:
+                raise
 
 
 class NamedGroupFailed(Exception):
@@ -154,7 +189,7 @@ class _GuardedAllReduceRunner(AllReduceRunner):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        plain = self.tensor_part_reducer
+        plain = self.tensor_part_reducer  # type: ignore[has-type]
         self.tensor_part_reducer = _RobustPartReducer(
             plain.part_shapes, plain.num_senders, list(self.sender_peer_ids)
         )
@@ -173,7 +208,7 @@ class _GuardedAllReduceRunner(AllReduceRunner):
                 raise AllreduceException(f"peer {peer_ids[peer_index]} returned a non-finite average")
             register(peer_index, part_index, part)
 
-        container.register_processed_part = register_checked  # type: ignore[method-assign]
+        container.register_processed_part = register_checked
 
 
 class _GuardedAveraging:
@@ -194,7 +229,7 @@ class _GuardedAveraging:
             **kwargs,
         )
         running = self._running_groups  # type: ignore[attr-defined]
-        assert group_id in running, f"Group id {group_id} was not registered in _register_allreduce_group"
+        assert group_id in running, f"Group id {group_id!r} was not registered in _register_allreduce_group"
         running[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:  # type: ignore[attr-defined]
             async for tensor, update in azip(as_aiter(*tensors), runner):
@@ -227,26 +262,124 @@ class _StartsInAnyThread:
         super().run()  # type: ignore[misc]
 
 
-class _StateAverager(_StartsInAnyThread, _GuardedAveraging, TrainingStateAverager, _LoadProbe):
+class WatchedAverager(DecentralizedAverager):
+    """hivemind's averager whose host-process waits on its helper process end when that process dies: a wait for
+    the averaged tensors' lock, for a round to start or end, or for a state download raises :class:`HelperDied`
+    within ``HELPER_POLL_S`` of the death (hivemind would wait forever, e.g. on the lock a killed averager held
+    mid-round). Nothing is sent to a dead helper (the host's own end of the pipe would read it), and shutting a dead
+    one down does nothing (hivemind would log an error). Listed after hivemind's averager classes in a subclass's
+    bases, so that it sits just above ``DecentralizedAverager``."""
+
+    def _check_helper(self, what: str) -> None:
+        if not helper_alive(self):
+            raise HelperDied(f"{type(self).__name__} {what}: its helper process (pid {self.pid}) died")
+
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[Any]:
+        if os.getpid() != self._parent_pid:  # in the averager's own process: hivemind's
+            with super().get_tensors() as tensors:
+                yield tensors
+            return
+        lock = self.lock_averaged_tensors
+        while not lock.acquire(timeout=HELPER_POLL_S):
+            self._check_helper("averaged tensors")
+        try:
+            yield self._averaged_tensors
+        finally:
+            lock.release()
+
+    def step(
+        self,
+        gather: Any = None,
+        scheduled_time: float | None = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        require_trigger: bool = False,
+        wait: bool = True,
+    ) -> Any:
+        # hivemind's DecentralizedAverager.step, with its two waits on the helper process bounded
+        self._check_helper("step")
+        if scheduled_time is None:
+            scheduled_time = get_dht_time() + self.matchmaking_kwargs["min_matchmaking_time"]
+        if weight is None:
+            weight = float(self.mode != AveragingMode.AUX)
+        deadline = get_dht_time() + timeout if timeout is not None else float("inf")
+        assert isinstance(weight, int | float) and weight >= 0, (
+            f"Expected a positive int/float, got {type(weight)}"
+        )
+        assert not (wait and require_trigger), (
+            "Non-asynchronous step cannot wait for trigger (use wait=False)"
+        )
+        assert scheduled_time < deadline, "Scheduled start time does not fit within timeout"
+        user_data_for_gather = self.serializer.dumps(gather)
+        data_for_gather = self.serializer.dumps([self.bandwidth, self.mode.value, user_data_for_gather])
+        step = StepControl(
+            scheduled_time=scheduled_time,
+            deadline=deadline,
+            allow_retries=allow_retries,
+            weight=weight,
+            data_for_gather=data_for_gather,
+        )
+        future_for_init: MPFuture = MPFuture()
+        self._outer_pipe.send(("_step", [], dict(step=step, future_for_init=future_for_init)))
+        step.attach(*wait_on_helper(future_for_init, self, "an averaging round's start"))
+        if not require_trigger:
+            step.allow_allreduce()
+        return wait_on_helper(step, self, "an averaging round") if wait else step
+
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
+        self._check_helper("state download")
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future)))
+        return wait_on_helper(future, self, "a state download", timeout) if wait else future
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        return bool(self._allow_state_sharing.value)
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        if helper_alive(self):
+            DecentralizedAverager.allow_state_sharing.fset(self, value)
+        else:
+            self._allow_state_sharing.value = value
+
+    @property
+    def state_sharing_priority(self) -> float:
+        return float(self._state_sharing_priority.value)
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        if helper_alive(self):
+            DecentralizedAverager.state_sharing_priority.fset(self, value)
+        else:
+            self._state_sharing_priority.value = value
+
+    def shutdown(self) -> None:
+        if helper_alive(self):
+            super().shutdown()
+
+
+class StageStateAverager(
+    _StartsInAnyThread, _GuardedAveraging, TrainingStateAverager, _LoadProbe, WatchedAverager
+):
     """hivemind's state averager of a stage, telling whether a joiner's download succeeded, and serving downloads
     of a consistent state: hivemind increments the epoch before the optimizer step and reads the parameters
     without the optimizer's lock, so a download during a step could get the old parameters under the new epoch.
-    Trainer-driven steps hold :func:`_state_lock` over the whole step; downloads take it too."""
+    Trainer-driven steps hold :attr:`state_lock` over the whole step; downloads take it too (hivemind serves a
+    download from the host process, where the stage steps)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.state_lock = threading.RLock()  # before hivemind's constructor, which may start the averager
+        super().__init__(*args, **kwargs)
 
     def get_current_state(self) -> Any:
-        with _state_lock(self):
+        with self.state_lock:
             return super().get_current_state()
 
 
-def _state_lock(averager: Any) -> Any:
-    """The lock that makes a stage's optimizer step and a download of its state exclusive (one per averager)."""
-    lock = averager.__dict__.get("_swarm_state_lock")
-    if lock is None:
-        lock = averager.__dict__.setdefault("_swarm_state_lock", threading.RLock())
-    return lock
-
-
-class _NamedGroups:
+class NamedGroups:
     """All-reduce rounds among peers that a trainer names (:meth:`sum_in_named_group`), instead of a group found
     by hivemind's matchmaking, which waits for ``matchmaking_time`` every round: a trainer that commands a
     stage's peers to step knows who they are, and gives them the round's id and the order of its members."""
@@ -255,6 +388,8 @@ class _NamedGroups:
         """Average the averaged tensors with exactly ``peer_ids`` (this peer among them, every weight 1) in one
         all-reduce round; returns the group's size. Raises :class:`NamedGroupFailed` if the round did not
         complete within ``timeout`` seconds (the tensors then hold this peer's values or a partial average)."""
+        if not helper_alive(self):
+            raise HelperDied(f"{type(self).__name__}: its helper process (pid {self.pid}) died")  # type: ignore[attr-defined]
         future: MPFuture = MPFuture()
         self._outer_pipe.send(  # type: ignore[attr-defined]
             (
@@ -263,7 +398,7 @@ class _NamedGroups:
                 dict(group_id=group_id, peer_ids=tuple(peer_ids), timeout=timeout, future=future),
             )
         )
-        return future.result(timeout=timeout + 5.0)
+        return wait_on_helper(future, self, "a named averaging round", timeout + 5.0)
 
     async def _named_group_round(
         self, group_id: bytes, peer_ids: tuple[PeerID, ...], timeout: float, future: MPFuture
@@ -283,9 +418,9 @@ class _NamedGroups:
                         tensors,
                         group,
                         peer_fractions=fractions,
-                        tensor_infos=self.tensor_infos,
+                        tensor_infos=self.tensor_infos,  # type: ignore[attr-defined]
                         weight=1.0,
-                        **kwargs,  # type: ignore[attr-defined]
+                        **kwargs,
                     )
 
             with self._register_allreduce_group(group):  # type: ignore[attr-defined]
@@ -315,9 +450,11 @@ class _NamedGroups:
             yield message
 
 
-class _GradientAverager(_StartsInAnyThread, _NamedGroups, _GuardedAveraging, GradientAverager):
-    """hivemind's gradient averager, startable from any thread, guarded against hostile contributions (see
-    :class:`_RobustPartReducer`), and counting each backward the server sums into one optimizer step.
+class StageGradientAverager(
+    _StartsInAnyThread, NamedGroups, _GuardedAveraging, GradientAverager, WatchedAverager
+):
+    """hivemind's gradient averager, startable from any thread, whose waits end if its process dies (see
+    :class:`WatchedAverager`), guarded against hostile contributions (see :class:`_RobustPartReducer`), and counting each backward the server sums into one optimizer step.
 
     hivemind takes the gradient of each ``step(batch_size)`` as one batch's mean gradient, scales it by its size
     relative to the round's first batch and divides the round's sum by the number of steps. The stage server
@@ -339,7 +476,7 @@ class _GradientAverager(_StartsInAnyThread, _NamedGroups, _GuardedAveraging, Gra
         super().__init__(parameters, *args, averaged_grads=averaged_grads, **kwargs)
 
     def accumulate_grads_(self, batch_size: int) -> None:
-        if self._anchor_batch_size is None:
+        if self._anchor_batch_size is None:  # type: ignore[has-type]
             self._anchor_batch_size = batch_size
         self.local_samples_accumulated += batch_size
         self.local_times_accumulated += self.backwards
@@ -347,7 +484,7 @@ class _GradientAverager(_StartsInAnyThread, _NamedGroups, _GuardedAveraging, Gra
             grad_acc.add_(grad_buf.to(grad_acc.device))
 
 
-class _ProgressTracker(ProgressTracker):
+class SwarmProgressTracker(ProgressTracker):
     """hivemind's progress tracker, whose thread finishes its event loop's tasks before it ends.
 
     hivemind 1.1.12 stops the tracker's loop as soon as its two coroutines return, leaving the DHT lookup or store
@@ -376,7 +513,7 @@ class _ProgressTracker(ProgressTracker):
                 self.shutdown_complete.set()
 
 
-def _no_partner(error: BaseException) -> bool:
+def no_partner(error: BaseException) -> bool:
     """Whether an averaging round failed only because no partner showed up (expected now and then), as opposed
     to a broken round (shape mismatch, a reducer's exception, a peer that sent garbage)."""
     return "could not find a group" in str(error)

@@ -13,7 +13,12 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from lightning_swarm.swarm.footprint import share_optimizer_state, zero_grad_view
-from lightning_swarm.swarm.training.averaging import _no_partner, _ProgressTracker, _StateAverager
+from lightning_swarm.swarm.training.averaging import (
+    HelperDied,
+    StageStateAverager,
+    SwarmProgressTracker,
+    no_partner,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +60,10 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 class HivemindOptimizer(hivemind.Optimizer):
-    """``hivemind.Optimizer`` whose progress tracker finishes its tasks at shutdown (:class:`_ProgressTracker`)."""
+    """``hivemind.Optimizer`` whose progress tracker finishes its tasks at shutdown (:class:`SwarmProgressTracker`)."""
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
-        return _ProgressTracker(
+        return SwarmProgressTracker(
             dht=self.dht,
             prefix=self.run_id,
             target_batch_size=target_batch_size,
@@ -69,8 +74,8 @@ class HivemindOptimizer(hivemind.Optimizer):
         )
 
 
-class _StageOptimizer(HivemindOptimizer):
-    """hivemind's ``Optimizer`` with a :class:`_StateAverager`, which does not pre-schedule a gradient averaging
+class StageOptimizer(HivemindOptimizer):
+    """hivemind's ``Optimizer`` with a :class:`StageStateAverager`, which does not pre-schedule a gradient averaging
     round while its progress tracker sees no other peer of the stage: hivemind would run matchmaking for
     ``matchmaking_time`` before every step only to cancel it (no partner), costing the averager, DHT and p2p
     daemon CPU on every step. Once another peer reports progress, rounds are pre-scheduled as before; a round
@@ -105,7 +110,7 @@ class _StageOptimizer(HivemindOptimizer):
         peer's shutdown does not wait for it."""
         self.aborted = True
         self.average_state_every = 2**62  # no new state averaging round either
-        for control in (self.scheduled_grads, self.scheduled_state):
+        for control in (self.scheduled_grads, self.scheduled_state):  # type: ignore[has-type]
             if control is not None and not control.done():
                 control.cancel()
 
@@ -116,7 +121,7 @@ class _StageOptimizer(HivemindOptimizer):
                 maybe_step_control.result(self.averaging_timeout)
                 self.rounds += 1
             except BaseException as e:
-                if not (_no_partner(e) or self.aborted):
+                if not (no_partner(e) or self.aborted):
                     logger.error(f"{self.run_id}: averaging gradients failed: {e!r}; using local gradients")
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
@@ -126,7 +131,7 @@ class _StageOptimizer(HivemindOptimizer):
         ``averaging_timeout`` for such a round, and at the end of a run its partners are leaving too (or have
         cancelled theirs), so each peer of a stage with several peers waited the whole timeout."""
         if run_over or self.aborted:
-            for control in (self.scheduled_grads, self.scheduled_state):
+            for control in (self.scheduled_grads, self.scheduled_state):  # type: ignore[has-type]
                 if control is not None and not control.done():
                     control.cancel()
             self.scheduled_grads = self.scheduled_state = None
@@ -143,6 +148,38 @@ class _StageOptimizer(HivemindOptimizer):
             return
         super().shutdown()
 
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        # hivemind's Optimizer.load_state_from_peers, except that a helper process that died ends it
+        # (:class:`HelperDied`) instead of being retried forever
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self._tag_along_with_zero_weight(self.scheduled_grads)
+            self.scheduled_grads = None
+        self.state_averager.step(wait_for_delayed_updates=True)
+        with self.tracker.pause_updates():
+            while True:
+                try:
+                    self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                    if self.grad_averager is not None:
+                        self.grad_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                    break
+                except (KeyboardInterrupt, HelperDied):
+                    raise
+                except BaseException as e:
+                    logger.exception(f"Failed to load state from peers: {e}, retrying ...")
+                    continue
+            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
+                logger.log(
+                    self.status_loglevel, f"Catching up with collaboration step {self.tracker.global_epoch}"
+                )
+                self.state_averager.local_epoch = self.tracker.global_epoch
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+            if self.use_gradient_averaging:
+                self.grad_averager.reset_accumulated_grads_()
+                if not self.client_mode:
+                    self.grad_averager.state_sharing_priority = self.local_epoch
+
     def __init__(self, *args: Any, reuse_state_tensors: bool | None = None, **kwargs: Any) -> None:
         self._reuse_state_tensors = reuse_state_tensors  # None: hivemind's default
         super().__init__(*args, **kwargs)
@@ -150,7 +187,7 @@ class _StageOptimizer(HivemindOptimizer):
     def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
         if self._reuse_state_tensors is not None:
             kwargs.setdefault("reuse_tensors", self._reuse_state_tensors)
-        return _StateAverager(
+        return StageStateAverager(
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,
@@ -167,7 +204,7 @@ class _StageOptimizer(HivemindOptimizer):
         )
 
 
-def _make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Optimizer:
+def make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Optimizer:
     optimizer = factory(params)
     initialize_optimizer_state(optimizer)
     share_optimizer_state(optimizer)

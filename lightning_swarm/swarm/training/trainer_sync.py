@@ -479,7 +479,7 @@ class TrainerSync(ServicerBase):
         if error is None:
             k = float(len(parts))
             for i in range(lengths.pop()):
-                present = [p.grads[i] for p in parts if p.grads[i] is not None]
+                present = [g for p in parts if (g := p.grads[i]) is not None]
                 if not present:
                     grads.append(None)
                     continue
@@ -487,9 +487,8 @@ class TrainerSync(ServicerBase):
                     error = f"The trainers' gradients of parameter {i} differ in shape at global step {step}."
                     break
                 total = torch.zeros_like(present[0])
-                for p in parts:  # in peer-id order: every trainer gets the same bits
-                    if p.grads[i] is not None:
-                        total.add_(p.grads[i])
+                for g in present:  # in peer-id order: every trainer gets the same bits
+                    total.add_(g)
                 grads.append(total.div_(k))
         result = StepResult(
             step=step,

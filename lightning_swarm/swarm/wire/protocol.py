@@ -336,7 +336,7 @@ def _declared_tensors(metadata: bytes) -> int:
 
 
 class StageService(ServicerBase):
-    """The RPCs of a stage (implemented by ``StageServer``; a client builds its stubs from this class).
+    """The RPCs of a stage (served by a stage server's ``ConnectionHandler``; a client builds its stubs from this class).
 
     - ``rpc_channel``: a long-lived stream of calls, each one or more request messages (parts, then the
       request header on the last) answered by one or more reply messages (parts, then the reply header);

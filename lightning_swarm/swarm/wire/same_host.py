@@ -4,7 +4,7 @@ Over hivemind's P2P a call's every message crosses two p2p daemons (the caller's
 it from a Unix socket, framing it and writing it again; on a small box the daemons burn about a sixth of the CPU
 of a swarm training on it. Peers that share a machine (and a network namespace) skip them: a stage server also
 listens on a Unix socket, and a trainer on the same machine that finds it carries its calls there, with the
-same messages (:mod:`.transport`'s channels, ``StageServer.rpc_channel`` on the far side: the same checks, caps
+same messages (:mod:`.transport`'s channels, ``StageService.rpc_channel`` on the far side: the same checks, caps
 and bans). Calls to peers elsewhere go over P2P as before; so does everything else (DHT, averaging, state).
 
 Where the sockets are: ``$XDG_RUNTIME_DIR`` (else the temp directory) ``/lightning-swarm-<uid>/net-<inode>/``,
@@ -115,7 +115,7 @@ class SameHostStub:
     def factory(
         cls, path: str, caller: PeerID | None, p2p: Any, peer_id: PeerID, namespace: str
     ) -> SameHostStub:
-        """A ``StageServer.get_stub``-compatible factory (bind ``path`` and ``caller`` first)."""
+        """A ``StageService.get_stub``-compatible factory (bind ``path`` and ``caller`` first)."""
         return cls(path, caller, StageService.get_stub(p2p, peer_id, namespace=namespace))
 
     def __getattr__(self, name: str) -> Any:

@@ -3,7 +3,7 @@
 - :class:`LocalTransport`: the peer is this very process (libp2p cannot dial itself): the request goes to the
   in-process :class:`~.server.StageServer` object as it is, without serialisation.
 - :class:`P2PTransport`: over hivemind's P2P. A trainer keeps long-lived streams (*channels*,
-  ``StageServer.rpc_channel``) to each stage of each peer it uses, and opens another when every one is busy
+  ``StageService.rpc_channel``) to each stage of each peer it uses, and opens another when every one is busy
   (calls from several threads). A call travels as one or more messages each way: the tensor parts (see
   :mod:`.codec`) first, the header (see :mod:`.protocol`) in the last message. The sender puts message ``i``
   on the wire while it encodes message ``i + 1``, and the receiver decodes message ``i`` while ``i + 1`` is in
@@ -198,7 +198,7 @@ class P2PTransport:
         p2p: this process's P2P replica (shared by every transport of the client).
         peer_id: the remote peer.
         namespace: the stage's uid (the RPC namespace of its handlers).
-        stub_factory: ``StageServer.get_stub``-compatible callable ``(p2p, peer_id, namespace) -> stub``.
+        stub_factory: ``StageService.get_stub``-compatible callable ``(p2p, peer_id, namespace) -> stub``.
         timeout: seconds a call may take end to end.
         stop: polled while a call waits for its reply (see :func:`~._loop.run_coroutine`): a peer that is stopping,
             or that learnt of another peer's failure, abandons the call at once.
@@ -293,7 +293,7 @@ class P2PTransport:
 
 
 class _Channel:
-    """A long-lived stream to one stage of one peer (``StageServer.rpc_channel``), one call at a time.
+    """A long-lived stream to one stage of one peer (``StageService.rpc_channel``), one call at a time.
 
     A call runs on the swarm event loop from start to end, with one hand-over from the calling thread and one
     back: the request's messages are encoded there one at a time, each as the previous one goes on the wire (a

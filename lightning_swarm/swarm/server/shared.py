@@ -1,0 +1,144 @@
+"""What the parts of a stage server share (see :mod:`.server`): the stage's parameters and their lock, the gradients
+of served backwards waiting for the optimizer, the forwards kept for their backward, and the optimizer.
+
+The backend (:mod:`.stage_backend`) writes pending gradients and keeps forwards; the stepper (:mod:`.stepper`) takes
+the gradients, steps the optimizer and refreshes the served parameters. Each is handed one :class:`SharedState`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lightning_swarm.swarm.server.compute import Kept
+from lightning_swarm.swarm.server.weight_grads import DeferredWeights
+from lightning_swarm.swarm.wire.payload import Payload
+
+if TYPE_CHECKING:
+    import hivemind
+
+__all__ = ["KEPT_MAX_AGE_S", "KeptForwards", "SharedState"]
+
+KEPT_MAX_AGE_S = 120.0  # a kept forward whose backward has not come by then is dropped
+
+
+class KeptForwards:
+    """The forwards kept for their backward, by forward id (oldest first), at most ``most`` of them, and how many
+    a backward has taken and not finished yet (new parameters wait for both, see ``Stepper.refresh_parameters``).
+
+    :param most: forwards kept at most (the settings' ``keep_activations``); the oldest is dropped first, as is
+        one older than ``KEPT_MAX_AGE_S`` seconds.
+    """
+
+    def __init__(self, most: int = 0) -> None:
+        self.most = most
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[int, Kept] = OrderedDict()
+        self._in_use = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._kept)
+
+    def keep(self, forward_id: int, kept: Kept) -> None:
+        with self._lock:
+            self._kept.pop(forward_id, None)
+            self._kept[forward_id] = kept
+            while len(self._kept) > self.most or (
+                self._kept and kept.created - next(iter(self._kept.values())).created > KEPT_MAX_AGE_S
+            ):
+                self._kept.popitem(last=False)
+
+    def holds(self, forward_id: int | None) -> bool:
+        with self._lock:
+            return forward_id is not None and forward_id in self._kept
+
+    def inputs(self, forward_id: int | None) -> Payload | None:
+        """The inputs of the kept forward ``forward_id`` (left in place), or ``None``."""
+        with self._lock:
+            kept = self._kept.get(forward_id) if forward_id is not None else None
+            return None if kept is None else kept.inputs
+
+    def take(self, forward_id: int | None) -> Kept | None:
+        """Remove and return the kept forward ``forward_id``; it counts as in use until :meth:`done`."""
+        if forward_id is None:
+            return None
+        with self._lock:
+            kept = self._kept.pop(forward_id, None)
+            if kept is not None:
+                self._in_use += 1
+        return kept
+
+    def done(self) -> None:
+        """A backward is done with the kept forward it took."""
+        with self._lock:
+            self._in_use -= 1
+
+    def waiting(self) -> bool:
+        """Whether kept forwards wait for their backward, or a backward uses one."""
+        with self._lock:
+            return bool(self._kept) or self._in_use > 0
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+
+@dataclass(eq=False)
+class SharedState:
+    """The state a stage server's backend and stepper share."""
+
+    # the parameters lock: compute reads the served parameters, refreshes and in-place steps write them
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # the trained parameters (served) and the optimizer's copy of them (the same tensors with shared_master)
+    trained: list[nn.Parameter] = field(default_factory=list)
+    master: list[nn.Parameter] = field(default_factory=list)
+    shared_master: bool = False  # whether the optimizer steps the served parameters themselves
+    optimizer: hivemind.Optimizer | None = None  # None: the stage is served, not trained
+    param_version: int = 0  # bumped when the served parameters change: kept forwards ran with older ones
+    refresh_pending_since: float | None = None  # new parameters wait for kept forwards' backwards since then
+    # the summed parameter gradients of the backwards served since the last step, their samples and backwards
+    grads_lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: list[torch.Tensor | None] | None = None
+    pending_samples: int = 0
+    pending_backwards: int = 0
+    wake: threading.Event = field(default_factory=threading.Event)  # the stepper has something to do
+    kept: KeptForwards = field(default_factory=KeptForwards)
+    # parameter gradients of backwards that replied first, still to compute (see .weight_grads)
+    weights: DeferredWeights | None = None
+
+    @property
+    def training(self) -> bool:
+        """Whether backwards' parameter gradients are wanted (the stage has an optimizer and trained parameters)."""
+        return self.optimizer is not None and bool(self.trained)
+
+    def add_pending(self, grads: list[torch.Tensor | None], samples: int, backwards: int = 1) -> None:
+        """Add the parameter gradients of ``backwards`` backwards of ``samples`` samples (tensors no one else holds,
+        see :func:`.compute.exclusive`) to the pending sum; the first backward after a step becomes the sum itself
+        (no zero-filled buffer, no extra pass). Under ``grads_lock``."""
+        self.pending_samples += samples
+        self.pending_backwards += backwards
+        if self.pending is None:
+            self.pending = [
+                None if g is None else g.to(device=m.device, dtype=m.dtype)
+                for m, g in zip(self.master, grads, strict=True)
+            ]
+            return
+        for i, (acc, grad) in enumerate(zip(self.pending, grads, strict=True)):
+            if grad is None:
+                continue
+            if acc is None:
+                self.pending[i] = grad.to(device=self.master[i].device, dtype=self.master[i].dtype)
+            else:
+                acc.add_(grad.to(acc.device))
+
+    def take_pending(self) -> tuple[list[torch.Tensor | None] | None, int, int]:
+        """Remove the pending gradients: ``(sum or None, samples, backwards)``. Under ``grads_lock``."""
+        taken = self.pending, self.pending_samples, self.pending_backwards
+        self.pending, self.pending_samples, self.pending_backwards = None, 0, 0
+        return taken
