@@ -21,6 +21,10 @@ from lightning_swarm.swarm.training.stepping import hyper_parameters
 class TrainerDrivenSteps:
     """The ``SwarmStrategy``'s part of trainer-driven stage steps (a mixin: its attributes are the strategy's)."""
 
+    _clip: tuple[int, str, float] | None  # how the step in progress clipped (see SwarmStrategy.__init__)
+    _synced: int | None  # with several trainers: the optimizer whose global step was exchanged, not yet taken
+    _backwards_since_sync: int
+
     def _current_step_id(self) -> int:
         if self._step_id is None:
             self._step_id = self.peer.steps.new_step_id()
