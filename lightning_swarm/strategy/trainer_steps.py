@@ -10,20 +10,39 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_swarm.strategy.loop_state import gradients_fixed_after_backward
 from lightning_swarm.strategy.refusals import grad_scaler, refuse_zero_grad_after_backward
+from lightning_swarm.swarm.peer.peer import SwarmPeer
 from lightning_swarm.swarm.training.stepping import hyper_parameters
 
 
-class TrainerDrivenSteps:
-    """The ``SwarmStrategy``'s part of trainer-driven stage steps (a mixin: its attributes are the strategy's)."""
+class TrainerDrivenSteps(ParallelStrategy):
+    """The Lightning hooks of a trainer-driven step (``backward``, ``optimizer_step``, clipping, loss scaling, the
+    several trainers' exchange): the base class of :class:`~lightning_swarm.strategy.swarm.SwarmStrategy`, which
+    sets the state below in its ``__init__`` and runs the peer."""
 
+    _peer: SwarmPeer | None  # between setup_environment and teardown
+    _target_batch_size: int | None  # as the user gave it: checked against the trainer's step
+    _step_id: int | None  # the trainer's optimizer step in progress (see swarm/training/stepping.py)
     _clip: tuple[int, str, float] | None  # how the step in progress clipped (see SwarmStrategy.__init__)
     _synced: int | None  # with several trainers: the optimizer whose global step was exchanged, not yet taken
     _backwards_since_sync: int
+    _early_step: (
+        tuple[int, int, Callable[[], dict[int, dict[str, Any]]]] | None
+    )  # (step id, optimizer, hypers)
+
+    @property
+    def peer(self) -> SwarmPeer:
+        """The running swarm peer (DHT, stage server, client); available between setup and teardown."""
+        if self._peer is None:
+            raise RuntimeError(
+                "The SwarmStrategy's peer runs only between `setup_environment` and `teardown`."
+            )
+        return self._peer
 
     def _current_step_id(self) -> int:
         if self._step_id is None:
@@ -58,7 +77,7 @@ class TrainerDrivenSteps:
 
             optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
             if index < len(wrappers):
-                wrappers[index].zero_grad = zero_grad  # type: ignore[method-assign]
+                wrappers[index].zero_grad = zero_grad  # type: ignore[attr-defined]
 
     def _install_loss_scaling(self) -> None:
         """``16-mixed``: a step is skipped when any gradient of the whole model overflowed, as ``GradScaler`` does
@@ -86,7 +105,7 @@ class TrainerDrivenSteps:
                 for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
                     found.fill_(1.0)
 
-        scaler.unscale_ = unscale_  # type: ignore[method-assign]
+        scaler.unscale_ = unscale_
 
     def _install_clipping(self) -> None:
         """Clip by the whole model: the precision plugin's ``clip_gradients`` (what Lightning's gradient clipping
@@ -172,7 +191,8 @@ class TrainerDrivenSteps:
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """At a step boundary (the last optimizer step and the schedulers' update after it are done), a trainer
         that asked to join the run gets this one's state (see ``swarm/training/trainer_sync.py``)."""
-        sync = self._peer.trainer_sync if getattr(self, "_peer", None) is not None else None
+        peer = getattr(self, "_peer", None)
+        sync = peer.trainer_sync if peer is not None else None
         if sync is not None and getattr(self, "_stepped", False):
             self._stepped = False
             sync.offer_state(self._trainer_state)
@@ -249,8 +269,9 @@ class TrainerDrivenSteps:
     def _own_tensors(self) -> dict[str, Any]:
         """This trainer's own parameters and buffers (everything outside the pipeline), by name."""
         module = self.lightning_module
+        assert module is not None
         prefix = f"{self.peer.partition.path}." if self.peer.partition is not None else "\0"
-        tensors = dict(module.named_parameters())
+        tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
         tensors.update(module.named_buffers())
         return {name: t for name, t in tensors.items() if not name.startswith(prefix)}
 
@@ -258,6 +279,7 @@ class TrainerDrivenSteps:
         """What a trainer that joins a run in progress needs from this one (see ``swarm/training/trainer_sync.py``): its own
         parameters and buffers, its optimizers' and LR schedulers' states."""
         buffer = io.BytesIO()
+        assert self.lightning_module is not None
         loop = self.lightning_module.trainer.fit_loop.epoch_loop
         torch.save(
             {
@@ -301,6 +323,7 @@ class TrainerDrivenSteps:
             config.scheduler._last_lr = [group["lr"] for group in config.scheduler.optimizer.param_groups]
         # Lightning's step count (max_steps, the schedule's intervals, logging) continues from the swarm's: its
         # optimizer steps are the global steps (manual optimization: every optimizer's), its batches the leader's
+        assert self.lightning_module is not None
         loop = self.lightning_module.trainer.fit_loop.epoch_loop
         if self.lightning_module.automatic_optimization:
             progress = loop.automatic_optimization.optim_progress.optimizer.step.total
