@@ -24,6 +24,15 @@ class Claim:
 NONE = "none stated"
 
 # the headline figures of albert_fidelity.py (one configuration)
+# the several-trainers matrix's headline figures (its quick and full runs)
+_TRAINERS_HEADLINE = (
+    "max_relative_gap",
+    "trainer_params_identical",
+    "stage_steps_equal",
+    "async_max_relative_gap",
+    "uncompressed_max_relative_gap",
+    "meets_target",
+)
 _FIDELITY_KEYS = ("relative_gap", "meets_target", "loss_swarm", "loss_single", "steps", "stage_steps")
 # the figures of albert_fidelity.py --matrix (compression beyond 8 bit), shaped link or not
 _FIDELITY_MATRIX_KEYS = (
@@ -96,12 +105,7 @@ BENCHMARKS: dict[str, Claim] = {
         "the 8-bit codec's rounding aside); `by_trainers.K.seed_gaps`: DDP with another seed (the noise floor)",
         "`max_relative_gap` <= 0.02, trainers' own parameters identical, stage steps equal (one per global step)",
         (
-            "max_relative_gap",
-            "trainer_params_identical",
-            "stage_steps_equal",
-            "async_max_relative_gap",
-            "uncompressed_max_relative_gap",
-            "meets_target",
+            *_TRAINERS_HEADLINE,
             "trainers",
             "by_trainers.2.gaps",
             "by_trainers.2.seed_gaps",
@@ -120,20 +124,14 @@ BENCHMARKS: dict[str, Claim] = {
         "mode with uncompressed boundaries; `by_trainers.K.seed_gaps`: DDP with another seed (the noise floor)",
         "`max_relative_gap` <= 0.02, trainers' own parameters identical, stage steps equal (one per global step)",
         (
-            "max_relative_gap",
-            "trainer_params_identical",
-            "stage_steps_equal",
-            "async_max_relative_gap",
-            "uncompressed_max_relative_gap",
-            "meets_target",
+            *_TRAINERS_HEADLINE,
             "families",
             "trainers",
-            "by_trainers.2.gaps",
-            "by_trainers.2.seed_gaps",
-            "by_trainers.2.uncompressed_gaps",
-            "by_trainers.4.gaps",
-            "by_trainers.4.seed_gaps",
-            "by_trainers.4.uncompressed_gaps",
+            *(
+                f"by_trainers.{k}.{gaps}"
+                for k in (2, 4)
+                for gaps in ("gaps", "seed_gaps", "uncompressed_gaps")
+            ),
             "steps",
             "global_batch",
         ),
