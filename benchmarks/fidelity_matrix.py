@@ -26,12 +26,14 @@ A family whose swarm run fails has ``null`` gaps and its error in ``failed``; ``
 With ``--trainers K`` (several trainers, ``benchmarks/fidelity_matrix.py --trainers 2 [--quick]``), each family
 trains under Lightning's DDP on K CPU devices (what a user would pick instead) and in a local swarm of K trainers
 (``devices=max(2, K)``, 2 stages, 8-bit), each with batch ``global batch / K``, same seed, data shards and steps:
-once with the default synchronous steps (``stage_steps="trainer"``: one global step per global batch, as DDP) and
-once asynchronously (``stage_steps="async"``, ``target_batch_size`` = the global batch). The gap of a family is
-``|held_out_swarm - held_out_ddp| / held_out_ddp``; ``trainer_params_identical``: the trainers' own parameters
+once with the default synchronous steps (``stage_steps="trainer"``: one global step per global batch, as DDP),
+once asynchronously (``stage_steps="async"``, ``target_batch_size`` = the global batch), and once synchronously
+with uncompressed boundaries (``compression="none"``: what the synchronous step itself costs, the codec's
+rounding aside; ``uncompressed_gaps``). The gap of a family is ``|held_out_swarm - held_out_ddp| / held_out_ddp``; ``trainer_params_identical``: the trainers' own parameters
 (outside the pipeline) hash alike on every trainer at the end; ``stage_steps_equal``: the stages stepped once per
 global step. The full run (no ``--quick``) adds 4 trainers against DDP on 4 devices. Written to
-``runs/fidelity_matrix_trainers/fidelity_matrix_trainers.json``.
+``runs/fidelity_matrix_trainers/fidelity_matrix_trainers.json`` (the full run:
+``runs/fidelity_matrix_trainers_full/fidelity_matrix_trainers_full.json``).
 
 Last stdout line: one JSON object with ``families``, ``max_relative_gap``, ``gaps``, ``stage_steps_equal``,
 ``held_out_single``, ``held_out_swarm``, ``stage_steps``, ``trainer_steps``, ... (targets: gap <= 0.02, stage
@@ -133,16 +135,22 @@ def compare_trainers(family: str, trainers: int, args: argparse.Namespace) -> di
         "ddp": ({**cfg, "ddp": trainers}, True),
         "other_seed": ({**cfg, "ddp": trainers, "seed": args.seed + 1}, True),
     }
-    for mode in ("trainer", "async"):
+    for name, mode, compression in (
+        ("trainer", "trainer", args.compression),
+        ("async", "async", args.compression),
+        ("uncompressed", "trainer", "none"),
+    ):
         settings = {
-            **swarm_settings(family, args.batch, args.compression),
+            **swarm_settings(family, args.batch, compression),
             "num_trainers": trainers,
             "stage_steps": mode,
-            "run_id": f"fidelity_trainers_{family}_{mode}_{os.getpid()}",
+            "run_id": f"fidelity_trainers_{family}_{name}_{os.getpid()}",
         }
-        runs[mode] = ({**cfg, "devices": max(2, trainers), "swarm": settings}, True)
+        wanted = name != "uncompressed" or args.compression != "none"
+        runs[name] = ({**cfg, "devices": max(2, trainers), "swarm": settings}, wanted)
     for name, (run_cfg, wanted) in runs.items():
         if not wanted:
+            out[name] = None
             continue
         started = time.monotonic()
         out[name], error = _launch_or_error(run_cfg, args.timeout)
@@ -153,13 +161,15 @@ def compare_trainers(family: str, trainers: int, args: argparse.Namespace) -> di
         f"DDP x{trainers}": out["ddp"],
         "swarm, sync": out["trainer"],
         "swarm, async": out["async"],
+        "swarm, sync, uncompressed": out["uncompressed"],
     }
     return out
 
 
 def trainers_report(args: argparse.Namespace, families: list[str], counts: list[int]) -> None:
     """The several-trainers matrix (see the module's docstring)."""
-    report = _harness.Report("fidelity_matrix_trainers", args.out)
+    # the full run (200 steps of batch 64) keeps its own report beside the quick one's
+    report = _harness.Report("fidelity_matrix_trainers" + ("" if args.quick else "_full"), args.out)
     started = time.monotonic()
     rows: dict[str, dict[str, Any]] = {}
     for k in counts:
@@ -179,6 +189,7 @@ def trainers_report(args: argparse.Namespace, families: list[str], counts: list[
         row: dict[str, Any] = {
             "gaps": {},
             "async_gaps": {},
+            "uncompressed_gaps": {},
             "seed_gaps": {},
             "held_out": {},
             "stage_steps": {},
@@ -188,6 +199,7 @@ def trainers_report(args: argparse.Namespace, families: list[str], counts: list[
             ddp, sync, asyn = r.get("ddp"), r.get("trainer"), r.get("async")
             row["gaps"][family] = gap(sync, ddp)
             row["async_gaps"][family] = gap(asyn, ddp)
+            row["uncompressed_gaps"][family] = gap(r.get("uncompressed"), ddp)
             row["seed_gaps"][family] = gap(r.get("other_seed"), ddp)
             row["held_out"][family] = {
                 name: None if h is None else round(h["held_out"], 4)
@@ -207,6 +219,9 @@ def trainers_report(args: argparse.Namespace, families: list[str], counts: list[
                 "max_relative_gap": max(completed) if len(completed) == len(families) else None,
                 "async_max_relative_gap": max(
                     (g for g in row["async_gaps"].values() if g is not None), default=None
+                ),
+                "uncompressed_max_relative_gap": max(
+                    (g for g in row["uncompressed_gaps"].values() if g is not None), default=None
                 ),
                 "trainer_params_identical": identical,
                 "stage_steps_equal": steps_equal,
@@ -229,6 +244,7 @@ def trainers_report(args: argparse.Namespace, families: list[str], counts: list[
             "trainer_params_identical": all(r["trainer_params_identical"] for r in rows.values()),
             "stage_steps_equal": all(r["stage_steps_equal"] for r in rows.values()),
             "async_max_relative_gap": first["async_max_relative_gap"],
+            "uncompressed_max_relative_gap": first["uncompressed_max_relative_gap"],
             "meets_target": all(r["meets_target"] for r in rows.values()),
             "by_trainers": rows,
             "target": TARGET_GAP,

@@ -4,7 +4,9 @@ plain process or in a local swarm (one trainer, 2 stages, compression "none").
 ``python tests/_contract_job.py '<json>'``; peer 0 saves ``{"state", "losses", "stage_steps", "lrs"}`` to ``out``.
 Config keys: ``swarm`` (bool), ``steps``, ``scheduler`` (None, "warmup", "decay", "step_epoch", "onecycle", "plateau"),
 ``clip`` (None or [value, "norm"|"value"]), ``precision``, ``accumulate``, ``manual`` (two optimizers, manual
-optimization), ``optimizer`` ("sgd"|"adamw"), ``fp16_scaler`` ("16-mixed" with a CPU loss scaler), ``residual`` (the input layer's output added to the
+optimization), ``manual_clip`` (with ``manual``: clip the first optimizer's
+gradients by norm to this value), ``zero_after_backward`` (with ``manual``: the second optimizer's ``zero_grad()``
+after the backward), ``optimizer`` ("sgd"|"adamw"), ``fp16_scaler`` ("16-mixed" with a CPU loss scaler), ``residual`` (the input layer's output added to the
 pipeline's), ``batchnorm`` (BatchNorm1d in every block), ``dropout`` (float), ``trainers`` (in a swarm: that many trainers,
 the local swarm's first peers), ``ddp`` (not in a swarm: Lightning's DDP with that many devices), ``out``.
 """
@@ -55,6 +57,12 @@ class Net(LightningModule):
         first.zero_grad()
         second.zero_grad()
         self.manual_backward(loss)
+        if self.cfg.get("zero_after_backward"):
+            second.zero_grad()
+        if self.cfg.get("manual_clip"):  # clipping by the norm of the first optimizer's parameters
+            self.clip_gradients(
+                first, gradient_clip_val=self.cfg["manual_clip"], gradient_clip_algorithm="norm"
+            )
         first.step()
         if batch_idx % 2 == 1:  # the pipeline's second half steps every other batch
             second.step()

@@ -24,6 +24,15 @@ class Claim:
 NONE = "none stated"
 
 # the headline figures of albert_fidelity.py (one configuration)
+# the several-trainers matrix's headline figures (its quick and full runs)
+_TRAINERS_HEADLINE = (
+    "max_relative_gap",
+    "trainer_params_identical",
+    "stage_steps_equal",
+    "async_max_relative_gap",
+    "uncompressed_max_relative_gap",
+    "meets_target",
+)
 _FIDELITY_KEYS = ("relative_gap", "meets_target", "loss_swarm", "loss_single", "steps", "stage_steps")
 # the figures of albert_fidelity.py --matrix (compression beyond 8 bit), shaped link or not
 _FIDELITY_MATRIX_KEYS = (
@@ -92,18 +101,37 @@ BENCHMARKS: dict[str, Claim] = {
         "fidelity matrix with several trainers: each family in a swarm of K trainers (2 stages, 8-bit; synchronous "
         "steps, the default) vs Lightning's DDP on K CPU devices, same seed, data shards, global batch and steps; "
         '`async_max_relative_gap`: the asynchronous mode (`stage_steps="async"`) against the same DDP; '
-        "`by_trainers.K.seed_gaps`: DDP with another seed (the noise floor)",
+        "`uncompressed_max_relative_gap`: the synchronous mode with uncompressed boundaries (the step's own cost, "
+        "the 8-bit codec's rounding aside); `by_trainers.K.seed_gaps`: DDP with another seed (the noise floor)",
         "`max_relative_gap` <= 0.02, trainers' own parameters identical, stage steps equal (one per global step)",
         (
-            "max_relative_gap",
-            "trainer_params_identical",
-            "stage_steps_equal",
-            "async_max_relative_gap",
-            "meets_target",
+            *_TRAINERS_HEADLINE,
             "trainers",
             "by_trainers.2.gaps",
             "by_trainers.2.seed_gaps",
             "by_trainers.2.async_gaps",
+            "by_trainers.2.uncompressed_gaps",
+            "by_trainers.4.gaps",
+            "steps",
+            "global_batch",
+        ),
+    ),
+    "fidelity_matrix_trainers_full": Claim(
+        "python benchmarks/fidelity_matrix.py --trainers 2,4",
+        "fidelity matrix with several trainers, the full run (200 steps of global batch 64; `families`: those run): "
+        "each family in a swarm of K trainers (2 stages, 8-bit; synchronous steps) vs Lightning's DDP on K CPU "
+        "devices, same seed, data shards, global batch and steps; `uncompressed_max_relative_gap`: the synchronous "
+        "mode with uncompressed boundaries; `by_trainers.K.seed_gaps`: DDP with another seed (the noise floor)",
+        "`max_relative_gap` <= 0.02, trainers' own parameters identical, stage steps equal (one per global step)",
+        (
+            *_TRAINERS_HEADLINE,
+            "families",
+            "trainers",
+            *(
+                f"by_trainers.{k}.{gaps}"
+                for k in (2, 4)
+                for gaps in ("gaps", "seed_gaps", "uncompressed_gaps")
+            ),
             "steps",
             "global_batch",
         ),

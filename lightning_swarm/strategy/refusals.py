@@ -70,17 +70,18 @@ def refuse_closure_optimizers(optimizers: list[Any]) -> None:
             )
 
 
-def refuse_for_several_trainers(module: Any, trainers: int | None) -> None:
-    """With several trainers stepping as DDP's ranks (``stage_steps="trainer"``): manual optimization (and with it
-    several optimizers) is refused at setup, with one line: a trainer's ``optimizer.zero_grad()`` would drop the
-    gradients the stages hold from the other trainers' batches of the same step."""
-    if module is None or module.automatic_optimization:
-        return
+def refuse_zero_grad_after_backward(trainers: int | None) -> None:
+    """With several trainers stepping as DDP's ranks, manual optimization: an ``optimizer.zero_grad()`` after a
+    backward of the same step is refused, with one line. The stages hold one sum of every trainer's gradients; a
+    zero_grad that no step separates from the backwards before it would have to wait for every trainer's backwards
+    to reach the stages (or drop some and keep others). Before the step's backwards, or after its step, it is
+    mirrored once for all trainers."""
     count = f"{trainers} trainers" if trainers else "several trainers"
     raise ValueError(
-        f"When using the SwarmStrategy with {count}, manual optimization is not supported: a trainer's "
-        "optimizer.zero_grad() would drop the stages' gradients of the other trainers' batches. Use automatic "
-        "optimization (one optimizer, with parameter groups), or one trainer (num_trainers=1)."
+        f"When using the SwarmStrategy with {count}, optimizer.zero_grad() after a manual_backward() of the same "
+        "step is not supported: the stages sum every trainer's gradients, and cannot tell this trainer's from the "
+        "others'. Call zero_grad() before the step's manual_backward() or after optimizer.step(), or use one "
+        "trainer (num_trainers=1)."
     )
 
 

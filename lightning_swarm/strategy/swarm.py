@@ -17,7 +17,6 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -39,7 +38,6 @@ from lightning_swarm.strategy.refusals import (
     grad_scaler,
     refuse_before_launch,
     refuse_closure_optimizers,
-    refuse_for_several_trainers,
     refuse_for_swarm_steps,
     refuse_weight_copies,
 )
@@ -66,7 +64,7 @@ _STAGES_KEY = "swarm_stages"  # a checkpoint's entry with the stages' optimizer 
 _DEFAULTS = SwarmSettings()  # the one source of the defaults below
 
 
-class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
+class SwarmStrategy(TrainerDrivenSteps):
     """SWARM parallelism: the model's pipeline of blocks is cut into stages, each served by a swarm of hivemind
     peers; every microbatch takes a throughput-weighted random path through one peer per stage.
 
@@ -243,15 +241,16 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
         self._peer: SwarmPeer | None = None
         self._failed = False
         self._runs = 0  # fit/validate/test/predict calls so far: each one starts a fresh swarm
-        self._step_id: int | None = (
-            None  # the trainer's optimizer step in progress (see swarm/training/stepping.py)
-        )
-        self._clip: tuple[str, float] | None = (
-            None  # how the step in progress clipped: ("norm", coef)/("value", v)
-        )
+        self._step_id = None  # the trainer's optimizer step in progress (see swarm/training/stepping.py)
+        # how the step in progress clipped: (optimizer index, "norm", coef) or (optimizer index, "value", v)
+        self._clip = None
+        # with several trainers: the optimizer whose global step was exchanged and not taken yet (manual clipping
+        # exchanges before the step), and this trainer's backwards since its last exchange
+        self._synced = None
+        self._backwards_since_sync = 0
         self._batch_checked = False
         self._progress = SwarmProgress()
-        self._early_step: tuple | None = None  # (step id, optimizer, its hyper-parameters) while allowed
+        self._early_step = None  # (step id, optimizer, its hyper-parameters) while allowed
         self._meta_build: RngSnapshot | None = None  # generators' states when a meta build began (see below)
         self._meta_recorder: InitRecorder | None = (
             None  # what the meta build did (see swarm/peer/deferred_init.py)
@@ -289,15 +288,6 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         trainers = self._local_trainers
         return {"num_replicas": trainers, "rank": min(self.global_rank, trainers - 1)}
-
-    @property
-    def peer(self) -> SwarmPeer:
-        """The running swarm peer (DHT, stage server, client); available between setup and teardown."""
-        if self._peer is None:
-            raise RuntimeError(
-                "The SwarmStrategy's peer runs only between `setup_environment` and `teardown`."
-            )
-        return self._peer
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -382,8 +372,6 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             refuse_closure_optimizers(self.optimizers)
-            if self.peer.is_trainer and self.peer.drives_stages and self.peer.num_trainers != 1:
-                refuse_for_several_trainers(self.lightning_module, self.peer.num_trainers)
         optimizers = self.peer.join(
             self.lightning_module, self.optimizers if fitting else [], training=fitting
         )
@@ -391,6 +379,7 @@ class SwarmStrategy(TrainerDrivenSteps, ParallelStrategy):
             self.optimizers = optimizers
         self.setup_precision_plugin()
         self._step_id, self._clip, self._batch_checked = None, None, False
+        self._synced, self._backwards_since_sync = None, 0
         if fitting and self.peer.is_trainer and not self.peer.drives_stages:
             refuse_for_swarm_steps(trainer, self.precision_plugin, self.optimizers)
             follow_swarm_epochs(self.lr_scheduler_configs, self.peer.steps.swarm_epoch)

@@ -10,16 +10,39 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_swarm.strategy.loop_state import gradients_fixed_after_backward
-from lightning_swarm.strategy.refusals import grad_scaler
+from lightning_swarm.strategy.refusals import grad_scaler, refuse_zero_grad_after_backward
+from lightning_swarm.swarm.peer.peer import SwarmPeer
 from lightning_swarm.swarm.training.stepping import hyper_parameters
 
 
-class TrainerDrivenSteps:
-    """The ``SwarmStrategy``'s part of trainer-driven stage steps (a mixin: its attributes are the strategy's)."""
+class TrainerDrivenSteps(ParallelStrategy):
+    """The Lightning hooks of a trainer-driven step (``backward``, ``optimizer_step``, clipping, loss scaling, the
+    several trainers' exchange): the base class of :class:`~lightning_swarm.strategy.swarm.SwarmStrategy`, which
+    sets the state below in its ``__init__`` and runs the peer."""
+
+    _peer: SwarmPeer | None  # between setup_environment and teardown
+    _target_batch_size: int | None  # as the user gave it: checked against the trainer's step
+    _step_id: int | None  # the trainer's optimizer step in progress (see swarm/training/stepping.py)
+    _clip: tuple[int, str, float] | None  # how the step in progress clipped (see SwarmStrategy.__init__)
+    _synced: int | None  # with several trainers: the optimizer whose global step was exchanged, not yet taken
+    _backwards_since_sync: int
+    _early_step: (
+        tuple[int, int, Callable[[], dict[int, dict[str, Any]]]] | None
+    )  # (step id, optimizer, hypers)
+
+    @property
+    def peer(self) -> SwarmPeer:
+        """The running swarm peer (DHT, stage server, client); available between setup and teardown."""
+        if self._peer is None:
+            raise RuntimeError(
+                "The SwarmStrategy's peer runs only between `setup_environment` and `teardown`."
+            )
+        return self._peer
 
     def _current_step_id(self) -> int:
         if self._step_id is None:
@@ -39,18 +62,22 @@ class TrainerDrivenSteps:
         """Manual optimization: ``optimizer.zero_grad()`` also drops the gradients the stages hold for that
         optimizer's pipeline parameters (under automatic optimization every backward is followed by a step,
         which consumes them). Both the optimizer and its ``LightningOptimizer`` wrapper (what
-        ``self.optimizers()`` returns) get the mirrored ``zero_grad``."""
+        ``self.optimizers()`` returns) get the mirrored ``zero_grad``. With several trainers every trainer's call
+        carries the same id (see ``TrainerSync.zero_step_id``) and the stages apply the first; a call after a
+        backward of the same step is refused (the stages could not tell which trainers' gradients to drop)."""
         wrappers = self._lightning_optimizers
         for index, optimizer in enumerate(self.optimizers):
             original = type(optimizer).zero_grad.__get__(optimizer)
 
             def zero_grad(set_to_none: bool = True, _index: int = index, _original: Any = original) -> None:
+                if self.peer.trainer_sync is not None and self._backwards_since_sync:
+                    refuse_zero_grad_after_backward(self.peer.num_trainers)
                 _original(set_to_none=set_to_none)
                 self.peer.steps.zero_stage_grads(_index)
 
             optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
             if index < len(wrappers):
-                wrappers[index].zero_grad = zero_grad  # type: ignore[method-assign]
+                wrappers[index].zero_grad = zero_grad  # type: ignore[attr-defined]
 
     def _install_loss_scaling(self) -> None:
         """``16-mixed``: a step is skipped when any gradient of the whole model overflowed, as ``GradScaler`` does
@@ -78,7 +105,7 @@ class TrainerDrivenSteps:
                 for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
                     found.fill_(1.0)
 
-        scaler.unscale_ = unscale_  # type: ignore[method-assign]
+        scaler.unscale_ = unscale_
 
     def _install_clipping(self) -> None:
         """Clip by the whole model: the precision plugin's ``clip_gradients`` (what Lightning's gradient clipping
@@ -100,26 +127,28 @@ class TrainerDrivenSteps:
     ) -> None:
         if clip_val is None or clip_val <= 0:
             return
+        # manual optimization clips before optimizer.step(): with several trainers, the step's exchange comes
+        # first, so that the clipping sees the averaged gradients (DDP's, reduced during the backward)
+        self._sync_trainers(optimizer)
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        index = self._optimizer_index(raw)
         algorithm = GradClipAlgorithmType(algorithm)
         if algorithm == GradClipAlgorithmType.VALUE:
             original(optimizer, clip_val, algorithm)
-            self._clip = ("value", float(clip_val))
+            self._clip = (index, "value", float(clip_val))
             return
-        raw = getattr(optimizer, "_optimizer", optimizer)
         grads = [p.grad for group in raw.param_groups for p in group["params"] if p.grad is not None]
         local = sum(float(g.detach().float().pow(2).sum()) for g in grads)
         scaler = grad_scaler(self.precision_plugin)
         scale = 1.0 / float(scaler.get_scale()) if scaler is not None else 1.0
         scale *= self.peer.steps.stage_grad_factor
-        stages = self.peer.steps.stage_grad_sq_norm(
-            self._current_step_id(), self._optimizer_index(raw), scale
-        )
+        stages = self.peer.steps.stage_grad_sq_norm(self._current_step_id(), index, scale)
         total = math.sqrt(local + stages)
         coef = min(1.0, float(clip_val) / (total + 1e-6))  # as torch.nn.utils.clip_grad_norm_
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
-        self._clip = ("norm", coef)
+        self._clip = (index, "norm", coef)
 
     def _driven_optimizer_step(
         self, step: Callable[..., Any], optimizer: Any, closure: Any, model: Any, **kwargs: Any
@@ -131,7 +160,8 @@ class TrainerDrivenSteps:
         index = self._optimizer_index(raw)
         scaler = grad_scaler(self.precision_plugin)
         scale = float(scaler.get_scale()) if scaler is not None else None
-        self._clip = None
+        if self._clip is not None and self._clip[0] != index:
+            self._clip = None  # another optimizer's (manual optimization clips before the step)
         self.peer.steps.begin_step()  # forget the stage calls so far
         # the stages may step as soon as their backwards are done (one trainer: nobody else adds to their gradients)
         if self.peer.trainer_sync is None and gradients_fixed_after_backward(self):
@@ -142,15 +172,15 @@ class TrainerDrivenSteps:
             self._early_step = None
         skipped = scaler is not None and scale is not None and float(scaler.get_scale()) < scale
         step_id, clip = self._current_step_id(), self._clip
-        self._step_id, self._clip = None, None
+        self._step_id, self._clip, self._synced = None, None, None
         sync = self.peer.trainer_sync
         self.peer.steps.step_stages(
             step_id,
             index,
             groups_hyper(raw),
             grad_scale=self.peer.steps.stage_grad_factor / (scale if scale else 1.0),
-            clip_coef=clip[1] if clip is not None and clip[0] == "norm" else None,
-            clip_value=clip[1] if clip is not None and clip[0] == "value" else None,
+            clip_coef=clip[2] if clip is not None and clip[1] == "norm" else None,
+            clip_value=clip[2] if clip is not None and clip[1] == "value" else None,
             skip=skipped,
         )
         self._stepped = (
@@ -161,7 +191,8 @@ class TrainerDrivenSteps:
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """At a step boundary (the last optimizer step and the schedulers' update after it are done), a trainer
         that asked to join the run gets this one's state (see ``swarm/training/trainer_sync.py``)."""
-        sync = self._peer.trainer_sync if getattr(self, "_peer", None) is not None else None
+        peer = getattr(self, "_peer", None)
+        sync = peer.trainer_sync if peer is not None else None
         if sync is not None and getattr(self, "_stepped", False):
             self._stepped = False
             sync.offer_state(self._trainer_state)
@@ -172,6 +203,14 @@ class TrainerDrivenSteps:
         optimizer step) the stage calls' input gradients may come later: the next microbatch starts while the
         stages compute them (see :mod:`lightning_swarm.swarm.client.deferred_grads`). In a step that allows early stage
         steps, a stage steps as soon as its part of this backward is done."""
+        if self.peer.trainer_sync is not None:
+            if self._synced is not None:
+                raise ValueError(
+                    "When using the SwarmStrategy with several trainers, a backward between clip_gradients() and "
+                    "optimizer.step() is not supported: clipping took the step's gradients of every trainer "
+                    "already. Clip after the step's last manual_backward()."
+                )
+            self._backwards_since_sync += 1
         deferred = self._deferred_grads()
         if deferred is not None and self._may_defer(kwargs):
             deferred.begin()
@@ -207,17 +246,22 @@ class TrainerDrivenSteps:
             self._in_optimizer_step = False
 
     def _sync_trainers(self, optimizer: Any) -> None:
-        """With several trainers: after this trainer's backward, its own parameters' gradients become the average
-        over the trainers of the global step (DDP's all-reduce; see ``swarm/training/trainer_sync.py``), and the step's id
-        becomes the leader's, so that every trainer names the same stage step."""
+        """With several trainers: after this trainer's backward, the gradients of its own parameters in
+        ``optimizer`` become the average over the trainers of the global step (DDP's all-reduce; see
+        ``swarm/training/trainer_sync.py``), and the step's id becomes the one every trainer derives from the global
+        step and the optimizer, so that all name the same stage step. Once per optimizer step (manual clipping
+        exchanges before the step)."""
         peer = self.peer
         if peer.trainer_sync is None:
             return
         raw = getattr(optimizer, "_optimizer", optimizer)
+        index = self._optimizer_index(raw)
+        if self._synced == index:
+            return
         params = [p for group in raw.param_groups for p in group["params"]]
-        result = peer.steps.sync_trainers([p.grad for p in params], self._current_step_id(), params)
+        result = peer.steps.sync_trainers([p.grad for p in params], index, params)
         assert result is not None
-        self._step_id = result.step_id
+        self._step_id, self._synced, self._backwards_since_sync = result.step_id, index, 0
         for p, grad in zip(params, result.grads, strict=True):
             # a copy: clipping scales the gradients in place, and the step's result is served to the other trainers
             p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype, copy=True)
@@ -225,8 +269,9 @@ class TrainerDrivenSteps:
     def _own_tensors(self) -> dict[str, Any]:
         """This trainer's own parameters and buffers (everything outside the pipeline), by name."""
         module = self.lightning_module
+        assert module is not None
         prefix = f"{self.peer.partition.path}." if self.peer.partition is not None else "\0"
-        tensors = dict(module.named_parameters())
+        tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
         tensors.update(module.named_buffers())
         return {name: t for name, t in tensors.items() if not name.startswith(prefix)}
 
@@ -234,11 +279,14 @@ class TrainerDrivenSteps:
         """What a trainer that joins a run in progress needs from this one (see ``swarm/training/trainer_sync.py``): its own
         parameters and buffers, its optimizers' and LR schedulers' states."""
         buffer = io.BytesIO()
+        assert self.lightning_module is not None
+        loop = self.lightning_module.trainer.fit_loop.epoch_loop
         torch.save(
             {
                 "tensors": {name: t.detach().cpu() for name, t in self._own_tensors().items()},
                 "optimizers": [opt.state_dict() for opt in self.optimizers],
                 "schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
+                "batches_that_stepped": loop._batches_that_stepped,
             },
             buffer,
         )
@@ -273,11 +321,16 @@ class TrainerDrivenSteps:
         for config, saved in zip(self.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
             config.scheduler._last_lr = [group["lr"] for group in config.scheduler.optimizer.param_groups]
-        # Lightning's step count (max_steps, the schedule's intervals, logging) continues from the swarm's
+        # Lightning's step count (max_steps, the schedule's intervals, logging) continues from the swarm's: its
+        # optimizer steps are the global steps (manual optimization: every optimizer's), its batches the leader's
+        assert self.lightning_module is not None
         loop = self.lightning_module.trainer.fit_loop.epoch_loop
-        loop.automatic_optimization.optim_progress.optimizer.step.total.ready = step
-        loop.automatic_optimization.optim_progress.optimizer.step.total.completed = step
-        loop._batches_that_stepped = step
+        if self.lightning_module.automatic_optimization:
+            progress = loop.automatic_optimization.optim_progress.optimizer.step.total
+        else:
+            progress = loop.manual_optimization.optim_step_progress.total
+        progress.ready = progress.completed = step
+        loop._batches_that_stepped = int(state.get("batches_that_stepped", step))
 
     def on_train_end(self) -> None:
         """Training stopped between two optimizer steps (``trainer.should_stop``): the stage backwards still in

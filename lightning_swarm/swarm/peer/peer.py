@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import hivemind
 import torch
@@ -73,6 +73,27 @@ from lightning_swarm.swarm.wire.errors import RemoteStageError
 logger = logging.getLogger(__name__)
 
 FAILED_SHUTDOWN_S = 3.0  # after a failure, seconds a peer spends shutting down before it raises the error
+
+
+T = TypeVar("T")
+
+
+class _Shared(Generic[T]):
+    """A read-only attribute of the peer that is the field of the same name of its :class:`PeerState` (the state
+    its parts share)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, peer: SwarmPeer | None, owner: type | None = None) -> T:
+        if peer is None:
+            raise AttributeError(self.name)
+        return getattr(peer.state, self.name)
+
+    def __set__(self, peer: SwarmPeer, value: T) -> None:
+        raise AttributeError(
+            f"SwarmPeer.{self.name} is read-only: it is peer.state.{self.name}, shared by its parts"
+        )
 
 
 class SwarmPeer:
@@ -134,34 +155,13 @@ class SwarmPeer:
         self.helpers = HelperProcesses(self.state, self.describe)
 
     # ------------------------------------------------------------------ the shared state, read-only
-    @property
-    def dht(self) -> hivemind.DHT | None:
-        return self.state.dht
-
-    @property
-    def presence(self) -> Presence | None:
-        return self.state.presence
-
-    @property
-    def partition(self) -> Partition | None:
-        return self.state.partition
-
-    @property
-    def stage(self) -> int | None:
-        return self.state.stage
-
-    @property
-    def server(self) -> StageServer | None:
-        return self.state.server
-
-    @property
-    def client(self) -> SwarmClient | None:
-        return self.state.client
-
-    @property
-    def trainer_sync(self) -> TrainerSync | None:
-        """The exchange of several trainers' steps, as DDP's ranks (see ``training/trainer_sync.py``)."""
-        return self.state.trainer_sync
+    dht: _Shared[hivemind.DHT | None] = _Shared()
+    presence: _Shared[Presence | None] = _Shared()
+    partition: _Shared[Partition | None] = _Shared()
+    stage: _Shared[int | None] = _Shared()
+    server: _Shared[StageServer | None] = _Shared()
+    client: _Shared[SwarmClient | None] = _Shared()
+    trainer_sync: _Shared[TrainerSync | None] = _Shared()  # several trainers stepping as DDP's ranks
 
     # ------------------------------------------------------------------ roles
     @property

@@ -150,17 +150,17 @@ class TrainerSteps:
 
     # ------------------------------------------------------------------ several trainers (see .trainer_sync)
     def sync_trainers(
-        self, grads: list[torch.Tensor | None], step_id: int, params: list[torch.Tensor]
+        self, grads: list[torch.Tensor | None], optimizer: int, params: list[torch.Tensor]
     ) -> StepResult | None:
-        """With several trainers: hand this trainer's gradients of its own parameters in to the global step and
-        return the step's result (the averaged gradients, the stages' step id, the leader); ``None`` with one
-        trainer."""
+        """With several trainers: hand this trainer's gradients of its own parameters in optimizer ``optimizer`` to
+        the global step (a step of that optimizer) and return the step's result (the averaged gradients, the
+        stages' step id, the leader); ``None`` with one trainer."""
         sync = self.state.trainer_sync
         if sync is None:
             return None
         client = self.state.client
         nonfinite = client.nonfinite_backwards if client is not None else 0
-        result = sync.exchange(grads, step_id, nonfinite=nonfinite, params=params)
+        result = sync.exchange(grads, optimizer, nonfinite=nonfinite, params=params)
         self._sync_step = result
         if client is not None:
             client.nonfinite_backwards = result.nonfinite  # a step any trainer's scaler must skip
@@ -256,8 +256,11 @@ class TrainerSteps:
 
     def zero_stage_grads(self, optimizer: int) -> None:
         """Drop the gradients the stages hold for the parameters of this trainer's optimizer ``optimizer``
-        (``optimizer.zero_grad()`` under manual optimization, see :mod:`.stepping`)."""
-        step_id = self.new_step_id()
+        (``optimizer.zero_grad()`` under manual optimization, see :mod:`.stepping`). With several trainers the
+        command's id is the same on every trainer (see ``TrainerSync.zero_step_id``): the stages drop the
+        gradients at the first trainer's call and keep those its peers send after it."""
+        sync = self.state.trainer_sync
+        step_id = sync.zero_step_id(optimizer) if sync is not None else self.new_step_id()
         self._command_stages(
             lambda k: StepCommand(
                 stage_uid(self.settings.run_id, k), step_id, phase="zero", optimizer=optimizer

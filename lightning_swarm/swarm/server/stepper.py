@@ -389,7 +389,11 @@ class Stepper:
             if command.phase == "zero":
                 self._take_pending(command.optimizer)
                 self._prepared = None
-                return {"epoch": int(opt.local_epoch), "steps": self.steps}
+                # remembered like a step: with several trainers each sends the same zero (one id), and only the
+                # first drops gradients (the others' would drop what their peers sent since)
+                return self._remember_step(
+                    command.step_id, {"epoch": int(opt.local_epoch), "steps": self.steps}
+                )
             state = self._prepared
             if state is None or state[0] != command.step_id:
                 own, wanted = self._take_pending(command.optimizer)
@@ -425,11 +429,16 @@ class Stepper:
                 self._catch_up(command.epoch)
             if not behind or opt.local_epoch <= command.epoch:
                 self._apply(command, grads, facts)
-            reply = {"epoch": int(opt.local_epoch), **facts, "steps": self.steps}
-            self._steps_applied[command.step_id] = reply
-            while len(self._steps_applied) > 64:
-                self._steps_applied.popitem(last=False)
-            return reply
+            return self._remember_step(
+                command.step_id, {"epoch": int(opt.local_epoch), **facts, "steps": self.steps}
+            )
+
+    def _remember_step(self, step_id: int, reply: dict[str, Any]) -> dict[str, Any]:
+        """Keep ``reply`` as the answer to any later command with ``step_id`` (bounded); returns it."""
+        self._steps_applied[step_id] = reply
+        while len(self._steps_applied) > 64:
+            self._steps_applied.popitem(last=False)
+        return reply
 
     def catch_up_for_call(self, epoch: int | None) -> None:
         """Before serving a call made at the stage's epoch ``epoch`` (as the trainer last saw it, see

@@ -17,7 +17,9 @@ A step has up to two phases with the same ``step_id``:
 
 With manual optimization, ``optimizer.zero_grad()`` on the trainer is mirrored too (phase ``"zero"``): the
 stages drop the gradients they hold for that optimizer's parameters. (With automatic optimization every
-backward is followed by a step, which consumes them.)
+backward is followed by a step, which consumes them.) A ``"zero"`` is applied once per ``step_id`` like a step:
+with several trainers every trainer sends the same one (see :mod:`.trainer_sync`), and only the first drops
+gradients.
 
 With several trainers (``stage_steps="async"``) the stages step on their own, every ``target_batch_size``
 samples; a trainer's optimizer step then only sends its groups' hyper-parameters when they changed (phase

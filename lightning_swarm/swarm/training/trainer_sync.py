@@ -9,6 +9,13 @@ by the number of trainers that took part, and replies to each with that average:
 bits, so their parameters stay identical, as DDP's ranks' do (checked: every ``HASH_EVERY`` steps each part carries
 a hash of the trainer's parameters, and a difference is an error on every trainer).
 
+Each optimizer step of a trainer is one global step: with several optimizers (manual optimization) every
+``optimizer.step()`` is its own exchange, in the same order on every trainer (the leader checks that the parts name
+the same optimizer). The stages' ids of a step's commands are derived from the run, the global step's index and the
+optimizer (:func:`stage_step_id`), never from a trainer's own counter, so every trainer names the same stage step
+whoever leads it; so are the ids of the ``optimizer.zero_grad()`` calls mirrored to the stages between two steps
+(:meth:`TrainerSync.zero_step_id`), which the stages apply once however many trainers send them.
+
 Then every trainer runs its optimizer step on the same gradient; the leader alone commands the stages (see
 :mod:`.stepping`): their summed gradients are scaled by 1/K like the trainers' (DDP's average over K ranks), its
 squared norm for clipping and its replies are *published* under the step's id, and the other trainers read them
@@ -50,7 +57,7 @@ from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
 from lightning_swarm.swarm.wire.codec import encode_parts
 from lightning_swarm.swarm.wire.transport import MessageReceiver, messages
 
-__all__ = ["HASH_EVERY", "StepResult", "TrainerSync", "TrainersDiverged", "params_hash"]
+__all__ = ["HASH_EVERY", "StepResult", "TrainerSync", "TrainersDiverged", "params_hash", "stage_step_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +84,8 @@ class StepResult:
 
     Args:
         step: the global step's index (counted from 0 by every trainer, one per optimizer step).
-        step_id: the stages' step id of this step (see :mod:`.stepping`): the leader's.
+        step_id: the stages' id of this step's commands (see :mod:`.stepping`): :func:`stage_step_id` of the step
+            and its optimizer, the same on every trainer.
         leader: the leader's name (base58 peer id).
         trainers: how many trainers' parts the average holds (the stages' gradients are divided by it too).
         missing: the trainers the leader waited for that did not hand in their part in time.
@@ -104,6 +112,14 @@ def params_hash(params: list[torch.Tensor]) -> str:
     for p in params:
         h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def stage_step_id(run_id: str, step: int, optimizer: int, kind: str = "step", count: int = 0) -> int:
+    """The stages' id of global step ``step`` of optimizer ``optimizer`` (``kind="step"``: its ``"norm"`` and
+    ``"apply"`` commands), or of its ``count``-th mirrored ``zero_grad`` before that step (``kind="zero"``): the
+    same on every trainer of the run, and different for every step, optimizer and kind (62 bits of a hash)."""
+    h = hashlib.blake2b(f"{run_id}\0{kind}\0{step}\0{optimizer}\0{count}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "big") >> 2
 
 
 class _Part:
@@ -159,7 +175,7 @@ def _decode_grads(tensors: list[torch.Tensor], shapes: Any) -> list[torch.Tensor
 def _check_header(header: Any) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise ValueError("trainer step: the header must be a map")
-    for key in ("step", "step_id", "nonfinite"):
+    for key in ("step", "optimizer", "nonfinite"):
         if type(header.get(key)) is not int or header[key] < 0:
             raise ValueError(f"trainer step: {key} must be a non-negative integer")
     if not isinstance(header.get("name"), str) or not 0 < len(header["name"]) <= 128:
@@ -215,6 +231,7 @@ class TrainerSync(ServicerBase):
         self.finished = False  # this trainer's training ended: it leads no more steps
         self._hinted: set[str] = set()  # leaders other trainers named (a trainer this one had not seen yet)
         self._last: StepResult | None = None
+        self._zeros: dict[int, int] = {}  # optimizer -> zero_grad calls mirrored since the last step
 
     # ------------------------------------------------------------------ life
     def start(self, initial: bytes | None = None) -> None:
@@ -243,18 +260,18 @@ class TrainerSync(ServicerBase):
     def exchange(
         self,
         grads: list[torch.Tensor | None],
-        step_id: int,
+        optimizer: int = 0,
         nonfinite: int = 0,
         params: list[torch.Tensor] | None = None,
     ) -> StepResult:
-        """Hand in this trainer's part of the current global step and return the step's result (blocking). The
-        ``step_id`` is the one this trainer would give the stages if it leads; ``params`` (this trainer's own
+        """Hand in this trainer's part of the current global step, a step of its optimizer ``optimizer``
+        (``configure_optimizers`` order), and return the step's result (blocking); ``params`` (this trainer's own
         parameters) are hashed every ``HASH_EVERY`` steps. Raises :class:`TrainersDiverged` if the trainers'
-        parameters differ."""
+        parameters differ, or if they step different optimizers."""
         step = self.step
         header: dict[str, Any] = {
             "step": step,
-            "step_id": step_id,
+            "optimizer": int(optimizer),
             "nonfinite": int(nonfinite),
             "name": self.name,
         }
@@ -295,6 +312,7 @@ class TrainerSync(ServicerBase):
                 self._failed[leader] = time.monotonic() + 3 * self.timeout
         self.step = step + 1
         self._last = result
+        self._zeros = {}
         self._known.update(result.names)
         for (
             name
@@ -307,6 +325,14 @@ class TrainerSync(ServicerBase):
                 "the others' average (its own batch is not in that step)"
             )
         return result
+
+    def zero_step_id(self, optimizer: int) -> int:
+        """The stages' id of this trainer's next mirrored ``zero_grad`` of optimizer ``optimizer`` (see
+        :func:`stage_step_id`): the n-th such call since the last global step has the same id on every trainer,
+        so the stages drop that optimizer's gradients once, at the first trainer's call."""
+        count = self._zeros.get(optimizer, 0)
+        self._zeros[optimizer] = count + 1
+        return stage_step_id(self.run_id, self.step, optimizer, "zero", count)
 
     def publish(self, step_id: int, key: str, value: Any) -> None:
         """Make ``value`` of step ``step_id`` available to the other trainers (see :meth:`await_value`)."""
@@ -395,7 +421,7 @@ class TrainerSync(ServicerBase):
                 self._cond.wait(_POLL_S)
         with self._cond:
             missing = sorted(waited - set(rnd.parts))
-            rnd.result, rnd.error = self._average(step, rnd, own.header["step_id"], missing)
+            rnd.result, rnd.error = self._average(step, rnd, missing)
             for part in rnd.parts.values():
                 part.grads = []  # averaged: only the names are needed from now on
             self._cond.notify_all()
@@ -423,14 +449,20 @@ class TrainerSync(ServicerBase):
             names.add(_UNSEEN)  # its presence record may not be read yet
         return names
 
-    def _average(
-        self, step: int, rnd: _Round, step_id: int, missing: list[str]
-    ) -> tuple[StepResult, str | None]:
+    def _average(self, step: int, rnd: _Round, missing: list[str]) -> tuple[StepResult, str | None]:
         names = sorted(rnd.parts)
         parts = [rnd.parts[n] for n in names]
         self._known.update(names)
         hashes = {p.header.get("hash") for p in parts if p.header.get("hash") is not None}
+        optimizer = int(rnd.parts[self.name].header["optimizer"])
         error = None
+        stepped = sorted({int(p.header["optimizer"]) for p in parts})
+        if len(stepped) > 1:
+            error = (
+                f"The trainers stepped different optimizers at global step {step} (indices {stepped}): every trainer "
+                "must call its optimizers' step() in the same order (manual optimization: the same calls on every "
+                "trainer, not ones that depend on its own batch)."
+            )
         if len(hashes) > 1:
             error = (
                 f"The trainers' own parameters differ at global step {step} (hashes of {len(hashes)} kinds among "
@@ -460,7 +492,7 @@ class TrainerSync(ServicerBase):
                 grads.append(total.div_(k))
         result = StepResult(
             step=step,
-            step_id=step_id,
+            step_id=stage_step_id(self.run_id, step, optimizer),
             leader=self.name,
             trainers=len(parts),
             missing=missing,
