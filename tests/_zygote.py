@@ -307,6 +307,9 @@ def _serve(path: str, parent: int) -> int | None:
         if not ready:
             continue
         conn, _ = listener.accept()
+        conn.settimeout(
+            5.0
+        )  # a client that died mid-request does not hold the zygote (it watches its parent)
         try:
             msg, fds, _flags, _addr = socket.recv_fds(conn, _HEADER.size, 3)
             request = json.loads(_recv_exactly(conn, _HEADER.unpack(msg)[0]))
@@ -325,7 +328,10 @@ def _serve(path: str, parent: int) -> int | None:
         for fd in fds:
             os.close(fd)
         waiting[pid] = conn
-        conn.sendall(_HEADER.pack(pid))
+        try:
+            conn.sendall(_HEADER.pack(pid))
+        except OSError:
+            pass  # the client is gone: its job runs on, reaped like the others
     return None
 
 
@@ -407,12 +413,11 @@ def _become(request: dict, fds: list[int]) -> int:
 
 def _main() -> None:
     path, parent = sys.argv[1], int(sys.argv[2])
-    import ctypes
     import importlib
-    import signal
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: the zygote ends with its pytest worker
+    # No PR_SET_PDEATHSIG here: it fires when the *thread* that started the zygote ends, and a test may start it
+    # from a thread of its own (jobs in flight then lost their zygote). The zygote ends with its pytest worker
+    # through its serving loop instead, which checks its parent every 0.05 s.
     sys.path[0] = os.getcwd()  # the repository: ``lightning_swarm`` and ``tests`` import as they do in a job
     for name in _PRELOAD:
         importlib.import_module(name)
