@@ -173,7 +173,7 @@ class Popen(subprocess.Popen):
     def _try_wait(self, wait_flags: int) -> tuple[int, int]:
         if self._zygote_conn is None:
             return super()._try_wait(wait_flags)
-        if wait_flags & os.WNOHANG and not select.select([self._zygote_conn], [], [], 0)[0]:
+        if wait_flags & os.WNOHANG and not _readable(self._zygote_conn):
             return 0, 0
         data = _recv_exactly(self._zygote_conn, _STATUS.size)
         self._zygote_conn.close()
@@ -261,6 +261,13 @@ def _watch(pid: int, period: float = 0.2) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=wait, daemon=True, name="zygote-watch-job").start()
+
+
+def _readable(conn: socket.socket) -> bool:
+    """Whether ``conn`` has data (or its end) now: ``poll``, as a worker may hold file descriptors above 1023."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _recv_exactly(conn: socket.socket, size: int) -> bytes:

@@ -241,7 +241,7 @@ class SocketMesh:
                     if now > state.deadline:
                         self._refuse(pending, conn, f"sent no hello within {self.handshake_timeout_s:g} s")
                 wake = min([deadline, *(s.deadline for s in pending.values())]) - now
-                readable, _, _ = select.select([listener, *pending], [], [], max(0.0, min(wake, 1.0)))
+                readable = _wait_ready([listener, *pending], [], max(0.0, min(wake, 1.0)))
                 for sock in readable:
                     if sock is listener:
                         self._take_new(listener, pending)
@@ -435,11 +435,11 @@ class SocketMesh:
                 continue
             readers = [self.conns[p] for p in self.peers if self._recvs[p]]
             writers = [self.conns[p] for p in self.peers if self._sends[p]]
-            select.select(readers, writers, [], min(1.0, max(deadline - time.monotonic(), 0.0)))
+            _wait_ready(readers, writers, min(1.0, max(deadline - time.monotonic(), 0.0)))
         # the other ranks wait for this rank's parts: send them out before going back to compute
         while any(self._sends[p] for p in self.peers):
             if not self._progress():
-                select.select([], [self.conns[p] for p in self.peers if self._sends[p]], [], 1.0)
+                _wait_ready([], [self.conns[p] for p in self.peers if self._sends[p]], 1.0)
             if time.monotonic() > deadline:
                 raise MeshError(
                     f"rank {self.rank}: sending to the other ranks took more than {self.timeout_s:.0f} s"
@@ -512,3 +512,24 @@ def reachable_address(master_addr: str, master_port: int) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(target)
         return probe.getsockname()[0]
+
+
+def _wait_ready(
+    readers: list[socket.socket], writers: list[socket.socket], timeout: float
+) -> list[socket.socket]:
+    """Wait up to ``timeout`` seconds until one of ``readers`` is readable or one of ``writers`` writable; returns
+    the readable ones. ``poll``, not ``select``: a rank of a large job may hold file descriptors above 1023."""
+    poller = select.poll()
+    by_fd: dict[int, socket.socket] = {}
+    for sock in readers:
+        poller.register(sock, select.POLLIN)
+        by_fd[sock.fileno()] = sock
+    for sock in writers:
+        events = select.POLLOUT | (select.POLLIN if sock.fileno() in by_fd else 0)
+        poller.register(sock, events)
+    ready = poller.poll(timeout * 1000)
+    return [
+        by_fd[fd]
+        for fd, event in ready
+        if fd in by_fd and event & (select.POLLIN | select.POLLHUP | select.POLLERR)
+    ]
