@@ -20,7 +20,7 @@ PACKAGE_LAYERS = [
     ["lightning_swarm", "lightning_swarm.cli"],
     ["lightning_swarm.strategy"],
     ["lightning_swarm.swarm", "lightning_swarm.layers"],
-    ["lightning_swarm.torch_archive"],
+    ["lightning_swarm.torch_archive", "lightning_swarm.children"],
 ]
 ENGINE = "lightning_swarm.swarm"
 ENGINE_LAYERS = [

@@ -48,9 +48,9 @@ from lightning.pytorch import Callback
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_swarm.children import dies_with_this_process
 from lightning_swarm.layers.checkpoint import sharded_meta
 from lightning_swarm.layers.mesh import MeshError
-from lightning_swarm.swarm.lifetime import dies_with_this_process
 
 log = logging.getLogger(__name__)
 

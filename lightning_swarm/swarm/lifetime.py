@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from lightning_swarm.children import dies_with_this_process
 from lightning_swarm.swarm.footprint import p2pd_env
 
 __all__ = [
@@ -273,21 +274,6 @@ def _keep_new_sessions() -> None:
 
 
 _libc: Any = None
-
-
-def dies_with_this_process() -> Callable[[], None]:
-    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets SIGKILL when this process dies, however it dies
-    (SIGKILL included). For children that ask for their own session, which the fork hook leaves alone."""
-    global _libc
-    _libc = _libc or ctypes.CDLL(None, use_errno=True)
-    return functools.partial(_death_signal_in_child, os.getpid())
-
-
-def _death_signal_in_child(parent_pid: int) -> None:
-    # runs between fork and exec: only a C call through the library loaded beforehand
-    if _libc is not None and _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def describe_exit(code: int | None) -> str:
