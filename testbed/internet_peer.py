@@ -39,24 +39,17 @@ from lightning_swarm.swarm.logs import quiet_routine_logs  # noqa: E402
 from lightning_swarm.swarm.loop import run_coroutine  # noqa: E402
 from lightning_swarm.swarm.server import StageServer  # noqa: E402
 from lightning_swarm.swarm.settings import SwarmSettings  # noqa: E402
-from testbed.stage_peer import stage_module  # noqa: E402
+from testbed.stage_peer import job_settings, serve_stage, stage_module  # noqa: E402
+
+# An internet peer's settings where its config names none (the rest: testbed/stage_peer.py's DEFAULTS).
+_NAMES = dict(run_id="internet", compression="8bit", target_batch_size=256, reachability="auto")
+_TIMES = dict(
+    matchmaking_time=2.0, averaging_timeout=10.0, request_timeout=10.0, expiration=6.0, ban_base_s=5.0
+)
 
 
 def _settings(cfg: dict[str, Any]) -> SwarmSettings:
-    return SwarmSettings(
-        run_id=cfg.get("run_id", "internet"),
-        num_stages=cfg["num_stages"],
-        compression=cfg.get("compression", "8bit"),
-        target_batch_size=cfg.get("target_batch_size", 256),
-        matchmaking_time=cfg.get("matchmaking_time", 2.0),
-        averaging_timeout=cfg.get("averaging_timeout", 10.0),
-        request_timeout=cfg.get("request_timeout", 10.0),
-        announce_period=cfg.get("announce_period", 1.0),
-        expiration=cfg.get("expiration", 6.0),
-        ban_base_s=cfg.get("ban_base_s", 5.0),
-        no_peers_timeout=cfg.get("no_peers_timeout", 60.0),
-        reachability=cfg.get("reachability", "auto"),
-    )
+    return job_settings(cfg, **_NAMES, **_TIMES, no_peers_timeout=60.0)
 
 
 def _start_dht(cfg: dict[str, Any], settings: SwarmSettings) -> tuple[hivemind.DHT, str]:
@@ -81,14 +74,7 @@ def serve(cfg: dict[str, Any]) -> None:
     server = None
     if cfg.get("stage") is not None:
         module = stage_module(cfg["stage"], cfg["width"], cfg["blocks"])
-        server = StageServer(
-            cfg["stage"],
-            module,
-            dht=dht,
-            settings=settings,
-            optimizer_factory=lambda groups: torch.optim.Adam(groups, lr=cfg.get("lr", 1e-3)),
-            throughput=cfg.get("throughput", 100.0),
-        ).start()
+        server = serve_stage(StageServer, cfg, module, dht, settings)
     print(
         json.dumps(
             {

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 import hivemind
 import torch
@@ -26,6 +27,43 @@ from lightning_swarm.swarm.lifetime import die_with_parent  # noqa: E402
 from lightning_swarm.swarm.logs import quiet_routine_logs  # noqa: E402
 from lightning_swarm.swarm.server import StageServer  # noqa: E402
 from lightning_swarm.swarm.settings import SwarmSettings  # noqa: E402
+
+# What a job's settings are where its JSON config names none ("stage_steps": "trainer" steps only when a trainer
+# commands it).
+DEFAULTS: dict[str, Any] = {
+    "compression": "none",
+    "target_batch_size": 64,
+    "matchmaking_time": 1.0,
+    "averaging_timeout": 5.0,
+    "request_timeout": 5.0,
+    "announce_period": 1.0,
+    "expiration": 4.0,
+    "stage_steps": "auto",
+}
+
+
+def job_settings(cfg: dict[str, Any], **defaults: Any) -> SwarmSettings:
+    """The ``SwarmSettings`` of a job from its JSON config: ``num_stages`` and ``run_id`` (``defaults`` may give
+    it), and each of ``DEFAULTS`` (updated by ``defaults``) as the config names it, else its default."""
+    chosen = {**DEFAULTS, **defaults}
+    run_id = cfg.get("run_id", chosen.pop("run_id", None))
+    return SwarmSettings(
+        run_id=run_id, num_stages=cfg["num_stages"], **{k: cfg.get(k, v) for k, v in chosen.items()}
+    )
+
+
+def serve_stage(
+    cls: type[StageServer], cfg: dict[str, Any], module: nn.Module, dht: Any, settings: SwarmSettings
+) -> StageServer:
+    """Starts ``cls`` serving ``cfg["stage"]`` with ``module`` (Adam at ``cfg["lr"]``, default 1e-3)."""
+    return cls(
+        cfg["stage"],
+        module,
+        dht=dht,
+        settings=settings,
+        optimizer_factory=lambda groups: torch.optim.Adam(groups, lr=cfg.get("lr", 1e-3)),
+        throughput=cfg.get("throughput", 100.0),
+    ).start()
 
 
 def stage_module(stage: int, width: int, blocks: int) -> nn.Module:
@@ -87,32 +125,14 @@ def main() -> None:
     dht = hivemind.DHT(
         start=True, initial_peers=cfg.get("initial_peers", []), host_maddrs=["/ip4/127.0.0.1/tcp/0"]
     )
-    settings = SwarmSettings(
-        run_id=cfg["run_id"],
-        num_stages=cfg["num_stages"],
-        compression=cfg.get("compression", "none"),
-        target_batch_size=cfg.get("target_batch_size", 64),
-        matchmaking_time=cfg.get("matchmaking_time", 1.0),
-        averaging_timeout=cfg.get("averaging_timeout", 5.0),
-        request_timeout=cfg.get("request_timeout", 5.0),
-        announce_period=cfg.get("announce_period", 1.0),
-        expiration=cfg.get("expiration", 4.0),
-        stage_steps=cfg.get("stage_steps", "auto"),  # "trainer": steps only when a trainer commands them
-    )
+    settings = job_settings(cfg)
     module = stage_module(cfg["stage"], cfg["width"], cfg["blocks"])
     when = cfg.get("kill")
     cls = _KillDuringAveraging if when == "averaging" else StageServer
     if when in ("forward", "backward"):
         module = _Killer(module, when, cfg.get("kill_after", 5))
     _KillDuringAveraging.kill_delay = cfg.get("kill_delay", 0.5)
-    server = cls(
-        cfg["stage"],
-        module,
-        dht=dht,
-        settings=settings,
-        optimizer_factory=lambda groups: torch.optim.Adam(groups, lr=cfg.get("lr", 1e-3)),
-        throughput=cfg.get("throughput", 100.0),
-    ).start()
+    server = serve_stage(cls, cfg, module, dht, settings)
     print(
         json.dumps({"peer_id": str(dht.peer_id), "maddrs": [str(a) for a in dht.get_visible_maddrs()]}),
         flush=True,

@@ -135,6 +135,12 @@ class Output:
         return next((t for t, line in self.lines if re.search(pattern, line)), None)
 
 
+def _as_in_a_terminal() -> None:
+    """Ctrl-C reaches a terminal's job even when this test runs under a parent that ignores SIGINT (a job started in
+    the background by a shell without job control): a shell cannot trap a signal ignored when it started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @dataclass
 class Run:
     block: Block
@@ -196,6 +202,7 @@ class Session:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,  # its own process group, as a terminal's job; what it leaves is found by it
+            preexec_fn=_as_in_a_terminal,
         )
         run = Run(block, proc, Output(), time.monotonic())
 

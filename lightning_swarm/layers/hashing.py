@@ -37,7 +37,40 @@ def _check_input(name: str, x: Tensor, dim: int) -> None:
         raise ValueError(f"{name}.codes expects a [N, {dim}] tensor, got shape {tuple(x.shape)}.")
 
 
-class SimHash:
+class BucketHash:
+    """What every hash family shares: ``num_tables`` codes of ``num_bits`` bits for each row of ``[N, dim]``
+    inputs, hashed ``_ROW_CHUNK`` rows at a time (a family defines ``_chunk_codes``)."""
+
+    dim: int
+    num_bits: int
+    num_tables: int
+
+    @property
+    def code_space(self) -> int:
+        """Number of distinct bucket codes of one table."""
+        return 1 << self.num_bits
+
+    @torch.no_grad()
+    def codes(self, x: Tensor) -> Tensor:
+        """Bucket codes of the rows of ``x``.
+
+        Args:
+            x: ``[N, dim]`` float tensor.
+
+        Returns:
+            ``[N, num_tables]`` int64 codes in ``[0, 2**num_bits)``.
+        """
+        _check_input(type(self).__name__, x, self.dim)
+        out = torch.empty(x.size(0), self.num_tables, dtype=torch.long)
+        for lo in range(0, x.size(0), _ROW_CHUNK):
+            out[lo : lo + _ROW_CHUNK] = self._chunk_codes(x[lo : lo + _ROW_CHUNK])
+        return out
+
+    def _chunk_codes(self, chunk: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class SimHash(BucketHash):
     """Signed random projections: bit ``j`` of a code is ``sign(<x, r_j>)``.
 
     For two vectors at angle ``theta`` one bit collides with probability
@@ -60,32 +93,12 @@ class SimHash:
         self._dtype = torch.float32 if num_bits <= 24 else torch.float64
         self._powers = (2.0 ** torch.arange(num_bits, dtype=torch.float64)).to(self._dtype)
 
-    @property
-    def code_space(self) -> int:
-        """Number of distinct bucket codes of one table."""
-        return 1 << self.num_bits
-
-    @torch.no_grad()
-    def codes(self, x: Tensor) -> Tensor:
-        """Bucket codes of the rows of ``x``.
-
-        Args:
-            x: ``[N, dim]`` float tensor.
-
-        Returns:
-            ``[N, num_tables]`` int64 codes in ``[0, 2**num_bits)``.
-        """
-        _check_input("SimHash", x, self.dim)
-        out = torch.empty(x.size(0), self.num_tables, dtype=torch.long)
-        proj = self.projections.to(x.dtype)
-        for lo in range(0, x.size(0), _ROW_CHUNK):
-            chunk = x[lo : lo + _ROW_CHUNK]
-            bits = (chunk @ proj > 0).to(self._dtype).view(-1, self.num_tables, self.num_bits)
-            out[lo : lo + _ROW_CHUNK] = (bits @ self._powers).long()
-        return out
+    def _chunk_codes(self, chunk: Tensor) -> Tensor:
+        bits = (chunk @ self.projections.to(chunk.dtype) > 0).to(self._dtype)
+        return (bits.view(-1, self.num_tables, self.num_bits) @ self._powers).long()
 
 
-class DWTAHash:
+class DWTAHash(BucketHash):
     """Densified winner-take-all hashing (Chen & Shrivastava, 2018), as used by SLIDE.
 
     Each table draws ``num_bits / log2(bin_size)`` bins of ``bin_size`` coordinates from
@@ -129,40 +142,21 @@ class DWTAHash:
         self.probes = (torch.arange(total_bins).unsqueeze(1) + shift) % total_bins
         self._shifts = (bits_per_bin * torch.arange(self.bins_per_table)).view(1, 1, -1)
 
-    @property
-    def code_space(self) -> int:
-        """Number of distinct bucket codes of one table."""
-        return 1 << self.num_bits
-
-    @torch.no_grad()
-    def codes(self, x: Tensor) -> Tensor:
-        """Bucket codes of the rows of ``x``.
-
-        Args:
-            x: ``[N, dim]`` float tensor.
-
-        Returns:
-            ``[N, num_tables]`` int64 codes in ``[0, 2**num_bits)``.
-        """
-        _check_input("DWTAHash", x, self.dim)
-        out = torch.empty(x.size(0), self.num_tables, dtype=torch.long)
-        for lo in range(0, x.size(0), _ROW_CHUNK):
-            chunk = x[lo : lo + _ROW_CHUNK]
-            vals = chunk[:, self.bin_coords]  # [n, bins, bin_size]
-            winner = vals.argmax(dim=2)  # [n, bins]
-            empty = (vals == 0).all(dim=2)
-            for attempt in range(self.probes.size(1)):
-                if not bool(empty.any()):
-                    break
-                src = self.probes[:, attempt]
-                winner = torch.where(empty, winner[:, src], winner)
-                empty = empty & empty[:, src]
-            winner = winner.masked_fill(empty, 0).view(-1, self.num_tables, self.bins_per_table)
-            out[lo : lo + _ROW_CHUNK] = (winner << self._shifts).sum(dim=2)
-        return out
+    def _chunk_codes(self, chunk: Tensor) -> Tensor:
+        vals = chunk[:, self.bin_coords]  # [n, bins, bin_size]
+        winner = vals.argmax(dim=2)  # [n, bins]
+        empty = (vals == 0).all(dim=2)
+        for attempt in range(self.probes.size(1)):
+            if not bool(empty.any()):
+                break
+            src = self.probes[:, attempt]
+            winner = torch.where(empty, winner[:, src], winner)
+            empty = empty & empty[:, src]
+        winner = winner.masked_fill(empty, 0).view(-1, self.num_tables, self.bins_per_table)
+        return (winner << self._shifts).sum(dim=2)
 
 
-def make_hash(family: str, dim: int, num_bits: int, num_tables: int, seed: int) -> SimHash | DWTAHash:
+def make_hash(family: str, dim: int, num_bits: int, num_tables: int, seed: int) -> BucketHash:
     """Build a hash family by name (``"simhash"`` or ``"dwta"``)."""
     if family == "simhash":
         return SimHash(dim, num_bits, num_tables, seed)

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_swarm.layers.distributed import shard_range
-from lightning_swarm.layers.hashing import DWTAHash, SimHash, make_hash
+from lightning_swarm.layers.hashing import BucketHash, make_hash
 from lightning_swarm.layers.init import born_shard_group, draw_init_seed, initialising, uniform_rows_
 from lightning_swarm.layers.tables import LSHTables, pseudo_uniform
 
@@ -221,7 +221,7 @@ class SparseLSHLinear(nn.Module):
         if initialising():
             self.reset_parameters()
         self.register_buffer("num_steps", torch.zeros((), dtype=torch.long))
-        self._hash: SimHash | DWTAHash | None = None
+        self._hash: BucketHash | None = None
         self._hash_version = -1
         self._tables = LSHTables(num_tables, 1 << num_bits)
         self._built_at: int | None = None
