@@ -15,7 +15,7 @@ import pytest
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from lightning_swarm.swarm.dht.reachability import circuit_addrs, daemon_options, wire_maddr
+from lightning_swarm.swarm.dht.reachability import circuit_addrs, daemon_options, dialable, scope, wire_maddr
 from lightning_swarm.swarm.settings import SwarmSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +48,30 @@ def test_reachability_is_one_validated_setting_with_relays_from_the_initial_peer
     assert data == Multiaddr("/ip4/10.213.1.1/tcp/31337").to_bytes() + bytes(
         [0xA5, 0x03, len(digest)]
     ) + digest + (bytes([0xA2, 0x02]))
+
+
+def test_the_dial_back_service_dials_only_where_its_caller_comes_from() -> None:
+    lan, public, home = "/ip4/192.168.1.7/tcp/4000", "/ip4/1.2.3.4/tcp/4000", "/ip4/127.0.0.1/tcp/4000"
+    cgnat, dns = "/ip4/100.70.1.2/tcp/4000", "/dns4/example.org/tcp/4000"
+    assert [scope(a) for a in (lan, public, home, cgnat, dns, "/ip6/::1/tcp/1", "/ip6/fe80::1/tcp/1")] == [
+        "private",
+        "public",
+        "loopback",
+        "private",
+        "unknown",
+        "loopback",
+        "private",
+    ]
+    assert scope(f"{RELAY}/p2p-circuit") == "private"  # a circuit address is dialled at its relay
+    listed = [home, lan, public, cgnat, dns]
+    # a caller from the internet cannot make a peer dial into its host or its LAN (nor a name it would resolve)
+    assert dialable(listed, ["/ip4/5.6.7.8/tcp/5555"]) == [public]
+    assert dialable(listed, ["/ip4/192.168.1.20/tcp/5555"]) == [lan, cgnat]  # a caller on its LAN
+    assert dialable(listed, ["/ip4/127.0.0.1/tcp/5555"]) == [
+        home
+    ]  # a caller on its host (doctor on loopback)
+    assert dialable(listed, []) == []  # a caller it is not connected to: nothing
+    assert len(dialable([public] * 20, [public])) == 8  # a bounded number of dials
 
 
 @pytest.mark.timeout(300)

@@ -3,12 +3,19 @@ stored (pure: no network)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
+import hivemind
+import pytest
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from lightning_swarm.cli import format_status
-from lightning_swarm.swarm.dht.records import parse_stage_peers
+from lightning_swarm.swarm.dht.records import get_stage_peers, parse_stage_peers
 from lightning_swarm.swarm.states import JOINING, LEAVING, ONLINE, STATES
+from lightning_swarm.swarm.training.stepping import read_swarm_epoch
 
 NOW = 1_000.0
 IDS = [
@@ -157,3 +164,21 @@ def test_signed_subkeys_read_as_their_owner_and_forged_ones_are_skipped() -> Non
     assert [(p.peer_id, p.throughput) for p in parse_stage_peers(listing, 1, now=NOW)] == [
         (owner.peer_id, 2.0)
     ]
+
+
+def test_a_lookup_in_a_dht_whose_process_died_ends_with_a_clear_error() -> None:
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        assert get_stage_peers(dht, "lookup", 0) == []  # a live DHT answers at once
+        os.kill(dht.pid, signal.SIGKILL)
+        dht.join(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not answer a lookup of stage 0's peers within 2 s"):
+            get_stage_peers(dht, "lookup", 0, timeout=2.0)
+        assert time.monotonic() - start < 5
+        start = time.monotonic()
+        assert read_swarm_epoch(dht, "lookup") is None
+        assert time.monotonic() - start < 15
+    finally:
+        if dht.is_alive():
+            dht.shutdown()

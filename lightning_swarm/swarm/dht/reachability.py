@@ -39,10 +39,12 @@ upgraded. The relay carries such a peer's traffic; routing weighs it by the thro
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -60,9 +62,11 @@ __all__ = [
     "circuit_addrs",
     "daemon_options",
     "dial_relayed",
+    "dialable",
     "is_local",
     "measure_link",
     "relay_addrs_of",
+    "scope",
     "start_reachable",
     "serve_dial_back",
     "wire_maddr",
@@ -74,6 +78,7 @@ DIAL_BACK = "SwarmReach.dial_back"
 ECHO = "SwarmReach.echo"
 _DIAL_TIMEOUT = 5.0
 _MAX_ADDRS = 8
+_SHARED_RANGE = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT's inside (RFC 6598)
 _P2P_CODE, _CIRCUIT_CODE = 0x01A5, 0x0122
 
 # hivemind passes force_reachability through this table as daemon flags: two more rows give the flags it has no
@@ -87,6 +92,32 @@ P2P.FORCE_REACHABILITY_MAPPING.setdefault(
 def is_local(maddr: str) -> bool:
     """Whether ``maddr`` is an address on this host only (loopback)."""
     return "/ip4/127." in maddr or "/ip6/::1/" in maddr
+
+
+def scope(maddr: str) -> str:
+    """Where ``maddr``'s first hop is: ``"loopback"``, ``"private"`` (private, link-local or shared ranges: a LAN,
+    a NAT's inside), ``"public"``, or ``"unknown"`` (a DNS name, or no IP address)."""
+    parts = maddr.split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return "unknown"
+    try:
+        ip = ipaddress.ip_address(parts[2])
+    except ValueError:
+        return "unknown"
+    if ip.is_loopback:
+        return "loopback"
+    if ip.is_private or ip.is_link_local or (ip.version == 4 and ip in _SHARED_RANGE):
+        return "private"
+    return "public"
+
+
+def dialable(addrs: Sequence[str], caller_addrs: Sequence[str]) -> list[str]:
+    """The addresses of ``addrs`` that the dial-back service may dial for a caller connected from ``caller_addrs``:
+    those in a scope (:func:`scope`) the caller connects from, at most ``_MAX_ADDRS``. A remote caller cannot make
+    a peer dial into the peer's own host or LAN, only where the caller itself comes from; a circuit address is
+    judged by its relay's address, the one dialled."""
+    scopes = {scope(a) for a in caller_addrs} - {"unknown"}
+    return [a for a in addrs[:_MAX_ADDRS] if scope(a) in scopes]
 
 
 def daemon_options(reachability: str, relays: Sequence[str]) -> dict[str, Any]:
@@ -174,22 +205,26 @@ async def dial_relayed(
 
 # ------------------------------------------------------------------------------------------ dial-back service
 _dial_slots: asyncio.Semaphore | None = None
+_ECHO_BUDGET = 64 << 20  # bytes all echoes send back per minute at most
+_echo_sent: deque[tuple[float, int]] = deque()  # (when, bytes) of the last minute's echoes
 _ECHO_MAX = 4 << 20  # bytes an echo sends back at most
 
 
-async def _remote_is_local(p2p: P2P, peer_id: PeerID) -> bool:
-    """Whether ``p2p``'s daemon is connected to ``peer_id`` over loopback only (the caller runs on this host)."""
+async def _caller_addrs(p2p: P2P, peer_id: PeerID) -> list[str]:
+    """The addresses ``p2p``'s daemon is connected to ``peer_id`` at (where the caller comes from)."""
     for info in await p2p.list_peers():
         if info.peer_id == peer_id:
-            return bool(info.addrs) and all(is_local(str(a)) for a in info.addrs)
-    return False
+            return [str(a) for a in info.addrs]
+    return []
 
 
 async def _dial_back(p2p: P2P, request: BytesValue, context: P2PContext) -> BytesValue:
     """Dial the caller at the addresses it lists from a fresh daemon that has no connection to it, and say whether
     that worked, how long the connection took and how it is connected: ``"direct"``, ``"relay"`` (circuit addresses
     are dialled through their relay) or ``"hole-punched"`` (a relayed connection that the daemons upgraded to a
-    direct one within a second and a half). Loopback addresses are dialled only for a caller on this host."""
+    direct one within a second and a half). Only addresses in a scope the caller connects from are dialled
+    (:func:`dialable`): a caller on this host gets loopback, one on this LAN private addresses, one from the internet
+    public ones."""
     global _dial_slots
     if _dial_slots is None:
         _dial_slots = asyncio.Semaphore(2)  # a probe costs a daemon start: a few at a time
@@ -197,14 +232,14 @@ async def _dial_back(p2p: P2P, request: BytesValue, context: P2PContext) -> Byte
         addrs = json.loads(request.value.decode())["addrs"]
         if not isinstance(addrs, list) or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
             raise ValueError("addrs must be a list of multiaddr strings")
-        local = await _remote_is_local(p2p, context.remote_id)
-        chosen = [a for a in addrs[:_MAX_ADDRS] if local or not is_local(a)]
+        chosen = dialable(addrs, await _caller_addrs(p2p, context.remote_id))
         circuit = bool(chosen) and all("p2p-circuit" in a for a in chosen)
         maddrs = [wire_maddr(a) for a in chosen if ("p2p-circuit" in a) == circuit]
     except Exception as e:
         return BytesValue(value=json.dumps({"reachable": False, "error": f"bad request: {e}"}).encode())
     if not maddrs:
-        return BytesValue(value=json.dumps({"reachable": False, "error": "no address off its host"}).encode())
+        error = "no address it listed is where it connects from (its host, its LAN or the internet)"
+        return BytesValue(value=json.dumps({"reachable": False, "error": error}).encode())
     async with _dial_slots:
         probe = await P2P.create(use_relay=circuit, auto_nat=circuit, nat_port_map=False)
         try:
@@ -227,8 +262,16 @@ async def _dial_back(p2p: P2P, request: BytesValue, context: P2PContext) -> Byte
 
 
 async def _echo(request: BytesValue, context: P2PContext) -> BytesValue:
-    """The first 8 bytes of the request (big-endian) say how many bytes to send back (at most 4 MiB)."""
+    """The first 8 bytes of the request (big-endian) say how many bytes to send back: at most 4 MiB a reply and
+    ``_ECHO_BUDGET`` bytes a minute in all, so that callers cannot take more of this peer's upload than a few
+    measurements need (past the budget the call fails, and ``doctor`` says it could not measure)."""
     size = min(int.from_bytes(request.value[:8], "big"), _ECHO_MAX) if len(request.value) >= 8 else 0
+    now = time.monotonic()
+    while _echo_sent and _echo_sent[0][0] < now - 60.0:
+        _echo_sent.popleft()
+    if sum(n for _, n in _echo_sent) + size > _ECHO_BUDGET:
+        raise RuntimeError("echo budget spent: try again in a minute")
+    _echo_sent.append((now, size))
     return BytesValue(value=bytes(size))
 
 

@@ -35,6 +35,7 @@ signed subkey back to its peer id (checking the binding once more) and drop the 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ from lightning_swarm.swarm.states import ONLINE, STATES
 __all__ = ["PeerInfo", "declare_stage_peer", "get_stage_peers", "parse_stage_peers"]
 
 logger = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT = 30.0  # seconds a lookup of a stage's peers may take
 
 
 @dataclass
@@ -226,7 +229,19 @@ def parse_stage_peers(
     return peers
 
 
-def get_stage_peers(dht: DHT, run_id: str, stage: int, states: tuple[str, ...] = (ONLINE,)) -> list[PeerInfo]:
+def get_stage_peers(
+    dht: DHT, run_id: str, stage: int, states: tuple[str, ...] = (ONLINE,), timeout: float = LOOKUP_TIMEOUT
+) -> list[PeerInfo]:
     """List the live peers of ``stage`` in one of ``states`` (default: online), with one DHT lookup; never raises
-    on malformed records."""
-    return parse_stage_peers(dht.get(stage_key(run_id, stage), latest=True), stage, states=states)
+    on malformed records. Raises ``TimeoutError`` if the DHT does not answer within ``timeout`` seconds (a DHT
+    whose helper process died never answers)."""
+    future = dht.get(stage_key(run_id, stage), latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(
+            f"the DHT did not answer a lookup of stage {stage}'s peers within {timeout:g} s: its process may have "
+            "died, or the swarm's DHT peers are unreachable"
+        ) from None
+    return parse_stage_peers(found, stage, states=states)

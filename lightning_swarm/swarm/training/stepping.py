@@ -252,8 +252,8 @@ def read_swarm_epoch(dht: Any, run_id: str, stage: int = 0) -> int | None:
     hivemind's ``ProgressTracker`` reads it). ``None`` if nothing valid is found (no peer reported yet, or the DHT
     did not answer); malformed entries are skipped."""
     key = f"{run_id}_stage{stage}_progress"  # the stage optimizer's run id, as the server names it
-    try:
-        found = dht.get(key, latest=True)
+    try:  # bounded: a DHT whose helper process died never answers
+        found = dht.get(key, latest=True, return_future=True).result(timeout=10.0)
     except Exception:
         return None
     entries = getattr(found, "value", None)
