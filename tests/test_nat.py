@@ -241,3 +241,21 @@ def test_servers_and_trainers_behind_nat_join_through_a_relay() -> None:
     assert served[info0["peer_id"]]["relayed"] is False, "the public server should be dialled directly"
     losses = result["losses"]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, "the trainer did not train"
+
+
+def test_echo_replies_stop_at_the_budget_of_a_minute() -> None:
+    import asyncio
+
+    from google.protobuf.wrappers_pb2 import BytesValue
+
+    from lightning_swarm.swarm.dht import reachability
+
+    reachability._echo_sent.clear()
+    ask = BytesValue(value=(8 << 20).to_bytes(8, "big"))  # more than a reply may carry: 4 MiB come back
+    replies = [
+        asyncio.run(reachability._echo(ask, None)) for _ in range(16)
+    ]  # 16 x 4 MiB = the 64 MiB budget
+    assert all(len(r.value) == 4 << 20 for r in replies)
+    with pytest.raises(RuntimeError, match="echo budget spent"):
+        asyncio.run(reachability._echo(ask, None))
+    reachability._echo_sent.clear()
