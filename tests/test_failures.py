@@ -269,3 +269,47 @@ def test_shutdown_steps_are_bounded_and_dead_helpers_are_reported_once(caplog) -
     assert dead == [f"stage 0 state averager (pid {killed.pid}, signal 9)"]
     assert settle_dead_helpers([("stage 0 state averager", killed)]) == []  # each death is reported once
     killed.shutdown()  # replaced: hivemind would log an error for a process already gone
+
+
+def _hold_hivemind_future_locks(held) -> None:
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    MPFuture._update_lock.__enter__()
+    SharedBytes._lock.__enter__()
+    held.set()
+    time.sleep(600)
+
+
+def test_a_helper_killed_holding_hivemind_s_future_locks_hangs_no_other_helper() -> None:
+    """A helper SIGKILLed while it held the locks that hivemind's futures share between processes (the answers'
+    pipe, the shared state's allocation): the peer's next DHT starts, and its calls are answered. Both with the dead
+    helper still a zombie (not yet reaped by its peer) and reaped."""
+    import multiprocessing as mp
+
+    from lightning_swarm.swarm.dht.process import SwarmDHT
+    from lightning_swarm.swarm.lifetime import robust_helper_locks
+
+    robust_helper_locks()
+    ctx = mp.get_context("fork")
+    for reaped in (False, True):
+        held = ctx.Event()
+        holder = ctx.Process(target=_hold_hivemind_future_locks, args=(held,), daemon=True)
+        holder.start()
+        assert held.wait(30)
+        os.kill(holder.pid, signal.SIGKILL)
+        if reaped:
+            holder.join(10)
+        else:
+            deadline = time.monotonic() + 10
+            while alive(holder.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert not alive(holder.pid)
+        started = time.monotonic()
+        dht = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            assert dht.store("key", "value", expiration_time=time.time() + 60)
+            assert dht.get("key", latest=True).value == "value"
+        finally:
+            dht.shutdown()
+            holder.join(10)
+        assert time.monotonic() - started < 30

@@ -7,7 +7,6 @@ import os
 import signal
 import time
 
-import hivemind
 import pytest
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration
@@ -167,7 +166,9 @@ def test_signed_subkeys_read_as_their_owner_and_forged_ones_are_skipped() -> Non
 
 
 def test_a_lookup_in_a_dht_whose_process_died_ends_with_a_clear_error() -> None:
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    from lightning_swarm.swarm.dht.process import SwarmDHT
+
+    dht = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         assert get_stage_peers(dht, "lookup", 0) == []  # a live DHT answers at once
         os.kill(dht.pid, signal.SIGKILL)

@@ -33,6 +33,14 @@ waits on pipes and futures that nobody will ever answer. Every step of a peer's 
 :func:`settle_dead_helpers` reports the helpers that died and keeps hivemind from shutting them down (or, when the
 p2p daemon they talk through died, stops the live ones at once).
 
+A helper that dies must not take its peer's other helpers with it, either. hivemind's futures (``MPFuture``, how
+every call to a DHT or an averager process gets its answer) share two locks with every process forked from the
+peer: one around each write of an answer into the pipe back to the caller, one around allocating a future's shared
+state. A helper SIGKILLed while it held either left it held forever, and from then on every answer of every helper
+waited on it: the peer's next DHT call, or the next DHT it started, waited forever. :func:`robust_helper_locks`
+replaces them: the allocation lock becomes a lock of each process (its state is per process anyway), and the pipe
+lock records its holder, so that a waiter takes it over, with a warning, once that holder is dead.
+
 Linux only, except the Ctrl-C latch and the bounded shutdown; elsewhere the other functions do nothing.
 """
 
@@ -63,6 +71,7 @@ __all__ = [
     "interrupt_handled",
     "latch_interrupts",
     "raise_pending_interrupt",
+    "robust_helper_locks",
     "set_parent_death_signal",
     "settle_dead_helpers",
     "sigint_kept",
@@ -222,6 +231,7 @@ def die_with_parent() -> None:
     """Make every child this process forks from now on die when this process dies (idempotent, per process:
     a forked child that forks again must call it itself, which hivemind's helpers never do)."""
     global _installed_in_pid, _libc
+    robust_helper_locks()
     if _installed_in_pid == os.getpid() or not sys.platform.startswith("linux"):
         return
     _libc = _libc or ctypes.CDLL(None, use_errno=True)
@@ -232,6 +242,84 @@ def die_with_parent() -> None:
         _wrap_subprocess_exec()
         _keep_new_sessions()
     _installed_in_pid = os.getpid()
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs: a helper that died is a zombie until its peer reaps it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+class _ProcessLock:
+    """A lock of this process's threads, fresh in every forked child (a thread that held it at the fork does not
+    exist in the child)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._renew)
+
+    def _renew(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+class _TakeoverLock:
+    """A lock shared by the processes forked after its creation, which a waiter takes over from a holder that died
+    holding it (checked every ``poll`` s). Its holder's pid lives in shared memory beside the semaphore."""
+
+    def __init__(self, poll: float = 1.0) -> None:
+        import multiprocessing as mp
+
+        self._lock = mp.Lock()
+        self._guard = mp.Lock()  # held only to compare and set the holder (a few instructions)
+        self._holder = mp.Value("q", 0, lock=False)
+        self._poll = poll
+
+    def __enter__(self) -> bool:
+        while not self._lock.acquire(timeout=self._poll):
+            holder = self._holder.value
+            if holder and holder != os.getpid() and not _running(holder):
+                with self._guard:
+                    taken = self._holder.value == holder
+                    if taken:
+                        self._holder.value = os.getpid()
+                if taken:
+                    logger.warning(
+                        f"A hivemind helper process (pid {holder}) died holding the lock of its answers' pipe; "
+                        "this process takes it over."
+                    )
+                    return True
+        self._holder.value = os.getpid()
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        self._holder.value = 0
+        self._lock.release()
+
+
+_robust_locks_installed = False
+
+
+def robust_helper_locks() -> None:
+    """Replace the locks that hivemind's futures share between a peer and its helper processes by locks that a
+    helper's death does not leave held (see the module docstring). Idempotent; call it before the first helper is
+    forked."""
+    global _robust_locks_installed
+    if _robust_locks_installed:
+        return
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    MPFuture._update_lock = _TakeoverLock()
+    SharedBytes._lock = _ProcessLock()
+    _robust_locks_installed = True
 
 
 def _wrap_subprocess_exec() -> None:

@@ -14,19 +14,28 @@ raises ``EOFError`` (``multiprocessing.resource_sharer``'s socket closes under `
 ``AuthenticationError``, which hivemind's loop does not catch: the DHT process dies with exit code 1, and with it
 the peer. :class:`SwarmDHT` reads the message's bytes first (a broken pipe raises there, to hivemind's handling
 as before) and drops a message whose bytes cannot be unpickled, whatever the error.
+
+hivemind waits for a new DHT's process to be ready without a deadline, so a process that died or hung while
+starting hung its peer. :class:`SwarmDHT` waits :data:`START_TIMEOUT` at most and ends at once when the process
+exits before it is ready, with an error that says which.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import time
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import hivemind
 
+from lightning_swarm.swarm.lifetime import robust_helper_locks
+
 logger = logging.getLogger(__name__)
 
 _SKIP = "_skip_unreadable_request"
+START_TIMEOUT = 120.0  # s: a DHT's process that is not ready by then is stopped, and the start fails
 
 
 class _SkipUnreadable:
@@ -50,7 +59,32 @@ class _SkipUnreadable:
 
 
 class SwarmDHT(hivemind.DHT):
-    """``hivemind.DHT`` whose process drops an unreadable request without pausing (see the module docstring)."""
+    """``hivemind.DHT`` whose process drops an unreadable request without pausing, and whose start has a deadline
+    (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        robust_helper_locks()  # before the DHT's process is forked
+        super().__init__(*args, **kwargs)
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        limit = START_TIMEOUT if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                return self._ready.result(timeout=min(0.5, max(deadline - time.monotonic(), 0.0)))
+            except concurrent.futures.TimeoutError:
+                pass
+            if not self.is_alive():
+                try:  # an error it sent before exiting says more than its exit code
+                    return self._ready.result(timeout=1.0)
+                except concurrent.futures.TimeoutError:
+                    raise RuntimeError(
+                        f"The DHT's process exited (code {self.exitcode}) before it was ready; see the lines above."
+                    ) from None
+            if time.monotonic() >= deadline:
+                self.kill()
+                self.join(5)
+                raise TimeoutError(f"The DHT's process was not ready within {limit:.0f} s; it was stopped.")
 
     def run(self) -> None:  # in the DHT's own process
         self._inner_pipe: Any = _SkipUnreadable(self._inner_pipe)
