@@ -157,6 +157,13 @@ _HELPERS = {  # what each case kills on peer 0 (see tests/_failure_job.py)
     "grad averager mid-round": {"helper": "server.optimizer.grad_averager", "during": "sum_in_named_group"},
     "state averager": {"helper": "server.optimizer.state_averager"},
     "progress tracker": {"helper": "server.optimizer.tracker"},
+    # the asynchronous mode: the trainers' own parameters are averaged by a hivemind state averager of their own
+    "trainer state averager (async)": {"helper": "state.trainer_optimizer.state_averager"},
+}
+_STRATEGY_OF = {  # the strategy's settings a case needs
+    # peers of one machine sum through shared memory, not the gradient averager
+    "grad averager mid-round": {"same_host": False},
+    "trainer state averager (async)": {"stage_steps": "async"},
 }
 
 
@@ -172,11 +179,8 @@ def test_a_peer_whose_helper_died_exits_when_training_ends(tmp_path, helper) -> 
       averaged tensors' lock for; the state averager; the progress tracker): peer 0 leaves the stage to the stage's
       other peer and trains on; every peer trains every step and peer 0 exits with the others."""
     steps = 12
-    strategy = {**_STRATEGY, "run_id": "killed_" + helper.replace(" ", "_")}
-    if helper.startswith("grad averager"):
-        strategy["same_host"] = (
-            False  # peers of one machine sum through shared memory, not the gradient averager
-        )
+    run_id = "killed_" + "".join(c if c.isalnum() else "_" for c in helper)
+    strategy = {**_STRATEGY, "run_id": run_id, **_STRATEGY_OF.get(helper, {})}
     cfg = {
         "devices": 4,
         "max_steps": steps,

@@ -183,6 +183,22 @@ BENCHMARKS: dict[str, Claim] = {
         ),
         root=True,
     ),
+    "swarm_averaging": Claim(
+        "python benchmarks/swarm_averaging.py --quick",
+        "averaging at scale: 2 stages x 4 peers on 127.0.0.1 (the fidelity matrix's GPT, 2 trainers, synchronous "
+        "steps), every stage's 4 peers sum each step's gradients in one hivemind all-reduce round (same_host off); "
+        "each peer's memory with its helper processes sampled over the run",
+        "`rounds_per_step` 1.0 and the stages stepped once per global step; `rss_growth_mb_per_hour` <= 50",
+        (
+            "rounds_per_step",
+            "rss_growth_mb_per_hour",
+            "stage_steps_equal",
+            "steps_per_s",
+            "peers_per_stage",
+            "steps",
+            "meets_target",
+        ),
+    ),
     "swarm_faults": Claim(
         "python benchmarks/swarm_faults.py --quick --width 2048 --blocks 4",
         "swarm (2 stages x 2 peers, one trainer) vs torch GPipe (2 ranks) restarted from checkpoints every N steps "

@@ -60,7 +60,10 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 class HivemindOptimizer(hivemind.Optimizer):
-    """``hivemind.Optimizer`` whose progress tracker finishes its tasks at shutdown (:class:`SwarmProgressTracker`)."""
+    """``hivemind.Optimizer`` whose progress tracker finishes its tasks at shutdown (:class:`SwarmProgressTracker`)
+    and whose state averager is watched (:class:`StageStateAverager`): a wait on its helper process ends when that
+    process dies (:class:`HelperDied`), and a state download is not retried forever after it died. The stages'
+    optimizers and, in the asynchronous mode, the trainers' optimizers."""
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
         return SwarmProgressTracker(
@@ -69,6 +72,70 @@ class HivemindOptimizer(hivemind.Optimizer):
             target_batch_size=target_batch_size,
             client_mode=self.client_mode,
             status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
+
+    def __del__(self) -> None:
+        # Lightning wraps a trainer's optimizer in a ``LightningOptimizer`` whose class derives from the optimizer's
+        # own, and which reads every other attribute from the optimizer it wraps: hivemind's ``__del__`` ran when
+        # such a wrapper was collected (Lightning replaces its wrappers during setup) and shut down the progress
+        # tracker and state averager of the optimizer it wraps, which trains on. Only the optimizer itself (its
+        # averagers are its own attributes, not read through a wrapper) shuts them down.
+        if "state_averager" in self.__dict__:
+            super().__del__()
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        # hivemind's Optimizer.load_state_from_peers, except that a helper process that died ends it
+        # (:class:`HelperDied`) instead of being retried forever
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self._tag_along_with_zero_weight(self.scheduled_grads)
+            self.scheduled_grads = None
+        self.state_averager.step(wait_for_delayed_updates=True)
+        with self.tracker.pause_updates():
+            while True:
+                try:
+                    self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                    if self.grad_averager is not None:
+                        self.grad_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                    break
+                except (KeyboardInterrupt, HelperDied):
+                    raise
+                except BaseException as e:
+                    logger.exception(f"Failed to load state from peers: {e}, retrying ...")
+                    continue
+            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
+                logger.log(
+                    self.status_loglevel, f"Catching up with collaboration step {self.tracker.global_epoch}"
+                )
+                self.state_averager.local_epoch = self.tracker.global_epoch
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+            if self.use_gradient_averaging:
+                self.grad_averager.reset_accumulated_grads_()
+                if not self.client_mode:
+                    self.grad_averager.state_sharing_priority = self.local_epoch
+
+    def __init__(self, *args: Any, reuse_state_tensors: bool | None = None, **kwargs: Any) -> None:
+        self._reuse_state_tensors = reuse_state_tensors  # None: hivemind's default
+        super().__init__(*args, **kwargs)
+
+    def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
+        if self._reuse_state_tensors is not None:
+            kwargs.setdefault("reuse_tensors", self._reuse_state_tensors)
+        return StageStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
             start=True,
             **kwargs,
         )
@@ -147,61 +214,6 @@ class StageOptimizer(HivemindOptimizer):
                 self.grad_averager.shutdown()
             return
         super().shutdown()
-
-    def load_state_from_peers(self, **kwargs: Any) -> None:
-        # hivemind's Optimizer.load_state_from_peers, except that a helper process that died ends it
-        # (:class:`HelperDied`) instead of being retried forever
-        if self.scheduled_grads is not None and not self.scheduled_grads.done():
-            self._tag_along_with_zero_weight(self.scheduled_grads)
-            self.scheduled_grads = None
-        self.state_averager.step(wait_for_delayed_updates=True)
-        with self.tracker.pause_updates():
-            while True:
-                try:
-                    self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
-                    if self.grad_averager is not None:
-                        self.grad_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
-                    break
-                except (KeyboardInterrupt, HelperDied):
-                    raise
-                except BaseException as e:
-                    logger.exception(f"Failed to load state from peers: {e}, retrying ...")
-                    continue
-            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
-                logger.log(
-                    self.status_loglevel, f"Catching up with collaboration step {self.tracker.global_epoch}"
-                )
-                self.state_averager.local_epoch = self.tracker.global_epoch
-            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
-            if not self.client_mode:
-                self.state_averager.state_sharing_priority = self.local_epoch
-            if self.use_gradient_averaging:
-                self.grad_averager.reset_accumulated_grads_()
-                if not self.client_mode:
-                    self.grad_averager.state_sharing_priority = self.local_epoch
-
-    def __init__(self, *args: Any, reuse_state_tensors: bool | None = None, **kwargs: Any) -> None:
-        self._reuse_state_tensors = reuse_state_tensors  # None: hivemind's default
-        super().__init__(*args, **kwargs)
-
-    def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
-        if self._reuse_state_tensors is not None:
-            kwargs.setdefault("reuse_tensors", self._reuse_state_tensors)
-        return StageStateAverager(
-            dht=self.dht,
-            prefix=f"{self.run_id}_state_averager",
-            min_matchmaking_time=self.matchmaking_time,
-            allreduce_timeout=self.allreduce_timeout,
-            shutdown_timeout=self.shutdown_timeout,
-            offload_optimizer=self.offload_optimizer,
-            custom_gradients=self.offload_optimizer,
-            status_loglevel=self.status_loglevel,
-            next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode,
-            auxiliary=self.auxiliary,
-            start=True,
-            **kwargs,
-        )
 
 
 def make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Optimizer:
