@@ -14,16 +14,17 @@ Figures:
 - ``rounds_per_step``: averaging rounds with the stage's other peers per stage step, the least over the stages
   (target 1.0: every step's gradients were summed with the other peers);
 - ``peers_per_stage``: 4; ``steps_per_s``; ``held_out`` (the final model's held-out loss);
-- ``rss_mb``: each peer's memory (with its helpers) at the first sample after the warm-up and at the end;
-  ``rss_growth_mb_per_hour``: the largest slope over the peers of a least-squares line through each peer's samples
-  after the warm-up (the first quarter of the run) (target <= ``GROWTH_TARGET``: hivemind's averager has been
-  reported to grow by gigabytes per hour).
+- ``pss_mb_after_warmup_and_at_end``: each peer's memory (the proportional set sizes of its process and helpers) at
+  the first and the last sample of the window: while peer 0 trains, after its first quarter of steps (set-up,
+  warm-up and the end of the run, when helpers exit, are left out); ``rss_growth_mb_per_hour``: the largest slope
+  over the peers of a least-squares line through each peer's samples in that window (target <= ``GROWTH_TARGET``:
+  hivemind's averager has been reported to grow by gigabytes per hour).
 
     python benchmarks/swarm_averaging.py [--quick]
 
 Last stdout line: one JSON object; also written, with commit, date and load, to
-``runs/swarm_averaging/swarm_averaging.json``. ``--quick``: 120 steps (about 5 minutes on 2 cores); default: 1200
-steps (about 40 minutes).
+``runs/swarm_averaging/swarm_averaging.json``. ``--quick``: 300 steps (about 4 minutes on 2 cores); default: 3000
+steps (about 30 minutes).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import time
 from typing import Any
 
 import _harness
-from _harness.memory import descendants, vm_rss_mb
+from _harness.memory import descendants, pss_kb
 
 from testbed.fidelity_job import launch
 
@@ -53,15 +54,15 @@ def _local_rank(pid: int) -> str | None:
     return next((v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"LOCAL_RANK=")), "0")
 
 
-def peer_tree_rss(root: int) -> dict[str, float]:
+def peer_tree_pss(root: int) -> dict[str, float]:
     """The memory of each peer of the local swarm that ``root`` (peer 0) started, with its helper processes (MB, by
-    local rank)."""
-    rss: dict[str, float] = {}
+    local rank): proportional set sizes, so that the pages a forked helper shares with its peer count once."""
+    pss: dict[str, float] = {}
     for pid in descendants(root):
         rank = _local_rank(pid)
         if rank is not None:
-            rss[rank] = rss.get(rank, 0.0) + vm_rss_mb(pid)
-    return rss
+            pss[rank] = pss.get(rank, 0.0) + pss_kb(pid) / 1024.0
+    return pss
 
 
 def slope_per_hour(points: list[tuple[float, float]]) -> float:
@@ -100,8 +101,8 @@ class Sampler:
             if time.monotonic() - started > timeout:
                 _harness.kill_group(proc)
                 break
-            now = time.monotonic() - started
-            for rank, mb in peer_tree_rss(proc.pid).items():
+            now = time.monotonic()  # the clock of time.perf_counter in the peers (CLOCK_MONOTONIC)
+            for rank, mb in peer_tree_pss(proc.pid).items():
                 if mb > 0:
                     self.samples.setdefault(rank, []).append((now, mb))
             time.sleep(self.period)
@@ -112,14 +113,14 @@ class Sampler:
 
 
 def main() -> None:
-    p = _harness.parser("swarm_averaging", __doc__.split("\n\n")[0], quick="120 steps (about 5 minutes)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1200; --quick: 120)")
+    p = _harness.parser("swarm_averaging", __doc__.split("\n\n")[0], quick="300 steps (about 4 minutes)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3000; --quick: 300)")
     p.add_argument("--trainers", type=int, default=2, help="peers that also feed batches")
     p.add_argument("--batch", type=int, default=16, help="each trainer's batch")
     p.add_argument("--family", default="gpt", help="the model family (testbed/families.py)")
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between memory samples")
     args = p.parse_args()
-    args.steps = args.steps or (120 if args.quick else 1200)
+    args.steps = args.steps or (300 if args.quick else 3000)
     report = _harness.Report("swarm_averaging", args.out)
     settings = {
         "num_stages": 2,
@@ -146,10 +147,13 @@ def main() -> None:
     stats = result["stats"]
     stage_steps = result["stage_steps"]
     rounds = [stats.get(f"swarm/stage{k}/rounds", 0.0) for k in range(2)]
-    growth, rss = {}, {}
+    # the samples taken while peer 0 trained, after its first quarter (set-up, warm-up and the end excluded)
+    starts = result["step_starts"][0]
+    first, last = starts[0] + (starts[-1] - starts[0]) / 4, starts[-1]
+    growth, rss, in_window = {}, {}, {}
     for rank, points in sorted(sampler.samples.items(), key=lambda item: int(item[0])):
-        end = points[-1][0]
-        kept = [(t, m) for t, m in points if t >= end / 4]
+        kept = [(t, m) for t, m in points if first <= t <= last]
+        in_window[rank] = len(kept)
         if len(kept) >= 3:
             growth[rank] = round(slope_per_hour(kept), 1)
             rss[rank] = [round(kept[0][1], 1), round(kept[-1][1], 1)]
@@ -158,7 +162,6 @@ def main() -> None:
     rounds_per_step = (
         min(r / s for r, s in zip(rounds, stage_steps, strict=True)) if all(stage_steps) else 0.0
     )
-    starts = result["step_starts"][0]
     report.finish(
         {
             "rounds_per_step": round(rounds_per_step, 3),
@@ -176,7 +179,8 @@ def main() -> None:
             "peers_sampled": len(sampler.samples),
             "steps_per_s": round((len(starts) - 1) / (starts[-1] - starts[0]), 3),
             "held_out": round(result["held_out"], 4),
-            "rss_mb_after_warmup_and_at_end": rss,
+            "pss_mb_after_warmup_and_at_end": rss,
+            "samples_in_window": min(in_window.values(), default=0),
             "rss_growth_mb_per_hour_by_rank": growth,
             "missed_trainer_steps": stats.get("swarm/missed_trainer_steps"),
             "errors": [

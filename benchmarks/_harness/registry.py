@@ -187,7 +187,7 @@ BENCHMARKS: dict[str, Claim] = {
         "python benchmarks/swarm_averaging.py --quick",
         "averaging at scale: 2 stages x 4 peers on 127.0.0.1 (the fidelity matrix's GPT, 2 trainers, synchronous "
         "steps), every stage's 4 peers sum each step's gradients in one hivemind all-reduce round (same_host off); "
-        "each peer's memory with its helper processes sampled over the run",
+        "each peer's memory (PSS, with its helper processes) sampled while it trains",
         "`rounds_per_step` 1.0 and the stages stepped once per global step; `rss_growth_mb_per_hour` <= 50",
         (
             "rounds_per_step",
