@@ -23,8 +23,8 @@ Figures:
     python benchmarks/swarm_averaging.py [--quick]
 
 Last stdout line: one JSON object; also written, with commit, date and load, to
-``runs/swarm_averaging/swarm_averaging.json``. ``--quick``: 300 steps (about 4 minutes on 2 cores); default: 3000
-steps (about 30 minutes).
+``runs/swarm_averaging/swarm_averaging.json``. ``--quick``: 300 steps (about 5 minutes on 2 cores); default: 2000
+steps (about 25 minutes). Reading the peers' memory costs CPU: ``--sample-s`` sets how often.
 """
 
 from __future__ import annotations
@@ -113,14 +113,14 @@ class Sampler:
 
 
 def main() -> None:
-    p = _harness.parser("swarm_averaging", __doc__.split("\n\n")[0], quick="300 steps (about 4 minutes)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3000; --quick: 300)")
+    p = _harness.parser("swarm_averaging", __doc__.split("\n\n")[0], quick="300 steps (about 5 minutes)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2000; --quick: 300)")
     p.add_argument("--trainers", type=int, default=2, help="peers that also feed batches")
     p.add_argument("--batch", type=int, default=16, help="each trainer's batch")
     p.add_argument("--family", default="gpt", help="the model family (testbed/families.py)")
-    p.add_argument("--sample-s", type=float, default=5.0, help="seconds between memory samples")
+    p.add_argument("--sample-s", type=float, default=10.0, help="seconds between memory samples")
     args = p.parse_args()
-    args.steps = args.steps or (300 if args.quick else 3000)
+    args.steps = args.steps or (300 if args.quick else 2000)
     report = _harness.Report("swarm_averaging", args.out)
     settings = {
         "num_stages": 2,

@@ -184,7 +184,7 @@ BENCHMARKS: dict[str, Claim] = {
         root=True,
     ),
     "swarm_averaging": Claim(
-        "python benchmarks/swarm_averaging.py --quick",
+        "python benchmarks/swarm_averaging.py",
         "averaging at scale: 2 stages x 4 peers on 127.0.0.1 (the fidelity matrix's GPT, 2 trainers, synchronous "
         "steps), every stage's 4 peers sum each step's gradients in one hivemind all-reduce round (same_host off); "
         "each peer's memory (PSS, with its helper processes) sampled while it trains",
