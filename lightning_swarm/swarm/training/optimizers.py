@@ -65,6 +65,9 @@ class HivemindOptimizer(hivemind.Optimizer):
     process dies (:class:`HelperDied`), and a state download is not retried forever after it died. The stages'
     optimizers and, in the asynchronous mode, the trainers' optimizers."""
 
+    scheduled_grads: Any  # hivemind's pre-scheduled rounds (set by its constructor)
+    scheduled_state: Any
+
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
         return SwarmProgressTracker(
             dht=self.dht,
@@ -177,7 +180,7 @@ class StageOptimizer(HivemindOptimizer):
         peer's shutdown does not wait for it."""
         self.aborted = True
         self.average_state_every = 2**62  # no new state averaging round either
-        for control in (self.scheduled_grads, self.scheduled_state):  # type: ignore[has-type]
+        for control in (self.scheduled_grads, self.scheduled_state):
             if control is not None and not control.done():
                 control.cancel()
 
@@ -198,7 +201,7 @@ class StageOptimizer(HivemindOptimizer):
         ``averaging_timeout`` for such a round, and at the end of a run its partners are leaving too (or have
         cancelled theirs), so each peer of a stage with several peers waited the whole timeout."""
         if run_over or self.aborted:
-            for control in (self.scheduled_grads, self.scheduled_state):  # type: ignore[has-type]
+            for control in (self.scheduled_grads, self.scheduled_state):
                 if control is not None and not control.done():
                     control.cancel()
             self.scheduled_grads = self.scheduled_state = None
