@@ -107,13 +107,16 @@ class TrainerSteps:
                     "request_timeout": max(0.2, self.settings.matchmaking_time / 3),
                 },
                 # step locally every batch and average parameters in the background every `target_batch_size`
-                # samples: a trainer never blocks on the others' averaging rounds
+                # samples; hivemind's next local step waits for that round, so a round is given only a few
+                # matchmaking periods: a trainer whose partners are elsewhere in their epoch steps on alone
                 use_local_updates=True,
                 # a state download that hangs is retried (hivemind retries forever, each try waiting this long;
                 # its default, 600 s, once held a trainer for the rest of a run)
                 load_state_timeout=max(60.0, 4 * self.settings.request_timeout),
                 matchmaking_time=self.settings.matchmaking_time,
-                averaging_timeout=self.settings.averaging_timeout,
+                averaging_timeout=min(
+                    self.settings.averaging_timeout, 3 * self.settings.matchmaking_time + 2.0
+                ),
                 verbose=False,
             )
         return [self.state.trainer_optimizer]
