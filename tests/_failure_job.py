@@ -7,10 +7,11 @@ with the wall-clock time, and the type (with its bases) and message of the excep
 ``cfg["fail"]``: ``{"where": "block", "rank": r}``: a block of the last stage raises ``ValueError("user bug 4711")``
 in its forward on peer ``r`` (it serves that stage); ``{"where": "step", "rank": r, "step": s}``: peer ``r``'s
 ``training_step`` raises ``TypeError`` at step ``s``. The first raise writes ``out/raised``. ``cfg["kill_helper"]``:
-``{"rank": r, "step": s, "helper": path}``: peer ``r`` SIGKILLs a helper process at step ``s``: its DHT's (default), or
-the averager at ``path`` from its ``SwarmPeer`` (e.g. ``"server.optimizer.grad_averager"``); with ``"during": method``,
-while the helper runs the method next (e.g. ``"sum_in_named_group"``: mid-round). A helper that is a thread (a
-progress tracker, ``"server.optimizer.tracker"``) cannot be killed: its loop is made to end.
+``{"rank": r, "step": s, "helper": path}``: peer ``r`` SIGKILLs a helper process at step ``s``: its DHT's (default),
+the averager at ``path`` from its ``SwarmPeer`` (e.g. ``"server.optimizer.grad_averager"``), or, with ``"p2pd"``, its
+p2p daemon; with ``"during": method``, while the helper runs the method next (e.g. ``"sum_in_named_group"``:
+mid-round). A helper that is a thread (a progress tracker, ``"server.optimizer.tracker"``) cannot be killed: its loop
+is made to end.
 """
 
 import faulthandler
@@ -87,6 +88,13 @@ class Watch(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         kill = self.cfg.get("kill_helper") or {}
         if RANK == kill.get("rank") and trainer.global_step == kill.get("step"):
+            if kill.get("helper") == "p2pd":  # the p2p daemon that its DHT's process started
+                daemons = [p for p in _descendants(os.getpid()) if _is_p2pd(p)]
+                with open(os.path.join(self.cfg["out"], "helper"), "w") as f:
+                    f.write(" ".join(map(str, daemons)))
+                for pid in daemons:
+                    os.kill(pid, signal.SIGKILL)
+                return
             helper = trainer.strategy.peer
             for name in kill.get("helper", "dht").split("."):
                 helper = getattr(helper, name)
@@ -111,6 +119,14 @@ class Watch(Callback):
                 return begin(*args, **kwargs)
 
             setattr(helper, during, kill_during)
+
+
+def _is_p2pd(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return os.path.basename(f.read().split(b"\0")[0]) == b"p2pd"
+    except OSError:
+        return False
 
 
 def main() -> None:

@@ -159,6 +159,7 @@ _HELPERS = {  # what each case kills on peer 0 (see tests/_failure_job.py)
     "progress tracker": {"helper": "server.optimizer.tracker"},
     # the asynchronous mode: the trainers' own parameters are averaged by a hivemind state averager of their own
     "trainer state averager (async)": {"helper": "state.trainer_optimizer.state_averager"},
+    "p2p daemon": {"helper": "p2pd"},
 }
 _STRATEGY_OF = {  # the strategy's settings a case needs
     # peers of one machine sum through shared memory, not the gradient averager
@@ -173,8 +174,8 @@ def test_a_peer_whose_helper_died_exits_when_training_ends(tmp_path, helper) -> 
     """A hivemind helper of peer 0 dies in a swarm of 2 stages x 2 peers (SIGKILL of a process; a progress tracker, a
     thread, stops), with one warning and no traceback; nothing waits on it forever and nothing is left running.
 
-    - its DHT process (its p2p daemon dies with it) cuts peer 0 off the swarm: it stops as after SIGTERM,
-      publishing nothing, and the three other peers train every step, as after a crash;
+    - its DHT process (its p2p daemon dies with it), or that p2p daemon alone, cuts peer 0 off the swarm: it stops
+      as after SIGTERM, publishing nothing, and the three other peers train every step, as after a crash;
     - a helper of its stage's optimizer (the gradient averager killed during an averaging round, which it holds the
       averaged tensors' lock for; the state averager; the progress tracker): peer 0 leaves the stage to the stage's
       other peer and trains on; every peer trains every step and peer 0 exits with the others."""
@@ -190,10 +191,11 @@ def test_a_peer_whose_helper_died_exits_when_training_ends(tmp_path, helper) -> 
     code, stderr, ends, left = _run(tmp_path, cfg, timeout=240)
     assert code == 0, stderr[-5000:]
     assert sorted(ends) == [0, 1, 2, 3], stderr[-5000:]
-    if helper == "dht":
+    if helper in ("dht", "p2p daemon"):  # peer 0 can no longer reach the swarm
         assert "PeerStopping" in ends[0]["error"]["types"] and ends[0]["steps"] < steps, ends[0]
         trained = (1, 2, 3)
-        assert stderr.count("its DHT helper process") == 1, stderr[-5000:]
+        said = "its DHT helper process" if helper == "dht" else "the p2p daemon of its DHT"
+        assert stderr.count(said) == 1, stderr[-5000:]
     else:
         trained = (0, 1, 2, 3)
         assert stderr.count("died during the run") == 1, stderr[-5000:]

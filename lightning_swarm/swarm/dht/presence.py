@@ -31,6 +31,7 @@ killed (SIGKILL, preemption) publishes nothing: the others retry its calls elsew
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -88,10 +89,49 @@ def peer_failure(type_name: str, message: str, origin: str) -> PeerFailure:
 
 
 def dht_alive(dht: hivemind.DHT) -> bool:
+    """Whether ``dht`` can still reach the swarm: its process runs, and so does the p2p daemon it talks through
+    (:func:`p2pd_alive`). A DHT this process did not start is assumed to."""
     try:
-        return bool(dht.is_alive())
+        if not dht.is_alive():
+            return False
     except (AssertionError, AttributeError, ValueError):  # a DHT this process did not start: assume it lives
         return True
+    return p2pd_alive(dht)
+
+
+def p2pd_pid(dht: hivemind.DHT) -> int | None:
+    """The pid of the p2p daemon that ``dht``'s process started (hivemind's ``p2pd``; the peer's own calls go
+    through it too), found once among that process's children; ``None`` where there is none to find (not Linux,
+    or a DHT on a daemon it did not start)."""
+    found = getattr(dht, "_swarm_p2pd_pid", 0)
+    if found != 0:
+        return found if found > 0 else None
+    pid = -1
+    try:
+        for task in os.listdir(f"/proc/{dht.pid}/task"):
+            with open(f"/proc/{dht.pid}/task/{task}/children") as f:
+                for child in f.read().split():
+                    with open(f"/proc/{child}/comm") as comm:
+                        if comm.read().strip() == "p2pd":
+                            pid = int(child)
+    except (OSError, ValueError):
+        pass
+    dht._swarm_p2pd_pid = pid
+    return pid if pid > 0 else None
+
+
+def p2pd_alive(dht: hivemind.DHT) -> bool:
+    """Whether the p2p daemon of ``dht``'s process runs (a SIGKILLed daemon is a zombie until that process reaps
+    it); ``True`` where it cannot be told."""
+    pid = p2pd_pid(dht)
+    if pid is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] not in ("Z", "X") and int(fields[1]) == dht.pid
 
 
 class Presence:

@@ -40,7 +40,7 @@ from lightning_swarm.swarm.client.client import SwarmClient
 from lightning_swarm.swarm.dht.auth import SECRET_ENV, protect, unprotect
 from lightning_swarm.swarm.dht.bootstrap import dht_start_error, env_peers
 from lightning_swarm.swarm.dht.identity import PeerIdentity, register_identity
-from lightning_swarm.swarm.dht.presence import PeerFailure, Presence, dht_alive
+from lightning_swarm.swarm.dht.presence import PeerFailure, Presence, dht_alive, p2pd_pid
 from lightning_swarm.swarm.dht.process import SwarmDHT
 from lightning_swarm.swarm.dht.reachability import start_reachable
 from lightning_swarm.swarm.dht.records import get_stage_peers
@@ -209,11 +209,16 @@ class SwarmPeer:
             self.presence.check_failure()
         if not self._cut_off and self.dht is not None and self.joined and not dht_alive(self.dht):
             self._cut_off = True
-            how = describe_exit(self.dht.exitcode)
+            if self.dht.is_alive():  # its p2p daemon died
+                what = f"the p2p daemon of its DHT (pid {p2pd_pid(self.dht)}) died"
+            else:
+                what = (
+                    f"its DHT helper process (pid {self.dht.pid}) died ({describe_exit(self.dht.exitcode)})"
+                )
             logger.warning(
-                f"{self.describe()}: its DHT helper process (pid {self.dht.pid}) died ({how}), so this peer can no "
-                "longer reach the swarm: it stops now, and the other peers carry on without it. Check the machine's "
-                "memory (the OOM killer) and start the peer again to rejoin."
+                f"{self.describe()}: {what}, so this peer can no longer reach the swarm: it stops now, and the "
+                "other peers carry on without it. Check the machine's memory (the OOM killer) and start the peer "
+                "again to rejoin."
             )
         return self._cut_off or self._stop_requested()
 

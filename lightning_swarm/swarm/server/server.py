@@ -75,6 +75,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from torch import nn
 
 from lightning_swarm.swarm.dht.auth import is_protected
+from lightning_swarm.swarm.dht.presence import dht_alive
 from lightning_swarm.swarm.dht.reachability import relay_addrs_of
 from lightning_swarm.swarm.dht.records import declare_stage_peer, get_stage_peers
 from lightning_swarm.swarm.lifetime import settle_dead_helpers
@@ -105,13 +106,6 @@ _SERVING_THREADS = 16  # with batching: calls being parsed, waiting for the comp
 __all__ = ["StageServer"]
 
 logger = logging.getLogger(__name__)
-
-
-def _dht_alive(dht: Any) -> bool:
-    try:
-        return bool(dht.is_alive())
-    except (AssertionError, AttributeError):  # a DHT this process did not start: assume it lives
-        return True
 
 
 class StageServer:
@@ -386,7 +380,7 @@ class StageServer:
 
     def _announce(self) -> None:
         # the DHT's helper process is gone (e.g. killed with the process group): there is nobody to tell
-        if not _dht_alive(self.dht):
+        if not dht_alive(self.dht):
             if not self._dht_gone_reported:
                 self._dht_gone_reported = True
                 logger.warning(
@@ -425,7 +419,7 @@ class StageServer:
         what = settled[0] if settled else f"{what} (a thread)"
         others = []
         try:  # (a DHT that is gone too leaves nobody to hand the stage to)
-            if _dht_alive(self.dht):
+            if dht_alive(self.dht):
                 peers = get_stage_peers(self.dht, self.settings.run_id, self.stage)
                 others = [p for p in peers if p.peer_id != self.peer_id]
         except Exception as e:
