@@ -88,8 +88,10 @@ class Watch(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         kill = self.cfg.get("kill_helper") or {}
         if RANK == kill.get("rank") and trainer.global_step == kill.get("step"):
-            if kill.get("helper") == "p2pd":  # the p2p daemon that its DHT's process started
-                daemons = [p for p in _descendants(os.getpid()) if _is_p2pd(p)]
+            if kill.get("helper") == "p2pd":  # the p2p daemon that this peer's DHT process started
+                dht = trainer.strategy.peer.dht
+                daemons = [p for p in _descendants(dht.pid) if _is_p2pd(p)]
+                assert len(daemons) == 1, daemons
                 with open(os.path.join(self.cfg["out"], "helper"), "w") as f:
                     f.write(" ".join(map(str, daemons)))
                 for pid in daemons:
