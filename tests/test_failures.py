@@ -157,14 +157,11 @@ _HELPERS = {  # what each case kills on peer 0 (see tests/_failure_job.py)
     "grad averager mid-round": {"helper": "server.optimizer.grad_averager", "during": "sum_in_named_group"},
     "state averager": {"helper": "server.optimizer.state_averager"},
     "progress tracker": {"helper": "server.optimizer.tracker"},
-    # the asynchronous mode: the trainers' own parameters are averaged by a hivemind state averager of their own
-    "trainer state averager (async)": {"helper": "state.trainer_optimizer.state_averager"},
     "p2p daemon": {"helper": "p2pd"},
 }
 _STRATEGY_OF = {  # the strategy's settings a case needs
     # peers of one machine sum through shared memory, not the gradient averager
     "grad averager mid-round": {"same_host": False},
-    "trainer state averager (async)": {"stage_steps": "async"},
 }
 
 

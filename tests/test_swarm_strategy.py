@@ -368,10 +368,10 @@ def test_a_trainer_whose_stages_never_come_up_says_which_and_what_to_start(tmp_p
     assert not os.path.exists(cfg["out"])
 
 
-def test_a_collected_lightning_wrapper_leaves_the_trainers_hivemind_optimizer_running() -> None:
-    """Lightning wraps a trainer's optimizer in a ``LightningOptimizer`` whose class derives from the optimizer's own
-    and replaces those wrappers during setup: collecting one must not shut down the averager and progress tracker
-    of the optimizer it wraps (hivemind's ``__del__`` did), which the trainers of the asynchronous mode train on."""
+def test_a_collected_lightning_wrapper_leaves_its_hivemind_optimizer_running() -> None:
+    """Lightning wraps an optimizer it is given in a ``LightningOptimizer`` whose class derives from the optimizer's
+    own, and replaces those wrappers during setup: collecting one must not shut down the averager and progress
+    tracker of the hivemind optimizer it wraps (hivemind's ``__del__`` did), which trains on."""
     import gc
 
     from lightning.pytorch.core.optimizer import LightningOptimizer

@@ -14,11 +14,9 @@ from typing import Any
 
 import torch
 
-from lightning_swarm.swarm.lifetime import sigint_kept
 from lightning_swarm.swarm.peer.state import PeerState
 from lightning_swarm.swarm.settings import SwarmSettings
 from lightning_swarm.swarm.training.early_steps import run_in_thread
-from lightning_swarm.swarm.training.optimizers import HivemindOptimizer, initialize_optimizer_state
 from lightning_swarm.swarm.training.stepping import StepCommand, read_swarm_epoch
 from lightning_swarm.swarm.training.trainer_sync import StepResult
 from lightning_swarm.swarm.wire.protocol import stage_uid
@@ -79,47 +77,20 @@ class TrainerSteps:
 
     # ------------------------------------------------------------------ trainer-side optimisation
     def trainer_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-        """Drop the pipeline's parameters from the trainer's optimizers (the stages' servers own them) and, when
-        several trainers feed the swarm, average the remaining (trainer-local) parameters' gradients among them."""
+        """Drop the pipeline's parameters from the trainer's optimizers (the stages' servers own them).
+
+        With several trainers in the synchronous mode the remaining (trainer-local) parameters get DDP's averaged
+        gradients (see :mod:`~lightning_swarm.swarm.training.trainer_sync`). In the asynchronous mode each trainer
+        steps them on its own and they are not averaged: hivemind's ``Optimizer(use_local_updates=True)`` waits,
+        at the local step after each swarm epoch, for that epoch's averaging round, which held each trainer for up
+        to the round's timeout (a fifth of the throughput the mode is for)."""
         partition = self.state.partition
         assert partition is not None
         pipeline = set(partition.original_parameters()) | {id(p) for p in partition.container.parameters()}
         for opt in optimizers:
             for group in opt.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in pipeline]
-        one_trainer = (
-            self.num_trainers == 1 or self.settings.stage_steps == "trainer"
-        )  # "trainer": one trainer
-        if not self.is_trainer or one_trainer or len(optimizers) != 1:
-            return optimizers
-        if not any(g["params"] for g in optimizers[0].param_groups):
-            return optimizers
-        initialize_optimizer_state(optimizers[0])  # before hivemind does it with a real (decaying) step
-        with sigint_kept():  # hivemind's averager would leave this process ignoring Ctrl-C
-            self.state.trainer_optimizer = HivemindOptimizer(
-                dht=self.state.dht,
-                run_id=f"{self.settings.run_id}_trainers",
-                target_batch_size=self.settings.target_batch_size,
-                optimizer=optimizers[0],
-                # requests time out before matchmaking ends (hivemind warns, and may deadlock, otherwise)
-                averager_opts={
-                    "initialize_optimizer": False,
-                    "request_timeout": max(0.2, self.settings.matchmaking_time / 3),
-                },
-                # step locally every batch and average parameters in the background every `target_batch_size`
-                # samples; hivemind's next local step waits for that round, so a round is given only a few
-                # matchmaking periods: a trainer whose partners are elsewhere in their epoch steps on alone
-                use_local_updates=True,
-                # a state download that hangs is retried (hivemind retries forever, each try waiting this long;
-                # its default, 600 s, once held a trainer for the rest of a run)
-                load_state_timeout=max(60.0, 4 * self.settings.request_timeout),
-                matchmaking_time=self.settings.matchmaking_time,
-                averaging_timeout=min(
-                    self.settings.averaging_timeout, 3 * self.settings.matchmaking_time + 2.0
-                ),
-                verbose=False,
-            )
-        return [self.state.trainer_optimizer]
+        return optimizers
 
     def note_batch_size(self, batch_size: int) -> None:
         """Count a training batch's samples towards the next optimizer step (accumulated batches add up)."""

@@ -62,8 +62,7 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 class HivemindOptimizer(hivemind.Optimizer):
     """``hivemind.Optimizer`` whose progress tracker finishes its tasks at shutdown (:class:`SwarmProgressTracker`)
     and whose state averager is watched (:class:`StageStateAverager`): a wait on its helper process ends when that
-    process dies (:class:`HelperDied`), and a state download is not retried forever after it died. The stages'
-    optimizers and, in the asynchronous mode, the trainers' optimizers."""
+    process dies (:class:`HelperDied`), and a state download is not retried forever after it died."""
 
     scheduled_grads: Any  # hivemind's pre-scheduled rounds (set by its constructor)
     scheduled_state: Any
@@ -80,11 +79,11 @@ class HivemindOptimizer(hivemind.Optimizer):
         )
 
     def __del__(self) -> None:
-        # Lightning wraps a trainer's optimizer in a ``LightningOptimizer`` whose class derives from the optimizer's
-        # own, and which reads every other attribute from the optimizer it wraps: hivemind's ``__del__`` ran when
-        # such a wrapper was collected (Lightning replaces its wrappers during setup) and shut down the progress
-        # tracker and state averager of the optimizer it wraps, which trains on. Only the optimizer itself (its
-        # averagers are its own attributes, not read through a wrapper) shuts them down.
+        # Lightning wraps an optimizer it is given in a ``LightningOptimizer`` whose class derives from the
+        # optimizer's own, and which reads every other attribute from the optimizer it wraps: hivemind's
+        # ``__del__`` would run when such a wrapper is collected (Lightning replaces its wrappers during setup) and
+        # shut down the progress tracker and state averager of the optimizer it wraps, which trains on. Only the
+        # optimizer itself (its averagers are its own attributes, not read through a wrapper) shuts them down.
         if "state_averager" in self.__dict__:
             super().__del__()
 
