@@ -3,7 +3,6 @@
 import json
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -366,41 +365,3 @@ def test_a_trainer_whose_stages_never_come_up_says_which_and_what_to_start(tmp_p
     )
     assert "start a server for each" in proc.stderr
     assert not os.path.exists(cfg["out"])
-
-
-def test_a_collected_lightning_wrapper_leaves_its_hivemind_optimizer_running() -> None:
-    """Lightning wraps an optimizer it is given in a ``LightningOptimizer`` whose class derives from the optimizer's
-    own, and replaces those wrappers during setup: collecting one must not shut down the averager and progress
-    tracker of the hivemind optimizer it wraps (hivemind's ``__del__`` did), which trains on."""
-    import gc
-
-    from lightning.pytorch.core.optimizer import LightningOptimizer
-
-    from lightning_swarm.swarm.training.optimizers import HivemindOptimizer
-    from tests._helpers import local_dhts
-
-    (dht,) = local_dhts(1)
-    layer = torch.nn.Linear(3, 3)
-    optimizer = HivemindOptimizer(
-        dht=dht,
-        run_id="wrapped",
-        target_batch_size=8,
-        optimizer=torch.optim.Adam(layer.parameters()),
-        use_local_updates=True,
-        matchmaking_time=1.0,
-        averaging_timeout=5.0,
-        verbose=False,
-    )
-    try:
-        wrapper = LightningOptimizer(optimizer)
-        assert isinstance(wrapper, HivemindOptimizer)  # why hivemind's __del__ runs on it
-        del wrapper
-        gc.collect()
-        time.sleep(0.5)
-        assert optimizer.state_averager.is_alive() and optimizer.tracker.is_alive()
-        layer(torch.randn(4, 3)).sum().backward()
-        optimizer.step(batch_size=4)  # trains on
-    finally:
-        optimizer.shutdown()
-        dht.shutdown()
-    assert not optimizer.state_averager.is_alive()

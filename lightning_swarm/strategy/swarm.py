@@ -446,7 +446,6 @@ class SwarmStrategy(TrainerDrivenSteps):
         batch_size = None
         if args:
             batch_size = extract_batch_size(args[0])
-            self.peer.steps.note_batch_size(batch_size)
             if not self._batch_checked:
                 self._check_target_batch_size(batch_size)
         output = super().training_step(*args, **kwargs)
@@ -477,11 +476,8 @@ class SwarmStrategy(TrainerDrivenSteps):
         peer = self.peer
         if peer.drives_stages:
             return self._driven_optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
-        output = super().optimizer_step(
-            optimizer, closure, model, **peer.steps.optimizer_step_kwargs(), **kwargs
-        )
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
         raw = getattr(optimizer, "_optimizer", optimizer)
-        raw = getattr(raw, "opt", raw)  # the trainers' hivemind optimizer wraps the torch one
         index = 0 if len(self.optimizers) == 1 else self._optimizer_index(optimizer)
         peer.steps.send_stage_hyper(index, groups_hyper(raw))
         return output

@@ -72,9 +72,9 @@ __all__ = [
     "latch_interrupts",
     "raise_pending_interrupt",
     "robust_helper_locks",
+    "running_parent",
     "set_parent_death_signal",
     "settle_dead_helpers",
-    "sigint_kept",
     "start_bounded",
     "wait_bounded",
 ]
@@ -117,20 +117,6 @@ def exec_children() -> Iterator[None]:
         yield
     finally:
         _local.exec = previous
-
-
-@contextmanager
-def sigint_kept() -> Iterator[None]:
-    """Keep this process's SIGINT handler across the block. hivemind 1.1.12's averagers set SIGINT to be ignored
-    in the process that starts them (``DecentralizedAverager.run_in_background``; the forked averager should
-    ignore it, the peer should not): Ctrl-C would no longer stop a peer. Only the main thread may set handlers."""
-    main = threading.current_thread() is threading.main_thread()
-    handler = signal.getsignal(signal.SIGINT) if main else None
-    try:
-        yield
-    finally:
-        if handler is not None and signal.getsignal(signal.SIGINT) is not handler:
-            signal.signal(signal.SIGINT, handler)
 
 
 _interrupt_pending = False
@@ -244,13 +230,15 @@ def die_with_parent() -> None:
     _installed_in_pid = os.getpid()
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` runs: a helper that died is a zombie until its peer reaps it."""
+def running_parent(pid: int) -> int | None:
+    """The parent of process ``pid`` while it runs; ``None`` once it has died (a helper that died is a zombie until
+    its peer reaps it) or where ``/proc`` cannot tell."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+            state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+    except (OSError, IndexError, ValueError):
+        return None
+    return None if state in ("Z", "X") else int(parent)
 
 
 class _ProcessLock:
@@ -286,7 +274,7 @@ class _TakeoverLock:
     def __enter__(self) -> bool:
         while not self._lock.acquire(timeout=self._poll):
             holder = self._holder.value
-            if holder and holder != os.getpid() and not _running(holder):
+            if holder and holder != os.getpid() and running_parent(holder) is None:
                 with self._guard:
                     taken = self._holder.value == holder
                     if taken:

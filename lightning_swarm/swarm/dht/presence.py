@@ -42,6 +42,7 @@ from hivemind.utils import get_dht_time
 
 from lightning_swarm.swarm.dht.identity import identity_of, strip_signature, subkey_peer_id
 from lightning_swarm.swarm.dht.validation import failure_key, presence_key
+from lightning_swarm.swarm.lifetime import running_parent
 from lightning_swarm.swarm.states import TRAINING
 from lightning_swarm.swarm.wire.errors import remote_class
 
@@ -124,14 +125,7 @@ def p2pd_alive(dht: hivemind.DHT) -> bool:
     """Whether the p2p daemon of ``dht``'s process runs (a SIGKILLed daemon is a zombie until that process reaps
     it); ``True`` where it cannot be told."""
     pid = p2pd_pid(dht)
-    if pid is None:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return False
-    return fields[0] not in ("Z", "X") and int(fields[1]) == dht.pid
+    return pid is None or running_parent(pid) == dht.pid  # (a reused pid has another parent)
 
 
 class Presence:

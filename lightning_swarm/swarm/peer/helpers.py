@@ -40,13 +40,11 @@ class HelperProcesses:
             )
 
     def named(self, cut_off: bool = False) -> list[tuple[str, Any]]:
-        """The peer's hivemind helper processes by name: its DHT's (unless ``cut_off``) and its averagers."""
+        """The peer's hivemind helper processes by name: its DHT's (unless ``cut_off``) and its stage's averagers."""
         state = self.state
         helpers: list[tuple[str, Any]] = [] if cut_off else [("DHT", state.dht)]
-        optimizers = [("trainer", state.trainer_optimizer)]
         if state.server is not None:
-            optimizers.append((f"stage {state.server.stage}", state.server.optimizer))
-        for owner, opt in optimizers:
             for kind in ("state_averager", "grad_averager"):
-                helpers.append((f"{owner} {kind.replace('_', ' ')}", getattr(opt, kind, None)))
+                averager = getattr(state.server.optimizer, kind, None)
+                helpers.append((f"stage {state.server.stage} {kind.replace('_', ' ')}", averager))
         return helpers

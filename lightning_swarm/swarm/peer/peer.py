@@ -598,7 +598,6 @@ class SwarmPeer:
                 )
         # independent of each other: shut down together, so that a failing peer is quick
         steps = [
-            ("the trainer optimizer's shutdown", "trainer_optimizer", rounds + 30, {}),
             ("the client's shutdown", "client", 15.0, {}),
             ("the trainers' step exchange's shutdown", "trainer_sync", 15.0, {}),
             # after a failure the server cancels its averaging rounds instead of waiting for them

@@ -29,7 +29,6 @@ class PeerState:
         server: its stage server; replaced when it migrates (see :mod:`.hosting`).
         client: its client of the stages (a trainer's calls, the stages' states).
         trainer_sync: the exchange of several trainers' steps (see :mod:`~lightning_swarm.swarm.training.trainer_sync`).
-        trainer_optimizer: the hivemind optimizer of the trainer-local parameters, with several trainers.
     """
 
     dht: hivemind.DHT | None = None
@@ -39,4 +38,3 @@ class PeerState:
     server: StageServer | None = None
     client: SwarmClient | None = None
     trainer_sync: TrainerSync | None = None
-    trainer_optimizer: hivemind.Optimizer | None = None

@@ -53,7 +53,6 @@ class TrainerSteps:
         self.settings, self.state = settings, state
         self.is_trainer, self.num_trainers, self.drives_stages = is_trainer, num_trainers, drives_stages
         self.should_stop = should_stop
-        self._samples_since_step = 0
         self._step_ids = itertools.count(secrets.randbits(62))
         self._stage_epochs: dict[int, int] = {}  # the epoch each stage replied with at the last step
         self._early_steps: dict[int, Future] = {}  # stage -> its early step's replies (see .early_steps)
@@ -92,16 +91,6 @@ class TrainerSteps:
                 group["params"] = [p for p in group["params"] if id(p) not in pipeline]
         return optimizers
 
-    def note_batch_size(self, batch_size: int) -> None:
-        """Count a training batch's samples towards the next optimizer step (accumulated batches add up)."""
-        self._samples_since_step += max(1, int(batch_size))
-
-    def optimizer_step_kwargs(self) -> dict[str, Any]:
-        """What the trainers' hivemind optimizer's ``step`` needs: the samples since the last step (every
-        accumulated batch, not the last one only)."""
-        samples, self._samples_since_step = max(1, self._samples_since_step), 0
-        return {"batch_size": samples} if self.state.trainer_optimizer is not None else {}
-
     def new_step_id(self) -> int:
         """The id of this trainer's next optimizer step (see :mod:`.stepping`)."""
         return next(self._step_ids)
@@ -138,7 +127,6 @@ class TrainerSteps:
         self._sync_step = result
         if client is not None:
             client.nonfinite_backwards = result.nonfinite  # a step any trainer's scaler must skip
-        self._samples_since_step = 0
         return result
 
     @property

@@ -60,12 +60,7 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 class HivemindOptimizer(hivemind.Optimizer):
-    """``hivemind.Optimizer`` whose progress tracker finishes its tasks at shutdown (:class:`SwarmProgressTracker`)
-    and whose state averager is watched (:class:`StageStateAverager`): a wait on its helper process ends when that
-    process dies (:class:`HelperDied`), and a state download is not retried forever after it died."""
-
-    scheduled_grads: Any  # hivemind's pre-scheduled rounds (set by its constructor)
-    scheduled_state: Any
+    """``hivemind.Optimizer`` whose progress tracker finishes its tasks at shutdown (:class:`SwarmProgressTracker`)."""
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
         return SwarmProgressTracker(
@@ -78,14 +73,80 @@ class HivemindOptimizer(hivemind.Optimizer):
             **kwargs,
         )
 
-    def __del__(self) -> None:
-        # Lightning wraps an optimizer it is given in a ``LightningOptimizer`` whose class derives from the
-        # optimizer's own, and which reads every other attribute from the optimizer it wraps: hivemind's
-        # ``__del__`` would run when such a wrapper is collected (Lightning replaces its wrappers during setup) and
-        # shut down the progress tracker and state averager of the optimizer it wraps, which trains on. Only the
-        # optimizer itself (its averagers are its own attributes, not read through a wrapper) shuts them down.
-        if "state_averager" in self.__dict__:
-            super().__del__()
+
+class StageOptimizer(HivemindOptimizer):
+    """hivemind's ``Optimizer`` with a :class:`StageStateAverager`, which does not pre-schedule a gradient averaging
+    round while its progress tracker sees no other peer of the stage: hivemind would run matchmaking for
+    ``matchmaking_time`` before every step only to cancel it (no partner), costing the averager, DHT and p2p
+    daemon CPU on every step. Once another peer reports progress, rounds are pre-scheduled as before; a round
+    that was not pre-scheduled still starts at the step (hivemind's own fallback).
+
+    Alone at the step with no round scheduled, hivemind 1.1.12 would step with the optimizer's last ``.grad``
+    (here: the last batch handed over) instead of the epoch's accumulated gradients; it then takes the path of a
+    round that found no partner instead, which loads the accumulated gradients (averaged over the backwards)."""
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        if self.tracker.global_progress.num_peers <= 1:
+            return
+        super()._maybe_schedule_gradient_averaging()
+
+    def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
+        if self.aborted:
+            return True  # as alone: local gradients, no round
+        if (
+            grad_scaler is None
+            and self.scheduled_grads is None
+            and self.tracker.global_progress.num_peers <= 1
+        ):
+            return True  # _average_gradients_and_load_into_optimizer(None): "no other peers", local gradients
+        return super()._begin_averaging_gradients(grad_scaler)
+
+    rounds = 0  # gradient averaging rounds completed with other peers
+    aborted = False  # the run failed: rounds are cancelled, not waited for
+
+    def abort(self) -> None:
+        """The run failed: cancel the averaging rounds scheduled or in progress, so that a step waiting for one
+        goes on at once (with local gradients) instead of after up to ``averaging_timeout`` seconds, and the
+        peer's shutdown does not wait for it."""
+        self.aborted = True
+        self.average_state_every = 2**62  # no new state averaging round either
+        for control in (self.scheduled_grads, self.scheduled_state):  # type: ignore[has-type]
+            if control is not None and not control.done():
+                control.cancel()
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
+        # hivemind logs a failed round at its status level (INFO) whatever the cause: a broken round is an ERROR
+        if maybe_step_control is not None:
+            try:
+                maybe_step_control.result(self.averaging_timeout)
+                self.rounds += 1
+            except BaseException as e:
+                if not (no_partner(e) or self.aborted):
+                    logger.error(f"{self.run_id}: averaging gradients failed: {e!r}; using local gradients")
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+
+    def shutdown(self, run_over: bool = False) -> None:
+        """hivemind's shutdown; with ``run_over`` (every trainer has finished: no peer steps again) a round
+        scheduled for the next epoch is cancelled first instead of joined with zero weight. hivemind waits up to
+        ``averaging_timeout`` for such a round, and at the end of a run its partners are leaving too (or have
+        cancelled theirs), so each peer of a stage with several peers waited the whole timeout."""
+        if run_over or self.aborted:
+            for control in (self.scheduled_grads, self.scheduled_state):  # type: ignore[has-type]
+                if control is not None and not control.done():
+                    control.cancel()
+            self.scheduled_grads = self.scheduled_state = None
+        if (
+            self.aborted
+        ):  # the run failed: no goodbye round, no waiting for a state averaging in the background
+            self.tracker.shutdown(min(self.shutdown_timeout, 1.0))
+            for pending in list(self.state_averager.pending_updates):
+                pending.cancel()
+            self.state_averager.pending_updates = set()
+            self.state_averager.shutdown()
+            if self.use_gradient_averaging:
+                self.grad_averager.shutdown()
+            return
+        super().shutdown()
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         # hivemind's Optimizer.load_state_from_peers, except that a helper process that died ends it
@@ -141,81 +202,6 @@ class HivemindOptimizer(hivemind.Optimizer):
             start=True,
             **kwargs,
         )
-
-
-class StageOptimizer(HivemindOptimizer):
-    """hivemind's ``Optimizer`` with a :class:`StageStateAverager`, which does not pre-schedule a gradient averaging
-    round while its progress tracker sees no other peer of the stage: hivemind would run matchmaking for
-    ``matchmaking_time`` before every step only to cancel it (no partner), costing the averager, DHT and p2p
-    daemon CPU on every step. Once another peer reports progress, rounds are pre-scheduled as before; a round
-    that was not pre-scheduled still starts at the step (hivemind's own fallback).
-
-    Alone at the step with no round scheduled, hivemind 1.1.12 would step with the optimizer's last ``.grad``
-    (here: the last batch handed over) instead of the epoch's accumulated gradients; it then takes the path of a
-    round that found no partner instead, which loads the accumulated gradients (averaged over the backwards)."""
-
-    def _maybe_schedule_gradient_averaging(self) -> None:
-        if self.tracker.global_progress.num_peers <= 1:
-            return
-        super()._maybe_schedule_gradient_averaging()
-
-    def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
-        if self.aborted:
-            return True  # as alone: local gradients, no round
-        if (
-            grad_scaler is None
-            and self.scheduled_grads is None
-            and self.tracker.global_progress.num_peers <= 1
-        ):
-            return True  # _average_gradients_and_load_into_optimizer(None): "no other peers", local gradients
-        return super()._begin_averaging_gradients(grad_scaler)
-
-    rounds = 0  # gradient averaging rounds completed with other peers
-    aborted = False  # the run failed: rounds are cancelled, not waited for
-
-    def abort(self) -> None:
-        """The run failed: cancel the averaging rounds scheduled or in progress, so that a step waiting for one
-        goes on at once (with local gradients) instead of after up to ``averaging_timeout`` seconds, and the
-        peer's shutdown does not wait for it."""
-        self.aborted = True
-        self.average_state_every = 2**62  # no new state averaging round either
-        for control in (self.scheduled_grads, self.scheduled_state):
-            if control is not None and not control.done():
-                control.cancel()
-
-    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
-        # hivemind logs a failed round at its status level (INFO) whatever the cause: a broken round is an ERROR
-        if maybe_step_control is not None:
-            try:
-                maybe_step_control.result(self.averaging_timeout)
-                self.rounds += 1
-            except BaseException as e:
-                if not (no_partner(e) or self.aborted):
-                    logger.error(f"{self.run_id}: averaging gradients failed: {e!r}; using local gradients")
-        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-
-    def shutdown(self, run_over: bool = False) -> None:
-        """hivemind's shutdown; with ``run_over`` (every trainer has finished: no peer steps again) a round
-        scheduled for the next epoch is cancelled first instead of joined with zero weight. hivemind waits up to
-        ``averaging_timeout`` for such a round, and at the end of a run its partners are leaving too (or have
-        cancelled theirs), so each peer of a stage with several peers waited the whole timeout."""
-        if run_over or self.aborted:
-            for control in (self.scheduled_grads, self.scheduled_state):
-                if control is not None and not control.done():
-                    control.cancel()
-            self.scheduled_grads = self.scheduled_state = None
-        if (
-            self.aborted
-        ):  # the run failed: no goodbye round, no waiting for a state averaging in the background
-            self.tracker.shutdown(min(self.shutdown_timeout, 1.0))
-            for pending in list(self.state_averager.pending_updates):
-                pending.cancel()
-            self.state_averager.pending_updates = set()
-            self.state_averager.shutdown()
-            if self.use_gradient_averaging:
-                self.grad_averager.shutdown()
-            return
-        super().shutdown()
 
 
 def make_initialized(factory: OptimizerFactory, params: Any) -> torch.optim.Optimizer:
