@@ -29,7 +29,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import achain, anext, as_aiter, azip, enter_asynchronously
+from hivemind.utils.asyncio import achain, anext, as_aiter, enter_asynchronously
 from hivemind.utils.timed_storage import get_dht_time
 
 from lightning_swarm.swarm.footprint import before_fork, untouched_shared
@@ -232,7 +232,14 @@ class _GuardedAveraging:
         assert group_id in running, f"Group id {group_id!r} was not registered in _register_allreduce_group"
         running[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:  # type: ignore[attr-defined]
-            async for tensor, update in azip(as_aiter(*tensors), runner):
+            # hivemind pairs the two with azip, whose asyncio.gather leaves an orphaned future when the runner's
+            # wait is cancelled mid-round (a peer died): asyncio then prints "Future exception was never retrieved"
+            # and a traceback. The tensors are at hand: take the next one for each update.
+            local = iter(tensors)
+            async for update in runner:
+                tensor = next(local, None)
+                if tensor is None:
+                    break
                 tensor.add_(update, alpha=self._averaging_alpha)  # type: ignore[attr-defined]
                 self.last_updated = get_dht_time()
                 self._state_updated.set()  # type: ignore[attr-defined]
