@@ -9,8 +9,10 @@ K = 1, 2 and 4:
 - ``async``: ``stage_steps="async"``: each trainer steps its own parameters every batch and the stages step every
   ``target_batch_size`` samples (K batches, the same global batch) through hivemind's optimizer, without waiting.
 
-A run's throughput is the sum over its trainers of each trainer's samples per second, clocked from its
-``--warm``-th batch to the end of its training (the swarm's start-up excluded). ``sync_vs_async`` is the
+A run's throughput is the samples its trainers train while all of them train (from the last trainer's ``--warm``-th
+batch to the first trainer's end; the swarm's start-up excluded) over that window's length. ``overlap``: that
+window's share of the whole run; ``samples_per_s_per_trainer_sum``: the sum of each trainer's own rate over its own
+time, which counts as concurrent what ran one after another. ``sync_vs_async`` is the
 synchronous mode's samples/s over the asynchronous mode's at the same K (target >= 0.9 at 2 and at 4 trainers).
 The modes alternate within each K, so the box's drift falls on both alike.
 
@@ -36,12 +38,42 @@ TARGET = 0.9
 
 
 def samples_per_s(result: dict[str, Any], batch: int, warm: int) -> float:
-    """The sum over the run's trainers of their samples per second after ``warm`` batches."""
+    """The run's samples per second while all its trainers train: the samples of every trainer's batches in the
+    window from the last trainer's ``warm``-th batch to the first trainer's end, over the window's length (a batch
+    that straddles an edge counts for its share inside). Trainers start and end at different times; summing each
+    trainer's own rate over its own time would count as concurrent what ran one after another (asynchronous
+    trainers, which never wait for each other, drift the most)."""
+    runs = list(result["step_starts"].values())
+    first, last = max(starts[warm] for starts in runs), min(starts[-1] for starts in runs)
+    if last <= first:
+        raise RuntimeError(
+            f"the trainers never trained at the same time (after {warm} batches): nothing to clock"
+        )
+    batches = 0.0
+    for starts in runs:
+        for begin, end in zip(starts, starts[1:]):
+            inside = min(end, last) - max(begin, first)
+            if inside > 0:
+                batches += inside / (end - begin)
+    return batches * batch / (last - first)
+
+
+def samples_per_s_per_trainer_sum(result: dict[str, Any], batch: int, warm: int) -> float:
+    """The sum over the run's trainers of each one's samples per second after ``warm`` batches, each over its own
+    time (for comparison with :func:`samples_per_s`)."""
     total = 0.0
     for starts in result["step_starts"].values():
         steps = len(starts) - 1 - warm
         total += steps * batch / (starts[-1] - starts[warm])
     return total
+
+
+def overlap(result: dict[str, Any], warm: int) -> float:
+    """The common window's share of the span from the first trainer's ``warm``-th batch to the last one's end."""
+    runs = list(result["step_starts"].values())
+    span = max(starts[-1] for starts in runs) - min(starts[warm] for starts in runs)
+    common = min(starts[-1] for starts in runs) - max(starts[warm] for starts in runs)
+    return max(common, 0.0) / span
 
 
 def one_run(trainers: int, mode: str, args: Any) -> dict[str, Any]:
@@ -67,6 +99,10 @@ def one_run(trainers: int, mode: str, args: Any) -> dict[str, Any]:
     result = launch(cfg, timeout=args.timeout)
     return {
         "samples_per_s": round(samples_per_s(result, args.batch, args.warm), 1),
+        "samples_per_s_per_trainer_sum": round(
+            samples_per_s_per_trainer_sum(result, args.batch, args.warm), 1
+        ),
+        "overlap": round(overlap(result, args.warm), 3),
         "trainers_clocked": len(result["step_starts"]),
         "held_out": round(result["held_out"], 4),
         "stage_steps": result["stage_steps"],

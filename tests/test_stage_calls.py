@@ -84,7 +84,7 @@ def test_a_transformer_with_causal_and_padding_masks_trains_as_in_one_process(dh
             held.enter_context(server.stepper.step_lock)
         loss = nn.functional.cross_entropy(model(tokens, padding).flatten(0, 1), target.flatten())
         loss.backward()
-        pending = [server.shared.pending for server in servers]
+        pending = [server.shared.pending_sums() for server in servers]
     expected = nn.functional.cross_entropy(reference(tokens, padding).flatten(0, 1), target.flatten())
     expected.backward()
 
@@ -248,7 +248,7 @@ def test_a_backward_recomputed_on_another_peer_replays_the_forwards_dropout(dhts
     w = torch.randn(5, 64)
     with other.stepper.step_lock:  # the stepper does not take the pending gradients meanwhile
         (y * w).sum().backward()
-        pending = other.shared.pending
+        pending = other.shared.pending_sums()
     assert (
         other.backend.requests_served == 1
         and other.backend.kept_hits == 0

@@ -956,7 +956,7 @@ def test_a_trainer_driven_stage_replies_before_its_parameter_gradients(dhts, cle
         torch.testing.assert_close(x.grad, grads[0], rtol=1e-5, atol=1e-6)
         expected = [e + g for e, g in zip(expected, grads[1:], strict=True)]
     with server.shared.grads_lock:
-        pending = list(server.shared.pending or [])
+        pending = list(server.shared.pending_sums() or [])
     assert len(pending) == len(expected)
     for got, want in zip(pending, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

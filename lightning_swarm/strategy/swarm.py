@@ -128,7 +128,8 @@ class SwarmStrategy(TrainerDrivenSteps):
         max_batch_rows: a stage server merges calls that wait for it while it computes (same structure, tensors
             with the batch dimension first) into one forward or backward of at most this many rows. 0 turns
             batching off: do so for a stage whose output for one row depends on the other rows of its batch
-            (batch normalisation is detected and never merged).
+            (batch normalisation is detected and never merged). With trainer-driven steps (the default), a
+            stage's training calls are not merged, so that runs are reproducible: eval forwards are.
         batch_wait_ms: how long a group of merged calls waits for more before it runs; a lone call never waits.
         keep_activations: a stage server keeps the activations of up to this many forwards (served alone, not
             merged) for their backward, which the trainer sends to the same peer while it lives: that backward
@@ -138,8 +139,9 @@ class SwarmStrategy(TrainerDrivenSteps):
         microbatches: a trainer cuts each stage call's batch into this many chunks (along dim 0), which flow
             through the stages on their own: stage k+1 works on one chunk while stage k works on the next, and the
             peers of a stage serve chunks at once, forward and backward (``"auto"``, the default: one chunk per
-            online peer of the stage, or whole calls while other calls of the trainer are in flight; 1: one call
-            per batch). The result is the one of the same chunks sent one
+            online peer of the stage, or whole calls while other calls of the trainer are in flight, and always
+            with several trainers, whose calls keep the peers busy and whose runs are then reproducible; 1: one
+            call per batch). The result is the one of the same chunks sent one
             after another. A pipeline with batch normalisation (whose output for a row depends on the other rows)
             is not chunked: refused when set above 1.
         same_host: stage calls between peers on one machine (same user, same network namespace) go over a Unix

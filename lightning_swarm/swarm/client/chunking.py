@@ -2,7 +2,8 @@
 
 With ``microbatches=K`` (``SwarmSettings``; ``"auto"``: one chunk per online peer of the stage for a client with no
 other call in flight, such as a Lightning trainer with its one batch; whole calls for a client that keeps several
-calls in flight itself, whose calls keep the peers busy already) a trainer's
+calls in flight itself, whose calls keep the peers busy already, and for every trainer of a run with several
+trainers, whose runs are then reproducible) a trainer's
 stage call ``stage(x, *extra)`` becomes K calls on row ranges of the batch, sent together (forward, and later
 backward, each from its own thread): the router spreads them over the stage's peers, so two peers of a stage
 compute two chunks at the same time, and a chunk's transfer overlaps another's compute. One autograd node stands

@@ -427,6 +427,11 @@ class SwarmPeer:
                 timeout=s.trainer_timeout,
                 should_stop=self.should_stop,
             )  # started when its training starts (see SwarmStrategy.on_train_start): no one waits on it before
+            if s.microbatches == "auto":
+                # whole calls: the trainers' calls keep the stages' peers busy already, and "auto" chunks by the
+                # calls in flight and the peers online, which vary from run to run (see .chunking): a run of
+                # several trainers is reproducible, as DDP's is
+                client.chunking = False
         self.joined = True
         if self.server is not None and self.server.optimizer is not None and s.rebalance_period > 0:
             self.host.start_rebalancing()

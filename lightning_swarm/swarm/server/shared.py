@@ -120,7 +120,13 @@ class SharedState:
     def add_pending(self, grads: list[torch.Tensor | None], samples: int, backwards: int = 1) -> None:
         """Add the parameter gradients of ``backwards`` backwards of ``samples`` samples (tensors no one else holds,
         see :func:`.compute.exclusive`) to the pending sum; the first backward after a step becomes the sum itself
-        (no zero-filled buffer, no extra pass). Under ``grads_lock``."""
+        (no zero-filled buffer, no extra pass). Under ``grads_lock``.
+
+        From the second backward on, a tensor's sum is kept in float64, where adding float32 (or half) values is
+        exact unless one element's terms span more than about 2**28 in magnitude: the sum, rounded back to the
+        parameter's dtype when taken, does not depend on the order the backwards came in (several trainers' calls
+        arrive in any order; in float32, ``(a + b) + c`` and ``(a + c) + b`` differ in the last bits, and training
+        grows that difference), so a run with several trainers is reproducible, as DDP's is."""
         self.pending_samples += samples
         self.pending_backwards += backwards
         if self.pending is None:
@@ -134,11 +140,37 @@ class SharedState:
                 continue
             if acc is None:
                 self.pending[i] = grad.to(device=self.master[i].device, dtype=self.master[i].dtype)
-            else:
-                acc.add_(grad.to(acc.device))
+                continue
+            if acc.dtype != torch.float64 and acc.is_floating_point():
+                acc = self.pending[i] = acc.to(torch.float64)
+            acc.add_(grad.to(acc.device))
+
+    def _summed(self, i: int, acc: torch.Tensor | None) -> torch.Tensor | None:
+        """Pending sum ``acc`` of parameter ``i`` in the parameter's dtype (see :meth:`add_pending`)."""
+        return None if acc is None else acc.to(self.master[i].dtype)
+
+    def pending_sums(self) -> list[torch.Tensor | None] | None:
+        """The pending gradients in the parameters' dtype, left pending (``None``: none). Under ``grads_lock``."""
+        return None if self.pending is None else [self._summed(i, acc) for i, acc in enumerate(self.pending)]
 
     def take_pending(self) -> tuple[list[torch.Tensor | None] | None, int, int]:
         """Remove the pending gradients: ``(sum or None, samples, backwards)``. Under ``grads_lock``."""
-        taken = self.pending, self.pending_samples, self.pending_backwards
+        pending, samples, backwards = self.pending, self.pending_samples, self.pending_backwards
         self.pending, self.pending_samples, self.pending_backwards = None, 0, 0
-        return taken
+        if pending is None:
+            return None, samples, backwards
+        return [self._summed(i, acc) for i, acc in enumerate(pending)], samples, backwards
+
+    def take_pending_of(self, wanted: list[int], exact: bool = False) -> list[torch.Tensor | None]:
+        """Remove the pending gradients of the parameters ``wanted`` (indices into ``master``); returns them,
+        aligned with ``master`` (``None`` elsewhere), in the parameters' dtype, or with ``exact`` as summed (float64
+        where several backwards were added: for a sum with the stage's other peers that does not depend on which
+        backwards each peer served). The pending sum goes once none is left. Under ``grads_lock``."""
+        grads: list[torch.Tensor | None] = [None] * len(self.master)
+        pending = self.pending
+        if pending is not None:
+            for i in wanted:
+                grads[i], pending[i] = (pending[i] if exact else self._summed(i, pending[i])), None
+            if all(g is None for g in pending):
+                self.take_pending()
+        return grads

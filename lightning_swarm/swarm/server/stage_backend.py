@@ -264,7 +264,16 @@ class StageBackend:
         whose activations would be kept for its backward, once this stage's forward of its size takes longer
         than ``MERGE_FORWARD_MAX_S`` (measured): a merged forward keeps nothing, and recomputing it for each
         backward costs more than merging spares. Alone, its reply also leaves as soon as it is computed rather
-        than with a whole group's, so the next stage is not kept waiting."""
+        than with a whole group's, so the next stage is not kept waiting.
+
+        Nor does a training call (train-mode forward, or backward) of a trainer-driven stage that trains, so that a
+        run is reproducible, as DDP's is: which calls happen to wait together changes from run to run, and a
+        merged call's results do not have the bits of the calls run alone (one backward of merged calls sums
+        their parameter gradients inside its matrix products; a matrix product of a few rows takes another
+        kernel than one of many). Served one by one, each backward's gradients are added to the step's sum,
+        whose value does not depend on their order (see ``SharedState.add_pending``)."""
+        if self.driven and self.shared.training and getattr(request, "training", True):
+            return None, request.inputs.batch_size()
         key, rows = merge_key(request, distinct_seeds=self.draws_rng)
         per_row = self._forward_s_per_row
         if (

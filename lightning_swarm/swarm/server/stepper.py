@@ -410,10 +410,19 @@ class Stepper:
                         # nobody to sum with this time (the peers missed each other): the trainer sends the command
                         # again, and this peer keeps its own gradients for that round
                         return {"epoch": int(opt.local_epoch), "retry": True, "group": 1, "steps": self.steps}
-                if grads is own and command.grad_scale != 1.0:
-                    # unscaled in place below: the own gradients stay as taken, for another attempt (without a
-                    # loss scale nothing changes them before the step, which is the last use: no copy)
-                    grads = [g.clone() if g is not None else None for g in own]
+                if grads is own:
+                    # in the parameters' dtype (the pending sums of several backwards are float64, see
+                    # SharedState.add_pending); unscaled in place below: the own gradients stay as taken, for
+                    # another attempt (without a loss scale nothing changes them before the step, which is the
+                    # last use: no copy)
+                    grads = [
+                        None
+                        if g is None
+                        else g.clone()
+                        if g.dtype == m.dtype and command.grad_scale != 1.0
+                        else g.to(m.dtype)
+                        for g, m in zip(own, self.shared.master, strict=True)
+                    ]
                 # the squared norm only where it is asked for: clipping by norm, or the peers' check of their sum
                 norm = command.phase == "norm"
                 summed = (grads, self._unscale(grads, command.grad_scale, group, norm))
@@ -528,16 +537,10 @@ class Stepper:
         groups = opt.state_averager.optimizer.param_groups
         index_of = {id(m): i for i, m in enumerate(self.shared.master)}
         wanted = [index_of[id(p)] for g, group in enumerate(groups) if g in owned for p in group["params"]]
-        grads: list[torch.Tensor | None] = [None] * len(self.shared.master)
         # deferred parameter gradients first (.weight_grads)
         failed = None if self.shared.weights is None else self.shared.weights.drain()
         with self.shared.grads_lock:
-            pending = self.shared.pending
-            if pending is not None:
-                for i in wanted:
-                    grads[i], pending[i] = pending[i], None
-                if all(g is None for g in pending):
-                    self.shared.take_pending()
+            grads = self.shared.take_pending_of(wanted, exact=True)
         # a backward's parameter gradients are missing: the step is skipped, as a non-finite one is
         if failed is not None:
             first = next((g for g in grads if g is not None), None)

@@ -486,10 +486,13 @@ class TrainerSync(ServicerBase):
                 if len({tuple(g.shape) for g in present}) > 1:
                     error = f"The trainers' gradients of parameter {i} differ in shape at global step {step}."
                     break
-                total = torch.zeros_like(present[0])
-                for g in present:  # in peer-id order: every trainer gets the same bits
+                # in float64, where the sum of float32 (or half) values is exact but for terms more than about
+                # 2**28 apart: the average does not depend on the order of the parts (peer-id order, which differs
+                # from run to run), so a run with three or more trainers is reproducible, as DDP's is
+                total = torch.zeros_like(present[0], dtype=torch.float64)
+                for g in present:
                     total.add_(g)
-                grads.append(total.div_(k))
+                grads.append(total.div_(k).to(present[0].dtype))
         result = StepResult(
             step=step,
             step_id=stage_step_id(self.run_id, step, optimizer),

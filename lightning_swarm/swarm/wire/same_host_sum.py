@@ -8,10 +8,13 @@ a few tens of millions of parameters, and the daemons' and averagers' CPU beside
 the stage on this machine (its same-host socket, :mod:`.same_host`, exists: same user, same network namespace),
 they exchange the gradients as files in a private shared-memory directory instead:
 
-1. each peer writes its gradients once (float32, the stage's tensors in order) and publishes one hard link per
-   reader, ``sum-<round>-<from>-to-<to>``, then removes the name it wrote (a reader never sees a partial file);
+1. each peer writes its gradients once (float64, the stage's tensors in order: a peer's sum of several backwards
+   is float64 already, see ``server.shared``) and publishes one hard link per reader, ``sum-<round>-<from>-to-<to>``, then removes the name it wrote (a reader never sees a partial file);
 2. each peer opens the links addressed to it, unlinks them (the data is freed once every reader has it), and
-   sums every peer's values in the group's order, so that every peer holds the same bits;
+   sums every peer's values in the group's order, so that every peer holds the same bits; in float64, where the
+   sum of float32 values is exact but for terms more than about 2**28 apart, so it also does not depend on which
+   of the step's backwards each peer served (several trainers' calls reach the stage's peers at random): a
+   run is reproducible, as DDP's is;
 3. a peer that does not publish within the timeout fails the round (:class:`SameHostSumFailed`): the caller
    steps as after a failed hivemind round, and the links it left for others are removed.
 
@@ -38,6 +41,7 @@ from lightning_swarm.swarm.wire.same_host import private_directory, socket_path
 
 __all__ = ["SameHostSumFailed", "on_one_host", "sum_on_host"]
 
+_DTYPE, _BYTES = torch.float64, 8  # what a peer's gradients are exchanged and summed in
 _POLL_S = 0.001  # how often a peer looks for a partner's gradients
 _STALE_S = 600.0  # files older than this are a dead peer's leftovers (a round lasts seconds)
 _SHM = "/dev/shm"
@@ -119,11 +123,11 @@ def _read(paths: list[str], size: int, deadline: float) -> torch.Tensor | None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             got = os.fstat(f.fileno()).st_size
-            if got != 4 * size:
+            if got != _BYTES * size:
                 raise SameHostSumFailed(
-                    f"a partner's gradients have {got // 4} values, this peer's {size}: the peers' stages differ"
+                    f"a partner's gradients have {got // _BYTES} values, this peer's {size}: the peers' stages differ"
                 )
-            values = torch.empty(size, dtype=torch.float32)
+            values = torch.empty(size, dtype=_DTYPE)
             view, done = memoryview(values.numpy()).cast("B"), 0  # type: ignore[arg-type]
             while done < len(view):
                 n = f.readinto(view[done:])
@@ -151,15 +155,15 @@ def sum_on_host(
     tag = _tag(round_id)
     with torch.no_grad():
         own = [
-            (t if t is not None else torch.zeros_like(s)).detach().reshape(-1).to(torch.float32).contiguous()
+            (t if t is not None else torch.zeros_like(s)).detach().reshape(-1).to(_DTYPE).contiguous()
             for t, s in zip(tensors, templates, strict=True)
         ]
     size = sum(t.numel() for t in own)
     if not own:
         return []  # nothing to sum (every peer of the stage has the same tensors: none waits for this one)
-    directory = _with_room(directories, 4 * size)
+    directory = _with_room(directories, _BYTES * size)
     if directory is None:
-        raise SameHostSumFailed(f"no private directory with room for {4 * size} bytes of gradients")
+        raise SameHostSumFailed(f"no private directory with room for {_BYTES * size} bytes of gradients")
     written = os.path.join(directory, f"sum-{tag}-{index}.part")
     links = [os.path.join(directory, f"sum-{tag}-{index}-to-{j}") for j in range(len(peers)) if j != index]
     try:
