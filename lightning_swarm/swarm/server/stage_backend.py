@@ -272,9 +272,9 @@ class StageBackend:
         their parameter gradients inside its matrix products; a matrix product of a few rows takes another
         kernel than one of many). Served one by one, each backward's gradients are added to the step's sum,
         whose value does not depend on their order (see ``SharedState.add_pending``)."""
-        if self.driven and self.shared.training and getattr(request, "training", True):
-            return None, request.inputs.batch_size()
         key, rows = merge_key(request, distinct_seeds=self.draws_rng)
+        if self.driven and self.shared.training and getattr(request, "training", True):
+            return None, rows
         per_row = self._forward_s_per_row
         if (
             key is not None
