@@ -11,10 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hivemind
 import pytest
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from lightning_swarm.swarm.dht import reachability
 from lightning_swarm.swarm.dht.reachability import circuit_addrs, daemon_options, dialable, scope, wire_maddr
 from lightning_swarm.swarm.settings import SwarmSettings
 
@@ -48,6 +50,33 @@ def test_reachability_is_one_validated_setting_with_relays_from_the_initial_peer
     assert data == Multiaddr("/ip4/10.213.1.1/tcp/31337").to_bytes() + bytes(
         [0xA5, 0x03, len(digest)]
     ) + digest + (bytes([0xA2, 0x02]))
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_finds_a_relay_that_cuts_connections_and_starts_its_daemon_again() -> None:
+    """A peer's check of its own relay (``relay_cuts``: two fresh daemons that cannot connect directly, 256 KiB
+    echoed through it): a daemon relaying with a 64 KiB limit (the bundled daemon's race can leave go-libp2p's
+    default 128 KiB one) is found cutting; the start-up check then starts the DHT again, with the usual flags,
+    until its relay carries the echo."""
+    limited = "lightning-swarm-test-limited-relay"
+    P2P.FORCE_REACHABILITY_MAPPING[limited] = {"forceReachabilityPublic": 1, "relayDataLimit": 64 << 10}
+    starts: list[str] = []
+
+    def create(options: dict) -> hivemind.DHT:
+        starts.append(options["force_reachability"])
+        # every interface, as a public peer listens (the race goes the wrong way more often on loopback alone);
+        # the checks dial its loopback address
+        return hivemind.DHT(start=True, host_maddrs=["/ip4/0.0.0.0/tcp/0"], **options)
+
+    dht = create({"force_reachability": limited})
+    try:
+        assert reachability.relay_cuts(dht) is True
+        dht = reachability._with_unlimited_relay(dht, create, daemon_options("direct", []))
+        assert reachability.relay_cuts(dht) is False
+    finally:
+        dht.shutdown()
+        del P2P.FORCE_REACHABILITY_MAPPING[limited]
+    assert starts[0] == limited and all(s == "public" for s in starts[1:]) and len(starts) >= 2, starts
 
 
 def test_the_dial_back_service_dials_only_where_its_caller_comes_from() -> None:
@@ -222,7 +251,9 @@ def test_servers_and_trainers_behind_nat_join_through_a_relay() -> None:
     links = {row["peer"]: row for row in report["stages"]}
     assert links.keys() == {info0["peer_id"], info1["peer_id"]}, report
     assert links[info1["peer_id"]]["relayed"] and not links[info0["peer_id"]]["relayed"]
-    assert isinstance(links[info1["peer_id"]]["relay_limited"], bool)  # see the reachability module: a race
+    # the public peer checked its own relay at start-up and restarted its daemon if it relayed with go-libp2p's
+    # default limits (a race in the bundled daemon, lost in about one start in six here): it carries 1 MiB echoes
+    assert links[info1["peer_id"]]["relay_limited"] is False, report
     for row in links.values():
         assert "error" not in row, row
         assert row["rtt_ms"] > 0 and row["up_mbit"] > 1 and row["down_mbit"] > 1, row

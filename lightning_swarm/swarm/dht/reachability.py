@@ -24,8 +24,11 @@ What hivemind 1.1.12 needs for this, done here:
   the relay service with the daemon's limits (30 min and 4 GiB per relayed connection) at once. The bundled daemon
   also starts a relay with go-libp2p's default limits (2 min and 128 KiB per direction) right after its host, and
   whichever registers last serves: a race, which the configured relay lost in about half of our runs on the test
-  bed. A relay that lost it cuts each relayed connection after 128 KiB; the connection is dialled again at the
-  next lookup, and the calls in flight are retried. ``lightning-swarm doctor`` says which relays are limited.
+  bed. A relay that lost it would cut each relayed connection after 128 KiB. So a peer reached directly at an
+  address off this host (one that others may be relayed through) checks its own relay at start-up
+  (:func:`relay_cuts`: two fresh daemons, one reserving a slot, the other echoing 256 KiB through it) and starts
+  its daemon again until the relay carries it (at most ``_RELAY_TRIES`` times). ``lightning-swarm doctor`` says
+  which relays are limited.
 - the circuit address sent to the daemon with its ``/p2p/`` parts as bare multihashes (:func:`wire_maddr`):
   hivemind's multiaddr encoder writes them as CIDv1, which the daemon refuses ("length greater than remaining
   number of bytes in buffer").
@@ -66,6 +69,7 @@ __all__ = [
     "is_local",
     "measure_link",
     "relay_addrs_of",
+    "relay_cuts",
     "scope",
     "start_reachable",
     "serve_dial_back",
@@ -77,6 +81,12 @@ logger = logging.getLogger(__name__)
 DIAL_BACK = "SwarmReach.dial_back"
 ECHO = "SwarmReach.echo"
 _DIAL_TIMEOUT = 5.0
+_RELAY_TRIES = (
+    8  # daemon starts a directly reached peer makes at most to get a relay without the default limits
+)
+_RELAY_PROBE_BYTES = (
+    256 << 10
+)  # echoed through a peer's own relay: more than go-libp2p's default limit (128 KiB)
 _MAX_ADDRS = 8
 _SHARED_RANGE = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT's inside (RFC 6598)
 _P2P_CODE, _CIRCUIT_CODE = 0x01A5, 0x0122
@@ -324,6 +334,68 @@ async def measure_link(
     }
 
 
+async def _relay_cuts(relays: Sequence[str], timeout: float) -> bool | None:
+    """Whether the relay at ``relays`` (one peer's addresses, with ``/p2p/<id>``) cuts a relayed connection before
+    ``_RELAY_PROBE_BYTES`` went through: a fresh daemon reserves a slot there and serves :data:`ECHO`, a second one
+    dials it through the relay and asks for the bytes. Neither listens, so that they cannot connect directly (on
+    one host they would, and the echo would bypass the relay). A failed dial (no slot yet, or a slot that a relay
+    which replaced another since no longer knows, see the module docstring) is tried again by two fresh daemons
+    (a daemon does not dial a peer again for seconds after a failure). ``None``: nothing could be relayed in
+    ``timeout`` seconds."""
+    circuits = [wire_maddr(a) for a in circuit_addrs(relays)]
+    request = BytesValue(value=_RELAY_PROBE_BYTES.to_bytes(8, "big"))
+    deadline = time.monotonic() + timeout
+    wait = 0.5
+    while time.monotonic() < deadline:
+        inner = await P2P.create(no_listen=True, **daemon_options("relay", relays))
+        outer = None
+        try:
+            await inner._add_protobuf_unary_handler(ECHO, _echo, BytesValue)
+            await asyncio.sleep(wait)  # its slot is reserved meanwhile
+            outer = await P2P.create(use_relay=True, auto_nat=False, nat_port_map=False, no_listen=True)
+            try:
+                await asyncio.wait_for(outer._client.connect(inner.peer_id, circuits), _DIAL_TIMEOUT)
+            except Exception as e:
+                logger.debug(f"No connection through this peer's own relay: {e!r}")
+                wait = min(2 * wait, 4.0)
+                continue
+            try:
+                reply = await asyncio.wait_for(
+                    outer._call_unary_protobuf_handler(inner.peer_id, ECHO, request, BytesValue),
+                    4 * _DIAL_TIMEOUT,
+                )
+            except Exception as e:
+                logger.debug(f"This peer's own relay cut a connection: {e!r}")
+                return True
+            return len(reply.value) != _RELAY_PROBE_BYTES
+        finally:
+            for daemon in (outer, inner):
+                if daemon is not None:
+                    await daemon.shutdown()
+    return None
+
+
+def relay_cuts(dht: Any, timeout: float = 20.0) -> bool | None:
+    """Whether ``dht``'s daemon relays with go-libp2p's default limits (see the module docstring): ``True`` if it
+    cut a relayed connection at :data:`_RELAY_PROBE_BYTES`, ``False`` if it carried them, ``None`` if nothing
+    could be relayed through it (the check is then inconclusive)."""
+    from lightning_swarm.swarm.loop import run_coroutine
+
+    own = [str(a) for a in dht.get_visible_maddrs(latest=True) if "p2p-circuit" not in str(a)]
+    own = sorted(own, key=lambda a: not is_local(a))  # the same host: loopback first
+    peer_id = dht.peer_id.to_base58()
+    relays = [a if "/p2p/" in a else f"{a}/p2p/{peer_id}" for a in own[:1]]
+    if not relays:
+        return None
+    return run_coroutine(_relay_cuts(relays, timeout), timeout=timeout + 10 * _DIAL_TIMEOUT)
+
+
+def _serves_others(dht: Any) -> bool:
+    """Whether peers off this host may dial ``dht``'s peer (an address that is not loopback): they may then be
+    relayed through it."""
+    return any(not is_local(str(a)) for a in dht.get_visible_maddrs(latest=True))
+
+
 # ------------------------------------------------------------------------------------------ start-up
 _RELAY_ADDRS: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
@@ -384,6 +456,35 @@ def start_reachable(
             dht.shutdown()
             mode = "relay"
             dht = create(daemon_options(mode, relays))
+    if mode == "direct" and _serves_others(dht):
+        dht = _with_unlimited_relay(dht, create, daemon_options(mode, relays))
     serve_dial_back(dht)
     _RELAY_ADDRS[dht] = circuit_addrs(relays) if mode == "relay" else ()
     return dht, mode
+
+
+def _with_unlimited_relay(dht: Any, create: Callable[[dict[str, Any]], Any], options: dict[str, Any]) -> Any:
+    """``dht``, or a DHT started again with ``create(options)``, whose daemon's relay does not cut relayed
+    connections at go-libp2p's default limits (see the module docstring); at most ``_RELAY_TRIES`` starts."""
+    for attempt in range(1, _RELAY_TRIES + 1):
+        try:
+            cuts = relay_cuts(dht)
+        except Exception as e:
+            logger.debug(f"Could not check this peer's relay: {e!r}")
+            return dht
+        if not cuts:
+            return dht  # it carries relayed connections (or the check could not tell: nothing to gain)
+        if attempt == _RELAY_TRIES:
+            break
+        logger.info(
+            "This peer's p2p daemon relays with go-libp2p's default limits (128 KiB per connection, a race in the "
+            "bundled daemon): starting it again"
+        )
+        dht.shutdown()
+        dht = create(options)
+    logger.warning(
+        f"This peer's p2p daemon relays with go-libp2p's default limits after {_RELAY_TRIES} starts: peers behind "
+        "NAT that are relayed through it lose each connection after 128 KiB (their calls are retried). Restart "
+        "this peer, or have them use another public peer as relay."
+    )
+    return dht
