@@ -157,6 +157,13 @@ def _gated(swarm: dict, grad: bool, first: Callable[[], Any], others: list[Calla
     return results
 
 
+def _assert_pending_grew_by(server: StageServer, before: list[torch.Tensor], reference: nn.Module) -> None:
+    """The server's pending parameter gradients are ``before`` plus ``reference``'s gradients."""
+    after = server.shared.pending_sums() or []
+    for was, now, p in zip(before, after, reference.parameters(), strict=True):
+        torch.testing.assert_close(now - was, p.grad, **TOLERANCE)
+
+
 def _pending(server: StageServer) -> list[torch.Tensor]:
     """A copy of the parameter gradients the server holds for the next optimizer step."""
     if server.shared.pending is None:
@@ -233,10 +240,7 @@ def test_merged_backwards_return_each_callers_gradients_and_sum_parameter_gradie
         assert isinstance(grad, torch.Tensor), grad
         torch.testing.assert_close(grad, x_ref.grad, **TOLERANCE)
     # the parameter gradients of the merged backwards: the sum of those of the calls alone
-    for before, after, p in zip(
-        pending, server.shared.pending_sums() or [], reference.parameters(), strict=True
-    ):
-        torch.testing.assert_close(after - before, p.grad, **TOLERANCE)
+    _assert_pending_grew_by(server, pending, reference)
 
 
 @pytest.mark.timeout(120)
@@ -275,10 +279,7 @@ def test_merged_backwards_apply_each_request_id_once_and_only_in_time(swarm) -> 
         (reference(x_ref) * g[i]).sum().backward()
         for reply in (replies[i],) if i == 0 else replies[1:3]:
             torch.testing.assert_close(reply.outputs.tensors[0], x_ref.grad, **TOLERANCE)
-    for before, after, p in zip(
-        pending, server.shared.pending_sums() or [], reference.parameters(), strict=True
-    ):
-        torch.testing.assert_close(after - before, p.grad, **TOLERANCE)
+    _assert_pending_grew_by(server, pending, reference)
 
 
 @pytest.mark.timeout(120)
