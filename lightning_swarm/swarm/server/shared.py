@@ -155,22 +155,20 @@ class SharedState:
 
     def take_pending(self) -> tuple[list[torch.Tensor | None] | None, int, int]:
         """Remove the pending gradients: ``(sum or None, samples, backwards)``. Under ``grads_lock``."""
-        pending, samples, backwards = self.pending, self.pending_samples, self.pending_backwards
+        taken = self.pending_sums(), self.pending_samples, self.pending_backwards
         self.pending, self.pending_samples, self.pending_backwards = None, 0, 0
-        if pending is None:
-            return None, samples, backwards
-        return [self._summed(i, acc) for i, acc in enumerate(pending)], samples, backwards
+        return taken
 
-    def take_pending_of(self, wanted: list[int], exact: bool = False) -> list[torch.Tensor | None]:
+    def take_pending_of(self, wanted: list[int]) -> list[torch.Tensor | None]:
         """Remove the pending gradients of the parameters ``wanted`` (indices into ``master``); returns them,
-        aligned with ``master`` (``None`` elsewhere), in the parameters' dtype, or with ``exact`` as summed (float64
-        where several backwards were added: for a sum with the stage's other peers that does not depend on which
-        backwards each peer served). The pending sum goes once none is left. Under ``grads_lock``."""
+        aligned with ``master`` (``None`` elsewhere), as summed: float64 where several backwards were added, for a
+        sum with the stage's other peers that does not depend on which backwards each peer served (the caller
+        rounds to the parameters' dtype). The pending sum goes once none is left. Under ``grads_lock``."""
         grads: list[torch.Tensor | None] = [None] * len(self.master)
         pending = self.pending
         if pending is not None:
             for i in wanted:
-                grads[i], pending[i] = (pending[i] if exact else self._summed(i, pending[i])), None
+                grads[i], pending[i] = pending[i], None
             if all(g is None for g in pending):
                 self.take_pending()
         return grads

@@ -540,7 +540,7 @@ class Stepper:
         # deferred parameter gradients first (.weight_grads)
         failed = None if self.shared.weights is None else self.shared.weights.drain()
         with self.shared.grads_lock:
-            grads = self.shared.take_pending_of(wanted, exact=True)
+            grads = self.shared.take_pending_of(wanted)
         # a backward's parameter gradients are missing: the step is skipped, as a non-finite one is
         if failed is not None:
             first = next((g for g in grads if g is not None), None)
