@@ -32,16 +32,23 @@ class Net(LightningModule):
         self.cfg = cfg
         p = cfg.get("dropout", 0.0)
         self.inp = nn.Linear(6, 16)
-        norm = [nn.BatchNorm1d(16)] if cfg.get("batchnorm") else []
+        # a trainer-side BatchNorm (outside the pipeline): its buffers are the trainers' own
+        self.own_norm = nn.BatchNorm1d(16) if cfg.get("own_batchnorm") else nn.Identity()
+        bn = cfg.get("batchnorm")
         self.layers = nn.Sequential(
-            *(nn.Sequential(nn.Linear(16, 16), *norm, nn.Tanh(), nn.Dropout(p)) for _ in range(4))
+            *(
+                nn.Sequential(
+                    nn.Linear(16, 16), *([nn.BatchNorm1d(16)] if bn else []), nn.Tanh(), nn.Dropout(p)
+                )
+                for _ in range(4)
+            )
         )
         self.out = nn.Linear(16, 1)
         self.automatic_optimization = not cfg.get("manual", False)
         self.cfg_step_s = float(cfg.get("step_s", 0.0))
 
     def forward(self, x):
-        h = self.inp(x)
+        h = self.own_norm(self.inp(x))
         z = self.layers(h)
         return self.out(z + h if self.cfg.get("residual") else z)
 
@@ -86,7 +93,7 @@ class Net(LightningModule):
         elif cfg.get("optimizer", "sgd") == "adamw":
             opt = torch.optim.AdamW(groups, lr=0.01)
         else:
-            opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+            opt = torch.optim.SGD(groups, lr=0.05 * cfg.get("lr_scale", 1.0), momentum=0.9)
         kind = cfg.get("scheduler")
         steps = cfg["steps"]
         if kind is None:
@@ -171,11 +178,22 @@ class Record(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.lrs: list[float] = []
+        self.owns_buffers: bool | None = None
+        self.batches: list[torch.Tensor] = []  # the inputs of every training batch (see replay)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append(batch[0].clone())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
         self.lrs.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+
+    def on_train_end(self, trainer, pl_module):
+        # with several trainers: whether this trainer's stage calls updated the stages' buffers at the end (it led)
+        peer = getattr(trainer.strategy, "peer", None)
+        client = peer.client if peer is not None else None
+        self.owns_buffers = client.updates_buffers if client is not None else None
 
 
 def data(n: int = 64, batch: int = 8) -> DataLoader:
@@ -185,10 +203,24 @@ def data(n: int = 64, batch: int = 8) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
 
 
+def replay(cfg: dict, model: Net) -> None:
+    """``replay: path``: no training, only train-mode forwards of the batches a trainer recorded (the ``batches`` of
+    its ``.rank<r>`` file): the buffers its batches give when the parameters do not move (the reference of the
+    buffer semantics)."""
+    batches = torch.load(cfg["replay"], weights_only=False)["batches"]
+    model.train()
+    with torch.no_grad():
+        for x in batches:
+            model(x)
+    torch.save({"state": model.state_dict()}, cfg["out"])
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     seed_everything(cfg.get("seed", 0))
     model = Net(cfg)
+    if cfg.get("replay"):
+        return replay(cfg, model)
     record = Record()
     swarm = cfg.get("swarm", False)
     peers_per_stage = cfg.get("peers_per_stage", 1)
@@ -256,6 +288,9 @@ def main() -> None:
             {
                 "own": own,
                 "sync": trainer.strategy.trainer_sync_stats,
+                # whether this trainer's stage calls updated the stages' buffers at the end (it led the steps)
+                "owns_buffers": record.owns_buffers,
+                "batches": record.batches,
                 "global_step": trainer.global_step,
                 "lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
             },

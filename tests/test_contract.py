@@ -376,6 +376,33 @@ def test_several_trainers_step_as_ddp(case, tmp_path):
     assert swarm["losses"][-1] != swarm["losses"][0]
 
 
+def test_with_several_trainers_every_buffer_follows_one_trainers_batches_as_in_ddp(tmp_path):
+    """DDP's buffers (batch normalisation's running statistics) follow rank 0's batches: its forwards update them, and
+    every rank takes rank 0's before each forward (``broadcast_buffers``). With 2 trainers, the stages' buffers and
+    the trainers' own (a BatchNorm outside the pipeline) follow the batches of one trainer, the leader: with the
+    parameters held still (lr 0), they equal those that trainer's batches give when replayed in one process, within
+    1e-6, on every trainer. (Before, every trainer's forwards updated a stage's buffers, and each trainer kept its own.)"""
+    cfg = {"batchnorm": True, "own_batchnorm": True, "lr_scale": 0.0, "steps": 6}
+    swarm = run({**cfg, "swarm": True, "trainers": 2, "all_ranks": True}, tmp_path, "swarm")
+    ranks = [torch.load(f"{tmp_path / 'swarm.pt'}.rank{r}", weights_only=False) for r in range(2)]
+    owners = [r for r in range(2) if ranks[r]["owns_buffers"]]
+    assert len(owners) == 1, [r["owns_buffers"] for r in ranks]
+    reference = run({**cfg, "replay": f"{tmp_path / 'swarm.pt'}.rank{owners[0]}"}, tmp_path, "replay")[
+        "state"
+    ]
+    buffers = [k for k in reference if "running_" in k or "num_batches_tracked" in k]
+    assert any(k.startswith("layers.") for k in buffers) and any(k.startswith("own_norm.") for k in buffers)
+    gaps = {k: float((reference[k].double() - swarm["state"][k].double()).abs().max()) for k in buffers}
+    assert max(gaps.values()) <= 1e-6, gaps
+    for r in ranks:
+        own = {
+            k: float((reference[k].double() - r["own"][k].double()).abs().max())
+            for k in r["own"]
+            if k in buffers
+        }
+        assert own and max(own.values()) <= 1e-6, own
+
+
 def test_several_trainers_are_reproducible_under_a_seed(tmp_path):
     """Under seed_everything, two runs of 2 trainers (8-bit boundaries, AdamW) end with the same parameters, bit for
     bit, as two runs of DDP do. The runs go side by side: their calls reach the stages in different orders."""

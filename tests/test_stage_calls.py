@@ -229,6 +229,43 @@ def test_a_recomputed_backward_updates_batch_norm_statistics_once(dhts, cleanup)
 
 
 @pytest.mark.timeout(120)
+def test_the_calls_of_a_trainer_that_does_not_own_the_buffers_leave_them_as_they_were(dhts, cleanup) -> None:
+    """With several trainers only the leader's train-mode calls update a stage's buffers (DDP: rank 0's). Over the
+    wire, a call sent with ``updates_buffers`` off computes what it would (batch statistics, same outputs and input
+    gradients) and leaves the running statistics and the batch count untouched; the next owner's call updates
+    them once, as in one process."""
+    torch.manual_seed(0)
+    run_id = _run_id("bn-owner")
+    stage = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16))
+    reference = copy.deepcopy(stage)
+    server = _serve(cleanup, dhts["server1"], run_id, stage)
+    client = _client(cleanup, dhts["trainer"], run_id)
+    bn = stage[1]
+    x, other = torch.randn(6, 8, requires_grad=True), torch.randn(6, 8)
+    x_ref = x.detach().clone().requires_grad_(True)
+
+    client.updates_buffers = False  # another trainer's batch
+    out = client.call_stage(0, x)
+    out.pow(2).sum().backward()
+    expected = reference(x_ref)
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+    assert int(bn.num_batches_tracked) == 0 and torch.equal(bn.running_mean, torch.zeros(16))
+    assert torch.equal(bn.running_var, torch.ones(16))
+
+    reference = copy.deepcopy(stage)  # the buffers as they were, before the owner's call
+    client.updates_buffers = True  # the leader's batch: one update, as in one process
+    with torch.no_grad():
+        client.call_stage(0, other)
+        reference(other)
+    assert int(bn.num_batches_tracked) == 1
+    torch.testing.assert_close(bn.running_mean, reference[1].running_mean, atol=1e-6, rtol=0)
+    torch.testing.assert_close(bn.running_var, reference[1].running_var, atol=1e-6, rtol=0)
+    assert server.backend.requests_served == 3
+
+
+@pytest.mark.timeout(120)
 def test_a_backward_recomputed_on_another_peer_replays_the_forwards_dropout(dhts, cleanup) -> None:
     torch.manual_seed(0)
     run_id = _run_id("dropout")

@@ -259,12 +259,31 @@ class TrainerDrivenSteps(ParallelStrategy):
         if self._synced == index:
             return
         params = [p for group in raw.param_groups for p in group["params"]]
-        result = peer.steps.sync_trainers([p.grad for p in params], index, params)
+        buffers = self._own_buffers()
+        result = peer.steps.sync_trainers([p.grad for p in params], index, params, buffers)
         assert result is not None
         self._step_id, self._synced, self._backwards_since_sync = result.step_id, index, 0
         for p, grad in zip(params, result.grads, strict=True):
             # a copy: clipping scales the gradients in place, and the step's result is served to the other trainers
             p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype, copy=True)
+        if result.buffers and result.leader != peer.trainer_sync.name:
+            # the leader's buffers (DDP's broadcast_buffers: every rank takes rank 0's)
+            if len(result.buffers) != len(buffers):
+                raise RuntimeError(
+                    f"The trainers' modules hold different buffers ({len(buffers)} here, {len(result.buffers)} on "
+                    "the leader): every trainer must run the same LightningModule."
+                )
+            with torch.no_grad():
+                for mine, leaders in zip(buffers, result.buffers, strict=True):
+                    if leaders is not None:
+                        mine.copy_(leaders.reshape(mine.shape))
+
+    def _own_buffers(self) -> list[torch.Tensor]:
+        """This trainer's own buffers (outside the pipeline), in the module's order (the same on every trainer)."""
+        module = self.lightning_module
+        assert module is not None
+        prefix = f"{self.peer.partition.path}." if self.peer.partition is not None else "\0"
+        return [b for name, b in module.named_buffers() if not name.startswith(prefix)]
 
     def _own_tensors(self) -> dict[str, Any]:
         """This trainer's own parameters and buffers (everything outside the pipeline), by name."""
@@ -303,6 +322,7 @@ class TrainerDrivenSteps(ParallelStrategy):
         # from now on this trainer answers the others (a trainer that starts late is not led to)
         sync.start(initial=self._trainer_state())
         joined = sync.fetch_state()
+        self.peer.steps.note_buffer_owner()
         if joined is None:
             return
         step, blob = joined

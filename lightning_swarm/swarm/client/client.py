@@ -169,6 +169,10 @@ class SwarmClient:
         # the calls of the thread that opened it; threads sharing a client must not close each other's runs)
         self._runs = threading.local()
         self.nonfinite_backwards = 0
+        # whether this trainer's train-mode stage calls update the stages' buffers (batch normalisation's running
+        # statistics): with several trainers only the step's leader's do, as only DDP's rank 0 decides the buffers
+        # (set at each step by the peer, see .peer.steps)
+        self.updates_buffers = True
         # the differentiable calls of the training step whose backward has not returned (see .early_steps)
         self.grad_calls = OpenGradCalls()
         self.deferred_grads = DeferredGrads()  # set active by the strategy (see .deferred_grads)
@@ -247,7 +251,14 @@ class SwarmClient:
 
     def forward_no_grad(self, stage: int, inputs: Payload, training: bool, seed: int) -> Payload:
         """A forward of ``stage`` on ``inputs`` outside autograd (no backward follows), with retries."""
-        request = StageRequest("forward", stage_uid(self.run_id, stage), inputs, training=training, seed=seed)
+        request = StageRequest(
+            "forward",
+            stage_uid(self.run_id, stage),
+            inputs,
+            training=training,
+            seed=seed,
+            buffers=self.updates_buffers,
+        )
         outputs, _ = self.send(stage, request, check=self.output_check(stage, inputs))
         return outputs
 

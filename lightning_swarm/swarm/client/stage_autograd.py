@@ -33,6 +33,7 @@ class StageCaller(Protocol):
     settings: SwarmSettings
     loss_scaled: bool  # gradients are loss-scaled: an overflow skips the step instead of failing the call
     nonfinite_backwards: int  # backwards that met non-finite values (the step is skipped)
+    updates_buffers: bool  # train-mode forwards update the stages' buffers (see .client.SwarmClient)
     grad_calls: OpenGradCalls
     deferred_grads: DeferredGrads
     chunk_pool: ChunkPool
@@ -92,7 +93,14 @@ class StageCall:
 
     def forward(self) -> list[torch.Tensor]:
         uid = stage_uid(self.client.run_id, self.stage)
-        request = StageRequest("forward", uid, self.inputs, training=self.training, seed=self.seed)
+        request = StageRequest(
+            "forward",
+            uid,
+            self.inputs,
+            training=self.training,
+            seed=self.seed,
+            buffers=self.client.updates_buffers,
+        )
         check = self.client.output_check(self.stage, self.inputs)
         served: list[PeerID] = []
         outputs, self.encoded_inputs = self.client.send(

@@ -113,21 +113,33 @@ class TrainerSteps:
 
     # ------------------------------------------------------------------ several trainers (see .trainer_sync)
     def sync_trainers(
-        self, grads: list[torch.Tensor | None], optimizer: int, params: list[torch.Tensor]
+        self,
+        grads: list[torch.Tensor | None],
+        optimizer: int,
+        params: list[torch.Tensor],
+        buffers: list[torch.Tensor] | None = None,
     ) -> StepResult | None:
         """With several trainers: hand this trainer's gradients of its own parameters in optimizer ``optimizer`` to
         the global step (a step of that optimizer) and return the step's result (the averaged gradients, the
-        stages' step id, the leader); ``None`` with one trainer."""
+        stages' step id, the leader and its ``buffers``); ``None`` with one trainer."""
         sync = self.state.trainer_sync
         if sync is None:
             return None
         client = self.state.client
         nonfinite = client.nonfinite_backwards if client is not None else 0
-        result = sync.exchange(grads, optimizer, nonfinite=nonfinite, params=params)
+        result = sync.exchange(grads, optimizer, nonfinite=nonfinite, params=params, buffers=buffers)
         self._sync_step = result
         if client is not None:
             client.nonfinite_backwards = result.nonfinite  # a step any trainer's scaler must skip
+        self.note_buffer_owner()
         return result
+
+    def note_buffer_owner(self) -> None:
+        """With several trainers: whether this trainer's next train-mode stage calls update the stages' buffers
+        (it leads the next step, see ``TrainerSync.leads_next``)."""
+        sync, client = self.state.trainer_sync, self.state.client
+        if sync is not None and client is not None:
+            client.updates_buffers = sync.leads_next()
 
     @property
     def stage_grad_factor(self) -> float:

@@ -57,8 +57,8 @@ def _frozen(skeleton: Any) -> bytes | None:
 def merge_key(request: Any, distinct_seeds: bool = False) -> tuple[Hashable | None, int]:
     """``(key, rows)`` of a :class:`~.protocol.StageRequest`: requests with equal keys can be merged; ``None``:
     this one runs alone. Mergeable: every tensor of the inputs (and of the output gradients) has the batch
-    dimension first, the same for all of them (``rows``), and at least one row; the same mode; with
-    ``distinct_seeds`` (a stage that draws random numbers), train-mode calls only with calls of the same seed."""
+    dimension first, the same for all of them (``rows``), and at least one row; the same mode (and, in train mode,
+    whether the call updates the stage's buffers); with ``distinct_seeds`` (a stage that draws random numbers), train-mode calls only with calls of the same seed."""
     inputs: Payload = request.inputs
     rows = inputs.batch_size()
     if not inputs.tensors or rows < 1:
@@ -69,6 +69,8 @@ def merge_key(request: Any, distinct_seeds: bool = False) -> tuple[Hashable | No
         return None, rows
     training = bool(getattr(request, "training", True))
     key: tuple = (request.kind, training, skeleton, specs)
+    if training:
+        key += (bool(getattr(request, "buffers", True)),)
     if training and distinct_seeds:
         key += (getattr(request, "seed", None),)
     grads: Payload | None = request.grad_outputs

@@ -202,7 +202,7 @@ class StageBackend:
             inputs = _inputs(request)
             if request.kind == "forward":
                 keep = request.forward_id if request.forward_id == request.request_id else None
-                outputs = self._forward(inputs, keep, request.training, request.seed)
+                outputs = self._forward(inputs, keep, request.training, request.seed, request.buffers)
                 kept = keep is not None and self.shared.kept.inputs(keep) is not None
             else:
                 assert request.grad_outputs is not None
@@ -297,7 +297,7 @@ class StageBackend:
         inputs = concat_payloads([_inputs(request) for request in requests])
         training, seed = requests[0].training, requests[0].seed
         if requests[0].kind == "forward":
-            merged = self._forward(inputs, None, training, seed)
+            merged = self._forward(inputs, None, training, seed, requests[0].buffers)
             if training and self.draws_rng:
                 return None
             outputs = split_payload(merged, rows)
@@ -328,11 +328,17 @@ class StageBackend:
         return replies
 
     def _forward(
-        self, inputs: Payload, keep_id: int | None = None, training: bool = True, seed: int | None = None
+        self,
+        inputs: Payload,
+        keep_id: int | None = None,
+        training: bool = True,
+        seed: int | None = None,
+        buffers: bool = True,
     ) -> Payload:
         """The stage's outputs for ``inputs`` in mode ``training`` under ``seed``; with ``keep_id`` (and
         ``keep_activations`` > 0) the forward runs with autograd and its graph is kept under that id for the
-        backward."""
+        backward. ``buffers`` ``False``: a train-mode forward leaves the stage's buffers as they were (a call of a
+        trainer that does not own them, see :class:`~lightning_swarm.swarm.wire.protocol.StageRequest`)."""
         leaves = leaves_of(inputs, self.device)
         keep = (
             keep_id is not None
@@ -343,7 +349,8 @@ class StageBackend:
         args, kwargs = inputs.rebuild_call(leaves)
         with self._foreground(), self.shared.lock, torch.enable_grad() if keep else torch.no_grad():
             start, began = time.perf_counter(), time.monotonic()
-            outputs = self._run_module(args, kwargs, training, seed)
+            with buffers_kept(self.module, training and not buffers):
+                outputs = self._run_module(args, kwargs, training, seed)
             version, spent = self.shared.param_version, time.perf_counter() - start
             self.compute_log.append(("forward", began, time.monotonic()))
         rows = inputs.batch_size()

@@ -16,6 +16,12 @@ optimizer (:func:`stage_step_id`), never from a trainer's own counter, so every 
 whoever leads it; so are the ids of the ``optimizer.zero_grad()`` calls mirrored to the stages between two steps
 (:meth:`TrainerSync.zero_step_id`), which the stages apply once however many trainers send them.
 
+The step's result also carries the leader's *buffers* (those of the modules outside the pipeline: a trainer-side
+BatchNorm's running statistics), which the other trainers copy, as DDP broadcasts rank 0's buffers before each
+forward (``broadcast_buffers``); and only the leader's train-mode stage calls update the stages' buffers
+(:meth:`TrainerSync.leads_next`; the request's ``buffers`` flag, see :mod:`~lightning_swarm.swarm.wire.protocol`),
+so that every buffer follows one trainer's batches, one update per forward, as rank 0's do in DDP.
+
 Then every trainer runs its optimizer step on the same gradient; the leader alone commands the stages (see
 :mod:`.stepping`): their summed gradients are scaled by 1/K like the trainers' (DDP's average over K ranks), its
 squared norm for clipping and its replies are *published* under the step's id, and the other trainers read them
@@ -93,6 +99,8 @@ class StepResult:
         nonfinite: backwards whose loss-scaled gradients overflowed before reaching a stage, on all trainers.
         late: this trainer's own part came after the step was taken: ``grads`` is the others' average.
         names: the trainers whose parts the average holds.
+        buffers: the leader's own buffers after its batch of the step (the modules outside the pipeline), which
+            the other trainers take (DDP's ``broadcast_buffers``); empty if it handed in none.
     """
 
     step: int
@@ -104,6 +112,7 @@ class StepResult:
     nonfinite: int = 0
     late: bool = False
     names: list[str] = field(default_factory=list)
+    buffers: list[torch.Tensor | None] = field(default_factory=list)
 
 
 def params_hash(params: list[torch.Tensor]) -> str:
@@ -123,10 +132,16 @@ def stage_step_id(run_id: str, step: int, optimizer: int, kind: str = "step", co
 
 
 class _Part:
-    """One trainer's part of a step: its header and gradients."""
+    """One trainer's part of a step: its header and gradients (and, for the leader's own part, which is not sent,
+    its buffers)."""
 
-    def __init__(self, header: dict[str, Any], grads: list[torch.Tensor | None]) -> None:
-        self.header, self.grads = header, grads
+    def __init__(
+        self,
+        header: dict[str, Any],
+        grads: list[torch.Tensor | None],
+        buffers: list[torch.Tensor] | None = None,
+    ) -> None:
+        self.header, self.grads, self.buffers = header, grads, buffers or []
 
 
 class _Round:
@@ -263,10 +278,12 @@ class TrainerSync(ServicerBase):
         optimizer: int = 0,
         nonfinite: int = 0,
         params: list[torch.Tensor] | None = None,
+        buffers: list[torch.Tensor] | None = None,
     ) -> StepResult:
         """Hand in this trainer's part of the current global step, a step of its optimizer ``optimizer``
         (``configure_optimizers`` order), and return the step's result (blocking); ``params`` (this trainer's own
-        parameters) are hashed every ``HASH_EVERY`` steps. Raises :class:`TrainersDiverged` if the trainers'
+        parameters) are hashed every ``HASH_EVERY`` steps; ``buffers`` (its own buffers) go into the result if this
+        trainer leads the step (they stay here otherwise). Raises :class:`TrainersDiverged` if the trainers'
         parameters differ, or if they step different optimizers."""
         step = self.step
         header: dict[str, Any] = {
@@ -277,7 +294,7 @@ class TrainerSync(ServicerBase):
         }
         if params is not None and step % HASH_EVERY == 0:
             header["hash"] = params_hash(params)
-        part = _Part(header, [None if g is None else g.detach().float().cpu() for g in grads])
+        part = _Part(header, [None if g is None else g.detach().float().cpu() for g in grads], buffers)
         unanswered: dict[str, float] = {}  # leaders that did not answer this part, since when
         while True:
             leader = self._leader()
@@ -388,6 +405,15 @@ class TrainerSync(ServicerBase):
         names = {n for n in candidates if self._failed.get(n, 0.0) < now}
         return min(names) if names else self.name
 
+    def leads_next(self) -> bool:
+        """Whether this trainer leads its next global step, as far as it knows without waiting: the smallest name
+        among the trainers of the last step (at the start of a run, among the live trainers and the one whose
+        initial state it took). The leader's train-mode stage calls update the stages' buffers."""
+        if self._last is None and self.joined_at == 0 and self.step == 0:
+            candidates = (self.live_trainers() or set()) | self._hinted | {self.name}
+            return min(candidates) == self.name
+        return self._leader() == self.name
+
     def _round(self, step: int) -> _Round:
         """The round of ``step`` (under ``_cond``)."""
         found = self._rounds.get(step)
@@ -423,7 +449,7 @@ class TrainerSync(ServicerBase):
             missing = sorted(waited - set(rnd.parts))
             rnd.result, rnd.error = self._average(step, rnd, missing)
             for part in rnd.parts.values():
-                part.grads = []  # averaged: only the names are needed from now on
+                part.grads, part.buffers = [], []  # averaged: only the names are needed from now on
             self._cond.notify_all()
         if rnd.error is not None:
             raise TrainersDiverged(rnd.error)
@@ -502,6 +528,7 @@ class TrainerSync(ServicerBase):
             grads=grads,
             nonfinite=sum(int(p.header["nonfinite"]) for p in parts),
             names=names,
+            buffers=[b.detach().float().cpu().clone() for b in rnd.parts[self.name].buffers],
         )
         return result, error
 
@@ -628,7 +655,7 @@ class TrainerSync(ServicerBase):
         if result is None:
             yield _reply(self._not_leader(step) if state == "gone" else {state: True})
             return
-        wire, shapes = _encode_grads(result.grads)
+        wire, shapes = _encode_grads([*result.grads, *result.buffers])
         body = {
             "step": result.step,
             "step_id": result.step_id,
@@ -638,6 +665,7 @@ class TrainerSync(ServicerBase):
             "shapes": shapes,
             "late": result.late,
             "names": result.names,
+            "buffers": len(result.buffers),
         }
         for message in messages(runtime_pb2.ExpertResponse, wire, msgpack.packb(body, use_bin_type=True)):
             yield message
@@ -841,16 +869,22 @@ def _parse_result(reply: dict[str, Any], tensors: list[torch.Tensor], leader: st
     for key in ("step", "step_id", "trainers", "nonfinite"):
         if type(reply.get(key)) is not int:
             raise ValueError(f"malformed trainer step result: {key}")
+    tensors_out = _decode_grads(tensors, reply.get("shapes"))
+    count = reply.get("buffers", 0)
+    if type(count) is not int or not 0 <= count <= len(tensors_out):
+        raise ValueError("malformed trainer step result: buffers")
+    grads, buffers = tensors_out[: len(tensors_out) - count], tensors_out[len(tensors_out) - count :]
     return StepResult(
         step=reply["step"],
         step_id=reply["step_id"],
         leader=leader,
         trainers=reply["trainers"],
         missing=[str(m) for m in reply.get("missing", [])],
-        grads=_decode_grads(tensors, reply.get("shapes")),
+        grads=grads,
         nonfinite=reply["nonfinite"],
         late=bool(reply.get("late", False)),
         names=[str(n) for n in reply.get("names", [])],
+        buffers=buffers,
     )
 
 

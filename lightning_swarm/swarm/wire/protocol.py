@@ -9,7 +9,7 @@ on values, schemas and bans are in :mod:`.guards`, the error types and error rep
   :class:`StageReply` (the outputs or input gradients, or an :class:`ErrorReply`). In-process calls pass these
   objects as they are; over the network (:mod:`.transport`) they travel as tensor parts plus a *header*:
   ``[version, kind, request_id, uid, inputs metadata, grads metadata or None, commit_by or None, forward_id or
-  None, training, seed or None, epoch or None]`` for a request (protocol version 5; a peer refuses other
+  None, training, seed or None, epoch or None, buffers]`` for a request (protocol version 6; a peer refuses other
   versions) and
   ``["ok", request_id, outputs metadata, kept]`` or ``["error", request_id, category, type, message]`` for a
   reply (``kept``: the server kept the forward for its backward).
@@ -29,7 +29,9 @@ on values, schemas and bans are in :mod:`.guards`, the error types and error rep
   (``module.train()``/``eval()``): the server runs the stage in that mode for this call. ``seed`` (a 63-bit
   integer the caller draws per forward, repeated by its backward) seeds the random number generators the
   stage draws from (dropout), so that a backward served by recomputing the forward, on any peer, draws the
-  forward's masks.
+  forward's masks. ``buffers`` says whether a train-mode forward updates the stage's buffers (batch
+  normalisation's running statistics): with several trainers only one trainer's forwards do, as only DDP's rank 0
+  decides the buffers (see :mod:`~lightning_swarm.swarm.training.trainer_sync`).
 - Validation: :func:`parse_request` is the one place where a received request is checked (framing, stage,
   structure, values); anything wrong raises :class:`BadRequest`. Values: inputs that do not require grad are
   *data* (a float attention mask with ``-inf``, booleans, integers) and pass untouched unless they hold NaN;
@@ -95,7 +97,7 @@ __all__ = [
 ]
 
 # 4: requests carry the stage's epoch; 5: a backward may leave its inputs to its kept forward
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 SEED_BITS = 63  # a request's seed is in [0, 2**SEED_BITS)
 KINDS = ("forward", "backward")
 _CATEGORIES = (COMPUTE, REQUEST, UNAVAILABLE)
@@ -157,6 +159,9 @@ class StageRequest:
         epoch: calls of a trainer that commands the stages' steps: the stage's optimizer epoch as its peers
             replied to the trainer's last step. A peer behind it missed steps (it joined or came back
             meanwhile) and loads the stage's state from its peers before serving; ``None``: no expectation.
+        buffers: a train-mode forward updates the stage's buffers (batch normalisation's running statistics);
+            ``False``: they are left as they were (the forward uses the batch's statistics all the same), for the
+            calls of a trainer that does not own the buffers (several trainers: only the step's leader does).
     """
 
     kind: str
@@ -170,6 +175,7 @@ class StageRequest:
     training: bool = True
     seed: int | None = None
     epoch: int | None = None
+    buffers: bool = True
 
     def payloads(self) -> list[Payload]:
         assert self.inputs is not None, "a request is encoded with its inputs"
@@ -217,6 +223,7 @@ def encode_request_header(
             bool(request.training),
             request.seed,
             request.epoch,
+            bool(request.buffers),
         ],
         use_bin_type=True,
     )
@@ -237,14 +244,27 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
         raise Misrouted(
             f"Request uses protocol version {str(fields[0])[:20]}; this peer speaks {PROTOCOL_VERSION}"
         )
-    if not isinstance(fields, list) or len(fields) != 11:
+    if not isinstance(fields, list) or len(fields) != 12:
         raise BadRequest(
             "Malformed request header: expected [version, kind, id, uid, inputs, grads, commit_by, forward_id, "
-            "training, seed, epoch]"
+            "training, seed, epoch, buffers]"
         )
-    version, kind, request_id, uid, inputs_meta, grads_meta, commit_by, forward_id, training, seed, epoch = (
-        fields
-    )
+    (
+        version,
+        kind,
+        request_id,
+        uid,
+        inputs_meta,
+        grads_meta,
+        commit_by,
+        forward_id,
+        training,
+        seed,
+        epoch,
+        buffers,
+    ) = fields
+    if type(buffers) is not bool:
+        raise BadRequest("Malformed request header: buffers must be true or false")
     if epoch is not None and (type(epoch) is not int or not 0 <= epoch < 1 << 62):
         raise BadRequest("Malformed request header: epoch must be an integer in [0, 2**62) or None")
     if type(training) is not bool:
@@ -293,7 +313,9 @@ def parse_request(header: bytes, tensors: list[torch.Tensor], expected_uid: str)
     if grads is not None:
         check_finite(grads.tensors, "output gradient", BadRequest)
     commit_by = None if commit_by is None else float(commit_by)
-    return StageRequest(kind, uid, inputs, grads, request_id, commit_by, forward_id, training, seed, epoch)
+    return StageRequest(
+        kind, uid, inputs, grads, request_id, commit_by, forward_id, training, seed, epoch, buffers
+    )
 
 
 def encode_reply_header(reply: StageReply, outputs: EncodedPayload | None) -> bytes:
