@@ -125,6 +125,35 @@ def test_stage_blocks_chain_tuple_outputs():
     torch.testing.assert_close(out[0], torch.full((2,), 2.0))
 
 
+def test_a_module_shared_between_stages_or_with_the_trainer_is_refused_with_what_to_do():
+    """A module reused in blocks of two stages (one BatchNorm put in every block), or a pipeline tensor also held
+    outside the pipeline, cannot be split: each side releases the other's tensors to ``meta``. Refused when the
+    partition is made, naming both places; sharing inside one stage, and parameterless modules shared by every
+    block, are fine."""
+
+    class Net(nn.Module):
+        def __init__(self, norm: nn.Module | None = None, act: nn.Module | None = None) -> None:
+            super().__init__()
+            act = act or nn.Tanh()
+            self.layers = nn.Sequential(
+                *(nn.Sequential(nn.Linear(4, 4), norm or nn.BatchNorm1d(4), act) for _ in range(4))
+            )
+
+    Partition(Net(act=nn.GELU()), "layers", 2)  # one GELU in every block: no tensor, nothing shared
+    with pytest.raises(
+        ValueError, match=r"`layers.0.1.weight` \(stage 0\) and `layers.2.1.weight` \(stage 1\)"
+    ):
+        Partition(Net(norm=nn.BatchNorm1d(4)), "layers", 2)
+    shared = Net(norm=nn.BatchNorm1d(4))
+    Partition(shared, "layers", 1)  # one stage holds every block
+    tied = Net()
+    tied.head = tied.layers[3][0]  # a head tied to the last block's layer
+    with pytest.raises(
+        ValueError, match=r"`head.weight`, outside the pipeline `layers`.*`layers.3.0.weight`"
+    ):
+        Partition(tied, "layers", 2)
+
+
 def test_settings_validation_messages():
     with pytest.raises(ValueError, match="role='boss'"):
         SwarmSettings(role="boss")

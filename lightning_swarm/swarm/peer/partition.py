@@ -87,6 +87,46 @@ def split_stages(num_blocks: int, num_stages: int) -> list[range]:
     return ranges
 
 
+def check_nothing_shared(root: nn.Module, path: str, container: Blocks, stages: list[range]) -> None:
+    """Refuse a pipeline whose stages share a tensor (a parameter or buffer of one module reused in blocks of two
+    stages), or share one with the modules outside the pipeline: each stage lives on its own peers, and the trainer
+    keeps only what is outside the pipeline, so a shared tensor would be released (to ``meta``) on the peers of
+    one side and fail there, or silently stop being shared.
+
+    Raises:
+        ValueError: naming both places of the first shared tensor and what to do.
+    """
+    owner: dict[int, tuple[int, str]] = {}  # id(tensor) -> (stage, its name)
+    for stage, blocks in enumerate(stages):
+        for i in blocks:
+            named = [
+                *container[i].named_parameters(prefix=f"{path}.{i}", remove_duplicate=False),
+                *container[i].named_buffers(prefix=f"{path}.{i}", remove_duplicate=False),
+            ]
+            for name, tensor in named:
+                first = owner.setdefault(id(tensor), (stage, name))
+                if first[0] != stage:
+                    raise ValueError(
+                        f"SwarmStrategy: the pipeline `{path}` shares a tensor between stages: `{first[1]}` (stage "
+                        f"{first[0]}) and `{name}` (stage {stage}) are one {type(tensor).__name__}. Each stage runs on "
+                        "its own peers, so a module cannot belong to two stages: give every block its own modules "
+                        "(create them inside the loop that builds the blocks), or choose `num_stages` so that the "
+                        "blocks that share it fall in one stage."
+                    )
+    for name, tensor in [
+        *root.named_parameters(remove_duplicate=False),
+        *root.named_buffers(remove_duplicate=False),
+    ]:
+        if name.startswith(f"{path}.") or id(tensor) not in owner:
+            continue
+        stage, inside = owner[id(tensor)]
+        raise ValueError(
+            f"SwarmStrategy: `{name}`, outside the pipeline `{path}`, is the same tensor as `{inside}` of stage "
+            f"{stage}. The trainer keeps what is outside the pipeline and the stage's peers keep the stage, so a "
+            "tensor cannot be in both: move the shared module into the pipeline's blocks, or out of them."
+        )
+
+
 class StageBlocks(nn.Module):
     """The module a server runs for one stage of a ModuleList pipeline.
 
@@ -284,6 +324,7 @@ class Partition:
         self.path = path
         self.parent, self.name, self.container = resolve_attribute(root, path)
         self.stages = split_stages(len(self.container), num_stages)
+        check_nothing_shared(root, path, self.container, self.stages)
         # the non-persistent buffers of released blocks (a rotary embedding's frequencies, a causal mask): no
         # peer sends them (they are not in a state_dict), so they are kept here and put back when the block is
         # allocated again or the trained pipeline is put back
