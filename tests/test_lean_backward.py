@@ -1,4 +1,4 @@
-"""A backward sent to the peer that kept its forward leaves its inputs home (protocol version 5): over real P2P on
+"""A backward sent to the peer that kept its forward leaves its inputs home: over real P2P on
 127.0.0.1 it moves the output gradients alone, a peer that no longer keeps the forward gets the inputs on request,
 and the gradients are those of one process."""
 
