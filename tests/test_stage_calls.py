@@ -266,6 +266,34 @@ def test_the_calls_of_a_trainer_that_does_not_own_the_buffers_leave_them_as_they
 
 
 @pytest.mark.timeout(120)
+def test_another_trainers_forward_between_a_kept_forward_and_its_backward_spoils_nothing(
+    dhts, cleanup
+) -> None:
+    """Batch normalisation saves its running statistics for its backward, and a backward refuses a tensor changed
+    in place since. The leader's forward is kept for its backward; another trainer's forward in between leaves
+    the statistics' values *and* versions as they were, so the kept forward serves the backward (no recompute;
+    a stage's split parameter-gradient pass, which has no recompute to fall back on, failed and skipped the step)
+    and the gradients are one process's."""
+    torch.manual_seed(0)
+    run_id = _run_id("bn-kept")
+    stage = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    reference = copy.deepcopy(stage)
+    server = _serve(cleanup, dhts["server1"], run_id, stage)
+    client = _client(cleanup, dhts["trainer"], run_id)
+    x, other = torch.randn(6, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out = client.call_stage(0, x)  # the leader's: kept for its backward
+    client.updates_buffers = False
+    client.call_stage(0, other)  # another trainer's, before the leader's backward
+    client.updates_buffers = True
+    out.pow(2).sum().backward()
+    reference(x_ref).pow(2).sum().backward()
+    assert server.backend.kept_hits == 1, "the kept forward could not serve its backward"
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+    assert int(stage[1].num_batches_tracked) == 1
+
+
+@pytest.mark.timeout(120)
 def test_a_backward_recomputed_on_another_peer_replays_the_forwards_dropout(dhts, cleanup) -> None:
     torch.manual_seed(0)
     run_id = _run_id("dropout")

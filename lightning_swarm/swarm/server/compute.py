@@ -54,16 +54,28 @@ def seeded_rng(seed: int | None, device: torch.device) -> Iterator[list[bool]]:
 
 @contextlib.contextmanager
 def buffers_kept(module: nn.Module, training: bool) -> Iterator[None]:
-    """Restore the module's buffers on exit (a recomputed train-mode forward must not update batch
-    normalisation's running statistics a second time). All of them: batch norm's kernel updates its running
-    statistics without bumping their version counter, so a change cannot be told cheaply. Eval mode: no copy."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()] if training else []
+    """Leave the module's buffers as they are through a train-mode call (a recomputed forward must not update
+    batch normalisation's running statistics a second time; nor may the forward of a trainer that does not own
+    them). Each persistent buffer is swapped for a copy during the call and put back after: the buffers keep their
+    values and their version counters, which the graphs of kept forwards saved (batch normalisation saves its
+    running statistics for its backward, and a backward refuses tensors changed in place since; restoring values
+    with ``copy_`` would break every kept forward's backward). All of them: batch norm's kernel updates its
+    running statistics without bumping their version counter, so a change cannot be told cheaply.
+    Non-persistent buffers (masks, rotary tables) are left in place: nothing updates them in a forward, and they
+    can be large. Eval mode: nothing to do."""
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    if training:
+        for m in module.modules():
+            for name, buffer in m._buffers.items():
+                if buffer is not None and name not in m._non_persistent_buffers_set:
+                    swapped.append((m, name, buffer))
+        for m, name, buffer in swapped:
+            m._buffers[name] = buffer.detach().clone()
     try:
         yield
     finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
+        for m, name, buffer in swapped:
+            m._buffers[name] = buffer
 
 
 def module_device(module: nn.Module) -> torch.device:
