@@ -35,12 +35,12 @@ import time
 from typing import Any
 
 import _harness
-from _harness.memory import descendants, pss_kb
+from _harness.memory import GROWTH_TARGET_MB_PER_HOUR as GROWTH_TARGET
+from _harness.memory import descendants, growth_in_window, pss_kb
 
 from testbed.fidelity_job import launch
 
 PEERS_PER_STAGE = 4
-GROWTH_TARGET = 50.0  # MB per hour, per peer with its helpers
 
 
 def _local_rank(pid: int) -> str | None:
@@ -63,15 +63,6 @@ def peer_tree_pss(root: int) -> dict[str, float]:
         if rank is not None:
             pss[rank] = pss.get(rank, 0.0) + pss_kb(pid) / 1024.0
     return pss
-
-
-def slope_per_hour(points: list[tuple[float, float]]) -> float:
-    """The slope of the least-squares line through ``(seconds, MB)`` points, in MB per hour."""
-    n = len(points)
-    mt = sum(t for t, _ in points) / n
-    mm = sum(m for _, m in points) / n
-    var = sum((t - mt) ** 2 for t, _ in points)
-    return 3600.0 * sum((t - mt) * (m - mm) for t, m in points) / var if var else 0.0
 
 
 class Sampler:
@@ -150,13 +141,8 @@ def main() -> None:
     # the samples taken while peer 0 trained, after its first quarter (set-up, warm-up and the end excluded)
     starts = result["step_starts"][0]
     first, last = starts[0] + (starts[-1] - starts[0]) / 4, starts[-1]
-    growth, rss, in_window = {}, {}, {}
-    for rank, points in sorted(sampler.samples.items(), key=lambda item: int(item[0])):
-        kept = [(t, m) for t, m in points if first <= t <= last]
-        in_window[rank] = len(kept)
-        if len(kept) >= 3:
-            growth[rank] = round(slope_per_hour(kept), 1)
-            rss[rank] = [round(kept[0][1], 1), round(kept[-1][1], 1)]
+    by_rank = dict(sorted(sampler.samples.items(), key=lambda item: int(item[0])))
+    growth, rss, in_window = growth_in_window(by_rank, first, last)
     worst = max(growth.values()) if growth else None
     trainer_steps = result["trainer_steps"]
     rounds_per_step = (

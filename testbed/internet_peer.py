@@ -6,10 +6,12 @@ job that ``tests/test_nat.py`` and ``benchmarks/swarm_internet.py`` start in eac
 - ``"server"``: serves ``stage`` of the small MLP pipeline of ``testbed/stage_peer.py`` (``width``, ``blocks``) with
   a ``StageServer``, its DHT started per ``reachability`` (``lightning_swarm.swarm.dht.reachability``) on
   ``listen`` (an address of its host). Prints one JSON line once it serves (``peer_id``, ``maddrs``, ``reached``,
-  ``relay_addrs``), then serves until its stdin closes or it is killed; at the end prints ``{"served": ...}``.
+  ``relay_addrs``), then serves until its stdin closes or it is killed; then prints ``{"served": <the server's
+  info()>}`` (samples, optimizer steps, averaging rounds) and shuts down.
 - ``"trainer"``: a ``SwarmClient`` that trains a head and a tail around the pipeline for ``seconds`` (or ``steps``)
-  with batches of ``batch`` rows (or from wall time ``begin`` to ``until``), then prints one JSON line: steps,
-  samples, losses, each step's end and length, failed steps' times, and per stage peer the calls (with
+  with batches of ``batch`` rows (or from wall time ``begin`` to ``until``; a step every ``step_s`` s at most), then
+  prints one JSON line: steps, samples, losses, each step's end and length, failed steps' times, and per stage peer
+  the calls (with
   ``wait_go``: prints ``{"ready": true}`` once it can train and reads ``<begin> <until>`` from stdin first)
   it took, their busy seconds, whether the connection to it went through a relay and whether its record says so.
 
@@ -42,7 +44,9 @@ from lightning_swarm.swarm.settings import SwarmSettings  # noqa: E402
 from testbed.stage_peer import job_settings, serve_stage, stage_module  # noqa: E402
 
 # An internet peer's settings where its config names none (the rest: testbed/stage_peer.py's DEFAULTS).
-_NAMES = dict(run_id="internet", compression="8bit", target_batch_size=256, reachability="auto")
+_NAMES = dict(
+    run_id="internet", compression="8bit", target_batch_size=256, reachability="auto", same_host=True
+)
 _TIMES = dict(
     matchmaking_time=2.0, averaging_timeout=10.0, request_timeout=10.0, expiration=6.0, ban_base_s=5.0
 )
@@ -88,6 +92,7 @@ def serve(cfg: dict[str, Any]) -> None:
     )
     sys.stdin.read()  # serve until the parent closes our stdin (or dies: die_with_parent)
     if server is not None:
+        print(json.dumps({"served": server.info()}), flush=True)
         server.shutdown()
     dht.shutdown()
 
@@ -146,6 +151,9 @@ def train(cfg: dict[str, Any]) -> None:
             errors.append(repr(e)[:300])
             errors_at.append(time.time())
             time.sleep(0.5)
+        time.sleep(
+            max(0.0, began + cfg.get("step_s", 0.0) - time.time())
+        )  # paced: a step every step_s at most
         if len(losses) % 5 == 1 and client._p2p is not None:  # how the daemon is connected to each peer
             for info in run_coroutine(client._p2p.list_peers(), timeout=10):
                 relayed[str(info.peer_id)] = all("p2p-circuit" in str(a) for a in info.addrs)

@@ -1,5 +1,6 @@
 """Memory figures of processes, read from ``/proc``: PSS (``smaps_rollup``), RSS and peak RSS (``VmRSS``,
-``VmHWM``), ``ru_maxrss``, the tree of a process's descendants and the memory this machine has available.
+``VmHWM``), ``ru_maxrss``, the tree of a process's descendants and the memory this machine has available; and the
+growth of a process's memory over a run (a least-squares slope through its samples).
 
 Which figure a benchmark reports is its own choice and is named in its JSON: ``VmHWM`` is a process's own peak;
 ``ru_maxrss`` is carried across ``exec`` from the process that forked, so a child reports at least its parent's
@@ -10,7 +11,12 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Mapping
 from pathlib import Path
+
+# the most a swarm peer's memory (with its helper processes) may grow over a long run (issue 52: hivemind's averager
+# has been reported to grow by gigabytes per hour)
+GROWTH_TARGET_MB_PER_HOUR = 50.0
 
 
 def _status_kb(field: str, pid: int | str = "self") -> int | None:
@@ -71,6 +77,36 @@ def descendants(root: int) -> dict[int, int]:
                 tree[child] = parent
                 frontier.append(child)
     return tree
+
+
+def tree_pss_mb(root: int) -> float:
+    """The memory of ``root`` with every process below it (its helpers): the sum of their PSS, in MB."""
+    return sum(pss_kb(pid) for pid in descendants(root)) / 1024.0
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """The slope of the least-squares line through ``(seconds, MB)`` points, in MB per hour."""
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mm = sum(m for _, m in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return 3600.0 * sum((t - mt) * (m - mm) for t, m in points) / var if var else 0.0
+
+
+def growth_in_window(
+    samples: Mapping[str, list[tuple[float, float]]], first: float, last: float
+) -> tuple[dict[str, float], dict[str, list[float]], dict[str, int]]:
+    """Per peer of ``samples`` (peer: its ``(seconds, MB)`` samples), over the samples taken from ``first`` to
+    ``last`` (seconds): the growth in MB per hour (:func:`slope_per_hour`, rounded), the memory at the first and the
+    last of them (MB) and how many there were. A peer with fewer than 3 such samples has no growth and memory."""
+    growth, ends, counts = {}, {}, {}
+    for peer, points in samples.items():
+        kept = [(t, m) for t, m in points if first <= t <= last]
+        counts[peer] = len(kept)
+        if len(kept) >= 3:
+            growth[peer] = round(slope_per_hour(kept), 1)
+            ends[peer] = [round(kept[0][1], 1), round(kept[-1][1], 1)]
+    return growth, ends, counts
 
 
 def available_mb() -> float:

@@ -183,6 +183,28 @@ BENCHMARKS: dict[str, Claim] = {
         ),
         root=True,
     ),
+    "swarm_internet_averaging": Claim(
+        "python benchmarks/swarm_internet.py --averaging",
+        "averaging at scale on the internet-like test bed: 2 stages x 4 stage servers, each in a network namespace "
+        "of its own on a 100 Mbit/s link (one per stage behind NAT), 2 public trainers, a 2-stage MLP; the stages "
+        "step every few trainer steps, each step an all-reduce round of the stage's peers through their p2p "
+        "daemons (same_host off); each server's memory (PSS, with its helper processes) sampled over a 30-minute "
+        "run",
+        "`rss_growth_mb_per_hour` <= 50 (`meets_target`) while every peer averages every step "
+        "(`every_peer_every_step`: `rounds_per_step` >= 0.95, `mean_group_size` >= 3.9)",
+        (
+            "rss_growth_mb_per_hour",
+            "rounds_per_step",
+            "mean_group_size",
+            "every_peer_every_step",
+            "peers_per_stage",
+            "stage_steps",
+            "trainer_steps",
+            "run_minutes",
+            "meets_target",
+        ),
+        root=True,
+    ),
     "swarm_averaging": Claim(
         "python benchmarks/swarm_averaging.py",
         "averaging at scale: 2 stages x 4 peers on 127.0.0.1 (the fidelity matrix's GPT, 2 trainers, synchronous "

@@ -339,7 +339,7 @@ class StageServer:
 
     def info(self) -> dict[str, Any]:
         """Stage, throughput (samples/s of forward + backward), samples processed, optimizer epoch and steps,
-        averaging rounds, and backwards whose parameter gradients came after the reply (:mod:`.weight_grads`)."""
+        averaging rounds (and, of the swarm-driven ones, the sum of their group sizes), and backwards whose parameter gradients came after the reply (:mod:`.weight_grads`)."""
         opt = self.optimizer
         weights = self.shared.weights
         return {
@@ -349,6 +349,7 @@ class StageServer:
             "epoch": int(opt.local_epoch if opt is not None else 0),
             "steps": self.stepper.steps,
             "averaged_rounds": self.stepper.averaged_rounds + getattr(opt, "rounds", 0),
+            "round_peers": getattr(opt, "round_peers", 0),
             "split_backwards": 0 if weights is None else weights.deferred,
         }
 

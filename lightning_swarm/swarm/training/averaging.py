@@ -231,21 +231,28 @@ class _GuardedAveraging:
         running = self._running_groups  # type: ignore[attr-defined]
         assert group_id in running, f"Group id {group_id!r} was not registered in _register_allreduce_group"
         running[group_id].set_result(runner)
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:  # type: ignore[attr-defined]
-            # hivemind pairs the two with azip, whose asyncio.gather leaves an orphaned future when the runner's
-            # wait is cancelled mid-round (a peer died): asyncio then prints "Future exception was never retrieved"
-            # and a traceback. The tensors are at hand: take the next one for each update.
-            local = iter(tensors)
-            async for update in runner:
-                tensor = next(local, None)
-                if tensor is None:
-                    break
-                tensor.add_(update, alpha=self._averaging_alpha)  # type: ignore[attr-defined]
-                self.last_updated = get_dht_time()
-                self._state_updated.set()  # type: ignore[attr-defined]
-        else:
-            async for _ in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
+        try:
+            if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:  # type: ignore[attr-defined]
+                # hivemind pairs the two with azip, whose asyncio.gather leaves an orphaned future when the runner's
+                # wait is cancelled mid-round (a peer died): asyncio then prints "Future exception was never
+                # retrieved" and a traceback. The tensors are at hand: take the next one for each update.
+                local = iter(tensors)
+                async for update in runner:
+                    tensor = next(local, None)
+                    if tensor is None:
+                        break
+                    tensor.add_(update, alpha=self._averaging_alpha)  # type: ignore[attr-defined]
+                    self.last_updated = get_dht_time()
+                    self._state_updated.set()  # type: ignore[attr-defined]
+            else:
+                async for _ in runner:
+                    raise ValueError("aux peers should not receive averaged tensors")
+        finally:
+            # the runner keeps a failed round's exception in a future of its own that nothing awaits (a round cut
+            # off by averaging_timeout: CancelledError): retrieved here, or asyncio prints it with a traceback
+            outcome = runner._future
+            if outcome.done() and not outcome.cancelled():
+                outcome.exception()
 
 
 class _StartsInAnyThread:

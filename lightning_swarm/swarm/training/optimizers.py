@@ -102,6 +102,7 @@ class StageOptimizer(HivemindOptimizer):
         return super()._begin_averaging_gradients(grad_scaler)
 
     rounds = 0  # gradient averaging rounds completed with other peers
+    round_peers = 0  # the sum of those rounds' group sizes (this peer included)
     aborted = False  # the run failed: rounds are cancelled, not waited for
 
     def abort(self) -> None:
@@ -118,8 +119,9 @@ class StageOptimizer(HivemindOptimizer):
         # hivemind logs a failed round at its status level (INFO) whatever the cause: a broken round is an ERROR
         if maybe_step_control is not None:
             try:
-                maybe_step_control.result(self.averaging_timeout)
+                gathered = maybe_step_control.result(self.averaging_timeout)
                 self.rounds += 1
+                self.round_peers += len(gathered) if isinstance(gathered, dict) else 0
             except BaseException as e:
                 if not (no_partner(e) or self.aborted):
                     logger.error(f"{self.run_id}: averaging gradients failed: {e!r}; using local gradients")
