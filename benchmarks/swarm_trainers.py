@@ -25,6 +25,7 @@ steps, each pair twice.
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -51,7 +52,7 @@ def samples_per_s(result: dict[str, Any], batch: int, warm: int) -> float:
         )
     batches = 0.0
     for starts in runs:
-        for begin, end in zip(starts, starts[1:]):
+        for begin, end in itertools.pairwise(starts):
             inside = min(end, last) - max(begin, first)
             if inside > 0:
                 batches += inside / (end - begin)

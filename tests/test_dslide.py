@@ -26,7 +26,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from lightning.fabric.strategies import _StrategyRegistry
 
@@ -35,6 +34,7 @@ from lightning_swarm.layers.distributed import ShardGroup
 from lightning_swarm.layers.shard_plan import LockStepLoader, shard_lightning_module
 from lightning_swarm.layers.sharded import ShardedSparseInputLinear, ShardedSparseLSHLinear
 from lightning_swarm.strategy.dslide import DSlideStrategy
+from tests import _zygote
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_dslide_worker.py"
@@ -42,7 +42,7 @@ WORKER = REPO / "tests" / "_dslide_worker.py"
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (here, not from tests._helpers: that imports hivemind,
-    which every spawned rank would then import too)."""
+    which every rank started afresh would then import too)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -154,23 +154,33 @@ def _rank_main(rank: int, world: int, port: int, active_set: str, out_dir: str) 
         dist.destroy_process_group()
 
 
-def _run_ranks(world: int, active_set: str, out_dir: Path) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
+def _start_ranks(kind: str, world: int, *args: str, timeout: float) -> None:
+    """``world`` ranks of :data:`_RANK_MAINS` ``[kind]``, each ``python -m tests.test_dslide KIND RANK WORLD PORT
+    ARGS...`` (this module's ``__main__``), forked by the worker's zygote (``tests/_zygote.py``) instead of importing
+    torch and Lightning afresh (about 4 s of CPU a rank); each must exit with 0 within ``timeout``."""
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, active_set, str(out_dir))) for r in range(world)
+        _zygote.Popen(
+            [sys.executable, "-m", "tests.test_dslide", kind, str(r), str(world), str(port), *args], cwd=REPO
+        )
+        for r in range(world)
     ]
-    for p in procs:
-        p.start()
     try:
         for p in procs:
-            p.join(timeout=400)
-        assert [p.exitcode for p in procs] == [0] * world, "a rank failed (see its stderr above)"
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        assert [p.returncode for p in procs] == [0] * world, "a rank failed (see its stderr above)"
     finally:
         for p in procs:
-            if p.is_alive():
+            if p.poll() is None:
                 p.kill()
-                p.join()
+                p.wait()
+
+
+def _run_ranks(world: int, active_set: str, out_dir: Path) -> list[dict[str, Any]]:
+    _start_ranks("engine", world, active_set, str(out_dir), timeout=400)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
 
 
@@ -309,20 +319,7 @@ def test_no_rank_allocates_a_weight_sized_tensor(tmp_path: Path) -> None:
     world = (
         2  # (each rank holds half of a layer: a whole-layer allocation is twice the largest legitimate one)
     )
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_memory_rank, args=(r, world, port, str(tmp_path))) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        for proc in procs:
-            proc.join(timeout=450)
-        assert [p.exitcode for p in procs] == [0] * world
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    _start_ranks("memory", world, str(tmp_path), timeout=450)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     bound = (
         0.6 * MEM["Y"] * MEM["H"] * 4
@@ -613,3 +610,9 @@ def test_dslide_does_not_import_the_swarm_side():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+_RANK_MAINS = {"engine": _rank_main, "memory": _memory_rank}
+
+if __name__ == "__main__":  # a rank of _start_ranks: python -m tests.test_dslide KIND RANK WORLD PORT ARGS...
+    _RANK_MAINS[sys.argv[1]](int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:])

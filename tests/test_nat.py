@@ -19,6 +19,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from lightning_swarm.swarm.dht import reachability
 from lightning_swarm.swarm.dht.reachability import circuit_addrs, daemon_options, dialable, scope, wire_maddr
 from lightning_swarm.swarm.settings import SwarmSettings
+from tests import _zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "testbed" / "internet_peer.py"
@@ -107,7 +108,7 @@ def test_the_dial_back_service_dials_only_where_its_caller_comes_from() -> None:
 def test_doctor_on_loopback_says_direct_and_measures_the_stage() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cfg = {"role": "server", "stage": 0, "num_stages": 1, "width": 32, "blocks": 1, "listen": "127.0.0.1"}
-    server = subprocess.Popen(
+    server = _zygote.Popen(
         [sys.executable, str(JOB), json.dumps(cfg)],
         env=env,
         stdin=subprocess.PIPE,
@@ -117,19 +118,19 @@ def test_doctor_on_loopback_says_direct_and_measures_the_stage() -> None:
     try:
         info = json.loads(server.stdout.readline())
         cmd = [sys.executable, "-m", "lightning_swarm.cli", "doctor", "--run-id", "internet"]
-        out = subprocess.run([*cmd, "--initial-peers", *info["maddrs"], "--json"], env=env, capture_output=True,
+        out = _zygote.run([*cmd, "--initial-peers", *info["maddrs"], "--json"], env=env, capture_output=True,
                              text=True, timeout=240)  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
         report = json.loads(out.stdout.strip().splitlines()[-1])
         assert report["reached"] == "direct" and report["num_stages"] == 1, report
         (row,) = report["stages"]
         assert row["peer"] == info["peer_id"] and row["rtt_ms"] > 0 and row["up_mbit"] > 0, row
-        text = subprocess.run([*cmd, "--initial-peers", *info["maddrs"]], env=env, capture_output=True, text=True,
+        text = _zygote.run([*cmd, "--initial-peers", *info["maddrs"]], env=env, capture_output=True, text=True,
                               timeout=240).stdout  # fmt: skip
         assert "can peers reach this machine? yes, directly" in text and "Nothing to change" in text, text
         # a swarm that is not there: one line of what to check, exit status 1
         gone = "/ip4/127.0.0.1/tcp/9/p2p/" + info["peer_id"]
-        out = subprocess.run(
+        out = _zygote.run(
             [*cmd, "--initial-peers", gone], env=env, capture_output=True, text=True, timeout=240
         )
         assert out.returncode == 1 and "check --initial-peers" in out.stdout, out.stdout + out.stderr[-2000:]
