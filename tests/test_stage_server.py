@@ -366,6 +366,7 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(
                     "training",
                     "seed",
                     "epoch",
+                    "buffers",
                 ],
                 header,
                 strict=True,
@@ -396,6 +397,7 @@ def test_every_bad_request_gets_an_error_reply_and_the_channel_survives(
             with_header(seed=1 << 63),
             with_header(epoch=-1),  # the stage's epoch as the trainer saw it: a non-negative integer or None
             with_header(epoch="3"),
+            with_header(buffers="yes"),  # whether a train-mode forward updates the buffers: true or false
         ],
         "compute": [_request_message(run_id, Payload.call((torch.randn(2, 5),), {}))],  # wrong width
     }

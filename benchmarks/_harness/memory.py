@@ -14,8 +14,8 @@ import resource
 from collections.abc import Mapping
 from pathlib import Path
 
-# the most a swarm peer's memory (with its helper processes) may grow over a long run (issue 52: hivemind's averager
-# has been reported to grow by gigabytes per hour)
+# the most a swarm peer's memory (with its helper processes) may grow over a long run (hivemind's averager has been
+# reported to grow by gigabytes per hour)
 GROWTH_TARGET_MB_PER_HOUR = 50.0
 
 
