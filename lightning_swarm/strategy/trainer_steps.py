@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -276,23 +276,27 @@ class TrainerDrivenSteps(ParallelStrategy):
             with torch.no_grad():
                 for mine, leaders in zip(buffers, result.buffers, strict=True):
                     if leaders is not None:
-                        mine.copy_(leaders.reshape(mine.shape))
+                        mine.copy_(leaders)
+
+    def _outside_pipeline(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The tensors of ``named`` (the module's named parameters or buffers) that this trainer owns: those outside
+        the pipeline, by name, in the module's order (the same on every trainer)."""
+        prefix = f"{self.peer.partition.path}." if self.peer.partition is not None else "\0"
+        return {name: t for name, t in named if not name.startswith(prefix)}
 
     def _own_buffers(self) -> list[torch.Tensor]:
-        """This trainer's own buffers (outside the pipeline), in the module's order (the same on every trainer)."""
-        module = self.lightning_module
-        assert module is not None
-        prefix = f"{self.peer.partition.path}." if self.peer.partition is not None else "\0"
-        return [b for name, b in module.named_buffers() if not name.startswith(prefix)]
+        """This trainer's own buffers (outside the pipeline), in the module's order."""
+        assert self.lightning_module is not None
+        return list(self._outside_pipeline(self.lightning_module.named_buffers()).values())
 
     def _own_tensors(self) -> dict[str, Any]:
         """This trainer's own parameters and buffers (everything outside the pipeline), by name."""
         module = self.lightning_module
         assert module is not None
-        prefix = f"{self.peer.partition.path}." if self.peer.partition is not None else "\0"
-        tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
-        tensors.update(module.named_buffers())
-        return {name: t for name, t in tensors.items() if not name.startswith(prefix)}
+        return {
+            **self._outside_pipeline(module.named_parameters()),
+            **self._outside_pipeline(module.named_buffers()),
+        }
 
     def _trainer_state(self) -> bytes:
         """What a trainer that joins a run in progress needs from this one (see ``swarm/training/trainer_sync.py``): its own

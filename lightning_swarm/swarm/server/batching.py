@@ -58,7 +58,8 @@ def merge_key(request: Any, distinct_seeds: bool = False) -> tuple[Hashable | No
     """``(key, rows)`` of a :class:`~.protocol.StageRequest`: requests with equal keys can be merged; ``None``:
     this one runs alone. Mergeable: every tensor of the inputs (and of the output gradients) has the batch
     dimension first, the same for all of them (``rows``), and at least one row; the same mode (and, in train mode,
-    whether the call updates the stage's buffers); with ``distinct_seeds`` (a stage that draws random numbers), train-mode calls only with calls of the same seed."""
+    whether the call updates the stage's buffers); with ``distinct_seeds`` (a stage that draws random numbers),
+    train-mode calls only with calls of the same seed."""
     inputs: Payload = request.inputs
     rows = inputs.batch_size()
     if not inputs.tensors or rows < 1:

@@ -59,8 +59,9 @@ def buffers_kept(module: nn.Module, training: bool) -> Iterator[None]:
     them). Each persistent buffer is swapped for a copy during the call and put back after: the buffers keep their
     values and their version counters, which the graphs of kept forwards saved (batch normalisation saves its
     running statistics for its backward, and a backward refuses tensors changed in place since; restoring values
-    with ``copy_`` would break every kept forward's backward). All of them: batch norm's kernel updates its
-    running statistics without bumping their version counter, so a change cannot be told cheaply.
+    with ``copy_`` would break every kept forward's backward). Every persistent one, changed or not: batch norm's
+    kernel updates its running statistics without bumping their version counter, so a change cannot be told
+    cheaply.
     Non-persistent buffers (masks, rotary tables) are left in place: nothing updates them in a forward, and they
     can be large. Eval mode: nothing to do."""
     swapped: list[tuple[nn.Module, str, torch.Tensor]] = []

@@ -339,7 +339,8 @@ class StageServer:
 
     def info(self) -> dict[str, Any]:
         """Stage, throughput (samples/s of forward + backward), samples processed, optimizer epoch and steps,
-        averaging rounds (and, of the swarm-driven ones, the sum of their group sizes), and backwards whose parameter gradients came after the reply (:mod:`.weight_grads`)."""
+        averaging rounds (and, of the swarm-driven ones, the sum of their group sizes), and backwards whose parameter
+        gradients came after the reply (:mod:`.weight_grads`)."""
         opt = self.optimizer
         weights = self.shared.weights
         return {

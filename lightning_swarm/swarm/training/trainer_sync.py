@@ -382,9 +382,10 @@ class TrainerSync(ServicerBase):
                 )
 
     # ------------------------------------------------------------------ leader
-    def _leader(self) -> str:
+    def _leader(self, wait: bool = True) -> str:
         """The trainer with the smallest name among those that lead the next step: at the start of a run, the live
-        trainers (a local swarm's expected trainers are waited for, at most ``timeout``); then the trainers of the
+        trainers (with ``wait``, a local swarm's expected trainers are waited for, at most ``timeout``; without, the
+        ones seen so far); then the trainers of the
         last step this one saw (and leaders others named), whether or not their presence record is read, so that
         two trainers never both lead a step because one lost sight of the other for a moment. A trainer passes
         over only a leader that did not answer it. Every trainer of a step computes the same next leader from the
@@ -394,7 +395,7 @@ class TrainerSync(ServicerBase):
             deadline = now + self.timeout
             while True:
                 live = self.live_trainers() or set()
-                if self.expected is None or len(live | {self.name}) >= self.expected:
+                if not wait or self.expected is None or len(live | {self.name}) >= self.expected:
                     break
                 if time.monotonic() >= deadline or self.should_stop():
                     break
@@ -406,13 +407,9 @@ class TrainerSync(ServicerBase):
         return min(names) if names else self.name
 
     def leads_next(self) -> bool:
-        """Whether this trainer leads its next global step, as far as it knows without waiting: the smallest name
-        among the trainers of the last step (at the start of a run, among the live trainers and the one whose
-        initial state it took). The leader's train-mode stage calls update the stages' buffers."""
-        if self._last is None and self.joined_at == 0 and self.step == 0:
-            candidates = (self.live_trainers() or set()) | self._hinted | {self.name}
-            return min(candidates) == self.name
-        return self._leader() == self.name
+        """Whether this trainer leads its next global step, as far as it knows without waiting (:meth:`_leader`).
+        The leader's train-mode stage calls update the stages' buffers."""
+        return self._leader(wait=False) == self.name
 
     def _round(self, step: int) -> _Round:
         """The round of ``step`` (under ``_cond``)."""
