@@ -166,3 +166,48 @@ def test_a_trainer_that_serves_a_stage_lingers_while_another_trainer_trains(capf
         for peer in reversed(peers):
             peer.shutdown()
     assert isinstance(other_model.layers, nn.Sequential)
+
+
+def test_a_trainer_whose_record_lapses_for_a_moment_still_counts_as_live_and_a_finished_one_does_not(
+    monkeypatch,
+) -> None:
+    """The trainers a step waits for come from the presence records. A record that vanishes (its peer died, or, on a
+    loaded machine, its announcements lag behind the record's lifetime) keeps its trainer live for a grace period:
+    a moment's lag must not make a live trainer's step go on without it. A record that says its trainer finished
+    takes it out at once."""
+    from lightning_swarm.swarm.peer import peer as peer_module
+    from lightning_swarm.swarm.states import FINISHED
+
+    monkeypatch.setattr(peer_module, "VANISHED_GRACE_S", 3.0)
+    settings = SwarmSettings(run_id=f"live-{next(_runs)}", num_stages=2)
+    me = SwarmPeer(settings)
+    peers = [me]
+    try:
+        me.start_dht()
+        maddrs = tuple(str(m) for m in me.dht.get_visible_maddrs())
+        for _ in range(2):
+            peers.append(SwarmPeer(settings.replace(initial_peers=maddrs)))
+            peers[-1].start_dht()
+        lapses, finishes = (p.presence.peer_name for p in peers[1:])
+        assert me.presence is not None
+        deadline = time.monotonic() + 20.0
+        while me.live_trainers() != {p.presence.peer_name for p in peers} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert me.live_trainers() == {p.presence.peer_name for p in peers}
+        peers[1].presence.shutdown()  # it announces no more: its record expires
+        peers[2].presence.set_phase(FINISHED)
+        while lapses in (me.presence.records() or {lapses}) and time.monotonic() < deadline:
+            me.live_trainers()  # read as a step's leader reads them (at most every 0.5 s)
+            time.sleep(0.2)
+        vanished = time.monotonic()
+        live = me.live_trainers()
+        assert (
+            live is not None and lapses in live and finishes not in live
+        )  # its record is gone, not its grace
+        while lapses in (me.live_trainers() or {lapses}) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert me.live_trainers() == {me.presence.peer_name}
+        assert time.monotonic() - vanished >= 3.0 - 0.6  # the grace, less the reads' 0.5 s of caching
+    finally:
+        for peer in peers:
+            peer.shutdown()

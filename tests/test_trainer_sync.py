@@ -1,6 +1,7 @@
 """Two trainers' step exchange (``swarm/training/trainer_sync.py``) over real hivemind P2P on 127.0.0.1: the step
 ids the stages get are the same on every trainer, and trainers that step different optimizers are stopped."""
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -70,3 +71,73 @@ def test_trainers_get_the_same_average_and_step_ids_and_stop_on_different_optimi
         errors = list(pool.map(step, (a, b), (0, 1)))
     for error in errors:
         assert "The trainers stepped different optimizers at global step 1 (indices [0, 1])" in error
+
+
+def _leader_and_follower(syncs: list[TrainerSync]) -> tuple[TrainerSync, TrainerSync]:
+    leader = min(syncs, key=lambda s: s.name)  # the live trainer with the smallest name leads
+    return leader, next(s for s in syncs if s is not leader)
+
+
+def test_a_leader_that_fails_requests_for_a_while_but_still_trains_is_waited_for_not_passed_over(
+    two_trainers,
+):
+    """After a first step, the leader's answers fail for 4 s (a loaded machine: its handlers error out), while its
+    presence record says it trains. The follower keeps asking it instead of leading the step itself: one step of both trainers, led by
+    one. (Before, the follower led its own step after three failed requests, the leader went on without it, and
+    from then on each trainer led its own steps: two models.)"""
+    leader, follower = _leader_and_follower(two_trainers)
+    grads = {leader: [torch.tensor([1.0])], follower: [torch.tensor([3.0])]}
+    with ThreadPoolExecutor(
+        2
+    ) as pool:  # a first step together (at the first, a trainer not answering is starting)
+        list(pool.map(lambda s: s.exchange(grads[s]), (leader, follower)))
+    real, failing_until = leader._wait_result, time.monotonic() + 4.0
+
+    def failing(*args):
+        if time.monotonic() < failing_until:
+            raise RuntimeError("the leader's handler fails (injected)")
+        return real(*args)
+
+    leader._wait_result = failing
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda s: s.exchange(grads[s]), (leader, follower)))
+    for result in results:
+        assert result.leader == leader.name and result.trainers == 2 and result.missing == []
+        assert torch.equal(result.grads[0], torch.tensor([2.0]))
+    assert time.monotonic() >= failing_until  # the follower's requests did fail
+    assert leader.missed_steps == follower.missed_steps == 0 and not follower.late_steps
+    assert follower.leads_next() is False and leader.leads_next() is True
+    # and the next step goes to the same leader
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda s: s.exchange(grads[s]), (leader, follower)))
+    assert {(r.leader, r.trainers) for r in results} == {(leader.name, 2)}
+
+
+def test_a_leader_whose_record_says_it_no_longer_trains_is_passed_over_within_seconds():
+    """A leader that is gone (its exchange shut down, its presence record gone): the follower leads the step
+    itself within seconds, with its own part alone."""
+    dhts = local_dhts(2)
+    names = [dht.peer_id.to_base58() for dht in dhts]
+    live = set(names)
+    syncs = [
+        TrainerSync(dht, RUN, name, lambda: set(live), expected=2, timeout=20.0)
+        for dht, name in zip(dhts, names, strict=True)
+    ]
+    try:
+        for sync in syncs:
+            sync.start()
+        leader, follower = _leader_and_follower(syncs)
+        with ThreadPoolExecutor(2) as pool:  # a first step together
+            list(pool.map(lambda s: s.exchange([torch.ones(1)]), syncs))
+        leader.shutdown()
+        live.discard(leader.name)
+        started = time.monotonic()
+        result = follower.exchange([torch.tensor([5.0])])
+        assert time.monotonic() - started < 10.0
+        assert result.leader == follower.name and result.trainers == 1 and result.step == 1
+        assert torch.equal(result.grads[0], torch.tensor([5.0]))
+    finally:
+        for sync in syncs:
+            sync.shutdown()
+        for dht in dhts:
+            dht.shutdown()

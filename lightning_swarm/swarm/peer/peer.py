@@ -73,6 +73,9 @@ from lightning_swarm.swarm.wire.errors import RemoteStageError
 logger = logging.getLogger(__name__)
 
 FAILED_SHUTDOWN_S = 3.0  # after a failure, seconds a peer spends shutting down before it raises the error
+VANISHED_GRACE_S = (
+    10.0  # seconds a trainer whose presence record vanished still counts as live (see live_trainers)
+)
 
 
 T = TypeVar("T")
@@ -142,6 +145,9 @@ class SwarmPeer:
         self._identity: PeerIdentity | None = None
         self._cut_off = False  # this peer's DHT process died: it stops (see should_stop)
         self._trainers_read: tuple[float, set[str] | None] = (-float("inf"), None)
+        self._trainers_seen: dict[
+            str, float
+        ] = {}  # training trainer -> when its record was last read (monotonic)
         self.host = StageHost(settings, self.state, self.device, peer_index)
         self.steps = TrainerSteps(
             settings,
@@ -439,14 +445,26 @@ class SwarmPeer:
 
     def live_trainers(self) -> set[str] | None:
         """The names of the trainers still training, from the presence records (read at most every 0.5 s);
-        ``None`` when unknown."""
+        ``None`` when unknown. A trainer whose record announces another phase (it finished) leaves the set at
+        once; one whose record vanished (it died, or its announcements lag on a loaded machine: a record lives
+        ``3 * period`` seconds) stays in it for ``VANISHED_GRACE_S`` more seconds, so that a moment's lag does not
+        count a live trainer as gone (its step would go on without it, and two trainers could each lead)."""
         read_at, names = self._trainers_read
-        if time.monotonic() - read_at < 0.5 or self.presence is None:
+        now = time.monotonic()
+        if now - read_at < 0.5 or self.presence is None:
             return names
         records = self.presence.records()
         if records is not None:
-            names = {name for name, (phase, trainer) in records.items() if trainer and phase == TRAINING}
-        self._trainers_read = (time.monotonic(), names)
+            seen = self._trainers_seen
+            for name, (phase, trainer) in records.items():
+                if trainer and phase == TRAINING:
+                    seen[name] = now
+                else:
+                    seen.pop(name, None)
+            for name in [n for n, at in seen.items() if now - at > VANISHED_GRACE_S]:
+                del seen[name]
+            names = set(seen)
+        self._trainers_read = (now, names)
         return names
 
     def check_stage_count(self) -> None:

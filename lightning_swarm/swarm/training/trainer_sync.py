@@ -26,8 +26,11 @@ Then every trainer runs its optimizer step on the same gradient; the leader alon
 :mod:`.stepping`): their summed gradients are scaled by 1/K like the trainers' (DDP's average over K ranks), its
 squared norm for clipping and its replies are *published* under the step's id, and the other trainers read them
 from the leader (:meth:`TrainerSync.await_value`) instead of commanding the stages themselves, so a stage sees one
-step command per global step. A trainer that cannot reach the leader (it died) takes the next trainer as leader;
-the stage commands are idempotent per step id, so a step commanded twice is applied once.
+step command per global step. A trainer that cannot reach the leader takes the next trainer as leader once the
+leader is gone: its presence record says it no longer trains (it died, or finished), or it has not answered for as
+long as a step may take. A leader that is only slow to answer (a loaded machine) is waited for: passing over it
+would make two trainers each lead their own steps, and train two models. The stage commands are idempotent per
+step id, so a step commanded twice is applied once.
 
 A trainer's part that reaches the leader after its step was taken (``late``) is dropped, and the trainer applies
 that step's average instead: it stays in step with the others, and its parameters identical to theirs.
@@ -295,12 +298,13 @@ class TrainerSync(ServicerBase):
         if params is not None and step % HASH_EVERY == 0:
             header["hash"] = params_hash(params)
         part = _Part(header, [None if g is None else g.detach().float().cpu() for g in grads], buffers)
-        unanswered: dict[str, float] = {}  # leaders that did not answer this part, since when
+        since: dict[str, float] = {}  # the leaders this part was handed to, since when
         while True:
             leader = self._leader()
             if leader == self.name:
                 result = self._lead(step, part)
                 break
+            since.setdefault(leader, time.monotonic())
             try:
                 result = self._send(leader, part)
                 break
@@ -312,19 +316,15 @@ class TrainerSync(ServicerBase):
             except Exception as e:
                 if self.should_stop():
                     raise _stopping() from None
-                starting = self._last is None and self.joined_at == 0 and step == 0
-                first = unanswered.setdefault(leader, time.monotonic())
-                if (
-                    starting
-                    and time.monotonic() - first < self.timeout
-                    and leader in (self.live_trainers() or ())
-                ):
-                    # the run starts: a live trainer that does not answer yet is still starting
+                if not self._gone(leader, since[leader]):
+                    # it still trains (a loaded machine, a starting peer): passing over it would make this
+                    # trainer lead its own steps beside it, and the two would train two models
+                    logger.debug(f"Trainer step {step}: the leader {leader[-8:]} did not answer yet ({e!r})")
                     time.sleep(0.25)
                     continue
                 logger.warning(
-                    f"Trainer step {step}: the leader {leader[-8:]} did not answer ({type(e).__name__}: {e}); "
-                    "trying the next trainer"
+                    f"Trainer step {step}: the leader {leader[-8:]} did not answer ({type(e).__name__}: {e}) and "
+                    "no longer trains; trying the next trainer"
                 )
                 self._failed[leader] = time.monotonic() + 3 * self.timeout
         self.step = step + 1
@@ -342,6 +342,14 @@ class TrainerSync(ServicerBase):
                 "the others' average (its own batch is not in that step)"
             )
         return result
+
+    def _gone(self, leader: str, since: float) -> bool:
+        """Whether a leader that does not answer this trainer (tried since ``since``) is gone: its presence record
+        says it no longer trains (it died, or its training ended), or it has not answered for ``3 * timeout + 30``
+        seconds (as long as a step's result may take) although it looks alive. A leader whose record is unreadable
+        counts as alive."""
+        live = self.live_trainers()
+        return (live is not None and leader not in live) or time.monotonic() - since > 3 * self.timeout + 30.0
 
     def zero_step_id(self, optimizer: int) -> int:
         """The stages' id of this trainer's next mirrored ``zero_grad`` of optimizer ``optimizer`` (see
