@@ -141,3 +141,26 @@ def test_a_leader_whose_record_says_it_no_longer_trains_is_passed_over_within_se
             sync.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+def test_a_live_trainer_that_never_answered_is_passed_over_after_trainer_timeout():
+    """Three live trainers; the one with the smallest name has not started its training (it sleeps in a callback):
+    it never answered anyone. The two others pass over it after trainer_timeout and step together, under one
+    leader (it joins later with their state)."""
+    dhts = local_dhts(3)
+    names = sorted(dht.peer_id.to_base58() for dht in dhts)
+    by_name = {dht.peer_id.to_base58(): dht for dht in dhts}
+    syncs = [TrainerSync(by_name[n], RUN, n, lambda: set(names), expected=3, timeout=2.0) for n in names]
+    try:
+        for sync in syncs[1:]:
+            sync.start()
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda s: s.exchange([torch.tensor([1.0])]), syncs[1:]))
+        assert {(r.leader, r.trainers) for r in results} == {(names[1], 2)}
+        assert time.monotonic() - started < 3 * 2.0 + 10.0
+    finally:
+        for sync in syncs:
+            sync.shutdown()
+        for dht in dhts:
+            dht.shutdown()

@@ -28,8 +28,9 @@ squared norm for clipping and its replies are *published* under the step's id, a
 from the leader (:meth:`TrainerSync.await_value`) instead of commanding the stages themselves, so a stage sees one
 step command per global step. A trainer that cannot reach the leader takes the next trainer as leader once the
 leader is gone: its presence record says it no longer trains (it died, or finished), or it has not answered for as
-long as a step may take. A leader that is only slow to answer (a loaded machine) is waited for: passing over it
-would make two trainers each lead their own steps, and train two models. The stage commands are idempotent per
+long as a step may take. A leader that answered before and is only slow to answer now (a loaded machine) is waited
+for: passing over it would make two trainers each lead their own steps, and train two models. A leader that never
+answered (its training has not started yet) is passed over after ``trainer_timeout``. The stage commands are idempotent per
 step id, so a step commanded twice is applied once.
 
 A trainer's part that reaches the leader after its step was taken (``late``) is dropped, and the trainer applies
@@ -248,6 +249,7 @@ class TrainerSync(ServicerBase):
         self._initial: bytes | None = None  # the state before any step (see start)
         self.finished = False  # this trainer's training ended: it leads no more steps
         self._hinted: set[str] = set()  # leaders other trainers named (a trainer this one had not seen yet)
+        self._answered: set[str] = set()  # trainers that answered this one's requests at least once
         self._last: StepResult | None = None
         self._zeros: dict[int, int] = {}  # optimizer -> zero_grad calls mirrored since the last step
 
@@ -316,9 +318,13 @@ class TrainerSync(ServicerBase):
             except Exception as e:
                 if self.should_stop():
                     raise _stopping() from None
-                if not self._gone(leader, since[leader]):
-                    # it still trains (a loaded machine, a starting peer): passing over it would make this
-                    # trainer lead its own steps beside it, and the two would train two models
+                if not self._gone(leader, since[leader]) and (
+                    leader in self._answered or time.monotonic() - since[leader] < self.timeout
+                ):
+                    # it still trains (a loaded machine, a starting peer): passing over a leader that answered
+                    # this trainer before would make this trainer lead its own steps beside it, and the two would
+                    # train two models; one that never answered (its training has not started: it sleeps in a
+                    # callback, say) is passed over after trainer_timeout, and joins later with the run's state
                     logger.debug(f"Trainer step {step}: the leader {leader[-8:]} did not answer yet ({e!r})")
                     time.sleep(0.25)
                     continue
@@ -347,7 +353,7 @@ class TrainerSync(ServicerBase):
         """Whether a leader that does not answer this trainer (tried since ``since``) is gone: its presence record
         says it no longer trains (it died, or its training ended), or it has not answered for ``3 * timeout + 30``
         seconds (as long as a step's result may take) although it looks alive. A leader whose record is unreadable
-        counts as alive."""
+        counts as alive. (A leader that never answered this trainer is passed over sooner: see :meth:`exchange`.)"""
         live = self.live_trainers()
         return (live is not None and leader not in live) or time.monotonic() - since > 3 * self.timeout + 30.0
 
@@ -575,6 +581,7 @@ class TrainerSync(ServicerBase):
             return reply, tensors
 
         retried(contribute)
+        self._answered.add(leader)
         while True:
             reply, tensors = retried(result)
             if reply.get("unknown"):
@@ -745,6 +752,7 @@ class TrainerSync(ServicerBase):
                     raise _stopping() from None
                 logger.debug(f"Trainer {other[-8:]} did not hand over its state: {type(e).__name__}: {e}")
                 continue
+            self._answered.add(other)
             if found is None:
                 continue
             step, _ = found
