@@ -164,3 +164,28 @@ def test_a_live_trainer_that_never_answered_is_passed_over_after_trainer_timeout
             sync.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+def test_a_late_part_whose_parameters_differ_is_an_error_on_its_trainer():
+    """A part that comes after its step was taken is not averaged; its hash is still checked: a trainer whose
+    parameters differ from the others' stops with TrainersDiverged even if its parts are always late (it would
+    otherwise train another model unseen)."""
+    dhts = local_dhts(2)
+    names = [dht.peer_id.to_base58() for dht in dhts]
+    syncs = [
+        TrainerSync(dht, RUN, name, lambda: set(names), expected=2, timeout=1.0)
+        for dht, name in zip(dhts, names, strict=True)
+    ]
+    try:
+        for sync in syncs:
+            sync.start()
+        leader, follower = _leader_and_follower(syncs)
+        alone = leader.exchange([torch.ones(2)], params=[torch.zeros(2)])  # step 0, without the follower
+        assert alone.trainers == 1 and alone.step == 0
+        with pytest.raises(TrainersDiverged, match="late part carries another hash"):
+            follower.exchange([torch.ones(2)], params=[torch.ones(2)])
+    finally:
+        for sync in syncs:
+            sync.shutdown()
+        for dht in dhts:
+            dht.shutdown()

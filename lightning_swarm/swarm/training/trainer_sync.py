@@ -28,9 +28,9 @@ squared norm for clipping and its replies are *published* under the step's id, a
 from the leader (:meth:`TrainerSync.await_value`) instead of commanding the stages themselves, so a stage sees one
 step command per global step. A trainer that cannot reach the leader takes the next trainer as leader once the
 leader is gone: its presence record says it no longer trains (it died, or finished), or it has not answered for as
-long as a step may take. A leader that answered before and is only slow to answer now (a loaded machine) is waited
-for: passing over it would make two trainers each lead their own steps, and train two models. A leader that never
-answered (its training has not started yet) is passed over after ``trainer_timeout``. The stage commands are idempotent per
+long as a step may take. A leader that is only slow to answer (a loaded machine) is waited for: passing over it
+would make two trainers each lead their own steps, and train two models. Before this trainer's first step, a leader
+that never answered it (its training has not started yet) is passed over after ``trainer_timeout``. The stage commands are idempotent per
 step id, so a step commanded twice is applied once.
 
 A trainer's part that reaches the leader after its step was taken (``late``) is dropped, and the trainer applies
@@ -155,6 +155,7 @@ class _Round:
         self.parts: dict[str, _Part] = {}
         self.result: StepResult | None = None
         self.error: str | None = None
+        self.late_errors: dict[str, str] = {}  # trainer -> why its late part shows it diverged
 
 
 def _encode_grads(
@@ -318,19 +319,23 @@ class TrainerSync(ServicerBase):
             except Exception as e:
                 if self.should_stop():
                     raise _stopping() from None
-                if not self._gone(leader, since[leader]) and (
-                    leader in self._answered or time.monotonic() - since[leader] < self.timeout
-                ):
-                    # it still trains (a loaded machine, a starting peer): passing over a leader that answered
-                    # this trainer before would make this trainer lead its own steps beside it, and the two would
-                    # train two models; one that never answered (its training has not started: it sleeps in a
-                    # callback, say) is passed over after trainer_timeout, and joins later with the run's state
+                unstarted = (  # the run starts, and the leader never answered: its training has not started
+                    self._last is None
+                    and leader not in self._answered
+                    and time.monotonic() - since[leader] >= self.timeout
+                )
+                if not unstarted and not self._gone(leader, since[leader]):
+                    # it still trains, and is slow to answer (a loaded machine): passing over it would make this
+                    # trainer lead its own steps beside it, and the two would train two models. At the start of
+                    # the run, a leader that never answered (it sleeps in a callback before its training starts,
+                    # say) is passed over after trainer_timeout: it leads no one yet, and joins with the state
                     logger.debug(f"Trainer step {step}: the leader {leader[-8:]} did not answer yet ({e!r})")
                     time.sleep(0.25)
                     continue
+                why = "has not started training" if unstarted else "no longer trains"
                 logger.warning(
                     f"Trainer step {step}: the leader {leader[-8:]} did not answer ({type(e).__name__}: {e}) and "
-                    "no longer trains; trying the next trainer"
+                    f"{why}; trying the next trainer"
                 )
                 self._failed[leader] = time.monotonic() + 3 * self.timeout
         self.step = step + 1
@@ -811,6 +816,7 @@ class TrainerSync(ServicerBase):
         with self._cond:
             rnd = self._rounds.get(step)
             if rnd is not None and rnd.result is not None:
+                _check_late(rnd, part)
                 return True  # taken already: the part is late (rpc_result says so)
             if step < self.step - _HISTORY or self.finished:
                 return False
@@ -832,7 +838,8 @@ class TrainerSync(ServicerBase):
                 rnd = self._rounds.get(step)
                 if rnd is not None and rnd.result is not None:
                     late = name not in rnd.parts
-                    return "ok", (_late(rnd.result) if late else rnd.result), rnd.error
+                    error = rnd.late_errors.get(name) or rnd.error
+                    return "ok", (_late(rnd.result) if late else rnd.result), error
                 if rnd is None or name not in rnd.parts:
                     return ("gone" if step < self.step - _HISTORY else "unknown"), None, None
                 if self.step > step and self._leader_of_last() != self.name:
@@ -905,6 +912,19 @@ def _stopping() -> BaseException:
     from lightning_swarm.swarm.lifetime import PeerStopping
 
     return PeerStopping("a trainers' step was abandoned: this peer is stopping")
+
+
+def _check_late(rnd: _Round, part: _Part) -> None:
+    """A part that came after its step was taken is not averaged, but its hash (if it carries one) is checked
+    against the step's: a trainer whose parts are always late must not diverge unseen (under ``_cond``)."""
+    mine = part.header.get("hash")
+    theirs = {p.header.get("hash") for p in rnd.parts.values()} - {None}
+    if mine is not None and theirs and mine not in theirs:
+        rnd.late_errors[str(part.header["name"])] = (
+            f"The trainers' own parameters differ at global step {part.header['step']}: a trainer's late part "
+            "carries another hash than the step's. They no longer train one model. This is a bug of the swarm or "
+            "of nondeterministic code in the module's trainer-side layers; report it with the run's logs."
+        )
 
 
 def _late(result: StepResult) -> StepResult:
