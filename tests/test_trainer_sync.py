@@ -3,6 +3,7 @@ ids the stages get are the same on every trainer, and trainers that step differe
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -27,23 +28,37 @@ def test_stage_step_ids_depend_on_the_step_the_optimizer_and_the_kind_only():
     assert stage_step_id(RUN, 7, 1) != stage_step_id("another_run", 7, 1)
 
 
-@pytest.fixture
-def two_trainers():
-    dhts = local_dhts(2)
-    names = [dht.peer_id.to_base58() for dht in dhts]
-    syncs = [
-        TrainerSync(dht, RUN, name, lambda: set(names), expected=2, timeout=20.0)
-        for dht, name in zip(dhts, names, strict=True)
-    ]
+@contextmanager
+def trainers(count: int, timeout: float = 20.0, start: int = 0, live: set[str] | None = None):
+    """``count`` trainers' exchanges on their own DHTs on 127.0.0.1, sorted by name, all of them live (or those in
+    ``live``, a set the test may change); the first ``start`` are not started (their training has not begun)."""
+    dhts = local_dhts(count)
     try:
-        for sync in syncs:
-            sync.start()
-        yield syncs
+        names = sorted(dht.peer_id.to_base58() for dht in dhts)
+        if live is not None:
+            live.update(names)
+        alive = live if live is not None else set(names)
+        by_name = {dht.peer_id.to_base58(): dht for dht in dhts}
+        syncs = [
+            TrainerSync(by_name[n], RUN, n, lambda: set(alive), expected=count, timeout=timeout)
+            for n in names
+        ]
+        try:
+            for sync in syncs[start:]:
+                sync.start()
+            yield syncs
+        finally:
+            for sync in syncs:
+                sync.shutdown()
     finally:
-        for sync in syncs:
-            sync.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+@pytest.fixture
+def two_trainers():
+    with trainers(2) as syncs:
+        yield syncs
 
 
 def test_trainers_get_the_same_average_and_step_ids_and_stop_on_different_optimizers(two_trainers):
@@ -116,16 +131,8 @@ def test_a_leader_that_fails_requests_for_a_while_but_still_trains_is_waited_for
 def test_a_leader_whose_record_says_it_no_longer_trains_is_passed_over_within_seconds():
     """A leader that is gone (its exchange shut down, its presence record gone): the follower leads the step
     itself within seconds, with its own part alone."""
-    dhts = local_dhts(2)
-    names = [dht.peer_id.to_base58() for dht in dhts]
-    live = set(names)
-    syncs = [
-        TrainerSync(dht, RUN, name, lambda: set(live), expected=2, timeout=20.0)
-        for dht, name in zip(dhts, names, strict=True)
-    ]
-    try:
-        for sync in syncs:
-            sync.start()
+    live: set[str] = set()
+    with trainers(2, live=live) as syncs:
         leader, follower = _leader_and_follower(syncs)
         with ThreadPoolExecutor(2) as pool:  # a first step together
             list(pool.map(lambda s: s.exchange([torch.ones(1)]), syncs))
@@ -136,56 +143,27 @@ def test_a_leader_whose_record_says_it_no_longer_trains_is_passed_over_within_se
         assert time.monotonic() - started < 10.0
         assert result.leader == follower.name and result.trainers == 1 and result.step == 1
         assert torch.equal(result.grads[0], torch.tensor([5.0]))
-    finally:
-        for sync in syncs:
-            sync.shutdown()
-        for dht in dhts:
-            dht.shutdown()
 
 
 def test_a_live_trainer_that_never_answered_is_passed_over_after_trainer_timeout():
     """Three live trainers; the one with the smallest name has not started its training (it sleeps in a callback):
     it never answered anyone. The two others pass over it after trainer_timeout and step together, under one
     leader (it joins later with their state)."""
-    dhts = local_dhts(3)
-    names = sorted(dht.peer_id.to_base58() for dht in dhts)
-    by_name = {dht.peer_id.to_base58(): dht for dht in dhts}
-    syncs = [TrainerSync(by_name[n], RUN, n, lambda: set(names), expected=3, timeout=2.0) for n in names]
-    try:
-        for sync in syncs[1:]:
-            sync.start()
+    with trainers(3, timeout=2.0, start=1) as syncs:
         started = time.monotonic()
         with ThreadPoolExecutor(2) as pool:
             results = list(pool.map(lambda s: s.exchange([torch.tensor([1.0])]), syncs[1:]))
-        assert {(r.leader, r.trainers) for r in results} == {(names[1], 2)}
+        assert {(r.leader, r.trainers) for r in results} == {(syncs[1].name, 2)}
         assert time.monotonic() - started < 3 * 2.0 + 10.0
-    finally:
-        for sync in syncs:
-            sync.shutdown()
-        for dht in dhts:
-            dht.shutdown()
 
 
 def test_a_late_part_whose_parameters_differ_is_an_error_on_its_trainer():
     """A part that comes after its step was taken is not averaged; its hash is still checked: a trainer whose
     parameters differ from the others' stops with TrainersDiverged even if its parts are always late (it would
     otherwise train another model unseen)."""
-    dhts = local_dhts(2)
-    names = [dht.peer_id.to_base58() for dht in dhts]
-    syncs = [
-        TrainerSync(dht, RUN, name, lambda: set(names), expected=2, timeout=1.0)
-        for dht, name in zip(dhts, names, strict=True)
-    ]
-    try:
-        for sync in syncs:
-            sync.start()
+    with trainers(2, timeout=1.0) as syncs:
         leader, follower = _leader_and_follower(syncs)
         alone = leader.exchange([torch.ones(2)], params=[torch.zeros(2)])  # step 0, without the follower
         assert alone.trainers == 1 and alone.step == 0
         with pytest.raises(TrainersDiverged, match="late part carries another hash"):
             follower.exchange([torch.ones(2)], params=[torch.ones(2)])
-    finally:
-        for sync in syncs:
-            sync.shutdown()
-        for dht in dhts:
-            dht.shutdown()
