@@ -1,7 +1,8 @@
 """A swarm of volunteers on an internet-like test bed: peers in network namespaces on 100 Mbit/s links, two of
 them behind NAT, served through relays, then churn.
 
-Layout (``testbed.netns.VirtualCluster(internet=True)``, 9 hosts): ranks 0-3 public stage servers (2 per stage;
+Layout (``testbed.netns.VirtualCluster(internet=True)``, 9 hosts, 50 ms of round trip between two hosts:
+``--rtt-ms``): ranks 0-3 public stage servers (2 per stage;
 rank 0 is the initial peer, and so the relay), ranks 4-5 stage servers behind NAT (one per stage, each behind a
 router with iptables MASQUERADE), rank 6 a trainer behind NAT, ranks 7-8 public trainers. Every peer runs ``testbed/internet_peer.py`` with the
 default ``reachability="auto"``; the model is the small MLP of ``testbed/stage_peer.py`` (``--width``,
@@ -207,7 +208,10 @@ def averaging(args: Any) -> None:
         "step_s": args.step_s,
     }
     samples: dict[str, list[tuple[float, float]]] = {}  # rank: (wall time, MB) of the server with its helpers
-    with VirtualCluster(AVG_HOSTS, rate_mbit=args.rate_mbit, nat_ranks=nat, internet=True) as net:
+    rtt = args.rtt_ms or 0.0
+    with VirtualCluster(
+        AVG_HOSTS, rate_mbit=args.rate_mbit, nat_ranks=nat, internet=True, egress_delay_ms=rtt / 2
+    ) as net:
         swarm = Swarm(net, base, log_dir)
         servers = swarm.start_servers(AVG_SERVERS)
         trainers = swarm.start_trainers(AVG_TRAINERS, args.batch)
@@ -291,6 +295,8 @@ def averaging(args: Any) -> None:
             "trainer_step_s": args.step_s,
             "matchmaking_s": args.matchmaking_s,
             "rate_mbit": args.rate_mbit,
+            "rtt_ms": rtt,
+            "latency": _latency(rtt),
             "same_host": base["same_host"],
             "model": f"testbed/stage_peer.py MLP, width {args.width}, {args.blocks} blocks per stage, 2 stages",
             "note": "10 hosts share this box's CPUs; the stages step when their trainers have sent the target "
@@ -298,6 +304,15 @@ def averaging(args: Any) -> None:
             "through their p2p daemons over the shaped links; memory: PSS of each server with its helper "
             "processes (DHT, p2p daemon, averagers)",
         }
+    )
+
+
+def _latency(rtt_ms: float) -> str:
+    if not rtt_ms:
+        return "none added"
+    return (
+        f"{rtt_ms:g} ms round trip between two hosts ({rtt_ms / 2:g} ms on each host's outgoing packets, held by "
+        "testbed/nfqueue_delay.py); through a relay, twice that"
     )
 
 
@@ -312,6 +327,13 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2, help="blocks per stage")
     parser.add_argument("--batch", type=int, default=32, help="rows per trainer step")
     parser.add_argument("--rate-mbit", type=float, default=100.0, help="every host's link rate")
+    parser.add_argument(
+        "--rtt-ms",
+        type=float,
+        default=None,
+        help="round trip between two hosts, added by holding each host's outgoing packets RTT_MS/2 "
+        "(testbed/nfqueue_delay.py; default 50; with --averaging, 0)",
+    )
     avg = parser.add_argument_group(
         "--averaging", "averaging at scale instead (report swarm_internet_averaging)"
     )
@@ -348,7 +370,10 @@ def main() -> None:
         "no_peers_timeout": 60.0,
     }
     nat = [*sorted(NAT_SERVERS), NAT_TRAINER]
-    with VirtualCluster(HOSTS, rate_mbit=args.rate_mbit, nat_ranks=nat, internet=True) as net:
+    rtt = 50.0 if args.rtt_ms is None else args.rtt_ms
+    with VirtualCluster(
+        HOSTS, rate_mbit=args.rate_mbit, nat_ranks=nat, internet=True, egress_delay_ms=rtt / 2
+    ) as net:
         swarm = Swarm(net, base, log_dir)
         procs = swarm.start_servers({**PUBLIC_SERVERS, **NAT_SERVERS})
         reached = {rank: swarm.infos[rank]["reached"] for rank in procs}
@@ -432,7 +457,8 @@ def main() -> None:
         "rejoin_after_s": rejoin_after,
         "rate_mbit": args.rate_mbit,
         "model": f"testbed/stage_peer.py MLP, width {args.width}, {args.blocks} blocks per stage, 2 stages",
-        "latency": "none added (the test bed has rate limits only)",
+        "rtt_ms": rtt,
+        "latency": _latency(rtt),
         "note": "all 9 hosts share this box's CPUs: a killed server frees CPU for the others, which flatters "
         "retained; stage optimizers do not step",
     }

@@ -30,7 +30,10 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -72,6 +75,10 @@ class VirtualCluster:
         num_ranks: how many rank namespaces to create.
         rate_mbit: link rate in Mbit/s applied in both directions of every rank's link; ``None`` for no limit.
         delay_ms: one-way delay added on every link (netem); 0 for none.
+        egress_delay_ms: one-way delay added to every packet a rank sends (not its router's), by an
+            ``iptables -j NFQUEUE`` rule in the rank's namespace and ``testbed/nfqueue_delay.py`` holding each packet
+            there (this kernel has no netem): between two ranks a round trip takes twice this, through a relay
+            four times. 0 for none.
         net: the third octet of the private subnet 10.213.<net>.0/24.
         internet: give the bridge's hosts addresses that libp2p counts as public (192.0.0.129-254/25, an IANA
             special-purpose block that is never routed: no real host has one) instead of 10.213.<net>.0/24, which
@@ -88,6 +95,7 @@ class VirtualCluster:
         rate_mbit: float | None = 1000,
         delay_ms: float = 0.0,
         net: int = 0,
+        egress_delay_ms: float = 0.0,
         nat_ranks: Sequence[int] = (),
         internet: bool = False,
     ) -> None:
@@ -109,6 +117,12 @@ class VirtualCluster:
             )
         self.rate_mbit = rate_mbit
         self.delay_ms = delay_ms
+        self.egress_delay_ms = egress_delay_ms
+        if egress_delay_ms and shutil.which("iptables") is None:
+            raise RuntimeError(
+                "VirtualCluster(egress_delay_ms=...) needs the iptables command for its NFQUEUE rule: "
+                "`apt-get install -y iptables` (scripts/setup.sh installs it)."
+            )
         self.prefix = f"lsw-{os.getpid()}-{net}"
         self.bridge_ns = f"{self.prefix}-br"
         if internet and num_ranks > 126:
@@ -175,9 +189,26 @@ class VirtualCluster:
                     self._shape(self.bridge_ns, outer)
                 _run("ip", "-n", self.bridge_ns, "link", "set", outer, "master", "br0")
                 _run("ip", "-n", self.bridge_ns, "link", "set", outer, "up")
+            if self.egress_delay_ms:
+                self._delay_egress()
         except BaseException:
             self.close()
             raise
+
+    def _delay_egress(self) -> None:
+        """Every rank's outgoing packets wait ``egress_delay_ms`` in a packet holder of its namespace (see
+        ``testbed/nfqueue_delay.py``), which dies with the cluster."""
+        holder = str(Path(__file__).with_name("nfqueue_delay.py"))
+        for rank in range(self.num_ranks):
+            self.popen(
+                rank, [sys.executable, holder, "--queue", "0", "--delay-ms", str(self.egress_delay_ms)]
+            )
+        time.sleep(
+            1.0
+        )  # the holders bind their queue (until then, --queue-bypass lets packets pass undelayed)
+        for rank in range(self.num_ranks):
+            rule = ["-o", self.ifname, "-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass"]
+            _run("ip", "netns", "exec", self.rank_ns(rank), "iptables", "-A", "OUTPUT", *rule)
 
     @staticmethod
     def _veth(ns_a: str, dev_a: str, ns_b: str, dev_b: str, addr_b: str) -> None:

@@ -51,7 +51,9 @@ def _message(kind: int, queue: int, attrs: list[tuple[int, bytes]]) -> bytes:
 def hold(queue: int, delay_s: float) -> None:
     """Hold every packet of NFQUEUE ``queue`` (this process's network namespace) for ``delay_s``, then accept it;
     runs until killed."""
-    ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns: wake-ups on time
+    libc = ctypes.CDLL(None)
+    libc.prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns: wake-ups on time
+    libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL: the holder ends with the process that started it
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
     sock.bind((0, 0))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
