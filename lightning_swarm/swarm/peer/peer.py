@@ -73,9 +73,8 @@ from lightning_swarm.swarm.wire.errors import RemoteStageError
 logger = logging.getLogger(__name__)
 
 FAILED_SHUTDOWN_S = 3.0  # after a failure, seconds a peer spends shutting down before it raises the error
-VANISHED_GRACE_S = (
-    10.0  # seconds a trainer whose presence record vanished still counts as live (see live_trainers)
-)
+# seconds a trainer whose presence record vanished still counts as live (see SwarmPeer.live_trainers)
+VANISHED_GRACE_S = 10.0
 
 
 T = TypeVar("T")
@@ -145,9 +144,8 @@ class SwarmPeer:
         self._identity: PeerIdentity | None = None
         self._cut_off = False  # this peer's DHT process died: it stops (see should_stop)
         self._trainers_read: tuple[float, set[str] | None] = (-float("inf"), None)
-        self._trainers_seen: dict[
-            str, float
-        ] = {}  # training trainer -> when its record was last read (monotonic)
+        # each training trainer -> when its record was last read (time.monotonic)
+        self._trainers_seen: dict[str, float] = {}
         self.host = StageHost(settings, self.state, self.device, peer_index)
         self.steps = TrainerSteps(
             settings,

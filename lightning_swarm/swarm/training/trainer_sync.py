@@ -29,9 +29,9 @@ from the leader (:meth:`TrainerSync.await_value`) instead of commanding the stag
 step command per global step. A trainer that cannot reach the leader takes the next trainer as leader once the
 leader is gone: its presence record says it no longer trains (it died, or finished), or it has not answered for as
 long as a step may take. A leader that is only slow to answer (a loaded machine) is waited for: passing over it
-would make two trainers each lead their own steps, and train two models. Before this trainer's first step, a leader
-that never answered it (its training has not started yet) is passed over after ``trainer_timeout``. The stage commands are idempotent per
-step id, so a step commanded twice is applied once.
+would make two trainers each lead their own steps, and train two models. At the start of the run, before this
+trainer's first step, a leader that never answered it (its training has not started yet) is passed over after
+``trainer_timeout``. The stage commands are idempotent per step id, so a step commanded twice is applied once.
 
 A trainer's part that reaches the leader after its step was taken (``late``) is dropped, and the trainer applies
 that step's average instead: it stays in step with the others, and its parameters identical to theirs.
@@ -321,6 +321,7 @@ class TrainerSync(ServicerBase):
                     raise _stopping() from None
                 unstarted = (  # the run starts, and the leader never answered: its training has not started
                     self._last is None
+                    and self.joined_at == 0
                     and leader not in self._answered
                     and time.monotonic() - since[leader] >= self.timeout
                 )
