@@ -21,8 +21,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +38,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
 from lightning_swarm.swarm.allocator import allocator_env
+from lightning_swarm.swarm.dht.identity import RANK_IDENTITY_ENV, PeerIdentity
 from lightning_swarm.swarm.dht.presence import PeerFailure
 from lightning_swarm.swarm.lifetime import describe_exit, exec_children, set_parent_death_signal
 
@@ -91,6 +94,7 @@ class SwarmLauncher(_SubprocessScriptLauncher):
         self.poll_interval = poll_interval
         self.precheck = precheck
         self.restarts: dict[int, int] = {}  # local rank -> times restarted
+        self._identity_dir: str | None = None  # the local ranks' identities (see _rank_identities)
         self.deaths: list[tuple[int, int]] = []  # (local rank, exit code) of every child that died
         self._by_rank: dict[int, subprocess.Popen] = {}
         self._lock = threading.Lock()
@@ -123,9 +127,26 @@ class SwarmLauncher(_SubprocessScriptLauncher):
         os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
         os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
         os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        self._rank_identities()
+        os.environ[RANK_IDENTITY_ENV] = self._identity_file(0)  # this process's peer (rank 0) reads it too
         self.procs = []
         for local_rank in range(1, self.num_processes):
             self._start(local_rank)
+
+    def _rank_identities(self) -> None:
+        """One peer identity per local rank, given in the order of their peer ids: rank 0 gets the smallest. The
+        trainers' step leader is the trainer with the smallest peer id (see ``swarm/training/trainer_sync.py``),
+        so in a local swarm it is rank 0, whose batches the buffers follow, as in DDP (``broadcast_buffers``)."""
+        self._identity_dir = tempfile.mkdtemp(prefix="swarm-ranks-")  # readable by this user only
+        identities = sorted(
+            (PeerIdentity() for _ in range(self.num_processes)), key=lambda i: i.peer_id.to_base58()
+        )
+        for local_rank, identity in enumerate(identities):
+            identity.save(self._identity_file(local_rank))
+
+    def _identity_file(self, local_rank: int) -> str:
+        assert self._identity_dir is not None
+        return os.path.join(self._identity_dir, f"rank{local_rank}.key")
 
     def _start(self, local_rank: int) -> subprocess.Popen:
         env = os.environ.copy()
@@ -134,8 +155,10 @@ class SwarmLauncher(_SubprocessScriptLauncher):
         if os.environ.get("PL_GLOBAL_SEED") is None:
             env.pop("PL_GLOBAL_SEED", None)
         restarts = self.restarts.get(local_rank, 0)
+        env[RANK_IDENTITY_ENV] = self._identity_file(local_rank)
         if restarts:
             env[RESTART_ENV] = str(restarts)
+            env.pop(RANK_IDENTITY_ENV)  # a replacement is a new peer: a new identity (it joins late)
         parent = os.getpid()
         # the kernel SIGKILLs the child when this process dies, however it dies (Lightning starts the children
         # from the main thread, which lives as long as the process)
@@ -229,6 +252,10 @@ class SwarmLauncher(_SubprocessScriptLauncher):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._identity_dir is not None:  # the peers read their identity when they started
+            shutil.rmtree(self._identity_dir, ignore_errors=True)
+            self._identity_dir = None
+            os.environ.pop(RANK_IDENTITY_ENV, None)
 
     def alive(self) -> int:
         """Number of child peers running now (the launching peer not included)."""

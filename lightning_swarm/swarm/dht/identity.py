@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 _OWNER = b"[swarm-owner:"
 
 
+# set by a local swarm's launcher: the file of this peer's identity, the local ranks' identities given in the order
+# of their peer ids (see SwarmLauncher._rank_identities)
+RANK_IDENTITY_ENV = "LIGHTNING_SWARM_RANK_IDENTITY"
+
+
 class PeerIdentity:
     """A peer's RSA key: its libp2p identity (peer id = hash of the public key) and the key signing its records.
 

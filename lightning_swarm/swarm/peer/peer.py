@@ -39,7 +39,7 @@ from lightning_swarm.swarm.client.chunking import check_chunkable
 from lightning_swarm.swarm.client.client import SwarmClient
 from lightning_swarm.swarm.dht.auth import SECRET_ENV, protect, unprotect
 from lightning_swarm.swarm.dht.bootstrap import dht_start_error, env_peers
-from lightning_swarm.swarm.dht.identity import PeerIdentity, register_identity
+from lightning_swarm.swarm.dht.identity import RANK_IDENTITY_ENV, PeerIdentity, register_identity
 from lightning_swarm.swarm.dht.presence import PeerFailure, Presence, dht_alive, p2pd_pid
 from lightning_swarm.swarm.dht.process import SwarmDHT
 from lightning_swarm.swarm.dht.reachability import start_reachable
@@ -281,6 +281,8 @@ class SwarmPeer:
         key_path = s.identity_path
         if key_path and self.local_swarm_size is not None and self.peer_index > 0:
             key_path = f"{key_path}.{self.peer_index}"  # the peers of a local swarm need distinct identities
+        if key_path is None and self.local_swarm_size is not None and os.environ.get(RANK_IDENTITY_ENV):
+            key_path = os.environ[RANK_IDENTITY_ENV]  # the launcher's, in the order of the local ranks
         identity = PeerIdentity.load_or_create(key_path) if key_path else PeerIdentity()
         secret = s.secret or os.environ.get(SECRET_ENV) or None
         private = secret is not None or bool(s.allowed_peers)
