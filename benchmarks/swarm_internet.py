@@ -2,8 +2,7 @@
 them behind NAT, served through relays, then churn.
 
 Layout (``testbed.netns.VirtualCluster(internet=True)``, 9 hosts, 50 ms of round trip between two hosts:
-``--rtt-ms``): ranks 0-3 public stage servers (2 per stage;
-rank 0 is the initial peer, and so the relay), ranks 4-5 stage servers behind NAT (one per stage, each behind a
+``--rtt-ms``): ranks 0-3 public stage servers (2 per stage; rank 0 is the initial peer, and so the relay), ranks 4-5 stage servers behind NAT (one per stage, each behind a
 router with iptables MASQUERADE), rank 6 a trainer behind NAT, ranks 7-8 public trainers. Every peer runs ``testbed/internet_peer.py`` with the
 default ``reachability="auto"``; the model is the small MLP of ``testbed/stage_peer.py`` (``--width``,
 ``--blocks`` per stage), 8-bit boundaries. Stage optimizers do not step (``target_batch_size`` above the run's

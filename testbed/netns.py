@@ -203,9 +203,8 @@ class VirtualCluster:
             self.popen(
                 rank, [sys.executable, holder, "--queue", "0", "--delay-ms", str(self.egress_delay_ms)]
             )
-        time.sleep(
-            1.0
-        )  # the holders bind their queue (until then, --queue-bypass lets packets pass undelayed)
+        # the holders bind their queue (until then, --queue-bypass lets packets pass undelayed)
+        time.sleep(1.0)
         for rank in range(self.num_ranks):
             rule = ["-o", self.ifname, "-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass"]
             _run("ip", "netns", "exec", self.rank_ns(rank), "iptables", "-A", "OUTPUT", *rule)

@@ -163,7 +163,8 @@ BENCHMARKS: dict[str, Claim] = {
     "swarm_internet": Claim(
         "python benchmarks/swarm_internet.py --quick",
         "volunteers on an internet-like test bed: 9 hosts in network namespaces on 100 Mbit/s links with 50 ms of "
-        "round trip between two hosts (`rtt_ms`; each host's outgoing packets held half of it), 2 stage servers and 1 trainer behind NAT (iptables MASQUERADE), the rest public, default "
+        "round trip between two hosts (`rtt_ms`; each host's outgoing packets held half of it), 2 stage servers "
+        "and 1 trainer behind NAT (iptables MASQUERADE), the rest public, default "
         "reachability ('auto'); a 2-stage MLP; then one public stage server SIGKILLed every kill period and a new "
         "one started half a period later",
         "all NAT'd servers serve; `retained` >= 0.75, `samples_lost` 0, `hangs` 0; full run: "

@@ -155,10 +155,11 @@ class SwarmLauncher(_SubprocessScriptLauncher):
         if os.environ.get("PL_GLOBAL_SEED") is None:
             env.pop("PL_GLOBAL_SEED", None)
         restarts = self.restarts.get(local_rank, 0)
-        env[RANK_IDENTITY_ENV] = self._identity_file(local_rank)
         if restarts:
             env[RESTART_ENV] = str(restarts)
-            env.pop(RANK_IDENTITY_ENV)  # a replacement is a new peer: a new identity (it joins late)
+            env.pop(RANK_IDENTITY_ENV, None)  # a replacement is a new peer: a new identity (it joins late)
+        else:
+            env[RANK_IDENTITY_ENV] = self._identity_file(local_rank)
         parent = os.getpid()
         # the kernel SIGKILLs the child when this process dies, however it dies (Lightning starts the children
         # from the main thread, which lives as long as the process)

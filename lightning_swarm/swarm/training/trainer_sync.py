@@ -405,11 +405,10 @@ class TrainerSync(ServicerBase):
     def _leader(self, wait: bool = True) -> str:
         """The trainer with the smallest name among those that lead the next step: at the start of a run, the live
         trainers (with ``wait``, a local swarm's expected trainers are waited for, at most ``timeout``; without, the
-        ones seen so far); then the trainers of the
-        last step this one saw (and leaders others named), whether or not their presence record is read, so that
-        two trainers never both lead a step because one lost sight of the other for a moment. A trainer passes
-        over only a leader that did not answer it. Every trainer of a step computes the same next leader from the
-        step's result."""
+        ones seen so far); then the trainers of the last step this one saw (and leaders others named), whether or
+        not their presence record is read, so that two trainers never both lead a step because one lost sight of
+        the other for a moment. The leaders this trainer passed over (gone, or never started: see :meth:`exchange`)
+        are left out. Every trainer of a step computes the same next leader from the step's result."""
         now = time.monotonic()
         if self._last is None and self.joined_at == 0 and self.step == 0:  # the trainers start together
             deadline = now + self.timeout
@@ -507,11 +506,7 @@ class TrainerSync(ServicerBase):
                 "trainer, not ones that depend on its own batch)."
             )
         if len(hashes) > 1:
-            error = (
-                f"The trainers' own parameters differ at global step {step} (hashes of {len(hashes)} kinds among "
-                f"{len(parts)} trainers): they no longer train one model. This is a bug of the swarm or of "
-                "nondeterministic code in the module's trainer-side layers; report it with the run's logs."
-            )
+            error = _diverged(step, f"hashes of {len(hashes)} kinds among {len(parts)} trainers")
         lengths = {len(p.grads) for p in parts}
         if len(lengths) > 1:
             error = (
@@ -921,11 +916,18 @@ def _check_late(rnd: _Round, part: _Part) -> None:
     mine = part.header.get("hash")
     theirs = {p.header.get("hash") for p in rnd.parts.values()} - {None}
     if mine is not None and theirs and mine not in theirs:
-        rnd.late_errors[str(part.header["name"])] = (
-            f"The trainers' own parameters differ at global step {part.header['step']}: a trainer's late part "
-            "carries another hash than the step's. They no longer train one model. This is a bug of the swarm or "
-            "of nondeterministic code in the module's trainer-side layers; report it with the run's logs."
+        rnd.late_errors[str(part.header["name"])] = _diverged(
+            int(part.header["step"]), "a trainer's late part carries another hash than the step's"
         )
+
+
+def _diverged(step: int, how: str) -> str:
+    """The error of trainers whose own parameters differ at global step ``step`` (``how`` it shows)."""
+    return (
+        f"The trainers' own parameters differ at global step {step} ({how}): they no longer train one model. This "
+        "is a bug of the swarm or of nondeterministic code in the module's trainer-side layers; report it with the "
+        "run's logs."
+    )
 
 
 def _late(result: StepResult) -> StepResult:
