@@ -348,6 +348,9 @@ SEVERAL = {
     # every optimizer.step() is a global step of its own, with the same stage step ids on every trainer; the first
     # optimizer's gradients clipped by norm (self.clip_gradients before its step: the exchange comes first)
     "2_manual_two_optimizers_clipnorm": (2, {"manual": True, "manual_clip": 0.3, "steps": 10}),
+    # batch normalisation in every block, each stage on two peers (their running statistics summed with the
+    # gradients at each step): DDP's running statistics are rank 0's, and so are the swarm's, on both peers
+    "2_batchnorm_two_peers_per_stage": (2, {"batchnorm": True, "peers_per_stage": 2, "steps": 8}),
 }
 
 
@@ -376,14 +379,25 @@ def test_several_trainers_step_as_ddp(case, tmp_path):
     assert swarm["losses"][-1] != swarm["losses"][0]
 
 
-def test_with_several_trainers_every_buffer_follows_one_trainers_batches_as_in_ddp(tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {},
+        # two peers per stage, whose sums go through hivemind's all-reduce (not the same-host sum)
+        {"peers_per_stage": 2, "strategy": {"same_host": False}},
+    ],
+    ids=["one_peer_per_stage", "two_peers_per_stage_through_hivemind"],
+)
+def test_with_several_trainers_every_buffer_follows_one_trainers_batches_as_in_ddp(layout, tmp_path):
     """DDP's buffers (batch normalisation's running statistics) follow rank 0's batches: its forwards update them, and
     every rank takes rank 0's before each forward (``broadcast_buffers``). With 2 trainers, the stages' buffers and
     the trainers' own (a BatchNorm outside the pipeline) follow the batches of one trainer, the leader: with the
     parameters held still (lr 0), they equal those that trainer's batches give when replayed in one process, within
     1e-6, on every trainer. (Before, every trainer's forwards updated a stage's buffers, and each trainer kept its own.)
-    The leader is rank 0, as DDP's buffers follow rank 0's batches."""
-    cfg = {"batchnorm": True, "own_batchnorm": True, "lr_scale": 0.0, "steps": 6}
+    The leader is rank 0, as DDP's buffers follow rank 0's batches. With two peers per stage, the leader's calls go
+    to either peer, and the peers' sum of each step carries the changes of their running statistics: the gathered
+    model's are those of all of the leader's batches, whichever peer it is gathered from."""
+    cfg = {"batchnorm": True, "own_batchnorm": True, "lr_scale": 0.0, "steps": 6, **layout}
     swarm = run({**cfg, "swarm": True, "trainers": 2, "all_ranks": True}, tmp_path, "swarm")
     ranks = [torch.load(f"{tmp_path / 'swarm.pt'}.rank{r}", weights_only=False) for r in range(2)]
     owners = [r for r in range(2) if ranks[r]["owns_buffers"]]
@@ -403,6 +417,16 @@ def test_with_several_trainers_every_buffer_follows_one_trainers_batches_as_in_d
             if k in buffers
         }
         assert own and max(own.values()) <= 1e-6, own
+    # and every peer of a stage holds them, not only the one the model was gathered from
+    peers = [
+        torch.load(f"{tmp_path / 'swarm.pt'}.peer{rank}", weights_only=False)
+        for rank in range(2 * layout.get("peers_per_stage", 1))
+    ]
+    for a in peers:
+        for b in peers:
+            if a["stage"] == b["stage"]:
+                for key in (k for k in a["state"] if "running_" in k or "num_batches_tracked" in k):
+                    torch.testing.assert_close(a["state"][key], b["state"][key], atol=1e-6, rtol=0, msg=key)
 
 
 def test_several_trainers_are_reproducible_under_a_seed(tmp_path):

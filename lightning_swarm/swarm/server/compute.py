@@ -13,7 +13,16 @@ from torch import nn
 
 from lightning_swarm.swarm.wire.payload import Payload
 
-__all__ = ["Kept", "all_finite", "buffers_kept", "exclusive", "leaves_of", "module_device", "seeded_rng"]
+__all__ = [
+    "Kept",
+    "all_finite",
+    "buffers_kept",
+    "exclusive",
+    "leaves_of",
+    "module_device",
+    "running_stats",
+    "seeded_rng",
+]
 
 # the generators are the process's: two servers of one process (tests; a trainer that serves a stage) read and set
 # their states one at a time (two threads in torch's Generator.get_state at once hung a test, each waiting for the
@@ -77,6 +86,21 @@ def buffers_kept(module: nn.Module, training: bool) -> Iterator[None]:
     finally:
         for m, name, buffer in swapped:
             m._buffers[name] = buffer
+
+
+def running_stats(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers of ``module`` that its train-mode forwards update: the running mean, variance and batch count of
+    every batch normalisation that tracks them (torch's ``_NormBase``: ``BatchNorm1d/2d/3d``, ``SyncBatchNorm``,
+    ``InstanceNorm`` with ``track_running_stats``), in module order. Buffers a custom module updates in its own
+    forward are not found (they follow the calls each peer served)."""
+    found: list[torch.Tensor] = []
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                buffer = m._buffers.get(name)
+                if buffer is not None:
+                    found.append(buffer)
+    return found
 
 
 def module_device(module: nn.Module) -> torch.device:

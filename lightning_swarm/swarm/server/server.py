@@ -80,7 +80,7 @@ from lightning_swarm.swarm.dht.reachability import relay_addrs_of
 from lightning_swarm.swarm.dht.records import declare_stage_peer, get_stage_peers
 from lightning_swarm.swarm.lifetime import settle_dead_helpers
 from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
-from lightning_swarm.swarm.server.compute import module_device
+from lightning_swarm.swarm.server.compute import module_device, running_stats
 from lightning_swarm.swarm.server.connection_handler import ConnectionHandler
 from lightning_swarm.swarm.server.shared import KeptForwards, SharedState
 from lightning_swarm.swarm.server.stage_backend import StageBackend
@@ -226,6 +226,7 @@ class StageServer:
         groups = self.param_groups
         if groups is None:
             groups = [{"params": [p for p in self.module.parameters() if p.requires_grad]}]
+        self.shared.running_stats = running_stats(self.module)
         self.stepper.create_optimizer(groups, self.optimizer_factory, joining)
         warm_up_codec(s.compression)  # before this peer is announced: its first reply must not wait for it
         # batching: calls are served in several threads (the stage runs in one of them at a time)

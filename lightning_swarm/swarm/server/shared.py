@@ -99,6 +99,10 @@ class SharedState:
     trained: list[nn.Parameter] = field(default_factory=list)
     master: list[nn.Parameter] = field(default_factory=list)
     shared_master: bool = False  # whether the optimizer steps the served parameters themselves
+    # the running statistics of the stage's batch normalisations (torch's ``_NormBase`` modules): the buffers its
+    # train-mode forwards update, which the stage's peers share at each trainer-driven step (see
+    # Stepper.sync_buffers); written by the serving thread's forwards, under ``lock`` elsewhere
+    running_stats: list[torch.Tensor] = field(default_factory=list)
     optimizer: hivemind.Optimizer | None = None  # None: the stage is served, not trained
     param_version: int = 0  # bumped when the served parameters change: kept forwards ran with older ones
     refresh_pending_since: float | None = None  # new parameters wait for kept forwards' backwards since then

@@ -82,6 +82,10 @@ class Stepper:
         self._steps_applied: OrderedDict[int, dict[str, Any]] = OrderedDict()
         # the last trainer epoch a call made this peer catch up to (see catch_up_for_call)
         self._caught_up_to = 0
+        # the stage's running statistics as this peer last shared them, and their sums over the stage's peers
+        # in the step in progress: (step id, sums) (see sync_buffers)
+        self._stats_seen: list[torch.Tensor] = []
+        self._stats_sum: tuple[int, list[torch.Tensor]] | None = None
 
     @property
     def peer_id(self) -> PeerID:
@@ -158,12 +162,19 @@ class Stepper:
                 "allow_state_sharing": not joining,  # a joiner's state is not worth downloading
             },
             grad_averager_factory=functools.partial(
-                StageGradientAverager, request_timeout=request_timeout, allow_state_sharing=False
+                StageGradientAverager,
+                request_timeout=request_timeout,
+                allow_state_sharing=False,
+                # trainer-driven rounds also sum the stage's running statistics (see sync_buffers)
+                extra_like=(*shared.running_stats, torch.zeros(1))
+                if self.driven and shared.running_stats
+                else (),
             ),  # joiners download the state averager's state; a gradient buffer is not worth a download
             verbose=False,
         )
         for master in shared.master:  # hivemind made zero gradients; each step hands its own over
             master.grad = None
+        self._stats_seen = [b.detach().clone() for b in shared.running_stats]
 
     def start(self) -> None:
         """Swarm-driven steps: start the thread that steps the optimizer (trainer-driven: the commands step)."""
@@ -438,6 +449,7 @@ class Stepper:
                 self._catch_up(command.epoch)
             if not behind or opt.local_epoch <= command.epoch:
                 self._apply(command, grads, facts)
+            self.sync_buffers(command.step_id)
             return self._remember_step(
                 command.step_id, {"epoch": int(opt.local_epoch), **facts, "steps": self.steps}
             )
@@ -557,26 +569,68 @@ class Stepper:
         works wherever they failed to meet there), through the stage's gradient averager (hivemind)."""
         me = self.peer_id.to_bytes()
         here = command.attempt == 0 and self.same_host and me in command.group
+        # the stage's running statistics ride along (see sync_buffers)
+        stats = self._stats_contribution()
         if here and on_one_host(command.group, self.uid):
-            sums, group = self._sum_on_host(grads, wanted, command, me)
+            sums, group = self._sum_on_host(grads, wanted, command, me, stats)
         else:
-            sums, group = self._sum_through_averager(grads, wanted, command)
+            sums, group = self._sum_through_averager(grads, wanted, command, stats)
         if sums is None:
             return grads, 1
         self.averaged_rounds += 1
+        self._stats_sum = (command.step_id, sums[len(wanted) :])
         summed: list[torch.Tensor | None] = [None] * len(grads)
-        for i, total in zip(wanted, sums, strict=True):
+        for i, total in zip(wanted, sums[: len(wanted)], strict=True):
             summed[i] = total
         return summed, group
 
+    def _stats_contribution(self) -> list[torch.Tensor]:
+        """This peer's part of the sum of the stage's running statistics (see :meth:`sync_buffers`): their values
+        (float64) and a weight of 1 if a call this peer served changed them since it last shared them, else
+        zeros; nothing for a stage without any."""
+        stats = self.shared.running_stats
+        if not stats:
+            return []
+        with self.shared.lock:
+            values = [b.detach().double() for b in stats]
+            changed = any(not torch.equal(b, seen) for b, seen in zip(stats, self._stats_seen, strict=True))
+        weight = 1.0 if changed else 0.0
+        return [*(v * weight for v in values), torch.tensor([weight], dtype=torch.float64)]
+
+    def sync_buffers(self, step_id: int) -> None:
+        """After trainer-driven step ``step_id``: every peer of the stage takes the running statistics (batch
+        normalisation's) of the peer whose calls updated them since the last step, summed with the gradients in
+        that step's round: the statistics of all the batches that updated them, wherever they were served, as
+        one process holds them. With several trainers only the leader's calls update them (as DDP's buffers
+        follow rank 0's batches): one call per step and stage unless it accumulates, and then the peers that
+        served its calls share the mean of theirs (each began from the last step's values: a first-order
+        approximation). A step whose calls updated none, or without a sum with peers, leaves each peer's own."""
+        stats = self.shared.running_stats
+        if not stats:
+            return
+        summed, self._stats_sum = self._stats_sum, None
+        with torch.no_grad(), self.shared.lock:
+            weight = float(summed[1][-1].sum()) if summed is not None and summed[0] == step_id else 0.0
+            if weight > 0 and summed is not None:
+                for b, total in zip(stats, summed[1][:-1], strict=True):
+                    mean = total.to(device=b.device, dtype=torch.float64).view(b.shape) / weight
+                    b.copy_(mean if b.is_floating_point() else mean.round())
+            self._stats_seen = [b.detach().clone() for b in stats]
+
     def _sum_on_host(
-        self, grads: list[torch.Tensor | None], wanted: list[int], command: StepCommand, me: bytes
+        self,
+        grads: list[torch.Tensor | None],
+        wanted: list[int],
+        command: StepCommand,
+        me: bytes,
+        extra: list[torch.Tensor],
     ) -> tuple[list[torch.Tensor] | None, int]:
-        """The sums of the ``wanted`` gradients through shared memory, and the group's size (``None`` if failed)."""
+        """The sums of the ``wanted`` gradients, then of the ``extra`` tensors (in their dtype), through shared
+        memory, and the group's size (``None`` if failed)."""
         try:
             sums = sum_on_host(
-                [grads[i] for i in wanted],
-                [self.shared.master[i] for i in wanted],
+                [*(grads[i] for i in wanted), *extra],
+                [*(self.shared.master[i] for i in wanted), *extra],
                 named_group_id(command.uid, command.step_id, command.attempt),
                 command.group,
                 me,
@@ -592,18 +646,23 @@ class Stepper:
         return sums, len(command.group)
 
     def _sum_through_averager(
-        self, grads: list[torch.Tensor | None], wanted: list[int], command: StepCommand
+        self,
+        grads: list[torch.Tensor | None],
+        wanted: list[int],
+        command: StepCommand,
+        extra: list[torch.Tensor],
     ) -> tuple[list[torch.Tensor] | None, int]:
-        """The sums of the ``wanted`` gradients in one all-reduce round of the stage's gradient averager (every peer
-        with weight 1, times the group's size), and the group's size (``None`` if no round was made). The round
-        is among the peers the command names (no matchmaking), or, for a command that names none, a group found by
-        hivemind's matchmaking."""
+        """The sums of the ``wanted`` gradients, then of the ``extra`` tensors (the averager's slots after the
+        gradients, see ``StageGradientAverager.extra_like``), in one all-reduce round of the stage's gradient
+        averager (every peer with weight 1, times the group's size), and the group's size (``None`` if no round
+        was made). The round is among the peers the command names (no matchmaking), or, for a command that names
+        none, a group found by hivemind's matchmaking."""
         opt = self.shared.optimizer
         assert opt is not None
         averager = opt.grad_averager
         with torch.no_grad(), averager.get_tensors() as buffers:
-            for buffer, grad in zip(buffers, grads, strict=True):
-                buffer.copy_(grad) if grad is not None else buffer.zero_()
+            for buffer, grad in zip(buffers, [*grads, *extra], strict=True):
+                buffer.copy_(grad.view(buffer.shape)) if grad is not None else buffer.zero_()
         try:
             group = self._one_round(averager, command)
         except HelperDied:
@@ -623,7 +682,8 @@ class Stepper:
             )
             return None, 1
         with torch.no_grad(), averager.get_tensors() as buffers:
-            return [buffers[i].detach().clone().mul_(group) for i in wanted], group
+            extras = range(len(grads), len(grads) + len(extra))
+            return [buffers[i].detach().clone().mul_(group) for i in (*wanted, *extras)], group
 
     def _one_round(self, averager: DecentralizedAverager, command: StepCommand) -> int | None:
         """One all-reduce round of ``averager`` with the stage's peers that step now: the group's size (``None`` or

@@ -481,13 +481,25 @@ class StageGradientAverager(
 
     backwards = 1
 
-    def __init__(self, parameters, *args: Any, averaged_grads=(), **kwargs: Any) -> None:
-        # its buffers are written only in a round with the stage's other peers (see StageServer._sum_with_peers):
-        # shared memory whose pages are allocated when first written, rather than hivemind's dense zeros
+    def __init__(
+        self,
+        parameters,
+        *args: Any,
+        averaged_grads=(),
+        extra_like: tuple[torch.Tensor, ...] = (),
+        **kwargs: Any,
+    ) -> None:
+        # its buffers are written only in a round with the stage's other peers (see Stepper._sum_with_peers):
+        # shared memory whose pages are allocated when first written, rather than hivemind's dense zeros.
+        # ``extra_like``: tensors summed in the same rounds after the gradients (float32 slots shaped as these:
+        # the stage's running statistics and their weight, see Stepper.sync_buffers); hivemind's own uses of the
+        # averaged gradients pair them with the parameters and stop at the last parameter
         parameters = tuple(parameters)
         if not averaged_grads:
             averaged_grads = tuple(untouched_shared(p) for p in parameters)
-        super().__init__(parameters, *args, averaged_grads=averaged_grads, **kwargs)
+        extras = tuple(untouched_shared(torch.empty(t.shape, dtype=torch.float32)) for t in extra_like)
+        self.extra_count = len(extras)
+        super().__init__(parameters, *args, averaged_grads=(*averaged_grads, *extras), **kwargs)
 
     def accumulate_grads_(self, batch_size: int) -> None:
         if self._anchor_batch_size is None:  # type: ignore[has-type]
