@@ -20,7 +20,10 @@ every ``kill_every`` s with its process group, a new one started in its namespac
 - ``retained``: trainers' samples/s under churn over healthy (target >= 0.75); ``samples_lost``: samples of steps
   that failed (target 0); ``hangs``: steps longer than ``4 x request_timeout`` or trainers that did not report
   (target 0);
-- full run only: ``rss_growth_mb_per_hour`` of the NAT'd stage-0 server over the run (its optimizer does not step).
+- full run only: ``serving_pss_growth_mb_per_hour``, the memory growth of the NAT'd stage-0 server (PSS of its
+  process and helpers, sampled every 10 s, the slope of a least-squares line after the first quarter of the run;
+  its optimizer does not step). The memory target of a 4-peer stage that averages, over 30 minutes, is
+  ``--averaging``'s.
 
 ``--averaging`` runs averaging at scale instead (report ``swarm_internet_averaging``; the issue's measure of a
 4-peer stage's memory over a 30-minute run is its ``rss_growth_mb_per_hour``). 10 hosts on the same test bed: ranks
@@ -72,19 +75,13 @@ AVG_TRAINERS = (8, 9)
 AVG_HOSTS = 10
 
 
-def _rss_mb(pid: int) -> float:
-    """Resident memory of ``pid`` and its descendants (MB)."""
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
-        except (OSError, StopIteration):
-            continue
-    return total
+def _sample_until(until: float, pid: int, samples: list[tuple[float, float]], every_s: float = 10.0) -> None:
+    """Until ``until`` (wall time), append ``(time, MB)``, the PSS of ``pid`` and its helpers, every ``every_s``."""
+    while time.time() < until:
+        mb = tree_pss_mb(pid)
+        if mb > 0:
+            samples.append((time.time(), mb))
+        time.sleep(max(0.0, min(every_s, until - time.time())))
 
 
 class Swarm:
@@ -380,8 +377,8 @@ def main() -> None:
         begin = time.time() + 2.0
         mid, until = begin + phase, begin + phase + churn_s
         swarm.go(trainers, begin, until)
-        rss0 = _rss_mb(procs[4].pid)
-        time.sleep(max(0.0, mid - time.time()))
+        memory: list[tuple[float, float]] = []  # the NAT'd stage-0 server's (time, PSS MB)
+        _sample_until(mid, procs[4].pid, memory)
         churned = [r for r in PUBLIC_SERVERS if r != 0]
 
         def restart(
@@ -390,9 +387,8 @@ def main() -> None:
             return swarm.spawn_server(rank, PUBLIC_SERVERS[rank])
 
         churn = Churn(restart, {r: procs[r] for r in churned}, kill_every, rejoin_after).begin()
-        time.sleep(max(0.0, until - time.time()))
+        _sample_until(until, procs[4].pid, memory)
         events = churn.stop()
-        rss1 = _rss_mb(procs[4].pid)
         results_by_rank, hangs = swarm.results(trainers, 4 * request_timeout + 60)
         results = list(results_by_rank.values())
         for proc in [*procs.values(), *churn.running().values()]:
@@ -462,8 +458,9 @@ def main() -> None:
         "retained; stage optimizers do not step",
     }
     if not args.quick:
-        hours = (until - begin) / 3600
-        figures["rss_growth_mb_per_hour"] = (rss1 - rss0) / hours if hours else None
+        growth, pss, _ = growth_in_window({"4": memory}, begin + (until - begin) / 4, until)
+        figures["serving_pss_growth_mb_per_hour"] = growth.get("4")
+        figures["serving_pss_mb_after_warmup_and_at_end"] = pss.get("4")
     report.finish(figures)
 
 
