@@ -220,10 +220,23 @@ def test_with_several_trainers_the_stages_take_the_trainers_schedule_for_their_n
     assert server.stepper.steps == 0  # a hyper-parameter update is no step
 
 
-def _two_peer_stage(dhts, cleanup, matchmaking_time: float, averaging_timeout: float, same_host: bool = True):
+def _block(batchnorm: bool) -> nn.Module:
+    norm = [nn.BatchNorm1d(4)] if batchnorm else []
+    return nn.Sequential(nn.Linear(4, 4), *norm, nn.Tanh(), nn.Linear(4, 2))
+
+
+def _two_peer_stage(
+    dhts,
+    cleanup,
+    matchmaking_time: float,
+    averaging_timeout: float,
+    same_host: bool = True,
+    batchnorm: bool = False,
+):
     """Two server peers of one stage (on the module's server DHT and a third DHT), a client, the modules' common
     initial weights in a reference module, and the run id. ``same_host``: the peers sum named rounds through
-    shared memory (``swarm/wire/same_host_sum.py``), else through hivemind's all-reduce."""
+    shared memory (``swarm/wire/same_host_sum.py``), else through hivemind's all-reduce. ``batchnorm``: a
+    BatchNorm1d after the first layer."""
     trainer_dht, server_dht = dhts
     third = hivemind.DHT(
         start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=trainer_dht.get_visible_maddrs()
@@ -242,12 +255,11 @@ def _two_peer_stage(dhts, cleanup, matchmaking_time: float, averaging_timeout: f
         same_host=same_host,
     )
     torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    reference = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    module, reference = _block(batchnorm), _block(batchnorm)
     reference.load_state_dict(module.state_dict())
     servers = []
     for dht in (server_dht, third):
-        copy = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        copy = _block(batchnorm)
         copy.load_state_dict(module.state_dict())
         server = StageServer(
             0,
@@ -415,6 +427,35 @@ def test_a_peer_that_missed_a_step_catches_up_before_it_serves(dhts, cleanup):
         torch.testing.assert_close(
             client.fetch_stage_state(0)["0.weight"], reference[0].weight, atol=1e-6, rtol=0
         )
+
+
+def test_a_peer_that_catches_up_takes_the_stages_running_statistics_with_its_parameters(dhts, cleanup):
+    """With batch normalisation: a peer that missed a step loads the stage's running statistics with its parameters
+    and optimizer state, so the call it then serves updates the statistics the stage holds, as one process's
+    forwards do (not the ones it had before the step)."""
+    servers, client, reference, settings, run_id = _two_peer_stage(
+        dhts, cleanup, matchmaking_time=1.0, averaging_timeout=5.0, batchnorm=True
+    )
+    first, second = servers
+    router = client.routers[0]
+    with client.router_lock:
+        router.ban(second.peer_id)
+    x = torch.randn(8, 4)
+    reference(x).pow(2).sum().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    client.call_stage(0, x.clone().requires_grad_()).pow(2).sum().backward()
+    client.commands.step_stage(0, StepCommand(stage_uid(run_id, 0), 42, groups={0: {"lr": 0.1}}))
+    client.stage_epochs[0] = 1  # what a trainer peer records from its step's replies
+    with client.router_lock:
+        router.report_success(second.peer_id)
+        router.ban(first.peer_id)
+    y = torch.randn(8, 4)
+    torch.testing.assert_close(client.call_stage(0, y.clone()), reference(y), atol=1e-6, rtol=0)
+    assert second.optimizer.local_epoch == 1
+    served = second.state_dict_local()
+    assert served["1.num_batches_tracked"] == 2
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(served[key], value, atol=1e-6, rtol=0, msg=key)
 
 
 def test_a_stage_steps_early_only_once_every_call_of_the_step_had_its_backward():

@@ -148,6 +148,8 @@ class Stepper:
             # driven: hivemind's local gradient accumulators are never used (the commands carry the step), and
             # the state averager averages no parameters (it only serves downloads): no copies for either
             reuse_grad_buffers=self.driven,
+            # a peer that joins or catches up downloads the stage's running statistics with its parameters
+            extra_tensors=tuple(shared.running_stats) if self.driven else (),
             reuse_state_tensors=shared.shared_master or None,
             matchmaking_time=s.matchmaking_time,
             averaging_timeout=s.averaging_timeout,
@@ -238,6 +240,7 @@ class Stepper:
         with self.step_lock:  # the stepper is not running the optimizer while its state is replaced
             averager.loaded = False
             opt.load_state_from_peers()
+            self._stats_loaded()
             self.refresh_parameters()
             return averager.loaded
 
@@ -442,6 +445,9 @@ class Stepper:
             if command.phase == "norm":
                 return {"epoch": int(opt.local_epoch), **facts}
             self._prepared = None
+            # before the epoch moves on: a call of the next step waits until it has (catch_up_for_call), so its
+            # forward updates the statistics every peer of the stage shares
+            self.sync_buffers(command.step_id)
             behind = command.epoch > opt.local_epoch
             if behind:
                 # this peer missed steps: it takes the stage's state from its peers; the step's summed gradients
@@ -449,7 +455,6 @@ class Stepper:
                 self._catch_up(command.epoch)
             if not behind or opt.local_epoch <= command.epoch:
                 self._apply(command, grads, facts)
-            self.sync_buffers(command.step_id)
             return self._remember_step(
                 command.step_id, {"epoch": int(opt.local_epoch), **facts, "steps": self.steps}
             )
@@ -509,6 +514,7 @@ class Stepper:
             logger.info(f"Stage {self.stage}: could not load the stage's state from its peers: {e}")
         except Exception as e:
             logger.warning(f"Stage {self.stage}: could not load the stage's state from its peers: {e!r}")
+        self._stats_loaded()
         self.refresh_parameters()
 
     @staticmethod
@@ -609,13 +615,22 @@ class Stepper:
         if not stats:
             return
         summed, self._stats_sum = self._stats_sum, None
-        with torch.no_grad(), self.shared.lock:
+        opt = self.shared.optimizer
+        # a download of the stage's state meanwhile gets the statistics from before or after (see _apply)
+        state_lock = getattr(opt.state_averager, "state_lock", None) if opt is not None else None
+        with torch.no_grad(), state_lock or contextlib.nullcontext(), self.shared.lock:
             weight = float(summed[1][-1].sum()) if summed is not None and summed[0] == step_id else 0.0
             if weight > 0 and summed is not None:
                 for b, total in zip(stats, summed[1][:-1], strict=True):
                     mean = total.to(device=b.device, dtype=torch.float64).view(b.shape) / weight
                     b.copy_(mean if b.is_floating_point() else mean.round())
             self._stats_seen = [b.detach().clone() for b in stats]
+
+    def _stats_loaded(self) -> None:
+        """The stage's state was loaded from a peer, its running statistics with it (``extra_tensors`` of the
+        stage's optimizer): they count as shared, not as changes of a call this peer served."""
+        with self.shared.lock:
+            self._stats_seen = [b.detach().clone() for b in self.shared.running_stats]
 
     def _sum_on_host(
         self,
