@@ -28,10 +28,13 @@ every ``kill_every`` s with its process group, a new one started in its namespac
 ``--averaging`` runs averaging at scale instead (report ``swarm_internet_averaging``; the issue's measure of a
 4-peer stage's memory over a 30-minute run is its ``rss_growth_mb_per_hour``). 10 hosts on the same test bed: ranks
 0-3 serve stage 0 and ranks 4-7 stage 1 (ranks 3 and 7 behind NAT, reached through the relay; ``--no-nat``: all
-public), ranks 8-9 are public trainers. The stage optimizers step whenever the trainers have sent
-``--steps-per-round`` steps' worth of samples (hivemind's collaborative ``Optimizer``): each stage step is one
-all-reduce round of the stage's peers through their p2p daemons over the shaped links (``same_host`` off; each peer
-has a namespace of its own, which the same-host paths never cross). Every ``--sample-s`` seconds the benchmark reads
+public), ranks 8-9 are public trainers. With ``--stage-steps sync`` (the default: the strategy's synchronous
+mode) rank 8 alone trains and commands every stage's step after each of its own steps, and the stage's peers sum
+that step's gradients in one all-reduce round among all of them (the peers the trainer names); with ``async`` the stage
+optimizers step whenever the trainers have sent ``--steps-per-round`` steps' worth of samples (hivemind's
+collaborative ``Optimizer``, whose peers that fall behind download the state instead of averaging). Every round
+goes through the peers' p2p daemons over the shaped links (``same_host`` off; each peer has a namespace of its
+own, which the same-host paths never cross). Every ``--sample-s`` seconds the benchmark reads
 each server's memory: the PSS of its process and its helpers (DHT process, p2p daemon, averagers). Figures:
 
 - ``rss_growth_mb_per_hour``: the largest slope over the servers of a least-squares line through its samples after
@@ -135,13 +138,13 @@ class Swarm:
         procs.update({r: self.ready(r, proc) for r, proc in spawned.items()})
         return procs
 
-    def start_trainers(self, ranks: tuple[int, ...], batch: int) -> dict[int, subprocess.Popen]:
-        """Start a trainer on each of ``ranks`` (batches of ``batch`` rows) and wait until every one can train
-        (each has its DHT and client: all start at once); :meth:`go` starts them."""
+    def start_trainers(self, ranks: tuple[int, ...], batch: int, **extra: Any) -> dict[int, subprocess.Popen]:
+        """Start a trainer on each of ``ranks`` (batches of ``batch`` rows; ``extra``: more of its config) and wait
+        until every one can train (each has its DHT and client: all start at once); :meth:`go` starts them."""
         trainers = {}
         for rank in ranks:
             cfg = {**self.base, "role": "trainer", "initial_peers": self.initial, "listen": self.listen(rank)}
-            cfg.update(batch=batch, wait_go=True, seed=rank)
+            cfg.update(batch=batch, wait_go=True, seed=rank, step_id_base=rank * 10**9, **extra)
             trainers[rank] = self.spawn(rank, cfg)
         for rank, proc in trainers.items():
             if not proc.stdout.readline():
@@ -202,6 +205,7 @@ def averaging(args: Any) -> None:
         "averaging_timeout": 30.0,
         "same_host": False,  # every peer has a namespace of its own anyway: no same-host path between them
         "step_s": args.step_s,
+        "stage_steps": "trainer" if args.stage_steps == "sync" else "async",
     }
     samples: dict[str, list[tuple[float, float]]] = {}  # rank: (wall time, MB) of the server with its helpers
     rtt = args.rtt_ms or 0.0
@@ -210,7 +214,13 @@ def averaging(args: Any) -> None:
     ) as net:
         swarm = Swarm(net, base, log_dir)
         servers = swarm.start_servers(AVG_SERVERS)
-        trainers = swarm.start_trainers(AVG_TRAINERS, args.batch)
+        # synchronous steps: one trainer, which commands every stage's step after each of its own (several would
+        # need the strategy's trainer synchronisation: each stepping alone would hold some of a stage's peers in
+        # a round the others are not in, and one's backwards would straddle another's steps)
+        sync = args.stage_steps == "sync"
+        trainers = swarm.start_trainers(
+            AVG_TRAINERS[:1] if sync else AVG_TRAINERS, args.batch, command_steps=sync
+        )
         begin = time.time() + 2.0
         until = begin + 60.0 * minutes
         swarm.go(trainers, begin, until)
@@ -278,7 +288,7 @@ def averaging(args: Any) -> None:
                 str(r): {"stage": k, "nat": r in net.nat_ranks, "reached": swarm.infos[r]["reached"]}
                 for r, k in AVG_SERVERS.items()
             },
-            "trainers": {str(r): "public" for r in AVG_TRAINERS},
+            "trainers": {str(r): "public" for r in trainers},
             "trainers_reporting": len(results),
             "hangs": hangs,
             "samples_lost": sum(args.batch * len(r["errors"]) for r in results.values()),
@@ -289,15 +299,22 @@ def averaging(args: Any) -> None:
             "target_batch_size": base["target_batch_size"],
             "trainer_steps_per_round_target": args.steps_per_round,
             "trainer_step_s": args.step_s,
+            "stage_steps_mode": args.stage_steps,
             "matchmaking_s": args.matchmaking_s,
             "rate_mbit": args.rate_mbit,
             "rtt_ms": rtt,
             "latency": _latency(rtt),
             "same_host": base["same_host"],
             "model": f"testbed/stage_peer.py MLP, width {args.width}, {args.blocks} blocks per stage, 2 stages",
-            "note": "10 hosts share this box's CPUs; the stages step when their trainers have sent the target "
-            "batch (hivemind's collaborative Optimizer), each step an all-reduce round of the stage's peers "
-            "through their p2p daemons over the shaped links; memory: PSS of each server with its helper "
+            "note": "10 hosts share this box's CPUs; "
+            + (
+                "the trainer commands each stage step, "
+                if sync
+                else "the stages step when their trainers have sent the target batch (hivemind's collaborative "
+                "Optimizer), "
+            )
+            + "each step an all-reduce round of the stage's peers through their p2p daemons over the shaped "
+            "links (a round redone after a partial one counts again); memory: PSS of each server with its helper "
             "processes (DHT, p2p daemon, averagers)",
         }
     )
@@ -344,6 +361,13 @@ def main() -> None:
     )
     avg.add_argument("--matchmaking-s", type=float, default=4.0, help="the stages' matchmaking_time")
     avg.add_argument("--no-nat", action="store_true", help="every stage server public")
+    avg.add_argument(
+        "--stage-steps",
+        choices=("sync", "async"),
+        default="sync",
+        help="sync (the strategy's default): each trainer commands the stages' step after each of its steps; "
+        "async: the stages step when the trainers have sent --steps-per-round steps' worth of samples",
+    )
     args = parser.parse_args()
     _harness.exit_on_sigterm()
     if args.averaging:

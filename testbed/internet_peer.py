@@ -11,9 +11,11 @@ job that ``tests/test_nat.py`` and ``benchmarks/swarm_internet.py`` start in eac
 - ``"trainer"``: a ``SwarmClient`` that trains a head and a tail around the pipeline for ``seconds`` (or ``steps``)
   with batches of ``batch`` rows (or from wall time ``begin`` to ``until``; a step every ``step_s`` s at most), then
   prints one JSON line: steps, samples, losses, each step's end and length, failed steps' times, and per stage peer
-  the calls (with
-  ``wait_go``: prints ``{"ready": true}`` once it can train and reads ``<begin> <until>`` from stdin first)
-  it took, their busy seconds, whether the connection to it went through a relay and whether its record says so.
+  the calls it took, their busy seconds, whether the connection to it went through a relay and whether its
+  record says so. With ``wait_go``: prints ``{"ready": true}`` once it can train and reads ``<begin> <until>``
+  from stdin first. With ``command_steps`` (servers with ``stage_steps`` ``"trainer"``): after each of its steps
+  it commands every stage's step (ids from ``step_id_base`` on), as a trainer of the strategy's synchronous mode
+  does: the stage's peers sum their gradients in one round among all of them, then step.
 
 Dies with its parent (``die_with_parent``): a SIGKILLed test takes its peers along.
 """
@@ -41,6 +43,8 @@ from lightning_swarm.swarm.logs import quiet_routine_logs  # noqa: E402
 from lightning_swarm.swarm.loop import run_coroutine  # noqa: E402
 from lightning_swarm.swarm.server import StageServer  # noqa: E402
 from lightning_swarm.swarm.settings import SwarmSettings  # noqa: E402
+from lightning_swarm.swarm.training.stepping import StepCommand  # noqa: E402
+from lightning_swarm.swarm.wire.protocol import stage_uid  # noqa: E402
 from testbed.stage_peer import job_settings, serve_stage, stage_module  # noqa: E402
 
 # An internet peer's settings where its config names none (the rest: testbed/stage_peer.py's DEFAULTS).
@@ -122,6 +126,7 @@ def train(cfg: dict[str, Any]) -> None:
     errors: list[str] = []
     errors_at: list[float] = []
     relayed: dict[str, bool] = {}
+    epochs: dict[int, int] = {}  # with command_steps: each stage's epoch as this trainer last saw it
     start = time.monotonic()
     deadline = cfg["until"] if "until" in cfg else time.time() + cfg.get("seconds", 30.0)  # wall time
     if cfg.get(
@@ -145,6 +150,17 @@ def train(cfg: dict[str, Any]) -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if cfg.get("command_steps"):  # synchronous steps: this trainer commands every stage's step
+                step_id = int(cfg.get("step_id_base", 0)) + len(losses)
+                for stage in range(settings.num_stages):
+                    command = StepCommand(
+                        stage_uid(settings.run_id, stage),
+                        step_id,
+                        groups={0: {"lr": cfg.get("lr", 1e-3)}},
+                        epoch=epochs.get(stage, 0),
+                    )
+                    replies = client.commands.step_stage(stage, command)
+                    epochs[stage] = max([epochs.get(stage, 0), *(int(r.get("epoch", 0)) for r in replies)])
             losses.append(loss.item())
             steps_at.append((time.time(), time.time() - began))
         except Exception as e:  # reported, not hidden: the test asserts there are none

@@ -351,7 +351,7 @@ class StageServer:
             "epoch": int(opt.local_epoch if opt is not None else 0),
             "steps": self.stepper.steps,
             "averaged_rounds": self.stepper.averaged_rounds + getattr(opt, "rounds", 0),
-            "round_peers": getattr(opt, "round_peers", 0),
+            "round_peers": self.stepper.round_peers + getattr(opt, "round_peers", 0),
             "split_backwards": 0 if weights is None else weights.deferred,
         }
 

@@ -70,6 +70,7 @@ class Stepper:
         self.same_host = False  # whether this server listens on a same-host socket (see ..same_host_sum)
         self.steps = 0  # optimizer steps this server took (trainer-driven or swarm-driven)
         self.averaged_rounds = 0  # steps whose gradients were summed with other peers of the stage
+        self.round_peers = 0  # the sum of those rounds' group sizes (this peer included)
         self.same_host_rounds = 0  # of which through shared memory (see ..same_host_sum)
         self.failed: str | None = None  # why this stepper takes no more steps (a helper process died)
         self._stop = threading.Event()
@@ -584,6 +585,7 @@ class Stepper:
         if sums is None:
             return grads, 1
         self.averaged_rounds += 1
+        self.round_peers += group
         self._stats_sum = (command.step_id, sums[len(wanted) :])
         summed: list[torch.Tensor | None] = [None] * len(grads)
         for i, total in zip(wanted, sums[: len(wanted)], strict=True):
