@@ -374,25 +374,33 @@ def test_the_peers_a_trainer_names_sum_without_matchmaking(dhts, cleanup, same_h
     assert reply["group"] == 1 and time.monotonic() - started < settings.averaging_timeout + 10
 
 
-def test_a_peer_that_missed_a_step_catches_up_before_it_serves(dhts, cleanup):
-    """A stage's second peer is not in a step (the trainer did not know it yet, or had banned it): the first peer
-    steps alone. A call the trainer then routes to the second carries the stage's epoch as the trainer saw it
-    after the step; the second peer is behind it, so it loads the stage's state from the first before serving,
-    and serves the stepped parameters, not the ones from before the step (a stale peer's outputs and gradients
-    would train a different model than one process does)."""
-    servers, client, reference, settings, run_id = _two_peer_stage(
-        dhts, cleanup, matchmaking_time=1.0, averaging_timeout=5.0
+def _a_step_without_the_second_peer(dhts, cleanup, batchnorm: bool = False):
+    """A stage of two peers whose second the trainer has banned, one call (reaching the first only) and one step,
+    and the same batch through the reference (one SGD step): the peers, the client, the reference, the run id and
+    the step's replies."""
+    servers, client, reference, _, run_id = _two_peer_stage(
+        dhts, cleanup, matchmaking_time=1.0, averaging_timeout=5.0, batchnorm=batchnorm
     )
     first, second = servers
-    router = client.routers[0]
     with client.router_lock:
-        router.ban(second.peer_id)
+        client.routers[0].ban(second.peer_id)
     x = torch.randn(8, 4)
     reference(x).pow(2).sum().backward()
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     client.call_stage(0, x.clone().requires_grad_()).pow(2).sum().backward()
     assert first.shared.pending_backwards == 1 and second.shared.pending_backwards == 0
     replies = client.commands.step_stage(0, StepCommand(stage_uid(run_id, 0), 42, groups={0: {"lr": 0.1}}))
+    return first, second, client, reference, run_id, replies
+
+
+def test_a_peer_that_missed_a_step_catches_up_before_it_serves(dhts, cleanup):
+    """A stage's second peer is not in a step (the trainer did not know it yet, or had banned it): the first peer
+    steps alone. A call the trainer then routes to the second carries the stage's epoch as the trainer saw it
+    after the step; the second peer is behind it, so it loads the stage's state from the first before serving,
+    and serves the stepped parameters, not the ones from before the step (a stale peer's outputs and gradients
+    would train a different model than one process does)."""
+    first, second, client, reference, run_id, replies = _a_step_without_the_second_peer(dhts, cleanup)
+    router = client.routers[0]
     assert [r["epoch"] for r in replies] == [1] and second.optimizer.local_epoch == 0
     client.stage_epochs[0] = (
         1  # what a trainer peer records from its step's replies (TrainerSteps.step_stages)
@@ -433,18 +441,10 @@ def test_a_peer_that_catches_up_takes_the_stages_running_statistics_with_its_par
     """With batch normalisation: a peer that missed a step loads the stage's running statistics with its parameters
     and optimizer state, so the call it then serves updates the statistics the stage holds, as one process's
     forwards do (not the ones it had before the step)."""
-    servers, client, reference, settings, run_id = _two_peer_stage(
-        dhts, cleanup, matchmaking_time=1.0, averaging_timeout=5.0, batchnorm=True
+    first, second, client, reference, run_id, _ = _a_step_without_the_second_peer(
+        dhts, cleanup, batchnorm=True
     )
-    first, second = servers
     router = client.routers[0]
-    with client.router_lock:
-        router.ban(second.peer_id)
-    x = torch.randn(8, 4)
-    reference(x).pow(2).sum().backward()
-    torch.optim.SGD(reference.parameters(), lr=0.1).step()
-    client.call_stage(0, x.clone().requires_grad_()).pow(2).sum().backward()
-    client.commands.step_stage(0, StepCommand(stage_uid(run_id, 0), 42, groups={0: {"lr": 0.1}}))
     client.stage_epochs[0] = 1  # what a trainer peer records from its step's replies
     with client.router_lock:
         router.report_success(second.peer_id)
