@@ -2,10 +2,11 @@
 them behind NAT, served through relays, then churn.
 
 Layout (``testbed.netns.VirtualCluster(internet=True)``, 9 hosts, 50 ms of round trip between two hosts:
-``--rtt-ms``): ranks 0-3 public stage servers (2 per stage; rank 0 is the initial peer, and so the relay), ranks 4-5 stage servers behind NAT (one per stage, each behind a
-router with iptables MASQUERADE), rank 6 a trainer behind NAT, ranks 7-8 public trainers. Every peer runs ``testbed/internet_peer.py`` with the
-default ``reachability="auto"``; the model is the small MLP of ``testbed/stage_peer.py`` (``--width``,
-``--blocks`` per stage), 8-bit boundaries. Stage optimizers do not step (``target_batch_size`` above the run's
+``--rtt-ms``): ranks 0-3 public stage servers (2 per stage; rank 0 is the initial peer, and so the relay),
+ranks 4-5 stage servers behind NAT (one per stage, each behind a router with iptables MASQUERADE), rank 6 a
+trainer behind NAT, ranks 7-8 public trainers. Every peer runs ``testbed/internet_peer.py`` with the default
+``reachability="auto"``; the model is the small MLP of ``testbed/stage_peer.py`` (``--width``, ``--blocks`` per
+stage), 8-bit boundaries. Stage optimizers do not step (``target_batch_size`` above the run's
 samples): this measures reachability and routing, not averaging.
 
 Phases: healthy (both trainers train for ``phase`` s), then churn (a public stage server, never rank 0, SIGKILLed
@@ -30,8 +31,8 @@ every ``kill_every`` s with its process group, a new one started in its namespac
 0-3 serve stage 0 and ranks 4-7 stage 1 (ranks 3 and 7 behind NAT, reached through the relay; ``--no-nat``: all
 public), ranks 8-9 are public trainers. With ``--stage-steps sync`` (the default: the strategy's synchronous
 mode) rank 8 alone trains and commands every stage's step after each of its own steps, and the stage's peers sum
-that step's gradients in one all-reduce round among all of them (the peers the trainer names); with ``async`` the stage
-optimizers step whenever the trainers have sent ``--steps-per-round`` steps' worth of samples (hivemind's
+that step's gradients in one all-reduce round among all of them (the peers the trainer names); with ``async``
+the stage optimizers step whenever the trainers have sent ``--steps-per-round`` steps' worth of samples (hivemind's
 collaborative ``Optimizer``, whose peers that fall behind download the state instead of averaging). Every round
 goes through the peers' p2p daemons over the shaped links (``same_host`` off; each peer has a namespace of its
 own, which the same-host paths never cross). Every ``--sample-s`` seconds the benchmark reads

@@ -190,8 +190,8 @@ BENCHMARKS: dict[str, Claim] = {
         "averaging at scale on the internet-like test bed: 2 stages x 4 stage servers, each in a network namespace "
         "of its own on a 100 Mbit/s link (one per stage behind NAT), a 2-stage MLP; synchronous steps "
         "(`stage_steps_mode`): one public trainer commands the stages' step after each of its steps, each step an "
-        "all-reduce round of the stage's peers through their p2p daemons (same_host off); each server's memory (PSS, with its helper processes) sampled over a 30-minute "
-        "run",
+        "all-reduce round of the stage's peers through their p2p daemons (same_host off); each server's memory "
+        "(PSS, with its helper processes) sampled over a 30-minute run",
         "`rss_growth_mb_per_hour` <= 50 (`meets_target`) while every peer averages every step "
         "(`every_peer_every_step`: `rounds_per_step` >= 0.95, `mean_group_size` >= 3.9)",
         (

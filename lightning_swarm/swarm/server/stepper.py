@@ -177,7 +177,7 @@ class Stepper:
         )
         for master in shared.master:  # hivemind made zero gradients; each step hands its own over
             master.grad = None
-        self._stats_seen = [b.detach().clone() for b in shared.running_stats]
+        self._stats_loaded()
 
     def start(self) -> None:
         """Swarm-driven steps: start the thread that steps the optimizer (trainer-driven: the commands step)."""
@@ -618,21 +618,25 @@ class Stepper:
             return
         summed, self._stats_sum = self._stats_sum, None
         opt = self.shared.optimizer
+        assert opt is not None and isinstance(opt.state_averager, StageStateAverager)
         # a download of the stage's state meanwhile gets the statistics from before or after (see _apply)
-        state_lock = getattr(opt.state_averager, "state_lock", None) if opt is not None else None
-        with torch.no_grad(), state_lock or contextlib.nullcontext(), self.shared.lock:
+        with torch.no_grad(), opt.state_averager.state_lock, self.shared.lock:
             weight = float(summed[1][-1].sum()) if summed is not None and summed[0] == step_id else 0.0
             if weight > 0 and summed is not None:
                 for b, total in zip(stats, summed[1][:-1], strict=True):
-                    mean = total.to(device=b.device, dtype=torch.float64).view(b.shape) / weight
+                    mean = total.to(device=b.device, dtype=torch.float64) / weight
                     b.copy_(mean if b.is_floating_point() else mean.round())
-            self._stats_seen = [b.detach().clone() for b in stats]
+            self._remember_stats()
 
     def _stats_loaded(self) -> None:
         """The stage's state was loaded from a peer, its running statistics with it (``extra_tensors`` of the
         stage's optimizer): they count as shared, not as changes of a call this peer served."""
         with self.shared.lock:
-            self._stats_seen = [b.detach().clone() for b in self.shared.running_stats]
+            self._remember_stats()
+
+    def _remember_stats(self) -> None:
+        """Take the stage's running statistics as this peer's last shared values. Under ``shared.lock``."""
+        self._stats_seen = [b.detach().clone() for b in self.shared.running_stats]
 
     def _sum_on_host(
         self,
@@ -679,7 +683,7 @@ class Stepper:
         averager = opt.grad_averager
         with torch.no_grad(), averager.get_tensors() as buffers:
             for buffer, grad in zip(buffers, [*grads, *extra], strict=True):
-                buffer.copy_(grad.view(buffer.shape)) if grad is not None else buffer.zero_()
+                buffer.copy_(grad) if grad is not None else buffer.zero_()
         try:
             group = self._one_round(averager, command)
         except HelperDied:

@@ -498,7 +498,6 @@ class StageGradientAverager(
         if not averaged_grads:
             averaged_grads = tuple(untouched_shared(p) for p in parameters)
         extras = tuple(untouched_shared(torch.empty(t.shape, dtype=torch.float32)) for t in extra_like)
-        self.extra_count = len(extras)
         super().__init__(parameters, *args, averaged_grads=(*averaged_grads, *extras), **kwargs)
 
     def accumulate_grads_(self, batch_size: int) -> None:
