@@ -43,6 +43,7 @@ UNIT_MODULES = {
     "test_partition",
     "test_rebalance_policy",
     "test_weight_grads",
+    "test_widened_sums",
     "test_records",
     "test_routing",
     "test_schedules",

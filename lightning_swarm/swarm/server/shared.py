@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lightning_swarm.swarm.footprint import add_widened
 from lightning_swarm.swarm.server.compute import Kept
 from lightning_swarm.swarm.server.weight_grads import DeferredWeights
 from lightning_swarm.swarm.wire.payload import Payload
@@ -147,7 +148,7 @@ class SharedState:
                 continue
             if acc.dtype != torch.float64 and acc.is_floating_point():
                 acc = self.pending[i] = acc.to(torch.float64)
-            acc.add_(grad.to(acc.device))
+            add_widened(acc, grad.to(acc.device))
 
     def _summed(self, i: int, acc: torch.Tensor | None) -> torch.Tensor | None:
         """Pending sum ``acc`` of parameter ``i`` in the parameter's dtype (see :meth:`add_pending`)."""

@@ -63,6 +63,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
+from lightning_swarm.swarm.footprint import add_widened
 from lightning_swarm.swarm.loop import replicate_p2p, run_coroutine
 from lightning_swarm.swarm.wire.codec import encode_parts
 from lightning_swarm.swarm.wire.transport import MessageReceiver, messages
@@ -529,7 +530,7 @@ class TrainerSync(ServicerBase):
                 # from run to run), so a run with three or more trainers is reproducible, as DDP's is
                 total = torch.zeros_like(present[0], dtype=torch.float64)
                 for g in present:
-                    total.add_(g)
+                    add_widened(total, g)
                 grads.append(total.div_(k).to(present[0].dtype))
         result = StepResult(
             step=step,
