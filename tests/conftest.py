@@ -1,7 +1,7 @@
 """Shared fixtures and the two tiers of the suite.
 
 - ``unit``: tests of one component in this process, without a DHT, a p2p daemon or child processes (the modules
-  in ``UNIT_MODULES``); ``pytest -m unit`` is the fast loop (about a minute and a half on 2 cores). Each has a
+  in ``UNIT_MODULES``); ``pytest -m unit`` is the fast loop (about 40 s on 2 cores). Each has a
   60 s timeout unless it says otherwise.
 - ``integration``: everything else (real DHTs and P2P on 127.0.0.1, local swarms, gloo groups, launchers); a new
   test module is integration unless it is added to ``UNIT_MODULES``. Each has the suite's default timeout (600 s)

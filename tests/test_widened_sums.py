@@ -37,10 +37,8 @@ def test_a_strided_operand_and_anything_else_add_as_torch_adds() -> None:
     assert torch.equal(add_widened(total.clone(), values), total.clone().add_(values))
     for operand in (torch.randn(1031, 700, generator=gen, dtype=torch.float64), torch.ones(1031, 700).int()):
         assert torch.equal(add_widened(total.clone(), operand), total.clone().add_(operand))
-    narrow = torch.randn(1031, 700, generator=gen)
-    assert torch.equal(
-        add_widened(narrow.clone(), narrow), narrow.clone().add_(narrow)
-    )  # not a float64 total
+    narrow = torch.randn(1031, 700, generator=gen)  # not a float64 total
+    assert torch.equal(add_widened(narrow.clone(), narrow), narrow.clone().add_(narrow))
     row = torch.randn(700, generator=gen)  # broadcast
     assert torch.equal(add_widened(total.clone(), row), total.clone().add_(row))
 
@@ -61,10 +59,8 @@ def test_a_widened_add_does_not_fault_in_a_float64_copy_of_its_operand() -> None
     widened = min(_minor_faults(lambda: add_widened(total, values)) for _ in range(3))
     torchs = min(_minor_faults(lambda: total.add_(values)) for _ in range(3))
     page_count = values.numel() * 8 // resource.getpagesize()
-    assert torchs > page_count // 2, (
-        torchs,
-        page_count,
-    )  # what the copy costs (if this fails, torch changed)
+    # what torch's copy costs (if this fails, torch no longer copies)
+    assert torchs > page_count // 2, (torchs, page_count)
     assert widened < page_count // 20, (widened, page_count)
 
 

@@ -137,19 +137,18 @@ def share_parameters(tensors) -> int:
     return moved
 
 
-WIDEN_SLICE = (
-    1 << 18
-)  # elements of the scratch buffer add_widened widens a slice of its operand in (2 MiB of float64)
+# elements of the scratch buffer add_widened widens a slice of its operand in (2 MiB of float64)
+WIDEN_SLICE = 1 << 18
 _scratch = threading.local()
 
 
 def add_widened(total: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``total.add_(values)`` for a float64 ``total`` and a narrower ``values`` of its shape, bit for bit (each value
-    is widened exactly, then added in float64), without the float64 copy of all of ``values`` that torch's mixed-dtype
-    add makes: ``values`` are widened :data:`WIDEN_SLICE` elements at a time in a scratch buffer of this thread's.
-    On one core, a gradient of 2048 x 2048 costs about 3 ms so, and 20 ms through torch's copy (faulted in page by
-    page: 32 MB is past glibc's mmap threshold). Anything else (another dtype, shape or device, a strided ``total``)
-    is ``total.add_(values)``. Returns ``total``."""
+    """``total.add_(values)`` for a float64 ``total`` and a narrower ``values`` of its shape, bit for bit (each
+    value is widened exactly, then added in float64), without the float64 copy of all of ``values`` that torch's
+    mixed-dtype add makes: ``values`` are widened :data:`WIDEN_SLICE` elements at a time in a scratch buffer of this
+    thread's. On one core, a gradient of 2048 x 2048 costs about 3.6 ms so, and 20 ms through torch's copy (faulted
+    in page by page: 32 MB is past glibc's mmap threshold). Anything else (another dtype, shape or device, a strided
+    ``total``) is ``total.add_(values)``. Returns ``total``."""
     if (
         total.dtype != torch.float64
         or values.dtype == torch.float64
