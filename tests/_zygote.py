@@ -8,10 +8,11 @@ the same arguments, working directory, environment and standard streams, in its 
 exit status reaches ``wait``/``poll`` as a real child's would.
 
 What a job then does is unchanged: it is the same script in a process with the same modules. The ranks its
-Lightning launcher (``SwarmLauncher``) starts are forked by the same zygote too (``_fork_ranks_here``; each watches
-the job's pid, as a launched rank's ``PR_SET_PDEATHSIG`` would), unless the job runs in its own session (the tests
-that signal a job's process group) or ``LIGHTNING_SWARM_TEST_ZYGOTE_RANKS=0``; the other processes (DHTs, p2p
-daemons, D-SLIDE ranks) are started as before. ``test_launcher.py`` starts its jobs with ``subprocess`` and so
+Lightning launcher starts (``SwarmLauncher``'s, and D-SLIDE's ``RestartingLauncher``'s, started and restarted)
+are forked by the same zygote too (``_fork_ranks_here``; each watches the job's pid, as a launched rank's
+``PR_SET_PDEATHSIG`` would), unless the job runs in its own session (the tests that signal a job's process group)
+or ``LIGHTNING_SWARM_TEST_ZYGOTE_RANKS=0``; the other processes (DHTs, p2p daemons, the ranks of Lightning's own
+launcher, which do not die with their job) are started as before. ``test_launcher.py`` starts its jobs with ``subprocess`` and so
 checks the launcher's own start, signals and process groups; a test that measures a job process's memory, or that
 is about how a process starts, uses ``subprocess`` directly.
 
@@ -220,8 +221,8 @@ def run(args: Any, *, input: Any = None, capture_output: bool = False, timeout: 
 
 
 class _RankPopen(Popen):
-    """The ``Popen`` of a job's Lightning launcher (``SwarmLauncher``) when the zygote forked the job: its ranks are
-    forked by the same zygote. A rank started by the launcher asks the kernel to kill it with the job
+    """The ``Popen`` of a job's launcher (``SwarmLauncher``, ``RestartingLauncher``) when the zygote forked the job:
+    its ranks are forked by the same zygote. A rank started by the launcher asks the kernel to kill it with the job
     (``preexec_fn``: ``PR_SET_PDEATHSIG``); a forked rank's parent is the zygote, so it watches the job's pid
     instead (:func:`_watch`). Anything the zygote cannot start goes the launcher's way, ``preexec_fn`` included."""
 
@@ -232,7 +233,8 @@ class _RankPopen(Popen):
 
 
 def _fork_ranks_here(path: str) -> None:
-    """In a job the zygote forked: the job's ``SwarmLauncher`` starts its ranks through the zygote at ``path``.
+    """In a job the zygote forked: the job's ``SwarmLauncher`` or D-SLIDE ``RestartingLauncher`` starts its ranks
+    through the zygote at ``path``.
 
     What differs from a launcher's own start is only how a rank's process begins (forked from a process that
     imported torch, Lightning and hivemind, as the job itself was): each rank runs the same script with the same
@@ -240,10 +242,12 @@ def _fork_ranks_here(path: str) -> None:
     started and signalled (``test_launcher.py``) and jobs in their own session keep the launcher's ``Popen``."""
     import types
 
-    from lightning_swarm.strategy import launcher
+    from lightning_swarm.strategy import dslide_restarts, launcher
 
     _ZYGOTE.path, _ZYGOTE.env, _ZYGOTE.external = path, dict(os.environ), True
-    launcher.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": _RankPopen})  # type: ignore[attr-defined]
+    forking = types.SimpleNamespace(**{**vars(subprocess), "Popen": _RankPopen})
+    launcher.subprocess = forking  # type: ignore[attr-defined]
+    dslide_restarts.subprocess = forking  # type: ignore[attr-defined]
 
 
 def _watch(pid: int, period: float = 0.2) -> None:

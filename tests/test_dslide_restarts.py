@@ -3,7 +3,9 @@
 Real processes: ``testbed/dslide_fault_job.py`` with ``devices=4`` (the process started supervises ranks 0-3, each
 a run of the same script), real gloo and socket mesh on 127.0.0.1; a rank (2, or 0, the rendezvous store's host)
 sends itself SIGKILL in the middle of the first epoch. Side by side, the same job's uninterrupted reference in one
-plain process.
+plain process. The job and the ranks its launcher starts and restarts are forked by the worker's zygote
+(``tests/_zygote.py``: the same script, without importing torch and Lightning afresh each time); the torchrun test
+starts real processes throughout.
 """
 
 from __future__ import annotations
@@ -21,41 +23,37 @@ import torch
 
 from lightning_swarm.layers.checkpoint import load_sharded
 from lightning_swarm.strategy.dslide_restarts import join_torchrun_job
+from tests import _zygote
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "testbed" / "dslide_fault_job.py"
 EVERY, KILL_AT, STEPS = 5, 13, 30
 
 
-def _job(out: Path, ranks: int, kill_steps: str, kill_rank: int = 2) -> subprocess.Popen:
-    cmd = [sys.executable, str(JOB), "--out", str(out), "--ranks", str(ranks), "--steps", str(STEPS)]
-    cmd += [
-        "--every",
-        str(EVERY),
-        "--kill-rank",
-        str(kill_rank),
-        "--kill-steps",
-        kill_steps,
-        "--max-restarts",
-        "2",
-    ]
+def _job(
+    out: Path, ranks: int, kill_steps: str, kill_rank: int = 2, steps: int = STEPS, max_restarts: int = 2
+) -> subprocess.Popen:
+    """The fault job, its output in ``out.log``."""
+    cmd = [sys.executable, str(JOB), "--out", str(out), "--ranks", str(ranks), "--steps", str(steps)]
+    cmd += ["--every", str(EVERY), "--kill-rank", str(kill_rank), "--kill-steps", kill_steps]
+    cmd += ["--max-restarts", str(max_restarts)]
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 (closed with the process's output)
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # warnings on: a test looks for Lightning's in the log
-    return subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
-    )
+    return _zygote.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
 
 
 def _ours(out: Path) -> list[str]:
-    """Command lines of the processes still running this job (none may be left)."""
+    """The processes still running this job (none may be left): those whose command line names ``out``, or that
+    write to its log (a rank forked by the zygote has the zygote's command line)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            files = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
         except OSError:
             continue
-        if str(out) in cmdline:
-            found.append(cmdline)
+        if str(out) in cmdline or str(out.with_suffix(".log")) in files:
+            found.append(f"{pid}: {cmdline}")
     return found
 
 
@@ -66,7 +64,7 @@ def _wait(procs: dict[str, subprocess.Popen], logs: Path) -> None:
     finally:
         for proc in procs.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, 9)
+                proc.kill()  # its ranks die with it
                 proc.wait()
 
 
@@ -157,11 +155,14 @@ def test_a_job_that_keeps_losing_ranks_stops_after_max_restarts(tmp_path: Path) 
     """``max_restarts=1``: rank 2 dies at step 6, the job comes back from step 5, rank 2 dies again at step 7 and
     the job ends with an error that says so; no rank is left behind."""
     out = tmp_path / "job"
-    cmd = [sys.executable, str(JOB), "--out", str(out), "--ranks", "4", "--steps", "12", "--every", "5"]
-    cmd += ["--kill-rank", "2", "--kill-steps", "6,7", "--max-restarts", "1"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=540)
-    log = proc.stdout + proc.stderr
+    proc = _job(out, 4, "6,7", steps=12, max_restarts=1)
+    try:
+        proc.wait(timeout=540)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = out.with_suffix(".log").read_text()
     assert proc.returncode != 0, log[-3000:]
     assert "rank 2 died (signal SIGKILL) at step 6; restart 1 of 1 from the checkpoint of step 5" in log
     assert (
