@@ -187,14 +187,17 @@ def _rank(rank: int, world: int, port: int, case: str, results: dict) -> None:
 
 
 def _run(case: str, world: int) -> dict:
-    ctx = mp.get_context("spawn")
+    """Run ``case`` on ``world`` ranks, each a process forked by a fork server that imported this module (and torch)
+    once: a rank starts clean (no thread of the pytest worker) without importing torch again."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     port = _free_port()
     with ctx.Manager() as manager:
         results = manager.dict()
         procs = [ctx.Process(target=_rank, args=(r, world, port, case, results)) for r in range(world)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + 100  # spawned interpreters import torch: slow on a busy box
+        deadline = time.monotonic() + 100  # the fork server's first start imports torch: slow on a busy box
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         alive = [p for p in procs if p.is_alive()]

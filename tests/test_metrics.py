@@ -99,7 +99,8 @@ def _worker(rank: int, world_size: int, port: int, result_dir: str) -> None:
 @pytest.mark.timeout(120)
 def test_distributed_reduction_over_real_gloo_matches_single_process(tmp_path) -> None:
     port = free_port()
-    mp.start_processes(_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.get_context("forkserver").set_forkserver_preload([__name__])  # ranks forked clean, torch imported once
+    mp.start_processes(_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="forkserver")
     topk, labels = _data()
     single = PrecisionAtK()
     single.update(topk, labels)
