@@ -12,13 +12,14 @@ Lightning launcher starts (``SwarmLauncher``'s, and D-SLIDE's ``RestartingLaunch
 are forked by the same zygote too (``_fork_ranks_here``; each watches the job's pid, as a launched rank's
 ``PR_SET_PDEATHSIG`` would), unless the job runs in its own session (the tests that signal a job's process group)
 or ``LIGHTNING_SWARM_TEST_ZYGOTE_RANKS=0``; the other processes (DHTs, p2p daemons, the ranks of Lightning's own
-launcher, which do not die with their job) are started as before. ``test_launcher.py`` starts its jobs with ``subprocess`` and so
-checks the launcher's own start, signals and process groups; a test that measures a job process's memory, or that
-is about how a process starts, uses ``subprocess`` directly.
+launcher, which do not die with their job) are started as before. ``test_launcher.py`` starts its jobs with
+``subprocess`` and so checks the launcher's own start, signals and process groups; a test that measures a job
+process's memory, or that is about how a process starts, uses ``subprocess`` directly.
 
 Anything the zygote cannot reproduce falls back to ``subprocess.Popen``: a command that is not
-``[sys.executable, SCRIPT, ...]`` or ``[sys.executable, "-m", MODULE, ...]``, an environment that changes what happens at import (``OMP_*``, ``PYTHON*``,
-``HIVEMIND_*``, ...), options other than the ones handled here, or a zygote that could not start.
+``[sys.executable, SCRIPT, ...]`` or ``[sys.executable, "-m", MODULE, ...]``, an environment that changes what
+happens at import (``OMP_*``, ``PYTHON*``, ``HIVEMIND_*``, ...), options other than the ones handled here, or a
+zygote that could not start.
 ``LIGHTNING_SWARM_TEST_ZYGOTE=0`` turns it off.
 """
 

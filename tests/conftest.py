@@ -9,9 +9,10 @@
 
 ``pytest`` (what CI runs) runs both. The job scripts that integration tests start (``tests/_*_job.py``,
 ``examples/albert/*.py``, ``lightning-swarm serve``...) are forked by each worker's zygote (``tests/_zygote.py``)
-instead of importing torch and Lightning afresh, and so are the ranks their Lightning launcher starts (unless the job
-runs in its own session); ``LIGHTNING_SWARM_TEST_ZYGOTE=0`` starts them all as plain processes,
-``LIGHTNING_SWARM_TEST_ZYGOTE_RANKS=0`` only the ranks.
+instead of importing torch and Lightning afresh, and so are the ranks their launcher starts (``SwarmLauncher``'s,
+and D-SLIDE's ``RestartingLauncher``'s, unless the job runs in its own session); ``LIGHTNING_SWARM_TEST_ZYGOTE=0``
+starts them all as plain processes, ``LIGHTNING_SWARM_TEST_ZYGOTE_RANKS=0`` only the ranks. The ranks of the mesh
+and metric tests come from a fork server (``multiprocessing``'s ``forkserver``) that imported the test module once.
 """
 
 from __future__ import annotations
