@@ -203,7 +203,8 @@ def test_a_trainer_whose_record_lapses_for_a_moment_still_counts_as_live_and_a_f
         assert (
             live is not None and lapses in live and finishes not in live
         )  # its record is gone, not its grace
-        last_seen = me._trainers_seen[lapses]  # the last read that found its record: the grace counts from there
+        # the last read that found its record: the grace counts from there
+        last_seen = me._trainers_seen[lapses]
         while lapses in (me.live_trainers() or {lapses}) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert me.live_trainers() == {me.presence.peer_name}
