@@ -11,10 +11,10 @@ What a job then does is unchanged: it is the same script in a process with the s
 Lightning launcher starts (``SwarmLauncher``'s, and D-SLIDE's ``RestartingLauncher``'s, started and restarted)
 are forked by the same zygote too (``_fork_ranks_here``; each watches the job's pid, as a launched rank's
 ``PR_SET_PDEATHSIG`` would), unless the job runs in its own session (the tests that signal a job's process group)
-or ``LIGHTNING_SWARM_TEST_ZYGOTE_RANKS=0``; the other processes (DHTs, p2p daemons, the ranks of Lightning's own
-launcher, which do not die with their job) are started as before. ``test_launcher.py`` starts its jobs with
-``subprocess`` and so checks the launcher's own start, signals and process groups; a test that measures a job
-process's memory, or that is about how a process starts, uses ``subprocess`` directly.
+or ``LIGHTNING_SWARM_TEST_ZYGOTE_RANKS=0``. So are the ranks of Lightning's own launcher (the DDP baselines), which
+then end with their job too; the other processes (DHTs, p2p daemons) are started as before. ``test_launcher.py``
+starts its jobs with ``subprocess`` and so checks the launcher's own start, signals and process groups; a test
+that measures a job process's memory, or that is about how a process starts, uses ``subprocess`` directly.
 
 Anything the zygote cannot reproduce falls back to ``subprocess.Popen``: a command that is not
 ``[sys.executable, SCRIPT, ...]`` or ``[sys.executable, "-m", MODULE, ...]``, an environment that changes what
@@ -243,12 +243,17 @@ def _fork_ranks_here(path: str) -> None:
     started and signalled (``test_launcher.py``) and jobs in their own session keep the launcher's ``Popen``."""
     import types
 
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
     from lightning_swarm.strategy import dslide_restarts, launcher
 
     _ZYGOTE.path, _ZYGOTE.env, _ZYGOTE.external = path, dict(os.environ), True
     forking = types.SimpleNamespace(**{**vars(subprocess), "Popen": _RankPopen})
     launcher.subprocess = forking  # type: ignore[attr-defined]
     dslide_restarts.subprocess = forking  # type: ignore[attr-defined]
+    # Lightning's own launcher (the DDP baselines' ranks): these ranks ask for no PR_SET_PDEATHSIG, but a forked one
+    # watches its job all the same, so that a failed baseline leaves no rank waiting in gloo behind the test
+    subprocess_script.subprocess = forking  # type: ignore[attr-defined]
 
 
 def _watch(pid: int, period: float = 0.2) -> None:

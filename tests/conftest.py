@@ -10,7 +10,8 @@
 ``pytest`` (what CI runs) runs both. The job scripts that integration tests start (``tests/_*_job.py``,
 ``examples/albert/*.py``, ``lightning-swarm serve``...) are forked by each worker's zygote (``tests/_zygote.py``)
 instead of importing torch and Lightning afresh, and so are the ranks their launcher starts (``SwarmLauncher``'s,
-and D-SLIDE's ``RestartingLauncher``'s, unless the job runs in its own session); ``LIGHTNING_SWARM_TEST_ZYGOTE=0``
+D-SLIDE's ``RestartingLauncher``'s and Lightning's own for the DDP baselines, unless the job runs in its own
+session); ``LIGHTNING_SWARM_TEST_ZYGOTE=0``
 starts them all as plain processes, ``LIGHTNING_SWARM_TEST_ZYGOTE_RANKS=0`` only the ranks. The ranks of the mesh
 and metric tests come from a fork server (``multiprocessing``'s ``forkserver``) that imported the test module once.
 """
