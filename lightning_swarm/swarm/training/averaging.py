@@ -89,14 +89,41 @@ def named_group_id(uid: str, step_id: int, attempt: int) -> bytes:
 
 
 class _LoadProbe(DecentralizedAverager):
-    """Records whether the last state download got a state (hivemind's ``TrainingStateAverager`` only logs it)."""
+    """Records whether the last state download got a state that is loaded (hivemind's ``TrainingStateAverager``
+    only logs it), and refuses an incomplete one.
+
+    A donor's stream can end early without an error (fewer tensors than the stage has parameters and extra
+    tensors). hivemind's ``TrainingStateAverager`` then logs an ERROR and loads nothing, while the download still
+    looked like a success here. Such a state is now dropped here with one warning, so that :attr:`loaded` is
+    ``False`` and the joining peer tries again. So is a state from a donor whose epoch is behind this peer's, which
+    hivemind refuses with a warning of its own."""
 
     loaded = False
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
         result = super().load_state_from_peers(wait=wait, timeout=timeout)
-        self.loaded = result is not None
+        loaded = result is not None
+        if wait and loaded:
+            result, loaded = self._usable(result)
+        self.loaded = loaded
         return result
+
+    def _usable(self, result: Any) -> tuple[Any, bool]:
+        """``(result, whether hivemind will load it)``; ``result`` is ``None`` for a state that is incomplete."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None:  # not a training state averager: nothing to check against
+            return result, True
+        metadata, tensors = result
+        expected = sum(len(group["params"]) for group in optimizer.param_groups)
+        expected += len(getattr(self, "extra_tensors", ()))
+        if len(tensors) < expected:
+            logger.warning(
+                f"A state downloaded from a peer was incomplete ({len(tensors)} tensors, fewer than the "
+                f"{expected} parameters and extra tensors of this stage); not loaded"
+            )
+            return None, False
+        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+        return result, isinstance(epoch, int) and epoch >= getattr(self, "local_epoch", 0)
 
 
 class _RobustPartReducer(TensorPartReducer):
