@@ -89,8 +89,9 @@ def named_group_id(uid: str, step_id: int, attempt: int) -> bytes:
 
 
 class _LoadProbe(DecentralizedAverager):
-    """Records whether the last state download got a state that is loaded (hivemind's ``TrainingStateAverager``
-    only logs it), and refuses an incomplete one.
+    """The state download of :class:`StageStateAverager`, under hivemind's ``TrainingStateAverager`` in its MRO:
+    records whether the last download got a state that is loaded (hivemind's only logs it), and refuses an
+    incomplete one.
 
     A donor's stream can end early without an error (fewer tensors than the stage has parameters and extra
     tensors). hivemind's ``TrainingStateAverager`` then logs an ERROR and loads nothing, while the download still
@@ -99,6 +100,10 @@ class _LoadProbe(DecentralizedAverager):
     hivemind refuses with a warning of its own."""
 
     loaded = False
+    # set by TrainingStateAverager, above this class in StageStateAverager's MRO
+    optimizer: torch.optim.Optimizer
+    extra_tensors: tuple[torch.Tensor, ...]
+    local_epoch: int
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
         result = super().load_state_from_peers(wait=wait, timeout=timeout)
@@ -110,12 +115,10 @@ class _LoadProbe(DecentralizedAverager):
 
     def _usable(self, result: Any) -> tuple[Any, bool]:
         """``(result, whether hivemind will load it)``; ``result`` is ``None`` for a state that is incomplete."""
-        optimizer = getattr(self, "optimizer", None)
-        if optimizer is None:  # not a training state averager: nothing to check against
-            return result, True
         metadata, tensors = result
-        expected = sum(len(group["params"]) for group in optimizer.param_groups)
-        expected += len(getattr(self, "extra_tensors", ()))
+        expected = sum(len(group["params"]) for group in self.optimizer.param_groups) + len(
+            self.extra_tensors
+        )
         if len(tensors) < expected:
             logger.warning(
                 f"A state downloaded from a peer was incomplete ({len(tensors)} tensors, fewer than the "
@@ -123,7 +126,7 @@ class _LoadProbe(DecentralizedAverager):
             )
             return None, False
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
-        return result, isinstance(epoch, int) and epoch >= getattr(self, "local_epoch", 0)
+        return result, isinstance(epoch, int) and epoch >= self.local_epoch
 
 
 class _RobustPartReducer(TensorPartReducer):
